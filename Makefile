@@ -1,0 +1,36 @@
+# Two commands matter: `make test` and `make demo`. Both set up .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch is installed first, pinned, so that installing the package does not pull
+# the multi-GB CUDA build (the package itself only requires torch>=2.4).
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint typecheck format demo data bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks
+
+test: lint
+	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
+
+demo: $(STAMP)
+	$(VENV)/bin/clipless train --dataset breast-cancer --epsilon 1.0 --delta 1e-5 --epochs 30 --out runs/demo
+
+clean:
+	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

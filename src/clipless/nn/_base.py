@@ -1,0 +1,84 @@
+"""The protocol every clipless layer implements.
+
+A clipless layer is a :class:`torch.nn.Module` that can certify, from its current (public) weights
+alone, three things used by "backpropagation for bounds" (Clipless DP-SGD seed, Algorithm 1; thesis
+Table 5.1):
+
+* :meth:`LipschitzModule.lipschitz` -- an upper bound on its input-Lipschitz constant (L2 -> L2),
+* :meth:`LipschitzModule.output_bound` -- an upper bound on the L2 norm of one sample's output given
+  an upper bound on the L2 norm of that sample's input,
+* for parametric layers, :meth:`ParametricLipschitzModule.gradient_bounds` -- an upper bound on the
+  L2 norm of one sample's gradient with respect to each of its own parameters, given the input bound
+  and a bound on the norm of the cotangent (the gradient of the loss with respect to its output).
+
+All three are Python floats computed in float64. "Certified" means an upper bound that holds for
+every input; estimates (power iteration) never qualify.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "LipschitzModule",
+    "ParametricLipschitzModule",
+]
+
+
+class LipschitzModule(torch.nn.Module):
+    """Base class of every clipless layer and container (see module docstring)."""
+
+    def lipschitz(self) -> float:
+        """Certified upper bound on the L2 input-Lipschitz constant at the current weights."""
+        raise NotImplementedError
+
+    def output_bound(self, input_bound: float) -> float:
+        """Certified upper bound on ``||f(x)||_2`` for one sample with ``||x||_2 <= input_bound``.
+
+        The default, ``lipschitz() * input_bound``, is valid for maps with ``f(0) = 0``; layers with
+        an offset (a bias, a sigmoid) override it.
+        """
+        return self.lipschitz() * float(input_bound)
+
+    def extra_repr(self) -> str:  # pragma: no cover - cosmetic
+        return super().extra_repr()
+
+
+class ParametricLipschitzModule(LipschitzModule):
+    """A layer with trainable parameters whose per-sample gradient norm is bounded analytically.
+
+    Subclasses (``Linear``, ``Conv2d``) also honour :attr:`scaling_threshold`: when it is not
+    ``None``, the layer's forward routes through :mod:`clipless.scaling`, which divides each sample's
+    contribution to the parameter gradients by ``max(sample_norm_factor(x_i), scaling_threshold)``
+    (DESIGN.md, "Gradient scaling"). The input gradient is never scaled.
+    """
+
+    scaling_threshold: float | None = None
+
+    def gradient_bounds(self, input_bound: float, cotangent_bound: float) -> dict[str, float]:
+        """Per-parameter certified bounds on one sample's (unscaled) gradient norm.
+
+        Keys are the names of this module's *direct* parameters (``"weight"``, ``"bias"``).
+        ``input_bound`` bounds ``||x||`` and ``cotangent_bound`` bounds ``||dloss/dy||`` for the sample.
+        """
+        raise NotImplementedError
+
+    def sample_norm_factor(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-sample ``n_i`` (shape ``[batch]``) with joint ``||grad_params(sample i)|| <= ||dy_i|| n_i``.
+
+        Dense without bias: ``||x_i||``; dense with bias: ``sqrt(||x_i||^2 + 1)``; convolution:
+        ``sqrt(k_eff ||x_i||^2 (+ P with a bias))``. Used by the gradient scaling modes.
+        """
+        raise NotImplementedError
+
+    def norm_factor_bound(self, input_bound: float) -> float:
+        """Certified upper bound on :meth:`sample_norm_factor` for inputs with norm <= input_bound."""
+        raise NotImplementedError
+
+
+def product(values: Sequence[float]) -> float:
+    """Product of non-negative floats in float64 (``math.prod`` keeps Python floats = float64)."""
+    return float(math.prod(float(v) for v in values))
