@@ -1,10 +1,26 @@
 """clipless: differentially private deep learning without per-sample gradient clipping.
 
 Lipschitz-constrained layers (:mod:`clipless.nn`) whose per-layer gradient sensitivity is bounded
-analytically (:mod:`clipless.bounds`), so DP-SGD needs no per-sample gradients; and DP statistics
-(:mod:`clipless.stats`).
+analytically (:mod:`clipless.bounds`), so DP-SGD needs no per-sample gradients
+(:class:`clipless.PrivacyEngine`); and DP statistics (:mod:`clipless.stats`).
+
+Submodules are imported lazily so that :mod:`clipless.accounting` stays free of torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["PrivacyEngine", "__version__"]
+
+if TYPE_CHECKING:
+    from clipless.engine import PrivacyEngine
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PrivacyEngine":
+        return importlib.import_module("clipless.engine").PrivacyEngine
+    raise AttributeError(f"module 'clipless' has no attribute {name!r}")

@@ -43,6 +43,13 @@ class LipschitzModule(torch.nn.Module):
         """
         return self.lipschitz() * float(input_bound)
 
+    def vanilla_export(self) -> torch.nn.Module:
+        """A plain :mod:`torch.nn` module computing the same function, for inference.
+
+        Used by :func:`clipless.nn.vanilla_export`; custom layers implement it to be exportable.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement vanilla_export()")
+
     def extra_repr(self) -> str:  # pragma: no cover - cosmetic
         return super().extra_repr()
 
@@ -56,7 +63,7 @@ class ParametricLipschitzModule(LipschitzModule):
     (DESIGN.md, "Gradient scaling"). The input gradient is never scaled.
     """
 
-    scaling_threshold: float | None = None
+    scaling_threshold: float | str | None = None
 
     def gradient_bounds(self, input_bound: float, cotangent_bound: float) -> dict[str, float]:
         """Per-parameter certified bounds on one sample's (unscaled) gradient norm.

@@ -1,0 +1,317 @@
+"""PrivacyEngine and DPOptimizer: accounting identities, noise calibration, validation, memory."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
+
+import clipless
+from clipless import nn
+
+N = 200
+DIM = 5
+
+
+def _data(n: int = N, zero: bool = False) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.zeros(n, DIM) if zero else torch.randn(n, DIM, generator=g)
+    y = torch.randint(0, 2, (n,), generator=g)
+    return TensorDataset(x, y)
+
+
+def _model(bias: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.InputNorm(1.0),
+        nn.Linear(DIM, 8, bias=bias),
+        nn.GroupSort(2),
+        nn.Linear(8, 2, bias=bias),
+    )
+
+
+def _private(noise: str = "global", neighbouring: str = "add_remove", **kw):
+    model = _model(bias=kw.pop("bias", False))
+    opt = torch.optim.SGD(model.parameters(), lr=kw.pop("lr", 0.1))
+    loader = DataLoader(kw.pop("dataset", _data()), batch_size=20)
+    engine = clipless.PrivacyEngine(accountant="pld", seed=kw.pop("seed", 0))
+    kw.setdefault("noise_multiplier", 1.3)
+    m, o, dl = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        loss=nn.CrossEntropyLoss(),
+        noise=noise,
+        neighbouring=neighbouring,
+        **kw,
+    )
+    return engine, m, o, dl
+
+
+def _train_steps(m, o, dl, loss_fn, steps: int) -> None:
+    it = iter(dl)
+    for _ in range(steps):
+        try:
+            x, y = next(it)
+        except StopIteration:
+            it = iter(dl)
+            x, y = next(it)
+        o.zero_grad()
+        if x.shape[0] > 0:
+            loss_fn(m(x), y).backward()
+        o.step()
+
+
+def _dpa_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    acc = dp_accounting.pld.PLDAccountant()
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    acc.compose(dp_accounting.SelfComposedDpEvent(event, steps))
+    return acc.get_epsilon(delta)
+
+
+def test_global_noise_epsilon_identity() -> None:
+    engine, m, o, dl = _private("global", noise_multiplier=1.3)
+    _train_steps(m, o, dl, o.loss, 25)
+    assert engine.ledger.steps == 25
+    ref = _dpa_epsilon(1.3, 0.1, 25, 1e-5)
+    assert engine.get_epsilon(1e-5) == pytest.approx(ref, rel=5e-3)
+
+
+def test_per_layer_noise_epsilon_identity() -> None:
+    engine, m, o, dl = _private("per-layer", noise_multiplier=2.0, bias=True)
+    d = len(list(m.parameters()))
+    assert d == 4
+    _train_steps(m, o, dl, o.loss, 10)
+    ref = _dpa_epsilon(2.0 / math.sqrt(d), 0.1, 10, 1e-5)
+    assert engine.get_epsilon(1e-5) == pytest.approx(ref, rel=5e-3)
+
+
+def test_replace_one_doubles_sensitivities() -> None:
+    _, _, o_ar, _ = _private(neighbouring="add_remove")
+    _, _, o_ro, _ = _private(neighbouring="replace_one")
+    s_ar, s_ro = o_ar.sensitivities(), o_ro.sensitivities()
+    assert s_ar.keys() == s_ro.keys()
+    for k in s_ar:
+        assert s_ro[k] == pytest.approx(2 * s_ar[k], rel=1e-12)
+
+
+def test_sensitivities_are_cotangent_bounds() -> None:
+    """Every parameter's sensitivity is G_k: L * product of later Lipschitz constants."""
+    from clipless import bounds
+
+    _, m, o, _ = _private()
+    rep = bounds.report(m, o.loss, (DIM,))
+    sens = o.sensitivities()
+    lip_last = m[3].lipschitz()
+    assert sens["3.weight"] == pytest.approx(math.sqrt(2), rel=1e-9)
+    assert sens["1.weight"] == pytest.approx(math.sqrt(2) * lip_last, rel=1e-9)
+    assert rep.layers[0].cotangent_bound == pytest.approx(sens["1.weight"], rel=1e-12)
+
+
+@pytest.mark.parametrize("noise", ["global", "per-layer"])
+def test_empirical_noise_std(noise: str) -> None:
+    """With zero gradients the noise added to each parameter has std sigma_k G_k / (q N)."""
+    _engine, m, o, _ = _private(noise, noise_multiplier=0.7, lr=0.0, constraint=None)
+    stds = o.noise_stds()
+    draws: dict[str, list[torch.Tensor]] = {k: [] for k in stds}
+    names = dict(m.named_parameters())
+    for _ in range(300):
+        o.zero_grad()
+        o.add_noise()
+        for k in stds:
+            draws[k].append(names[k].grad.flatten().clone())
+    qn = o.sample_rate * o.num_samples
+    assert qn == pytest.approx(20.0)
+    g = math.sqrt(sum(v**2 for v in o.sensitivities().values()))
+    for k, sd in stds.items():
+        expect = 0.7 * (g if noise == "global" else o.sensitivities()[k])
+        assert sd == pytest.approx(expect, rel=1e-12)
+        sample = torch.cat(draws[k]) * qn
+        n = sample.numel()
+        # std estimate within 5 standard errors (se of the std ~ sd / sqrt(2n))
+        assert abs(float(sample.std()) - sd) < 5 * sd / math.sqrt(2 * n)
+        assert abs(float(sample.mean())) < 5 * sd / math.sqrt(n)
+
+
+def test_zero_data_only_noise_reaches_weights() -> None:
+    """A step on all-zero inputs: the weight change is exactly -lr * noise / (qN)."""
+    _engine, m, o, _dl = _private(
+        dataset=_data(zero=True), lr=1.0, constraint=None, noise_multiplier=1.0
+    )
+    before = {k: v.detach().clone() for k, v in m.named_parameters()}
+    x = torch.zeros(20, DIM)
+    y = torch.zeros(20, dtype=torch.long)
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    for p in m.parameters():
+        assert torch.count_nonzero(p.grad) == 0
+    state = o.generator.get_state()
+    o.step()
+    gen = torch.Generator().set_state(state)
+    stds = o.noise_stds()
+    for k, p in m.named_parameters():
+        noise = torch.normal(0.0, stds[k], size=p.shape, generator=gen)
+        torch.testing.assert_close(p.detach(), before[k] - noise / 20.0)
+
+
+class _MaxNumel(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("scaling", ["per-sample", "bound"])
+def test_no_per_sample_gradients(scaling: str) -> None:
+    """The largest tensor built in a step grows like batch x width, never batch x parameters."""
+    torch.manual_seed(0)
+    width = 64
+    sizes = {}
+    for batch in (16, 256):
+        model = nn.Sequential(
+            nn.InputNorm(1.0),
+            nn.Linear(width, width, bias=False),
+            nn.GroupSort(2),
+            nn.Linear(width, width, bias=False),
+        )
+        data = TensorDataset(torch.randn(batch * 4, width), torch.randint(0, width, (batch * 4,)))
+        engine = clipless.PrivacyEngine(seed=0)
+        m, o, _ = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=batch),
+            loss=nn.CrossEntropyLoss(),
+            noise_multiplier=1.0,
+            scaling=scaling,
+        )
+        x, y = data.tensors[0][:batch], data.tensors[1][:batch]
+        mode = _MaxNumel()
+        with mode:
+            o.zero_grad()
+            o.loss(m(x), y).backward()
+            o.step()
+        sizes[batch] = mode.max_numel
+        n_params = sum(p.numel() for p in m.parameters())
+        assert mode.max_numel < batch * n_params / 10
+    # 16x larger batch: the largest tensor grows by far less than 16x the parameter count
+    assert sizes[256] <= max(256 * width, width * width) * 2
+
+
+def test_target_epsilon_calibration() -> None:
+    engine, m, o, dl = _private(
+        noise_multiplier=None, target_epsilon=2.0, target_delta=1e-5, epochs=3
+    )
+    steps = 3 * 10
+    sigma = o.effective_noise_multiplier
+    assert _dpa_epsilon(sigma, 0.1, steps, 1e-5) <= 2.0 * 1.005
+    assert _dpa_epsilon(sigma * 0.97, 0.1, steps, 1e-5) > 2.0
+    _train_steps(m, o, dl, o.loss, steps)
+    assert engine.get_epsilon(1e-5) <= 2.0 * 1.005
+
+
+def test_projection_applied_after_step() -> None:
+    _engine, m, o, dl = _private(lr=50.0, max_norm=1.0, constraint="clip")
+    _train_steps(m, o, dl, o.loss, 3)
+    for layer in (m[1], m[3]):
+        assert layer.lipschitz() <= 1.0 + 1e-6
+
+
+def test_state_dict_round_trip() -> None:
+    engine, m, o, dl = _private()
+    _train_steps(m, o, dl, o.loss, 5)
+    state = engine.state_dict()
+    eps = engine.get_epsilon(1e-5)
+    engine2, *_ = _private()
+    engine2.load_state_dict(state)
+    assert engine2.ledger.steps == 5
+    assert engine2.get_epsilon(1e-5) == eps
+
+
+def test_would_exceed() -> None:
+    engine, m, o, dl = _private(noise_multiplier=1.0)
+    _train_steps(m, o, dl, o.loss, 5)
+    eps5 = engine.get_epsilon(1e-5)
+    assert engine.would_exceed(eps5, 1e-5)
+    assert not engine.would_exceed(eps5 * 10, 1e-5)
+
+
+def test_guarantee_is_frozen() -> None:
+    engine, m, o, dl = _private()
+    _train_steps(m, o, dl, o.loss, 2)
+    g = engine.guarantee(1e-5)
+    assert g.is_dp_guarantee
+    with pytest.raises(AttributeError):
+        g.epsilon = 0.0  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------- bad input
+def test_non_lipschitz_model_rejected() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 2), torch.nn.BatchNorm1d(2))
+    with pytest.raises(TypeError, match="BatchNorm1d"):
+        clipless.PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=10),
+            loss=nn.CrossEntropyLoss(),
+            noise_multiplier=1.0,
+        )
+
+
+def test_batch_max_requires_flag() -> None:
+    with pytest.raises(ValueError, match="allow_unproven"):
+        _private(scaling="batch-max")
+    engine, m, o, dl = _private(scaling="batch-max", allow_unproven=True)
+    _train_steps(m, o, dl, o.loss, 1)
+    assert not engine.guarantee(1e-5).is_dp_guarantee
+    with pytest.warns(UserWarning, match="NOT a DP guarantee"):
+        engine.get_epsilon(1e-5)
+
+
+_TARGET = {"noise_multiplier": None, "target_epsilon": 1.0, "target_delta": 1e-5, "epochs": 1}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"noise_multiplier": None, "target_epsilon": 0.0, "target_delta": 1e-5, "epochs": 1},
+            "epsilon",
+        ),
+        (
+            {"noise_multiplier": None, "target_epsilon": -1.0, "target_delta": 1e-5, "epochs": 1},
+            "epsilon",
+        ),
+        (
+            {"noise_multiplier": None, "target_epsilon": 1.0, "target_delta": 1.5, "epochs": 1},
+            "delta",
+        ),
+        (
+            {"noise_multiplier": None, "target_epsilon": 1.0, "target_delta": 0.0, "epochs": 1},
+            "delta",
+        ),
+        ({"noise_multiplier": None, "target_epsilon": 1.0, "target_delta": 1e-5}, "epochs"),
+        ({"sample_rate": 0.0}, "sample_rate"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier"),
+        ({"noise": "nope"}, "noise"),
+        ({"scaling": "nope"}, "scaling"),
+        ({"neighbouring": "nope"}, "neighbouring"),
+        ({"constraint": "nope"}, "constraint"),
+        ({"max_norm": 0.0}, "max_norm"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, match: str) -> None:
+    kwargs = dict(kwargs)
+    noise = kwargs.pop("noise", "global")
+    neighbouring = kwargs.pop("neighbouring", "add_remove")
+    with pytest.raises(ValueError, match=match):
+        _private(noise, neighbouring, **kwargs)
