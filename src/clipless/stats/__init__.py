@@ -1,0 +1,63 @@
+"""DP statistics (thesis chapter 6): DP empirical CDFs released with the binary tree mechanism,
+exact discrete noise, quantiles by inversion, continual counting.
+
+* :class:`Grid` -- public thresholds (never derived from the data).
+* :func:`ecdf` / :class:`DPECDF` -- the release, its evaluation, quantiles and plot.
+* :func:`release_counts` / :class:`TreeRelease` -- the tree mechanism on integer leaf counts
+  (thesis Theorem 6.3.1, Lemma 6.3.1, Theorem 6.3.2), with :func:`consistent_prefix_sums`
+  (least squares, Hay et al. 2010).
+* :func:`discrete_laplace`, :func:`discrete_gaussian` -- exact samplers (Canonne, Kamath,
+  Steinke 2020) from :func:`secure_rng` (default) or :func:`seeded_rng` (tests).
+* :class:`ContinualCounter` -- running counts of a stream (Theorem 6.3.2).
+"""
+
+from clipless.stats.continual import ContinualCounter, HorizonExceededError
+from clipless.stats.ecdf import DPECDF, ecdf, poisson_dataset, release_accuracy
+from clipless.stats.grid import Grid, tree_depth
+from clipless.stats.noise import (
+    discrete_gaussian,
+    discrete_gaussian_pmf,
+    discrete_gaussian_variance,
+    discrete_laplace,
+    discrete_laplace_pmf,
+    discrete_laplace_variance,
+    secure_rng,
+    seeded_rng,
+)
+from clipless.stats.tree import (
+    TreeRelease,
+    consistent_prefix_sums,
+    node_counts_from_leaves,
+    path_sums,
+    prefix_variance,
+    release_counts,
+    tree_path_matrix,
+    tree_sensitivity,
+)
+
+__all__ = [
+    "DPECDF",
+    "ContinualCounter",
+    "Grid",
+    "HorizonExceededError",
+    "TreeRelease",
+    "consistent_prefix_sums",
+    "discrete_gaussian",
+    "discrete_gaussian_pmf",
+    "discrete_gaussian_variance",
+    "discrete_laplace",
+    "discrete_laplace_pmf",
+    "discrete_laplace_variance",
+    "ecdf",
+    "node_counts_from_leaves",
+    "path_sums",
+    "poisson_dataset",
+    "prefix_variance",
+    "release_accuracy",
+    "release_counts",
+    "secure_rng",
+    "seeded_rng",
+    "tree_depth",
+    "tree_path_matrix",
+    "tree_sensitivity",
+]

@@ -1,0 +1,392 @@
+"""Differentially private empirical cumulative distribution functions (thesis chapter 6).
+
+:func:`ecdf` releases ``F(tau_i) = #{x <= tau_i} / n`` at every threshold of a public
+:class:`~clipless.stats.grid.Grid` with the binary tree mechanism of
+:mod:`clipless.stats.tree` (thesis Theorem 6.3.1 for replace-one, Lemma 6.3.1 / Theorem 6.3.2
+for add/remove), exact discrete noise (Canonne, Kamath, Steinke 2020), optional least-squares
+consistency (Hay et al. 2010) and optional monotone smoothing (thesis section 6.3.2, in
+:mod:`clipless.stats.smoothing`). Everything after the noisy node values is post-processing.
+
+**Clamping.** A value below ``tau_1`` counts as ``tau_1`` and a value above ``tau_N`` as
+``tau_N``: the release is the ECDF of the clamped data, so ``F(tau_N) = 1`` before noise.
+
+**Normalisation.** Under ``replace_one`` the dataset size ``n`` is public: counts are divided
+by ``n = len(values)``. Under ``add_remove`` ``n`` is private. Two sound options: (a) the last
+released prefix count ``P_N`` already *is* a noisy total (every value is counted at ``tau_N``
+after clamping) and costs nothing; (b) spend a fraction (10%) of epsilon on a separate
+discrete-Laplace count. (b) inflates the variance at every threshold by ``1/0.9^2 = 1.23`` to buy
+a better denominator, while in (a) the denominator's error is positively correlated with each
+numerator's (shared tree nodes) and cancels near the top of the curve. Measured (``X_pois(1)``,
+``N = 2^15``, ``epsilon = 1``, 40 releases, mean squared error of ``F``): (a) ``2.26e-6`` vs (b)
+``2.61e-6`` for the plain release, ``1.30e-6`` vs ``1.43e-6`` with consistency. So (a) is used:
+``n_hat = max(P_N, 1)`` (the plain or the consistent ``P_N``), and the released ``F(tau_N)`` is
+exactly 1.
+
+**Which release is most accurate.** :func:`release_accuracy` measures it. On the thesis's
+``X_pois(1)`` data (section 6.6.2, ``N = 2^15``, ``L = 15``, ``epsilon = 1``, 20 releases, mean
+squared error of ``F`` over the thresholds):
+
+=============  ===========================  ====================================
+neighbouring   plain thesis release          ``consistency=True`` (least squares)
+=============  ===========================  ====================================
+replace_one    ``8.8e-6`` (exact ``7.65e-6``)  ``4.4e-6`` (exact ``4.06e-6``)
+add_remove     ``2.3e-6``                    ``1.3e-6``
+=============  ===========================  ====================================
+
+The exact values are ``mean_i Var_i / n^2`` (:func:`~clipless.stats.tree.prefix_variance`):
+``(L+1) = 16`` node variances for the plain release against ``(L+2)/2 = 8.5`` for least
+squares. Consistency is therefore recommended; it is off by default only to reproduce the
+thesis's estimator. Smoothing (isotonic, or the thesis's l1/l2 problem) is post-processing on
+top and makes the function a proper CDF.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from clipless.stats.grid import Grid
+from clipless.stats.noise import seeded_rng, to_fraction
+from clipless.stats.tree import (
+    Neighbouring,
+    NoiseKind,
+    TreeRelease,
+    consistent_prefix_sums,
+    prefix_variance,
+    release_counts,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["DPECDF", "Smoothing", "ecdf", "release_accuracy"]
+
+Smoothing = Literal["isotonic", "l1", "l2"]
+
+
+def _as_values(values: ArrayLike) -> NDArray[np.float64]:
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"values must be an array of real numbers: {exc}") from None
+    if arr.ndim != 1:
+        arr = arr.ravel()
+    if arr.size == 0:
+        raise ValueError("values must be non-empty (an empty dataset has no ECDF)")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("values must be finite (no NaN or infinity)")
+    return arr
+
+
+def _as_grid(grid: Grid | ArrayLike) -> Grid:
+    if isinstance(grid, Grid):
+        return grid
+    return Grid.from_thresholds(np.asarray(grid, dtype=np.float64))
+
+
+@dataclass(frozen=True, eq=False)
+class DPECDF:
+    """A released DP empirical CDF: the values at the thresholds of a public grid.
+
+    Attributes
+    ----------
+    grid:
+        The public thresholds ``tau_1 < ... < tau_N``.
+    values:
+        Released ``F(tau_i)``, float64 (not necessarily monotone or within [0, 1] unless
+        smoothed).
+    counts:
+        Released noisy prefix counts before normalisation (the plain or consistent estimate).
+    epsilon, rho:
+        The guarantee: ``epsilon``-DP (Laplace noise) or ``rho``-zCDP (Gaussian noise).
+    neighbouring:
+        ``"replace_one"`` or ``"add_remove"``.
+    n:
+        The normaliser: the public size (replace-one) or the private released total.
+    n_private:
+        Whether :attr:`n` is a released (noisy) quantity.
+    variance:
+        Exact per-threshold variance of :attr:`counts` (the noise is public knowledge).
+    release:
+        The underlying :class:`~clipless.stats.tree.TreeRelease`.
+    """
+
+    grid: Grid
+    values: NDArray[np.float64] = field(repr=False)
+    counts: NDArray[np.float64] = field(repr=False)
+    epsilon: float | None
+    neighbouring: Neighbouring
+    n: float
+    n_private: bool
+    noise: NoiseKind
+    rho: float | None
+    smoothing: Smoothing | None
+    consistency: bool
+    variance: NDArray[np.float64] = field(repr=False)
+    release: TreeRelease = field(repr=False)
+
+    def evaluate(self, t: ArrayLike) -> Any:
+        """The released step function: ``F`` at the largest threshold ``<= t``; 0 below ``tau_1``.
+
+        Scalar in, float out; array in, array out.
+        """
+        arr = np.asarray(t, dtype=np.float64)
+        if np.any(np.isnan(arr)):
+            raise ValueError("t must not be NaN")
+        idx = np.searchsorted(self.grid.thresholds, arr, side="right") - 1
+        out = np.where(idx >= 0, self.values[np.maximum(idx, 0)], 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    __call__ = evaluate
+
+    def quantile(self, p: ArrayLike) -> Any:
+        """Inverse by search (thesis Algorithm 9): the first threshold with ``F >= p``.
+
+        Algorithm 9 bisects on the released function; on a non-decreasing function it returns
+        the smallest threshold ``tau_i`` with ``F(tau_i) >= p``, which is what this returns,
+        vectorised with :func:`numpy.searchsorted` on the running maximum of :attr:`values`.
+        When the released values are not monotone (no smoothing), bisection may stop at any
+        up-crossing of ``p``; the running maximum makes the answer the *first* one, a
+        deterministic choice (exactly Algorithm 9 applied to the monotone envelope). If ``p`` is
+        never reached, ``tau_N`` is returned (the bisection's upper end). Post-processing.
+        """
+        arr = np.asarray(p, dtype=np.float64)
+        if np.any(~np.isfinite(arr)) or np.any((arr < 0) | (arr > 1)):
+            raise ValueError("p must lie in [0, 1]")
+        envelope = np.maximum.accumulate(self.values)
+        idx = np.searchsorted(envelope, arr, side="left")
+        idx = np.minimum(idx, len(self.grid) - 1)
+        out = self.grid.thresholds[idx]
+        return float(out) if out.ndim == 0 else out
+
+    def to_dict(self) -> dict[str, NDArray[np.float64]]:
+        """``{"threshold", "value", "count", "variance"}``, numpy arrays (copies)."""
+        return {
+            "threshold": self.grid.thresholds.copy(),
+            "value": np.array(self.values, dtype=np.float64),
+            "count": np.array(self.counts, dtype=np.float64),
+            "variance": np.array(self.variance, dtype=np.float64),
+        }
+
+    def to_frame(self) -> Any:
+        """:meth:`to_dict` as a pandas DataFrame (needs pandas, an optional dependency)."""
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise ImportError(
+                "DPECDF.to_frame() needs pandas (pip install pandas); use to_dict() instead"
+            ) from exc
+        return pd.DataFrame(self.to_dict())
+
+    def plot(
+        self, ax: Axes | None = None, true_values: ArrayLike | None = None, **kwargs: Any
+    ) -> Axes:
+        """Step plot of the released function; returns the Axes.
+
+        ``true_values``: raw (non-private!) data whose exact ECDF at the same thresholds is drawn
+        for comparison, e.g. in benchmarks. Uses the object-oriented matplotlib API (no pyplot
+        state), so it works with the Agg backend.
+        """
+        if ax is None:
+            from matplotlib.figure import Figure
+
+            ax = Figure().add_subplot()
+        label = kwargs.pop("label", f"DP ECDF ({self._budget_label()})")
+        ax.step(self.grid.thresholds, self.values, where="post", label=label, **kwargs)
+        if true_values is not None:
+            data = _as_values(true_values)
+            exact = np.cumsum(self.grid.counts(data)) / data.size
+            ax.step(self.grid.thresholds, exact, where="post", label="exact (non-private)")
+        ax.set_xlabel("threshold")
+        ax.set_ylabel("F")
+        ax.legend()
+        return ax
+
+    def _budget_label(self) -> str:
+        if self.epsilon is not None:
+            return f"ε={self.epsilon:g}"
+        return f"ρ={self.rho:g}"
+
+
+def ecdf(
+    values: ArrayLike,
+    grid: Grid | ArrayLike,
+    epsilon: float | None,
+    neighbouring: Neighbouring = "replace_one",
+    smoothing: Smoothing | None = None,
+    noise: NoiseKind = "laplace",
+    consistency: bool = False,
+    n: int | None = None,
+    rng: random.Random | None = None,
+    *,
+    rho: float | None = None,
+) -> DPECDF:
+    """Release a DP empirical CDF of ``values`` at the thresholds of a public ``grid``.
+
+    Thesis chapter 6: tree mechanism (Theorem 6.3.1 replace-one, scale ``(L+1)/epsilon``;
+    Lemma 6.3.1 / Theorem 6.3.2 add/remove, scale ``ceil((L+1)/2)/epsilon``), exact discrete
+    Laplace or Gaussian noise (CKS 2020), least-squares consistency (Hay et al. 2010), smoothing
+    (section 6.3.2). The whole output is ``epsilon``-DP (or ``rho``-zCDP).
+
+    Parameters
+    ----------
+    values:
+        The private data, finite reals; clamped to ``[tau_1, tau_N]``.
+    grid:
+        A :class:`~clipless.stats.grid.Grid` (or explicit thresholds), chosen without the data.
+    epsilon:
+        ``> 0``, for Laplace noise; ``None`` with ``noise="gaussian"`` and ``rho``.
+    neighbouring:
+        ``"replace_one"`` (``n`` public) or ``"add_remove"`` (``n`` private, estimated by the
+        released total, see the module docstring).
+    smoothing:
+        ``None``; ``"isotonic"`` (pool-adjacent-violators on the values, weighted by the inverse
+        variances); ``"l1"``/``"l2"``: the thesis's problem 6.3.6 over tree corrections.
+        Smoothed values are non-decreasing within [0, 1].
+    noise:
+        ``"laplace"`` (pure DP) or ``"gaussian"`` (zCDP, needs ``rho``).
+    consistency:
+        Use the least-squares prefix counts (about half the variance; combines with
+        ``smoothing=None`` or ``"isotonic"``).
+    n:
+        Under ``replace_one``, the public size; must equal ``len(values)`` (defaults to it).
+        Not allowed under ``add_remove``, where the size is private.
+    rng:
+        :class:`random.Random`; default a cryptographically secure source.
+    rho:
+        zCDP budget for Gaussian noise.
+
+    >>> from clipless.stats import Grid, seeded_rng
+    >>> F = ecdf([0.1, 0.4, 0.4, 0.9], Grid(0, 1, size=11), epsilon=1e9, rng=seeded_rng(0))
+    >>> F.values[[0, 1, 4, 9, 10]].tolist()
+    [0.0, 0.25, 0.75, 1.0, 1.0]
+    """
+    data = _as_values(values)
+    g = _as_grid(grid)
+    if neighbouring not in ("replace_one", "add_remove"):
+        raise ValueError(
+            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
+        )
+    if smoothing not in (None, "isotonic", "l1", "l2"):
+        raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
+    if noise not in ("laplace", "gaussian"):
+        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    if not isinstance(consistency, bool):
+        raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
+    if consistency and smoothing in ("l1", "l2"):
+        raise ValueError(
+            "consistency=True combines with smoothing=None or 'isotonic'; the 'l1'/'l2' "
+            "smoothing solves the thesis's problem on the plain release's tree corrections"
+        )
+    if noise == "laplace" and epsilon is not None:
+        to_fraction(epsilon, "epsilon")
+    if neighbouring == "replace_one":
+        if n is None:
+            n_pub = data.size
+        else:
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+                raise TypeError(f"n must be an int, got {type(n).__name__}")
+            if int(n) != data.size:
+                raise ValueError(
+                    f"n must equal len(values) = {data.size} under replace_one, got {n}"
+                )
+            n_pub = int(n)
+    elif n is not None:
+        raise ValueError(
+            "n must be None under add_remove: the size is private and the released total is "
+            "used instead"
+        )
+
+    release = release_counts(g.counts(data), epsilon, neighbouring, noise, rng, rho)
+    if consistency:
+        counts = consistent_prefix_sums(release)
+    else:
+        counts = release.prefix_counts.astype(np.float64)
+    variance = prefix_variance(release, consistent=consistency)
+    if neighbouring == "replace_one":
+        norm, n_private = float(n_pub), False
+    else:
+        norm, n_private = max(float(counts[-1]), 1.0), True
+
+    raw = counts / norm
+    if smoothing is None:
+        out = raw
+    elif smoothing == "isotonic":
+        from clipless.stats.smoothing import isotonic
+
+        out = np.asarray(isotonic(raw, weights=1.0 / variance if consistency else None))
+    else:
+        from clipless.stats.smoothing import smooth_tree
+
+        out = np.asarray(smooth_tree(release, norm, smoothing))
+    out = np.array(out, dtype=np.float64)
+    counts = np.array(counts, dtype=np.float64)
+    for arr in (out, counts, variance):
+        arr.setflags(write=False)
+    return DPECDF(
+        grid=g,
+        values=out,
+        counts=counts,
+        epsilon=release.epsilon,
+        neighbouring=neighbouring,
+        n=norm,
+        n_private=n_private,
+        noise=noise,
+        rho=release.rho,
+        smoothing=smoothing,
+        consistency=consistency,
+        variance=variance,
+        release=release,
+    )
+
+
+def poisson_dataset(lam: float, size: int = 1 << 15, seed: int = 0) -> NDArray[np.float64]:
+    """The thesis's ``X_pois(lambda)`` (section 6.6.2): for each ``i in 1..size``,
+    ``Pois(lambda)`` instances with value ``i``. Grid: ``Grid(1, size, size=size)``."""
+    reps = np.random.default_rng(seed).poisson(lam, size)
+    return np.repeat(np.arange(1, size + 1, dtype=np.float64), reps)
+
+
+def release_accuracy(
+    values: ArrayLike,
+    grid: Grid | ArrayLike,
+    epsilon: float,
+    neighbouring: Neighbouring = "replace_one",
+    repeats: int = 20,
+    seed: int = 0,
+    smoothing: tuple[Smoothing | None, ...] = (None, "isotonic"),
+) -> dict[str, float]:
+    """Measured mean squared error of ``F`` at the thresholds, for each release variant.
+
+    Returns ``{"plain": ..., "consistent": ..., "plain+isotonic": ..., ...}``: the average over
+    ``repeats`` releases (seeded, reproducible) of ``mean_i (F_hat(tau_i) - F(tau_i))^2``,
+    plus ``"plain_exact"``/``"consistent_exact"``: the exact noise-only values for
+    ``replace_one`` (``mean_i Var_i / n^2``). Non-private evaluation tool (it reads the data).
+    """
+    data = _as_values(values)
+    g = _as_grid(grid)
+    exact = np.cumsum(g.counts(data)) / data.size
+    results: dict[str, list[float]] = {}
+    rng = seeded_rng(seed)
+    last: DPECDF | None = None
+    for _ in range(repeats):
+        state = rng.getstate()
+        for consistency in (False, True):
+            for sm in smoothing:
+                if consistency and sm in ("l1", "l2"):
+                    continue
+                rng.setstate(state)  # same noise for every variant: paired comparison
+                F = ecdf(data, g, epsilon, neighbouring, sm, consistency=consistency, rng=rng)
+                last = F
+                name = ("consistent" if consistency else "plain") + (f"+{sm}" if sm else "")
+                results.setdefault(name, []).append(float(np.mean((F.values - exact) ** 2)))
+    out = {k: float(np.mean(v)) for k, v in results.items()}
+    if neighbouring == "replace_one" and last is not None:
+        rel = last.release
+        out["plain_exact"] = float(np.mean(prefix_variance(rel, False))) / data.size**2
+        out["consistent_exact"] = float(np.mean(prefix_variance(rel, True))) / data.size**2
+    return out

@@ -1,0 +1,216 @@
+"""Tests for clipless.stats.ecdf."""
+
+import dataclasses
+import importlib.util
+
+import numpy as np
+import pytest
+
+from clipless.stats import DPECDF, Grid, ecdf, poisson_dataset, release_accuracy, seeded_rng
+
+HUGE = 1e12
+
+
+def _exact(values, grid):
+    values = np.asarray(values, dtype=float)
+    return np.array([np.mean(values <= t) for t in grid.thresholds])
+
+
+@pytest.mark.parametrize("neighbouring", ["replace_one", "add_remove"])
+@pytest.mark.parametrize("consistency", [False, True])
+def test_huge_epsilon_is_exact(neighbouring, consistency):
+    data = np.random.default_rng(0).normal(size=500)
+    grid = Grid(-2.0, 2.0, size=37)
+    F = ecdf(data, grid, HUGE, neighbouring, consistency=consistency, rng=seeded_rng(1))
+    clamped = np.clip(data, -2.0, 2.0)
+    np.testing.assert_allclose(F.values, _exact(clamped, grid), atol=1e-9)
+    assert F.values[-1] == pytest.approx(1.0)
+    assert F.n_private == (neighbouring == "add_remove")
+    assert isinstance(F, DPECDF) and F.grid is grid
+
+
+def test_gaussian_noise_release():
+    data = np.arange(100.0)
+    F = ecdf(data, Grid(0, 99, size=100), None, noise="gaussian", rho=1e12, rng=seeded_rng(0))
+    np.testing.assert_allclose(F.values, np.arange(1, 101) / 100)
+    assert F.rho == 1e12 and F.epsilon is None
+
+
+def test_noise_level_replace_one():
+    data = poisson_dataset(3.0, size=256, seed=0)
+    grid = Grid(1, 256, size=256)
+    F = ecdf(data, grid, 1.0, rng=seeded_rng(2))
+    # L = 8: every prefix count has variance 9 * Var(DLap(9))
+    assert F.variance[0] == pytest.approx(F.release.prefix_variance)
+    assert F.n == data.size and not F.n_private
+    err = (F.values - _exact(data, grid)) * data.size
+    assert np.mean(err**2) < 5 * F.variance.mean()
+
+
+def test_add_remove_normalised_by_released_total():
+    data = np.random.default_rng(3).uniform(size=2000)
+    F = ecdf(data, Grid(0, 1, size=64), 1.0, "add_remove", rng=seeded_rng(3))
+    assert F.n == F.counts[-1]
+    assert F.values[-1] == 1.0
+    assert abs(F.n - 2000) < 200
+
+
+def test_evaluate_step_function():
+    F = ecdf([1.0, 2.0, 2.0, 3.0], Grid.from_thresholds([1, 2, 3]), HUGE, rng=seeded_rng(0))
+    np.testing.assert_allclose(F.values, [0.25, 0.75, 1.0])
+    assert F.evaluate(0.5) == 0.0
+    assert F.evaluate(1.0) == 0.25
+    assert F.evaluate(2.5) == 0.75
+    assert F.evaluate(100) == 1.0
+    np.testing.assert_allclose(F([0.0, 1.5, 3.0]), [0.0, 0.25, 1.0])
+    with pytest.raises(ValueError, match="t"):
+        F.evaluate(float("nan"))
+
+
+def _with_values(F, values):
+    return dataclasses.replace(F, values=np.asarray(values, dtype=float))
+
+
+def test_quantile_inverts_known_function():
+    grid = Grid(0.0, 9.0, size=10)
+    F = ecdf(np.arange(10.0), grid, HUGE, rng=seeded_rng(0))
+    F = _with_values(F, np.linspace(0.1, 1.0, 10))
+    assert F.quantile(0.1) == 0.0
+    assert F.quantile(0.1000001) == 1.0
+    assert F.quantile(0.55) == 5.0
+    assert F.quantile(0.0) == 0.0
+    assert F.quantile(1.0) == 9.0
+    ps = np.random.default_rng(0).uniform(size=200)
+    np.testing.assert_array_equal(F.quantile(ps), [F.quantile(p) for p in ps])
+    # Algorithm 9 semantics: smallest threshold with F >= p
+    for p in ps:
+        assert F.quantile(p) == grid.thresholds[np.argmax(F.values >= p)]
+
+
+def test_quantile_non_monotone_and_unreached():
+    grid = Grid(0.0, 4.0, size=5)
+    F = _with_values(ecdf([1.0], grid, HUGE, rng=seeded_rng(0)), [0.2, 0.6, 0.4, 0.7, 0.9])
+    assert F.quantile(0.5) == 1.0  # first up-crossing
+    assert F.quantile(0.65) == 3.0
+    assert F.quantile(0.95) == 4.0  # never reached: tau_N
+    np.testing.assert_array_equal(F.quantile([0.5, 0.65, 0.95]), [1.0, 3.0, 4.0])
+    with pytest.raises(ValueError, match="p"):
+        F.quantile(1.5)
+    with pytest.raises(ValueError, match="p"):
+        F.quantile(float("nan"))
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "exc", "match"),
+    [
+        (([1.0, float("nan")], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),
+        (([1.0, float("inf")], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),
+        (([], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),
+        (([0.5], [0.0, 1.0, 0.5], 1.0), {}, ValueError, "thresholds"),
+        (([0.5], Grid(0, 1, size=3), 0.0), {}, ValueError, "epsilon"),
+        (([0.5], Grid(0, 1, size=3), -1.0), {}, ValueError, "epsilon"),
+        (([0.5], Grid(0, 1, size=3), None), {}, ValueError, "epsilon"),
+        (([0.5], Grid(0, 1, size=3), 1.0), {"neighbouring": "x"}, ValueError, "neighbouring"),
+        (([0.5], Grid(0, 1, size=3), 1.0), {"smoothing": "l3"}, ValueError, "smoothing"),
+        (([0.5], Grid(0, 1, size=3), 1.0), {"noise": "x"}, ValueError, "noise"),
+        (([0.5], Grid(0, 1, size=3), 1.0), {"n": 2}, ValueError, "n must"),
+        (
+            ([0.5], Grid(0, 1, size=3), 1.0),
+            {"n": 1, "neighbouring": "add_remove"},
+            ValueError,
+            "n must",
+        ),
+        (
+            ([0.5], Grid(0, 1, size=3), 1.0),
+            {"consistency": True, "smoothing": "l2"},
+            ValueError,
+            "consistency",
+        ),
+        ((["a"], Grid(0, 1, size=3), 1.0), {}, TypeError, "values"),
+    ],
+)
+def test_bad_inputs(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        ecdf(*args, rng=seeded_rng(0), **kwargs)
+
+
+def test_to_dict_and_frame():
+    F = ecdf([0.2, 0.4], Grid(0, 1, size=5), 1.0, rng=seeded_rng(0))
+    d = F.to_dict()
+    assert set(d) == {"threshold", "value", "count", "variance"}
+    np.testing.assert_array_equal(d["threshold"], F.grid.thresholds)
+    if importlib.util.find_spec("pandas") is None:
+        with pytest.raises(ImportError, match="pandas"):
+            F.to_frame()
+    else:  # pragma: no cover
+        assert list(F.to_frame().columns) == ["threshold", "value", "count", "variance"]
+
+
+def test_plot_returns_axes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    data = np.random.default_rng(0).uniform(size=100)
+    F = ecdf(data, Grid(0, 1, size=20), 1.0, rng=seeded_rng(0))
+    ax = F.plot(true_values=data)
+    assert isinstance(ax, Axes)
+    assert len(ax.lines) == 2
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("clipless.stats.smoothing") is None, reason="smoothing not present"
+)
+@pytest.mark.parametrize(("smoothing", "consistency"), [("isotonic", False), ("isotonic", True)])
+def test_isotonic_smoothing_is_monotone(smoothing, consistency):
+    data = poisson_dataset(1.0, size=128, seed=1)
+    F = ecdf(
+        data,
+        Grid(1, 128, size=128),
+        0.5,
+        smoothing=smoothing,
+        consistency=consistency,
+        rng=seeded_rng(0),
+    )
+    assert np.all(np.diff(F.values) >= -1e-12)
+    assert F.values.min() >= 0.0 and F.values.max() <= 1.0
+
+
+def test_release_accuracy_consistency_helps():
+    data = poisson_dataset(2.0, size=256, seed=0)
+    acc = release_accuracy(data, Grid(1, 256, size=256), 1.0, repeats=10, smoothing=(None,))
+    assert acc["consistent"] < 0.75 * acc["plain"]
+    assert acc["plain"] == pytest.approx(acc["plain_exact"], rel=0.5)
+
+
+def test_smoothing_interface_contract(monkeypatch):
+    """ecdf calls clipless.stats.smoothing.isotonic / smooth_tree with the agreed arguments."""
+    import sys
+    import types
+
+    calls = {}
+
+    def isotonic(values, weights=None):
+        calls["isotonic"] = (values.copy(), None if weights is None else weights.copy())
+        return np.clip(np.maximum.accumulate(values), 0, 1)
+
+    def smooth_tree(release, n, norm):
+        calls["smooth_tree"] = (release, n, norm)
+        return np.clip(np.maximum.accumulate(release.prefix_counts / n), 0, 1)
+
+    fake = types.ModuleType("clipless.stats.smoothing")
+    fake.isotonic = isotonic
+    fake.smooth_tree = smooth_tree
+    monkeypatch.setitem(sys.modules, "clipless.stats.smoothing", fake)
+    data = np.random.default_rng(0).uniform(size=50)
+    grid = Grid(0, 1, size=10)
+    F = ecdf(data, grid, 1.0, smoothing="isotonic", rng=seeded_rng(0))
+    np.testing.assert_allclose(calls["isotonic"][0], F.counts / 50)
+    assert calls["isotonic"][1] is None
+    F = ecdf(data, grid, 1.0, smoothing="isotonic", consistency=True, rng=seeded_rng(0))
+    np.testing.assert_allclose(calls["isotonic"][1], 1.0 / F.variance)
+    F = ecdf(data, grid, 1.0, "add_remove", smoothing="l1", rng=seeded_rng(0))
+    release, n, norm = calls["smooth_tree"]
+    assert release is F.release and n == F.n == F.counts[-1] and norm == "l1"
+    assert np.all(np.diff(F.values) >= 0)
