@@ -58,8 +58,9 @@ class ParametricLipschitzModule(LipschitzModule):
     """A layer with trainable parameters whose per-sample gradient norm is bounded analytically.
 
     Subclasses (``Linear``, ``Conv2d``) also honour :attr:`scaling_threshold`: when it is not
-    ``None``, the layer's forward routes through :mod:`clipless.scaling`, which divides each sample's
-    contribution to the parameter gradients by ``max(sample_norm_factor(x_i), scaling_threshold)``
+    ``None``, the layer's forward routes through :mod:`clipless.scaling`, which divides each
+    sample's contribution to the parameter gradients by
+    ``max(sample_norm_factor(x_i), scaling_threshold)``
     (DESIGN.md, "Gradient scaling"). The input gradient is never scaled.
     """
 
@@ -69,12 +70,13 @@ class ParametricLipschitzModule(LipschitzModule):
         """Per-parameter certified bounds on one sample's (unscaled) gradient norm.
 
         Keys are the names of this module's *direct* parameters (``"weight"``, ``"bias"``).
-        ``input_bound`` bounds ``||x||`` and ``cotangent_bound`` bounds ``||dloss/dy||`` for the sample.
+        ``input_bound`` bounds ``||x||`` and ``cotangent_bound`` bounds ``||dloss/dy||`` for the
+        sample.
         """
         raise NotImplementedError
 
     def sample_norm_factor(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-sample ``n_i`` (shape ``[batch]``) with joint ``||grad_params(sample i)|| <= ||dy_i|| n_i``.
+        """Per-sample ``n_i`` (shape ``[batch]``): ``||grad_params(sample i)|| <= ||dy_i|| n_i``.
 
         Dense without bias: ``||x_i||``; dense with bias: ``sqrt(||x_i||^2 + 1)``; convolution:
         ``sqrt(k_eff ||x_i||^2 (+ P with a bias))``. Used by the gradient scaling modes.
@@ -82,7 +84,7 @@ class ParametricLipschitzModule(LipschitzModule):
         raise NotImplementedError
 
     def norm_factor_bound(self, input_bound: float) -> float:
-        """Certified upper bound on :meth:`sample_norm_factor` for inputs with norm <= input_bound."""
+        """Certified upper bound on :meth:`sample_norm_factor` for inputs of norm <= input_bound."""
         raise NotImplementedError
 
 

@@ -1,0 +1,61 @@
+"""Lipschitz layers and losses with certified constants, mirroring :mod:`torch.nn`.
+
+Every layer is a :class:`LipschitzModule` that certifies, from its current weights, an upper bound
+on its input-Lipschitz constant (``lipschitz()``) and on one sample's output norm
+(``output_bound(X)``); parametric layers (:class:`ParametricLipschitzModule`) also bound one
+sample's parameter gradient (``gradient_bounds(X, G)``). :mod:`clipless.bounds` chains them
+("backpropagation for bounds", Clipless DP-SGD seed, Algorithm 1). Constants follow thesis
+Table 5.1 and DESIGN.md "Layers and losses"; each class's docstring gives its derivation.
+"""
+
+from clipless.nn._base import LipschitzModule, ParametricLipschitzModule
+from clipless.nn.activations import Abs, Flatten, GroupSort, ReLU, Sigmoid, Tanh
+from clipless.nn.clip import LossGradientClip
+from clipless.nn.containers import Residual, Sequential
+from clipless.nn.conv import Conv2d
+from clipless.nn.export import vanilla_export
+from clipless.nn.input import InputNorm
+from clipless.nn.linear import Linear
+from clipless.nn.losses import (
+    BCEWithLogitsLoss,
+    CrossEntropyLoss,
+    HKRLoss,
+    HuberLoss,
+    KRLoss,
+    L1Loss,
+    LipschitzLoss,
+    MulticlassHingeLoss,
+)
+from clipless.nn.norm import GroupNorm
+from clipless.nn.pooling import AvgPool2d, L2NormPool2d
+from clipless.nn.validate import validate
+
+__all__ = [
+    "Abs",
+    "AvgPool2d",
+    "BCEWithLogitsLoss",
+    "Conv2d",
+    "CrossEntropyLoss",
+    "Flatten",
+    "GroupNorm",
+    "GroupSort",
+    "HKRLoss",
+    "HuberLoss",
+    "InputNorm",
+    "KRLoss",
+    "L1Loss",
+    "L2NormPool2d",
+    "Linear",
+    "LipschitzLoss",
+    "LipschitzModule",
+    "LossGradientClip",
+    "MulticlassHingeLoss",
+    "ParametricLipschitzModule",
+    "ReLU",
+    "Residual",
+    "Sequential",
+    "Sigmoid",
+    "Tanh",
+    "validate",
+    "vanilla_export",
+]

@@ -1,0 +1,134 @@
+"""Argument validation shared by the layers and losses (private).
+
+Every checker raises :class:`ValueError` (wrong value) or :class:`TypeError` (wrong type) whose
+message names the argument and the accepted range, as DESIGN.md "Bad input" requires.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+__all__ = [
+    "as_bound",
+    "int_pair",
+    "inv_sqrt_upper",
+    "nonnegative_float",
+    "positive_float",
+    "positive_int",
+    "reduction",
+    "safe_radius",
+    "sqrt_upper",
+    "upper",
+]
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` as an ``int >= 1``."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value}")
+    return int(value)
+
+
+def int_pair(name: str, value: Any, minimum: int) -> tuple[int, int]:
+    """``value`` (an int or a pair of ints, each ``>= minimum``) as a ``(h, w)`` tuple."""
+    items: Sequence[Any]
+    if _is_int(value):
+        items = (value, value)
+    elif isinstance(value, (tuple, list)) and len(value) == 2:
+        items = value
+    else:
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+    if not all(_is_int(v) for v in items):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+    if any(v < minimum for v in items):
+        raise ValueError(f"{name} must be >= {minimum} in each dimension, got {value!r}")
+    return (int(items[0]), int(items[1]))
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def positive_float(name: str, value: Any) -> float:
+    """``value`` as a finite float ``> 0``."""
+    v = _as_float(name, value)
+    if not (math.isfinite(v) and v > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return v
+
+
+def nonnegative_float(name: str, value: Any) -> float:
+    """``value`` as a finite float ``>= 0``."""
+    v = _as_float(name, value)
+    if not (math.isfinite(v) and v >= 0.0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return v
+
+
+def as_bound(name: str, value: Any) -> float:
+    """A norm bound argument: a float in ``[0, inf]`` (``inf`` allowed, NaN and negatives not)."""
+    v = _as_float(name, value)
+    if math.isnan(v) or v < 0.0:
+        raise ValueError(f"{name} must be a number in [0, inf], got {value!r}")
+    return v
+
+
+def reduction(value: Any) -> str:
+    """A loss reduction: ``"mean"``, ``"sum"`` or ``"none"``."""
+    if value not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {value!r}")
+    return str(value)
+
+
+def safe_radius(radius: float, dtype: torch.dtype) -> float:
+    """``radius`` shrunk by four units of roundoff of ``dtype``.
+
+    Rescaling a float32 vector to norm ``R`` lands at ``R (1 + O(eps))``; aiming at
+    ``R (1 - 4 eps)`` with the scale computed in float64 keeps the rounded result at or below ``R``
+    so that the certified bound ``R`` holds for the tensor actually produced.
+    """
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return float(radius) * (1.0 - 4.0 * eps)
+
+
+def inv_sqrt_upper(value: float) -> float:
+    """The smallest float64 ``c`` found with ``c >= 1 / sqrt(value)`` exactly (``value > 0``).
+
+    Checked in exact rational arithmetic (``c^2 value >= 1``), so e.g. ``1/sqrt(4)`` stays
+    ``0.5`` while an inexact quotient is rounded up by one ulp.
+    """
+    c = 1.0 / math.sqrt(value)
+    while Fraction(c) ** 2 * Fraction(value) < 1:
+        c = math.nextafter(c, math.inf)
+    return c
+
+
+def upper(value: Fraction | int) -> float:
+    """The smallest float64 ``>= value`` (``value`` an exact rational)."""
+    f = float(value)
+    if Fraction(f) < value:
+        f = math.nextafter(f, math.inf)
+    return f
+
+
+def sqrt_upper(value: Fraction | int) -> float:
+    """A float64 ``c >= sqrt(value)`` (checked exactly: ``c^2 >= value``), within an ulp or two."""
+    c = math.sqrt(float(value))
+    while Fraction(c) ** 2 < value:
+        c = math.nextafter(c, math.inf)
+    return c

@@ -1,0 +1,181 @@
+"""Parameter-free activations with certified constants (thesis Table 5.1; Clipless DP-SGD seed 3.1).
+
+For an elementwise ``phi`` with ``|phi'| <= c`` everywhere, the Jacobian is ``diag(phi'(x))`` and
+its spectral norm is ``max_i |phi'(x_i)| <= c``; the map is therefore ``c``-Lipschitz in L2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from clipless.nn import _checks
+from clipless.nn._base import LipschitzModule
+from clipless.nn._functional import group_sort
+from clipless.nn.export import PlainAbs, PlainGroupSort
+
+__all__ = ["Abs", "Flatten", "GroupSort", "ReLU", "Sigmoid", "Tanh"]
+
+
+class GroupSort(LipschitzModule):
+    """Sorts (ascending) contiguous groups of ``group_size`` entries of dimension 1.
+
+    ``group_size=2`` is MaxMin (``(min(a, b), max(a, b))`` for each consecutive pair of
+    features / channels); ``group_size`` equal to the number of channels is FullSort. The size of
+    dimension 1 must be divisible by ``group_size``.
+
+    Lipschitz constant 1 and gradient norm preserving (Anil, Lucas & Grosse 2019; the Clipless
+    DP-SGD seed, section 3.1 and Remark 2, uses it for GNP networks): on each region where the
+    ordering is fixed, GroupSort is a permutation matrix (orthogonal Jacobian); the map is
+    continuous and piecewise linear, hence 1-Lipschitz. It permutes entries, so
+    ``||GroupSort(x)|| = ||x||`` and the output bound is ``X``.
+    """
+
+    def __init__(self, group_size: int = 2) -> None:
+        super().__init__()
+        self.group_size = _checks.positive_int("group_size", group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return group_sort(x, self.group_size)
+
+    def lipschitz(self) -> float:
+        return 1.0
+
+    def output_bound(self, input_bound: float) -> float:
+        return _checks.as_bound("input_bound", input_bound)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return PlainGroupSort(self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"group_size={self.group_size}"
+
+
+class ReLU(LipschitzModule):
+    """``max(x, 0)``: Lipschitz 1 (``0 <= relu' <= 1``; thesis Table 5.1); ``|relu(x)| <= |x|``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+    def lipschitz(self) -> float:
+        return 1.0
+
+    def output_bound(self, input_bound: float) -> float:
+        return _checks.as_bound("input_bound", input_bound)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.ReLU()
+
+
+class Tanh(LipschitzModule):
+    """``tanh(x)``: Lipschitz 1 (``0 < tanh' <= 1``; thesis Table 5.1); ``|tanh(x)| <= |x|``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    def lipschitz(self) -> float:
+        return 1.0
+
+    def output_bound(self, input_bound: float) -> float:
+        return _checks.as_bound("input_bound", input_bound)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.Tanh()
+
+
+class Abs(LipschitzModule):
+    """``|x|``: Lipschitz 1 (``| |a| - |b| | <= |a - b|``; DESIGN.md "Layers and losses").
+
+    Norm preserving, ``||abs(x)|| = ||x||`` (a GNP activation, Clipless DP-SGD seed, Remark 2).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.abs(x)
+
+    def lipschitz(self) -> float:
+        return 1.0
+
+    def output_bound(self, input_bound: float) -> float:
+        return _checks.as_bound("input_bound", input_bound)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return PlainAbs()
+
+
+class Sigmoid(LipschitzModule):
+    """``1 / (1 + exp(-x))``: Lipschitz 1/4.
+
+    ``sigma' = sigma (1 - sigma) <= 1/4`` (maximum at 0). Thesis Table 5.1 lists 1, which is valid
+    but four times looser; we certify the exact constant 1/4.
+
+    ``sigma(0) = 1/2 != 0``, so the output bound is not ``Lip X``: writing
+    ``sigma(x) = 1/2 + (sigma(x) - 1/2)`` with ``|sigma(x_i) - 1/2| <= |x_i| / 4`` gives
+    ``||sigma(x)|| <= sqrt(n)/2 + X/4``, and ``0 < sigma < 1`` gives ``||sigma(x)|| <= sqrt(n)``,
+    with ``n`` the number of entries per sample. ``n`` is recorded by each forward in
+    :attr:`sample_numel` (or passed to the constructor as ``num_features``); :meth:`output_bound`
+    raises until it is known.
+    """
+
+    sample_numel: int | None
+
+    def __init__(self, num_features: int | None = None) -> None:
+        super().__init__()
+        self.sample_numel = None
+        if num_features is not None:
+            self.sample_numel = _checks.positive_int("num_features", num_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim >= 1:
+            self.sample_numel = math.prod(int(d) for d in x.shape[1:])
+        return torch.sigmoid(x)
+
+    def lipschitz(self) -> float:
+        return 0.25
+
+    def output_bound(self, input_bound: float) -> float:
+        """``min(sqrt(n)/2 + X/4, sqrt(n))``."""
+        x_bound = _checks.as_bound("input_bound", input_bound)
+        if self.sample_numel is None:
+            raise RuntimeError(
+                "Sigmoid.output_bound needs the number of entries per sample (sigmoid(0) = 1/2 "
+                "contributes sqrt(n)/2): run one forward pass or pass num_features= to Sigmoid"
+            )
+        root_n = math.sqrt(self.sample_numel)
+        return min(0.5 * root_n + 0.25 * x_bound, root_n)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.Sigmoid()
+
+
+class Flatten(LipschitzModule):
+    """Flattens dimensions ``start_dim..end_dim`` (as :class:`torch.nn.Flatten`): an isometry.
+
+    ``start_dim`` must be >= 1 (dimension 0 is the batch).
+    """
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+        super().__init__()
+        if isinstance(start_dim, bool) or not isinstance(start_dim, int) or start_dim < 1:
+            raise ValueError(f"start_dim must be an int >= 1 (0 is the batch), got {start_dim!r}")
+        if isinstance(end_dim, bool) or not isinstance(end_dim, int):
+            raise ValueError(f"end_dim must be an int, got {end_dim!r}")
+        if end_dim == 0:
+            raise ValueError("end_dim must not be 0 (the batch dimension)")
+        self.start_dim = start_dim
+        self.end_dim = end_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flatten(x, self.start_dim, self.end_dim)
+
+    def lipschitz(self) -> float:
+        return 1.0
+
+    def output_bound(self, input_bound: float) -> float:
+        return _checks.as_bound("input_bound", input_bound)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.Flatten(self.start_dim, self.end_dim)
+
+    def extra_repr(self) -> str:
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"

@@ -1,0 +1,135 @@
+"""Export a clipless model to plain :mod:`torch.nn` modules for inference (``vanilla_export``).
+
+After private training the Lipschitz machinery (certified bounds, gradient scaling hooks, the
+loss-gradient clipping layer) is no longer needed. :func:`vanilla_export` returns an equivalent
+model built from standard torch modules (``torch.nn.Linear``, ``torch.nn.Conv2d`` with the same
+padding mode, ``torch.nn.ReLU``...) and, where torch has no module computing the same function,
+the small plain modules below. Those call the same functional code as the clipless layer, so
+outputs agree to the last bit where torch offers no exact equivalent and to rounding elsewhere
+(deel-torchlip offers the same ``vanilla_export``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from clipless.nn._base import LipschitzModule
+from clipless.nn._functional import group_sort, project_norm, thesis_group_norm
+
+__all__ = [
+    "PlainAbs",
+    "PlainGroupNorm",
+    "PlainGroupSort",
+    "PlainInputNorm",
+    "PlainResidual",
+    "vanilla_export",
+]
+
+
+class PlainGroupSort(torch.nn.Module):
+    """Sorts contiguous groups of ``group_size`` entries of dimension 1 (plain GroupSort)."""
+
+    def __init__(self, group_size: int) -> None:
+        super().__init__()
+        self.group_size = group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return group_sort(x, self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"group_size={self.group_size}"
+
+
+class PlainAbs(torch.nn.Module):
+    """Elementwise absolute value."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.abs(x)
+
+
+class PlainInputNorm(torch.nn.Module):
+    """Projects each sample onto the ball / sphere of radius ``max_norm`` (plain InputNorm)."""
+
+    def __init__(self, max_norm: float, mode: str) -> None:
+        super().__init__()
+        self.max_norm = max_norm
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project_norm(x, self.max_norm, self.mode)
+
+    def extra_repr(self) -> str:
+        return f"max_norm={self.max_norm}, mode={self.mode!r}"
+
+
+class PlainGroupNorm(torch.nn.Module):
+    """``(x - mean) / max(alpha, std)`` per sample and group (the thesis's normalisation)."""
+
+    def __init__(self, num_groups: int, alpha: float) -> None:
+        super().__init__()
+        self.num_groups = num_groups
+        self.alpha = alpha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return thesis_group_norm(x, self.num_groups, self.alpha)
+
+    def extra_repr(self) -> str:
+        return f"num_groups={self.num_groups}, alpha={self.alpha}"
+
+
+class PlainResidual(torch.nn.Module):
+    """``scale * (x + branch(x))``."""
+
+    def __init__(self, branch: torch.nn.Module, scale: float) -> None:
+        super().__init__()
+        self.branch = branch
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + self.branch(x)
+        return out if self.scale == 1.0 else out * self.scale
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}"
+
+
+def vanilla_export(model: torch.nn.Module) -> torch.nn.Module:
+    """Return an equivalent model made of plain torch modules (for inference).
+
+    Every clipless layer is replaced by its :meth:`~clipless.nn.LipschitzModule.vanilla_export`
+    (weights are copied, never shared). A non-clipless module (e.g. a user's wrapper whose
+    ``forward`` calls clipless children) is deep-copied and its clipless descendants replaced.
+    The result has the same ``training`` flag as ``model``; ``model`` is left untouched.
+
+    Raises:
+        TypeError: ``model`` is not a :class:`torch.nn.Module`, or contains a custom
+            :class:`~clipless.nn.LipschitzModule` that does not implement ``vanilla_export()``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    exported = _export(model)
+    exported.train(model.training)
+    return exported
+
+
+def _export(module: torch.nn.Module) -> torch.nn.Module:
+    if isinstance(module, LipschitzModule):
+        try:
+            return module.vanilla_export()
+        except NotImplementedError as err:
+            raise TypeError(
+                f"cannot export {type(module).__qualname__}: implement its vanilla_export() method"
+            ) from err
+    clone = copy.deepcopy(module)
+    _replace_children(clone)
+    return clone
+
+
+def _replace_children(module: torch.nn.Module) -> None:
+    for name, child in list(module.named_children()):
+        if isinstance(child, LipschitzModule):
+            setattr(module, name, _export(child))
+        else:
+            _replace_children(child)

@@ -1,0 +1,64 @@
+"""Input pre-processing that certifies the input bound ``X_0`` (Clipless DP-SGD seed, 3.1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from clipless.nn import _checks
+from clipless.nn._base import LipschitzModule
+from clipless.nn._functional import project_norm
+from clipless.nn.export import PlainInputNorm
+
+__all__ = ["InputNorm"]
+
+MODES = ("ball", "sphere")
+
+
+class InputNorm(LipschitzModule):
+    """Projects each sample (all non-batch dims) onto the ball or sphere of radius ``max_norm``.
+
+    Requirement 2 of the Clipless DP-SGD seed (bounded input, ``||x|| <= X_0``) enforced by the
+    model itself; section 3.1, "Controlling X_0 with input pre-processing": projection onto the
+    ball ("norm clipping", ``mode="ball"``: ``x min(1, R / ||x||)``) or onto the sphere
+    ("normalization", ``mode="sphere"``: ``R x / ||x||``; a zero sample stays zero). As the first
+    layer of a model it makes ``X_0 = max_norm`` a certified bound whatever the data:
+    :meth:`output_bound` returns ``max_norm`` for every input bound (:mod:`clipless.bounds` reads
+    :attr:`max_norm` of a leading ``InputNorm``).
+
+    Lipschitz constant: ``ball`` -> 1 (Euclidean projection onto a closed convex set is
+    non-expansive); ``sphere`` -> ``math.inf``: the map is not Lipschitz near 0 (its Jacobian at
+    ``x`` is ``(R/||x||)(I - u u^T)``, unbounded as ``x -> 0``). That is harmless for the leading
+    layer (nothing trainable before it needs a cotangent bound) but makes any bound that
+    propagates through a sphere projection vacuous.
+
+    Roundoff: the scale is computed in float64 and aims at ``R (1 - 4 eps)`` so that the norm of the
+    rounded output never exceeds ``R``.
+    """
+
+    def __init__(self, max_norm: float, mode: str = "ball") -> None:
+        super().__init__()
+        self.max_norm = _checks.positive_float("max_norm", max_norm)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim < 1:
+            raise ValueError("InputNorm expects an input of shape [batch, ...]")
+        return project_norm(x, self.max_norm, self.mode)
+
+    def lipschitz(self) -> float:
+        return 1.0 if self.mode == "ball" else math.inf
+
+    def output_bound(self, input_bound: float) -> float:
+        """``max_norm``, for every input bound."""
+        _checks.as_bound("input_bound", input_bound)
+        return self.max_norm
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return PlainInputNorm(self.max_norm, self.mode)
+
+    def extra_repr(self) -> str:
+        return f"max_norm={self.max_norm}, mode={self.mode!r}"

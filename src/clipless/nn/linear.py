@@ -1,0 +1,143 @@
+"""Dense layer with a certified operator norm (thesis eq. 5.2.3 and Table 5.1, "Dense")."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from clipless.nn import _checks
+from clipless.nn._base import ParametricLipschitzModule
+from clipless.nn._functional import norm_upper, round_up
+
+__all__ = ["Linear"]
+
+
+class Linear(ParametricLipschitzModule):
+    """``y = x W^T + b`` on inputs of shape ``[batch, in_features]``, with certified bounds.
+
+    Certified constants (thesis Table 5.1 "Dense", eq. 5.2.3; Clipless DP-SGD seed, Algorithm 1):
+
+    * input-Lipschitz constant: the spectral norm ``||W||_2``, certified by
+      :func:`clipless.bounds.dense_norm` (exact SVD for small matrices, Gram iteration otherwise);
+    * output bound: ``||W x + b|| <= ||W||_2 X + ||b||``;
+    * per-sample parameter gradients, for a cotangent ``dy`` with ``||dy|| <= G``:
+      ``grad_W = dy x^T`` has ``||grad_W||_F = ||dy|| ||x|| <= G X`` and ``grad_b = dy`` has norm
+      ``<= G``; jointly ``||(grad_W, grad_b)|| = ||dy|| sqrt(||x||^2 + 1)`` (equality), which is
+      :meth:`sample_norm_factor`.
+
+    Weights are initialised orthogonally (``torch.nn.init.orthogonal_``, so ``||W||_2 = 1``: a
+    1-Lipschitz, gradient-norm-preserving start) and the bias at zero.
+
+    When :attr:`scaling_threshold` is set (by the engine), the forward routes through
+    :func:`clipless.scaling.scaled_linear`, which rescales each sample's parameter gradient.
+    """
+
+    in_features: int
+    out_features: int
+    weight: torch.nn.Parameter
+    bias: torch.nn.Parameter | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = _checks.positive_int("in_features", in_features)
+        self.out_features = _checks.positive_int("out_features", out_features)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {bias!r}")
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype)
+        )
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Orthogonal weight (spectral norm 1), zero bias."""
+        with torch.no_grad():
+            torch.nn.init.orthogonal_(self.weight)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"Linear expects an input of shape [batch, {self.in_features}], got "
+                f"{tuple(x.shape)} (use clipless.nn.Flatten first for multi-dimensional inputs)"
+            )
+        if self.scaling_threshold is not None:
+            from clipless import scaling
+
+            return scaling.scaled_linear(x, self.weight, self.bias, self.scaling_threshold, self)
+        return F.linear(x, self.weight, self.bias)
+
+    def lipschitz(self) -> float:
+        """Certified ``||W||_2`` (:func:`clipless.bounds.dense_norm`; thesis eq. 5.2.3)."""
+        from clipless import bounds
+
+        return float(bounds.dense_norm(self.weight.detach()))
+
+    def output_bound(self, input_bound: float) -> float:
+        """``||W||_2 X + ||b||_2`` (triangle inequality)."""
+        x_bound = _checks.as_bound("input_bound", input_bound)
+        out = self.lipschitz() * x_bound
+        if self.bias is not None:
+            out += norm_upper(self.bias)
+        return out
+
+    def gradient_bounds(self, input_bound: float, cotangent_bound: float) -> dict[str, float]:
+        """``{"weight": G X, "bias": G}`` (``||dy x^T||_F = ||dy|| ||x||``; ``grad_b = dy``)."""
+        x_bound = _checks.as_bound("input_bound", input_bound)
+        g_bound = _checks.as_bound("cotangent_bound", cotangent_bound)
+        out = {"weight": g_bound * x_bound}
+        if self.bias is not None:
+            out["bias"] = g_bound
+        return out
+
+    def sample_norm_factor(self, x: torch.Tensor) -> torch.Tensor:
+        """``sqrt(||x_i||^2 + 1)`` with a bias, ``||x_i||`` without.
+
+        Computed in float64 and rounded upward to ``x.dtype`` (an upper bound, as scaling needs).
+        """
+        sq = x.detach().flatten(1).double().pow(2).sum(dim=1)
+        if self.bias is not None:
+            sq = sq + 1.0
+        return round_up(torch.sqrt(sq), x.dtype)
+
+    def norm_factor_bound(self, input_bound: float) -> float:
+        """``sqrt(X^2 + 1)`` with a bias, ``X`` without."""
+        x_bound = _checks.as_bound("input_bound", input_bound)
+        if self.bias is not None:
+            return math.sqrt(x_bound * x_bound + 1.0)
+        return x_bound
+
+    def vanilla_export(self) -> torch.nn.Module:
+        """A ``torch.nn.Linear`` with copies of the weight and bias."""
+        w = self.weight.detach()
+        plain = torch.nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        with torch.no_grad():
+            plain.weight.copy_(w)
+            if self.bias is not None and plain.bias is not None:
+                plain.bias.copy_(self.bias.detach())
+        return plain
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )

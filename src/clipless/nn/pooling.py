@@ -1,0 +1,87 @@
+"""Pooling layers with certified constants (DESIGN.md "Layers and losses")."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from clipless.nn import _checks
+from clipless.nn._base import LipschitzModule
+from clipless.nn._functional import l2_norm_pool2d
+
+__all__ = ["AvgPool2d", "L2NormPool2d"]
+
+
+def _check_input(name: str, x: torch.Tensor, kernel_size: tuple[int, int]) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"{name} expects an input of shape [batch, C, H, W], got {tuple(x.shape)}")
+    if x.shape[2] < kernel_size[0] or x.shape[3] < kernel_size[1]:
+        raise ValueError(
+            f"{name}: input spatial size {tuple(x.shape[2:])} is smaller than "
+            f"kernel_size={kernel_size}"
+        )
+
+
+class AvgPool2d(LipschitzModule):
+    """Average over non-overlapping ``kh x kw`` windows (stride = kernel, no padding).
+
+    **Lipschitz constant ``1 / sqrt(kh kw)``** (``1/k`` for ``k x k`` windows, DESIGN.md). Proof:
+    the map is linear; for one window ``w`` with entries ``x_1..x_q`` (``q = kh kw``),
+    ``mean^2 <= (1/q) sum x_j^2`` (Cauchy-Schwarz), so summing over the disjoint windows
+    ``||y||^2 <= ||x||^2 / q``. Equality for a constant input: the constant is exact. Entries left
+    over when the size is not a multiple of the kernel are dropped (floor mode), which only lowers
+    the norm. Output bound ``X / sqrt(kh kw)``.
+    """
+
+    def __init__(self, kernel_size: int | tuple[int, int]) -> None:
+        super().__init__()
+        self.kernel_size = _checks.int_pair("kernel_size", kernel_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input("AvgPool2d", x, self.kernel_size)
+        return F.avg_pool2d(x, self.kernel_size, stride=self.kernel_size)
+
+    def lipschitz(self) -> float:
+        """``1 / sqrt(kh kw)``, rounded up."""
+        kh, kw = self.kernel_size
+        return _checks.inv_sqrt_upper(kh * kw)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.AvgPool2d(self.kernel_size, stride=self.kernel_size)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}"
+
+
+class L2NormPool2d(LipschitzModule):
+    """L2 norm of each non-overlapping ``kh x kw`` window (stride = kernel, no padding).
+
+    Equivalently ``sqrt(kh kw)`` times the window's root mean square: the "L2-norm pooling scaled
+    by k" of DESIGN.md (``torch.nn.LPPool2d(2, kernel_size)`` computes the same values), the
+    Lipschitz replacement for max pooling.
+
+    **Lipschitz constant 1.** Per window, ``| ||a|| - ||b|| | <= ||a - b||`` (reverse triangle
+    inequality); summing squares over the disjoint windows gives ``||f(x) - f(y)|| <= ||x - y||``.
+    Attained (the Jacobian of a window's norm is ``a^T / ||a||``, of norm 1). Output bound: the
+    windows are disjoint, so ``||f(x)|| <= ||x|| <= X``.
+    """
+
+    def __init__(self, kernel_size: int | tuple[int, int]) -> None:
+        super().__init__()
+        self.kernel_size = _checks.int_pair("kernel_size", kernel_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input("L2NormPool2d", x, self.kernel_size)
+        return l2_norm_pool2d(x, self.kernel_size)
+
+    def lipschitz(self) -> float:
+        return 1.0
+
+    def output_bound(self, input_bound: float) -> float:
+        return _checks.as_bound("input_bound", input_bound)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.LPPool2d(2, self.kernel_size, stride=self.kernel_size)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}"

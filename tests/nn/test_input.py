@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from clipless.nn import InputNorm
+
+from ._helpers import jacobian_norm, sample_norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("max_norm", [0.3, 1.0, 17.0])
+def test_ball_projection_never_exceeds_radius(dtype: torch.dtype, max_norm: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.logspace(-6, 8, 400, dtype=torch.float64)
+    x = torch.randn(400, 3, 5, 5, generator=gen, dtype=torch.float64) * scales[:, None, None, None]
+    x = x.to(dtype)
+    layer = InputNorm(max_norm)
+    out = layer(x)
+    norms = sample_norms(out)  # float64 norms of the rounded outputs
+    assert float(norms.max()) <= max_norm
+    inside = sample_norms(x) < max_norm * 0.999
+    torch.testing.assert_close(out[inside], x[inside], rtol=0, atol=0)  # untouched inside
+    outside = ~inside
+    torch.testing.assert_close(
+        norms[outside], torch.full_like(norms[outside], max_norm), rtol=1e-6, atol=0
+    )
+    assert layer.output_bound(math.inf) == max_norm
+    assert layer.output_bound(0.0) == max_norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sphere_projection(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(100, 7, generator=gen, dtype=torch.float64) * 1e3).to(dtype)
+    x[0] = 0.0
+    x[1] *= 1e-9
+    x.requires_grad_(True)
+    layer = InputNorm(2.0, mode="sphere")
+    out = layer(x)
+    norms = sample_norms(out)
+    assert float(norms[0]) == 0.0
+    assert float(norms.max()) <= 2.0
+    torch.testing.assert_close(norms[1:], torch.full_like(norms[1:], 2.0), rtol=1e-6, atol=0)
+    out.sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+    assert layer.lipschitz() == math.inf
+    assert layer.output_bound(5.0) == 2.0
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 100.0])
+def test_ball_jacobian_at_most_one(scale: float) -> None:
+    gen = torch.Generator().manual_seed(2)
+    layer = InputNorm(1.0)
+    for _ in range(5):
+        x = scale * torch.randn(4, 3, generator=gen, dtype=torch.float64)
+        norm = jacobian_norm(layer, x)
+        assert norm <= layer.lipschitz() * (1 + 1e-9)
+        if scale == 0.01:
+            assert norm == pytest.approx(1.0)  # identity inside the ball
+    # pairs, one inside and one outside the ball
+    x = torch.randn(256, 6, generator=gen, dtype=torch.float64) * 0.5
+    y = torch.randn(256, 6, generator=gen, dtype=torch.float64) * 3.0
+    ratio = sample_norms(layer(x) - layer(y)) / sample_norms(x - y)
+    assert float(ratio.max()) <= 1.0 + 1e-12
+
+
+def test_sphere_jacobian_grows_near_zero() -> None:
+    layer = InputNorm(1.0, mode="sphere")
+    x = torch.tensor([1e-3, 2e-3, 0.0], dtype=torch.float64)
+    assert jacobian_norm(layer, x) > 100.0  # not Lipschitz: lipschitz() is inf
+
+
+def test_export_matches() -> None:
+    x = torch.randn(6, 2, 3) * 10
+    for mode in ("ball", "sphere"):
+        layer = InputNorm(3.0, mode=mode)
+        torch.testing.assert_close(layer.vanilla_export()(x), layer(x), rtol=0, atol=0)
+
+
+def test_bad_arguments() -> None:
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="max_norm"):
+            InputNorm(bad)
+    with pytest.raises(TypeError, match="max_norm"):
+        InputNorm("1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mode"):
+        InputNorm(1.0, mode="cube")

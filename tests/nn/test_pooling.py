@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clipless.nn import AvgPool2d, L2NormPool2d
+
+from ._helpers import jacobian_norm, sample_norms, with_norms
+
+kernels = st.tuples(st.integers(1, 3), st.integers(1, 3))
+
+
+@settings(max_examples=20, deadline=None)
+@given(kernels, st.integers(0, 2), st.integers(0, 2), st.integers(0, 2**16))
+def test_avgpool_lipschitz_is_exact(
+    kernel: tuple[int, int], extra_h: int, extra_w: int, seed: int
+) -> None:
+    kh, kw = kernel
+    layer = AvgPool2d(kernel)
+    size = (2 * kh + extra_h, 2 * kw + extra_w)
+    x = torch.randn(2, *size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    exact = jacobian_norm(layer, x)
+    assert exact <= layer.lipschitz()
+    assert exact == pytest.approx(1 / math.sqrt(kh * kw), rel=1e-12)
+    torch.testing.assert_close(layer.vanilla_export()(x[None]), layer(x[None]), rtol=0, atol=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(kernels, st.integers(0, 2), st.sampled_from([1e-3, 1.0, 100.0]), st.integers(0, 2**16))
+def test_l2normpool_jacobian_at_most_one(
+    kernel: tuple[int, int], extra: int, scale: float, seed: int
+) -> None:
+    kh, kw = kernel
+    layer = L2NormPool2d(kernel)
+    gen = torch.Generator().manual_seed(seed)
+    x = scale * torch.randn(2, 2 * kh + extra, 2 * kw, generator=gen, dtype=torch.float64)
+    exact = jacobian_norm(layer, x)
+    assert exact <= layer.lipschitz() * (1 + 1e-12)
+    assert exact == pytest.approx(1.0, rel=1e-9)  # a window's norm has a unit gradient
+    torch.testing.assert_close(layer.vanilla_export()(x[None]), layer(x[None]))
+
+
+def test_l2normpool_values_and_pairs() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 4, 6, generator=gen, dtype=torch.float64)
+    layer = L2NormPool2d((2, 3))
+    out = layer(x)
+    windows = x.reshape(64, 3, 2, 2, 2, 3).permute(0, 1, 2, 4, 3, 5).reshape(64, 3, 2, 2, 6)
+    torch.testing.assert_close(out, torch.linalg.vector_norm(windows, dim=-1))
+    y = x + 0.3 * torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    ratio = sample_norms(layer(x) - layer(y)) / sample_norms(x - y)
+    assert float(ratio.max()) <= 1.0 + 1e-12
+    # disjoint windows covering the input: the output keeps the norm
+    torch.testing.assert_close(sample_norms(out), sample_norms(x))
+
+
+def test_l2normpool_gradient_finite_at_zero() -> None:
+    x = torch.zeros(1, 1, 4, 4, requires_grad=True)
+    L2NormPool2d(2)(x).sum().backward()
+    assert x.grad is not None and bool((x.grad == 0).all())
+
+
+@pytest.mark.parametrize("layer", [AvgPool2d(2), AvgPool2d((1, 3)), L2NormPool2d((2, 2))])
+@pytest.mark.parametrize("x_bound", [0.0, 1.0, 1e6])
+def test_output_bound(layer: AvgPool2d | L2NormPool2d, x_bound: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 2, 6, 7, generator=gen, dtype=torch.float64)
+    x = with_norms(x, x_bound) if x_bound > 0 else torch.zeros_like(x)
+    assert float(sample_norms(layer(x)).max()) <= layer.output_bound(x_bound) * (1 + 1e-12)
+
+
+def test_avgpool_lipschitz_values() -> None:
+    assert AvgPool2d(2).lipschitz() == 0.5
+    assert AvgPool2d((1, 2)).lipschitz() >= 1 / math.sqrt(2)
+    assert AvgPool2d((2, 3)).lipschitz() == pytest.approx(1 / math.sqrt(6))
+
+
+@pytest.mark.parametrize("cls", [AvgPool2d, L2NormPool2d])
+def test_bad_arguments(cls: type[AvgPool2d] | type[L2NormPool2d]) -> None:
+    with pytest.raises(ValueError, match="kernel_size"):
+        cls(0)
+    with pytest.raises(TypeError, match="kernel_size"):
+        cls((2, 2, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kernel_size"):
+        cls(3)(torch.zeros(1, 1, 2, 5))
+    with pytest.raises(ValueError, match="batch, C, H, W"):
+        cls(1)(torch.zeros(1, 4, 4))
