@@ -50,6 +50,7 @@ class PrivacyEngine:
         self.ledger: accounting.PrivacyLedger | None = None
         self.optimizer: DPOptimizer | None = None
         self.unproven = False
+        self.data_loader: DataLoader[Any] | None = None
         self._config: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ setup
@@ -126,22 +127,22 @@ class PrivacyEngine:
             if target_delta is None:
                 raise ValueError("target_delta is required with target_epsilon")
             total_steps = _total_steps(epochs, steps, q)
+            # calibrate_noise works in dp_accounting's convention (std / one example's bound G);
+            # our multipliers are relative to the sensitivity Delta = factor * G.
             sigma_eff = accounting.calibrate_noise(
                 target_epsilon,
                 target_delta,
                 q,
                 total_steps,
                 accountant=self.accountant,
-                neighbouring=_accounting_neighbouring(neighbouring),
-            )
+                neighbouring=neighbouring,
+            ) / _sensitivity_factor(neighbouring)
             sigma = sigma_eff if noise == "global" else sigma_eff * math.sqrt(num_tensors)
         else:
             assert noise_multiplier is not None
             sigma = float(noise_multiplier)
 
-        self.ledger = accounting.PrivacyLedger(
-            accountant=self.accountant, neighbouring=_accounting_neighbouring(neighbouring)
-        )
+        self.ledger = accounting.PrivacyLedger(accountant=self.accountant, neighbouring=neighbouring)
         # The initial weights are public; projecting them is free.
         if constraint is not None:
             constraints.project(module, mode=constraint, max_norm=max_norm)  # type: ignore[arg-type]
@@ -168,6 +169,7 @@ class PrivacyEngine:
             sensitivity_factor=_sensitivity_factor(neighbouring),
             generator=generator,
         )
+        self.data_loader = loader
         self._config = {
             "noise_multiplier": sigma,
             "effective_noise_multiplier": self.optimizer.effective_noise_multiplier,
@@ -204,7 +206,7 @@ class PrivacyEngine:
         if opt is None:
             raise RuntimeError("call make_private first")
         return self._ledger().would_exceed(
-            epsilon_budget, delta, opt.effective_noise_multiplier, opt.sample_rate, count=count
+            epsilon_budget, delta, opt.accounting_noise_multiplier, opt.sample_rate, count=count
         )
 
     def guarantee(self, delta: float) -> accounting.PrivacyGuarantee:
@@ -219,7 +221,7 @@ class PrivacyEngine:
             accountant=self.accountant,
             neighbouring=self._config["neighbouring"],
             sample_rate=opt.sample_rate,
-            noise_multiplier=opt.effective_noise_multiplier,
+            noise_multiplier=opt.accounting_noise_multiplier,
             steps=ledger.steps,
             mechanism=(
                 f"Poisson-subsampled Gaussian, clipless {self._config['scaling']} scaling, "
@@ -238,11 +240,15 @@ class PrivacyEngine:
         opt = self.optimizer
         if opt is None:
             raise RuntimeError("call make_private first")
-        return {
+        state: dict[str, Any] = {
             "ledger": self._ledger().to_dict(),
             "generator": opt.generator.get_state(),
             "config": dict(self._config),
         }
+        sampler_gen = _sampler_generator(self.data_loader)
+        if sampler_gen is not None:
+            state["sampler_generator"] = sampler_gen.get_state()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         opt = self.optimizer
@@ -257,14 +263,25 @@ class PrivacyEngine:
         self.ledger = ledger
         opt.ledger = ledger
         opt.generator.set_state(state["generator"])
+        sampler_gen = _sampler_generator(self.data_loader)
+        if sampler_gen is not None and "sampler_generator" in state:
+            sampler_gen.set_state(state["sampler_generator"])
 
 
-def _accounting_neighbouring(neighbouring: str) -> str:
-    return neighbouring
+def _sampler_generator(loader: DataLoader[Any] | None) -> torch.Generator | None:
+    sampler = getattr(loader, "batch_sampler", None)
+    gen = getattr(sampler, "generator", None)
+    return gen if isinstance(gen, torch.Generator) else None
 
 
 def _sensitivity_factor(neighbouring: str) -> float:
-    # Replace-one: one sample's contribution g becomes g', ||g - g'|| <= 2 G.
+    """Replace-one: one example's contribution g becomes g' with ``||g - g'|| <= 2 G``.
+
+    The noise std is ``sigma * Delta`` with ``Delta = 2 G``; the ledger records ``2 sigma`` under
+    dp_accounting's REPLACE_ONE relation, whose multiplier is relative to ``G`` (see
+    :attr:`clipless.optim.DPOptimizer.accounting_noise_multiplier`). At sampling rate 1 this makes
+    the epsilon of ``(replace_one, sigma)`` equal to that of ``(add_remove, sigma)``.
+    """
     return 2.0 if neighbouring == "replace_one" else 1.0
 
 

@@ -185,10 +185,20 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @property
     def effective_noise_multiplier(self) -> float:
-        """``sigma_eff`` of the whole step (what the accountant composes)."""
+        """``sigma_eff`` of the whole step, relative to the sensitivities ``Delta_p``."""
         if self.noise == "global":
             return self.noise_multiplier
         return self.noise_multiplier / math.sqrt(len(self._names))
+
+    @property
+    def accounting_noise_multiplier(self) -> float:
+        """The multiplier recorded in the ledger: noise std over one example's norm bound ``G``.
+
+        This is ``dp_accounting``'s convention (its ``REPLACE_ONE`` relation itself accounts for
+        a difference of ``2 G`` between an example and its replacement), so under replace-one,
+        where ``Delta_p = 2 G_p``, it is ``2 sigma_eff``; under add/remove it is ``sigma_eff``.
+        """
+        return self.effective_noise_multiplier * self.sensitivity_factor
 
     # -------------------------------------------------------------------- step
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -219,7 +229,7 @@ class DPOptimizer(torch.optim.Optimizer):
             from clipless import constraints
 
             constraints.project(self.module, mode=self.constraint, max_norm=self.max_norm)  # type: ignore[arg-type]
-        self.ledger.record(self.effective_noise_multiplier, self.sample_rate)
+        self.ledger.record(self.accounting_noise_multiplier, self.sample_rate)
         self.refresh()
         return loss
 
