@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from clipless import accounting
-from clipless.optim import NOISE_STRATEGIES, DPOptimizer
+from clipless.optim import CONSTRAINTS, NOISE_STRATEGIES, DPOptimizer
 from clipless.scaling import SCALING_MODES
 
 __all__ = ["PrivacyEngine"]
@@ -108,6 +108,10 @@ class PrivacyEngine:
             raise ValueError(f"noise must be one of {NOISE_STRATEGIES}; got {noise!r}")
         if neighbouring not in NEIGHBOURING:
             raise ValueError(f"neighbouring must be one of {NEIGHBOURING}; got {neighbouring!r}")
+        if constraint is not None and constraint not in CONSTRAINTS:
+            raise ValueError(f"constraint must be one of {CONSTRAINTS} or None; got {constraint!r}")
+        if not (isinstance(max_norm, int | float) and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"max_norm must be a finite number > 0; got {max_norm!r}")
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon")
 
@@ -142,7 +146,9 @@ class PrivacyEngine:
             assert noise_multiplier is not None
             sigma = float(noise_multiplier)
 
-        self.ledger = accounting.PrivacyLedger(accountant=self.accountant, neighbouring=neighbouring)
+        self.ledger = accounting.PrivacyLedger(
+            accountant=self.accountant, neighbouring=neighbouring
+        )
         # The initial weights are public; projecting them is free.
         if constraint is not None:
             constraints.project(module, mode=constraint, max_norm=max_norm)  # type: ignore[arg-type]

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from clipless.accounting import PrivacyLedger
     from clipless.bounds import BoundReport
 
-__all__ = ["NOISE_STRATEGIES", "DPOptimizer", "NoiseStrategy"]
+__all__ = ["CONSTRAINTS", "NOISE_STRATEGIES", "DPOptimizer", "NoiseStrategy"]
 
 NoiseStrategy = Literal["global", "per-layer"]
 NOISE_STRATEGIES: tuple[str, ...] = ("global", "per-layer")
