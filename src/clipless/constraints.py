@@ -1,0 +1,517 @@
+"""Weight constraints applied after each optimizer step: ``clip``, ``fix`` and ``orthogonal``.
+
+:func:`project` is the projection ``Pi`` of DESIGN.md "Weight constraints". It runs in place under
+:func:`torch.no_grad` on the weights the optimizer has just produced. Those weights are already a
+private release (noisy gradient, earlier private weights), so projecting them is post-processing
+and costs no privacy. It returns, for every parametric layer (:class:`clipless.nn.Linear`,
+:class:`clipless.nn.Conv2d`), a *certified* upper bound on the layer's Lipschitz constant after the
+projection. That number is the ``Lip_k`` that backpropagation for bounds may use.
+
+Modes (one mechanism with three parameters, DESIGN.md "One mechanism, many modes"):
+
+``"clip"``
+    Lip-DP-SGD's ``ClipWeights`` (dpsgd-weight-clipping seed, Algorithm 1 lines 21-31; thesis
+    Algorithm 8): ``c = min(C, ||W||)`` and ``W <- c W / ||W||``. A layer whose certified bound
+    is already ``<= C`` is left untouched, bit for bit. A larger one is rescaled so that its
+    certified bound is ``<= C``. As in the seed, ``||.||`` is the operator norm (spectral
+    normalisation). Here it is always a certified *upper* bound ``ub`` from
+    :mod:`clipless.bounds`, through the layer's own :meth:`~clipless.nn.Linear.lipschitz`, so the
+    result is certified even though ``ub`` may exceed the true norm.
+``"fix"``
+    Fix-Lip-DP-SGD (same seed, section 4.1: ``u_k <- C`` in line 24 of Algorithm 1) and the
+    Clipless DP-SGD seed, whose constraint ``Pi`` maps onto spectrally normalised weights
+    (section 1, after eq. 3). Every layer is rescaled so that its certified bound equals ``C``.
+    Floating-point rounding makes the result fall a hair below ``C`` (relative gap about
+    ``1e-7`` times the ratio ``m ||W||_F / ub`` defined below). A zero weight stays zero.
+``"orthogonal"``
+    First a few Björck iterations (Björck & Bowie 1971, "An iterative algorithm for computing the
+    best estimate of an orthogonal matrix", SIAM J. Numer. Anal. 8(2)): first order,
+    ``X <- X (1.5 I - 0.5 X^T X)``. They start from ``X = W / ub_2`` with ``ub_2`` a certified
+    bound on ``||W||_2`` (:func:`clipless.bounds.dense_norm`), so ``||X||_2 <= 1 < sqrt(3)``,
+    which is inside the region where the iteration converges. Each iteration maps every singular
+    value through ``f(s) = 1.5 s - 0.5 s^3``, which is increasing on ``[0, 1]`` and fixes 1. The
+    result is multiplied back by ``ub_2``, so the top singular value keeps its scale and the
+    others are pulled up to it. Then comes the certified ``clip`` above. This is the GNP
+    parametrisation of Anil, Lucas & Grosse 2019 ("Sorting out Lipschitz function
+    approximation", ICML). The Lip-DP-SGD seed also performs a Björck orthogonalisation inside
+    ``ClipWeights`` (section 3.3, "for fast and near-orthogonal convolutions", after Li et al.
+    2019, "Orthogonal deep neural networks", IEEE TPAMI). The Björck step is applied *to the
+    stored weights*, a few iterations per call, so orthogonality is reached over successive
+    steps rather than by re-parametrising every forward.
+    For :class:`~clipless.nn.Conv2d` the iteration acts on the kernel reshaped to
+    ``(c_out, c_in kh kw)``, as deel-lip and the GNP literature do. This is only an
+    *approximation* of an orthogonal convolution: an orthogonal reshaped kernel does not make
+    the convolution orthogonal. Its operator norm lies between ``||K_mat||_2`` and
+    ``sqrt(k_eff) ||K_mat||_2``. The certified rescale that follows uses the convolution's own
+    certified bound, so the guarantee is exact even though orthogonality is approximate.
+
+**Rounding.** After ``W' = fl(s W)`` with ``s = C / ub``, rounding to the weight's dtype
+(float32: unit roundoff ``u = 2^-24``) can *raise* the norm slightly. By the triangle inequality,
+``||W'|| <= s ub + m ||W' - s W||_F``. Here ``m = 1`` for a dense layer, and for a convolution
+``m = sqrt(k_eff)`` (:meth:`clipless.nn.Conv2d.multiplicity`; ``||conv(E)|| <= sqrt(k_eff)
+||E_mat||_2 <= sqrt(k_eff) ||E||_F``, proof in :func:`clipless.bounds.conv_multiplicity`).
+The residual ``||W' - s W||_F`` is computed in float64 and inflated to cover float64 rounding
+(:func:`_fro_upper`). The scale is chosen as ``s = C' / (ub + slack)``, with ``C'`` equal to
+``C`` less a ``NUMERIC_MARGIN`` for the float64 arithmetic. ``slack`` is first a measured
+estimate of the rounding error per unit scale, then a larger one, then the a-priori bound
+``|fl(s w) - s w| <= (u + 2^-52) |s w|`` (plus the subnormal spacing), which always passes.
+Each candidate is *verified* with the inequality above before it is written. If none verifies
+(never observed), the rounded weight is recertified exactly. So the returned bound is certified
+for the weights actually stored.
+
+**Carried bounds (``certify_every > 1``).** DESIGN.md "Performance practice". An exact
+certification (an SVD, or for a convolution the FFT symbol with one SVD per frequency) can cost
+more than the step itself. After each projection the layer keeps ``(W_ref, ub_ref)``: a copy of
+the projected weight and its certified bound. For the next weight ``W``,
+``||W|| <= ub_ref + m ||W - W_ref||_F`` (triangle inequality, with ``m`` as above). This holds
+for *any* change of the weights (optimizer step, manual edit), not only small ones. The right-hand
+side is computed in float64 and inflated, so it is certified. It is used in place of an exact
+certification unless (a) the exact one is due (every ``certify_every`` calls), or (b) the carried
+bound would force a rescale by more than the tolerance (``carried > (1 + tolerance) C``) *and* it
+may be looser than that. Looseness is judged by two upper estimates of ``carried - exact``: the
+chain's accumulated slack (each carried step adds at most ``2 m ||W - W_ref||_F``, because the
+certifiers are themselves ``m``-Lipschitz in the Frobenius norm of the weight) and
+``carried - lb``, with ``lb`` the power-iteration *lower* bound below. A carried bound is never
+below the truth. Using it can only shrink the weights more than an exact certification would:
+by at most a factor ``1 + tolerance`` per call, and only until the next exact certification
+resets the chain. Rule of thumb: the carried bound grows by ``m ||dW||_F`` per step. For a random
+64x64x3x3 convolution ``m ||W||_F / ||W|| ~ 12``, so it pays off while steps change the weight by
+less than about ``tolerance / 12`` (relative, Frobenius).
+
+**Power iteration steers, never certifies** (DESIGN.md "Certified means upper bound"). Each call
+runs a warm-started power iteration (:func:`clipless.bounds.power_iteration` /
+:func:`clipless.bounds.conv_power_iteration`) whose vector is kept on the layer between calls,
+in :func:`projection_state` (``.vector``, updated in place). Its lower bound decides when an exact
+recertification is worth its cost and reports the tightness ``ub / lb``. It never enters a
+returned bound.
+
+The per-layer state lives in a plain attribute of the layer (not a buffer, so it stays out of the
+``state_dict``). It is rebuilt, and an exact certification forced, whenever the weight's
+shape/dtype/device or a convolution's geometry (stride, padding, recorded ``input_size``) changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from clipless.nn import Conv2d, Linear
+
+__all__ = ["MODES", "Mode", "ProjectionState", "project", "projection_state"]
+
+Mode = Literal["clip", "fix", "orthogonal"]
+MODES: tuple[str, ...] = ("clip", "fix", "orthogonal")
+
+_Layer = Linear | Conv2d
+_STATE_ATTR = "_clipless_projection"
+_EPS64 = 2.0**-52  # twice the float64 unit roundoff
+_FIRST_POWER_ITERS = 20  # cold start of the steering power iteration
+_WARM_POWER_ITERS = 2  # per call afterwards (warm-started)
+_POWER_SEED = 0x5EED  # dedicated generator: never consumes the global RNG stream
+
+
+@dataclass(eq=False)
+class ProjectionState:
+    """Per-layer state kept between calls of :func:`project` (read it for diagnostics only).
+
+    Attributes:
+        key: weight shape/dtype/device and convolution geometry; a change resets the state.
+        vector: the power-iteration vector (warm start), updated *in place* across calls.
+        lower_bound: power-iteration LOWER bound on the layer norm after the last projection
+            (an estimate for diagnostics; ``upper_bound / lower_bound`` is the tightness).
+        upper_bound: certified bound after the last projection (what :func:`project` returned).
+        reference: copy of the weight after the last projection (only when ``certify_every > 1``).
+        calls: number of projections of this layer since the state was (re)built.
+        calls_since_exact: projections since the last exact certification.
+        exact_certifications: number of exact certifications (calls of the layer's
+            ``lipschitz()``) made by :func:`project` since the state was (re)built.
+        slack: steering estimate of how much ``upper_bound`` may exceed the exact certifier's
+            value (0 after an exact certification, grows by ``2 m ||W - W_ref||_F`` per carried
+            step, scaled with the weights).
+    """
+
+    key: tuple[object, ...]
+    vector: torch.Tensor | None = None
+    lower_bound: float = 0.0
+    upper_bound: float = math.inf
+    reference: torch.Tensor | None = None
+    calls: int = 0
+    calls_since_exact: int = 0
+    exact_certifications: int = 0
+    slack: float = 0.0
+
+
+def projection_state(layer: torch.nn.Module) -> ProjectionState | None:
+    """The :class:`ProjectionState` that :func:`project` keeps on ``layer`` (``None`` before)."""
+    state = getattr(layer, _STATE_ATTR, None)
+    return state if isinstance(state, ProjectionState) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_args(
+    mode: object, max_norm: object, certify_every: object, tolerance: object, bjorck_iters: object
+) -> float:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+        raise TypeError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    c = float(max_norm)
+    if not (math.isfinite(c) and c > 0.0):
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    for name, value, low in (
+        ("certify_every", certify_every, 1),
+        ("bjorck_iters", bjorck_iters, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
+        if value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float):
+        raise TypeError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    if not (math.isfinite(float(tolerance)) and float(tolerance) >= 0.0):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    return c
+
+
+def _parametric_layers(model: torch.nn.Module) -> list[tuple[str, _Layer]]:
+    from clipless import nn as cnn
+
+    layers: list[tuple[str, _Layer]] = []
+    unknown: list[str] = []
+    for path, module in model.named_modules():
+        if isinstance(module, Linear | Conv2d):
+            layers.append((path, module))
+        elif isinstance(module, cnn.ParametricLipschitzModule):
+            unknown.append(f"{path or '<root>'} ({type(module).__qualname__})")
+    if unknown:
+        raise TypeError(
+            "project() constrains clipless.nn.Linear and clipless.nn.Conv2d only; it does not "
+            "know how to rescale these parametric layers: " + ", ".join(unknown)
+        )
+    return layers
+
+
+# --------------------------------------------------------------------------------------------
+# Certified float64 helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _fro_upper(t: torch.Tensor) -> float:
+    """Certified upper bound on ``||t_true||_F`` from its float64 evaluation ``t``.
+
+    ``t`` may carry one float64 rounding per entry (relative ``2^-53``, e.g. a difference); the
+    sum of ``n`` squares in any order has relative error ``<= gamma_n``, and the square root one
+    more rounding: the factor ``1 + (n + 4) 2^-52`` covers all of them (``n 2^-52 < 1/2``).
+    """
+    n = t.numel()
+    if n == 0:
+        return 0.0
+    value = float(torch.linalg.vector_norm(t.to(torch.float64)).item())
+    return value * (1.0 + (n + 4) * _EPS64)
+
+
+def _up(value: float) -> float:
+    """Inflate by ``NUMERIC_MARGIN`` (a few float64 operations, as in :mod:`clipless.bounds`)."""
+    from clipless.bounds import NUMERIC_MARGIN
+
+    return value * (1.0 + NUMERIC_MARGIN)
+
+
+def _multiplicity(layer: _Layer) -> float:
+    """``m`` with ``||layer operator of E|| <= m ||E||_F`` for a weight perturbation ``E``.
+
+    Dense: ``||E||_2 <= ||E||_F`` (``m = 1``). Convolution: ``sqrt(k_eff)`` for the geometry that
+    the layer's ``lipschitz()`` certifies (recorded ``input_size``, or size-free).
+    """
+    if isinstance(layer, Conv2d):
+        return math.sqrt(layer.multiplicity()) * (1.0 + _EPS64)
+    return 1.0
+
+
+def _unit_roundoff(dtype: torch.dtype) -> tuple[float, float]:
+    """``(u, sub)``: unit roundoff and smallest subnormal of a floating dtype."""
+    info = torch.finfo(dtype)
+    return float(info.eps) / 2.0, float(info.smallest_normal) * float(info.eps)
+
+
+# --------------------------------------------------------------------------------------------
+# State
+# --------------------------------------------------------------------------------------------
+
+
+def _key(layer: _Layer) -> tuple[object, ...]:
+    w = layer.weight
+    key: tuple[object, ...] = (type(layer), tuple(w.shape), w.dtype, w.device)
+    if isinstance(layer, Conv2d):
+        key += (layer.stride, layer.padding, layer.padding_mode, layer.input_size)
+    return key
+
+
+def _state_for(layer: _Layer) -> ProjectionState:
+    key = _key(layer)
+    state = projection_state(layer)
+    if state is None or state.key != key:
+        state = ProjectionState(key=key)
+        object.__setattr__(layer, _STATE_ATTR, state)  # plain attribute, not in state_dict
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# Steps
+# --------------------------------------------------------------------------------------------
+
+
+def _bjorck(weight: torch.Tensor, iters: int) -> None:
+    """``iters`` first-order Björck steps on ``weight`` reshaped ``(out, -1)``, scale preserved.
+
+    ``X_0 = W / ub_2`` with ``ub_2 >= ||W||_2`` certified, so every singular value of ``X_0`` is in
+    ``[0, 1]`` and stays there (``f(s) = 1.5 s - 0.5 s^3`` maps ``[0, 1]`` onto itself, increasing):
+    convergence to the orthogonal polar factor (full-rank part), Björck & Bowie 1971. The smaller
+    Gram matrix is formed (``X (X^T X)`` or ``(X X^T) X``, equal).
+    """
+    from clipless import bounds
+
+    if iters == 0:
+        return
+    mat = weight.detach().reshape(weight.shape[0], -1)
+    scale = bounds.dense_norm(mat)
+    if scale == 0.0:
+        return
+    work = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    x = mat.to(work) / scale
+    tall = x.shape[0] >= x.shape[1]
+    for _ in range(iters):
+        x = 1.5 * x - 0.5 * (x @ (x.mT @ x) if tall else (x @ x.mT) @ x)
+    weight.copy_((x * scale).reshape(weight.shape).to(weight.dtype))
+
+
+def _lower_bound(layer: _Layer, state: ProjectionState) -> float:
+    """Warm-started power iteration: a LOWER bound (steering only); ``state.vector`` in place."""
+    from clipless import bounds
+
+    w = layer.weight.detach()
+    size = layer.input_size if isinstance(layer, Conv2d) else None
+    if isinstance(layer, Conv2d):
+        if size is None:
+            return 0.0  # the operator's domain is unknown: no steering, carried bound only
+        shape: tuple[int, ...] = (int(w.shape[1]), *size)
+    else:
+        shape = (int(w.shape[1]),)
+    v = state.vector
+    cold = (
+        v is None
+        or tuple(v.shape) != shape
+        or v.dtype != w.dtype
+        or v.device != w.device
+        or not bool(torch.isfinite(v).all())
+        or float(torch.linalg.vector_norm(v)) == 0.0
+    )
+    if cold:
+        gen = torch.Generator().manual_seed(_POWER_SEED)
+        init = torch.randn(shape, generator=gen, dtype=torch.float64).to(w.device, w.dtype)
+    else:
+        assert v is not None
+        init = v
+    iters = _FIRST_POWER_ITERS if cold else _WARM_POWER_ITERS
+    if isinstance(layer, Conv2d) and size is not None:
+        result = bounds.conv_power_iteration(
+            w,
+            stride=layer.stride,
+            padding=layer.padding,
+            padding_mode=layer.padding_mode,
+            input_size=size,
+            iters=iters,
+            init=init,
+        )
+    else:
+        result = bounds.power_iteration(w, iters=iters, init=init)
+    new = result.vector.detach().to(w.dtype)
+    if v is None or cold:
+        state.vector = new.clone()
+    else:
+        v.copy_(new)  # same tensor object across calls
+    lower = float(result.lower_bound)
+    return lower if math.isfinite(lower) else 0.0
+
+
+def _certified_bound(
+    layer: _Layer,
+    state: ProjectionState,
+    mode: str,
+    max_norm: float,
+    m: float,
+    lower: float,
+    certify_every: int,
+    tolerance: float,
+) -> float:
+    """Exact certification (the layer's ``lipschitz()``) or the carried bound (module docstring)."""
+    reference = state.reference
+    due = certify_every == 1 or reference is None or state.calls_since_exact + 1 >= certify_every
+    if not due:
+        assert reference is not None
+        w = layer.weight.detach()
+        gap = m * _fro_upper(w.to(torch.float64) - reference.to(torch.float64))
+        carried = _up(state.upper_bound + gap)
+        # Recertify early only when the carried bound would force a rescale by more than the
+        # tolerance AND it may be looser than that: two upper estimates of how far ``carried``
+        # may exceed the exact certifier's value are the chain's accumulated slack (the
+        # certifiers are m-Lipschitz in the Frobenius norm of the weight, so each carried step
+        # adds at most ``2 gap``) and ``carried - lb`` (power iteration: steering only).
+        big_rescale = carried > (1.0 + tolerance) * max_norm
+        slack = state.slack + 2.0 * gap
+        looseness = min(slack, carried - lower) if lower > 0.0 else slack
+        if not (big_rescale and looseness > tolerance * carried):
+            state.calls_since_exact += 1
+            state.slack = slack
+            return carried
+    ub = float(layer.lipschitz())  # certified (clipless.bounds, float64, NUMERIC_MARGIN)
+    state.calls_since_exact = 0
+    state.exact_certifications += 1
+    state.slack = 0.0
+    return ub
+
+
+def _rescale(layer: _Layer, ub: float, max_norm: float, m: float) -> tuple[float, float]:
+    """Rescale ``layer.weight`` (certified bound ``ub``) so the stored weight's bound is ``<= C``.
+
+    Returns ``(certified bound after, scale used)``; see "Rounding" in the module docstring.
+    """
+    weight = layer.weight
+    w64 = weight.detach().to(torch.float64)  # exact
+    n = w64.numel()
+    fro = _fro_upper(w64)
+    u, sub = _unit_roundoff(weight.dtype)
+    from clipless.bounds import NUMERIC_MARGIN
+
+    target = max_norm / (1.0 + 4.0 * NUMERIC_MARGIN)
+
+    def certify(scale: float) -> tuple[float, torch.Tensor]:
+        candidate = (w64 * scale).to(weight.dtype)
+        if not bool(torch.isfinite(candidate).all()):
+            return math.inf, candidate
+        # ||fl(sW) - sW||_F: float64 residual (one rounding in s*W, one in the difference).
+        resid = _fro_upper(candidate.to(torch.float64) - w64 * scale) + _EPS64 * scale * fro
+        return _up(scale * ub + m * resid), candidate
+
+    # Slack per unit scale: measured (twice, growing), then the a-priori rounding bound.
+    apriori = m * ((u + 2.0 * _EPS64) * fro) * 1.01
+    scale = target / ub
+    bound, candidate = certify(scale)
+    measured = max(0.0, bound / (1.0 + NUMERIC_MARGIN) / scale - ub)
+    slacks = [1.25 * measured, 2.0 * measured + 0.5 * apriori, apriori]
+    for slack in [0.0, *slacks]:
+        if slack > 0.0:
+            subnormal = m * math.sqrt(n) * sub  # absolute rounding error of subnormal entries
+            scale = max(target - subnormal, 0.0) / (ub + slack)
+            bound, candidate = certify(scale)
+        if bound <= max_norm:
+            weight.copy_(candidate)
+            return bound, scale
+    # Unreachable in exact analysis; stay certified anyway by recertifying the stored weight.
+    if not bool(torch.isfinite(candidate).all()):
+        raise ValueError(f"rescaling the weight by {scale:g} overflows its dtype {weight.dtype}")
+    weight.copy_(candidate)
+    bound = float(layer.lipschitz())
+    if bound > max_norm:  # pragma: no cover - defensive
+        raise RuntimeError(f"could not rescale the weight to a certified bound <= {max_norm}")
+    return bound, scale
+
+
+def _project_layer(
+    path: str,
+    layer: _Layer,
+    mode: str,
+    max_norm: float,
+    certify_every: int,
+    tolerance: float,
+    bjorck_iters: int,
+) -> float:
+    weight = layer.weight
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError(
+            f"the weight of layer {path or '<root>'!r} is not finite (NaN or inf); lower the "
+            "learning rate or check the inputs"
+        )
+    state = _state_for(layer)
+    state.calls += 1
+    m = _multiplicity(layer)
+    if mode == "orthogonal":
+        _bjorck(weight, bjorck_iters)
+    lower = _lower_bound(layer, state)
+    ub = _certified_bound(layer, state, mode, max_norm, m, lower, certify_every, tolerance)
+    if ub > max_norm or (mode == "fix" and ub > 0.0):
+        bound, scale = _rescale(layer, ub, max_norm, m)
+    else:
+        bound, scale = ub, 1.0
+    state.upper_bound = bound
+    state.lower_bound = lower * scale
+    state.slack *= scale
+    if certify_every > 1:
+        if state.reference is None:
+            state.reference = weight.detach().clone()
+        else:
+            state.reference.copy_(weight.detach())
+    else:
+        state.reference = None
+    return bound
+
+
+def project(
+    model: torch.nn.Module,
+    mode: Mode = "clip",
+    max_norm: float = 1.0,
+    *,
+    certify_every: int = 1,
+    tolerance: float = 0.01,
+    bjorck_iters: int = 3,
+) -> dict[str, float]:
+    """Project every parametric layer of ``model`` onto its constraint set, in place.
+
+    Args:
+        model: a clipless model (checked by :func:`clipless.nn.validate`).
+        mode: ``"clip"`` (Lip-DP-SGD ``ClipWeights``: rescale only layers whose certified bound
+            exceeds ``max_norm``), ``"fix"`` (Fix-Lip-DP-SGD / Clipless DP-SGD: rescale every layer
+            to a certified bound of ``max_norm``) or ``"orthogonal"`` (Björck iterations toward an
+            orthogonal weight, then ``"clip"``). Details and proofs: module docstring.
+        max_norm: ``C``, the per-layer Lipschitz constraint (finite, ``> 0``).
+        certify_every: exact certification every this many calls per layer. In between, a
+            certified carried bound ``ub_ref + m ||W - W_ref||_F`` is used (1, the default:
+            exact every call).
+        tolerance: relative over-shrink accepted from a carried bound. An exact certification
+            is made early when the carried bound would rescale by more than ``1 + tolerance``
+            and may be that loose (module docstring). Irrelevant when ``certify_every=1``.
+        bjorck_iters: first-order Björck iterations per call in ``"orthogonal"`` mode.
+
+    Returns:
+        ``{module path: certified upper bound on the layer's Lipschitz constant after the
+        projection}`` for every :class:`~clipless.nn.Linear` and :class:`~clipless.nn.Conv2d`, in
+        ``named_modules()`` order. ``clip`` / ``orthogonal`` give values ``<= max_norm``;
+        ``fix`` gives ``max_norm`` up to a relative ``~1e-7 m ||W||_F / ub`` rounding gap
+        (0 for a zero weight). A :class:`~clipless.nn.Conv2d` that has not run a forward yet is
+        certified with the size-free bound, which holds for every input size but is looser: run
+        one forward first (as :func:`clipless.bounds.report` does).
+
+    Raises:
+        ValueError: a bad ``mode``, ``max_norm``, ``certify_every``, ``tolerance`` or
+            ``bjorck_iters`` value, or a non-finite weight.
+        TypeError: ``model`` is not a clipless model, contains a parametric layer that is not a
+            ``Linear`` / ``Conv2d``, or an argument has the wrong type.
+    """
+    c = _check_args(mode, max_norm, certify_every, tolerance, bjorck_iters)
+    from clipless import nn as cnn
+
+    cnn.validate(model)
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        for path, layer in _parametric_layers(model):
+            out[path] = _project_layer(
+                path, layer, mode, c, certify_every, float(tolerance), bjorck_iters
+            )
+    return out
