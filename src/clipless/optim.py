@@ -167,8 +167,9 @@ class DPOptimizer(torch.optim.Optimizer):
         report = self.bound_report()
         out: dict[str, float] = {}
         for lb in report.layers:
+            # A layer used several times contributes once per use: the bounds add up.
             for name in lb.gradient_bounds:
-                out[name] = lb.cotangent_bound * self.sensitivity_factor
+                out[name] = out.get(name, 0.0) + lb.cotangent_bound * self.sensitivity_factor
         return out
 
     def noise_stds(self) -> dict[str, float]:
