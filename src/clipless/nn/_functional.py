@@ -73,7 +73,7 @@ def _sample_norms(x: torch.Tensor) -> torch.Tensor:
 
     Differentiable (torch's norm has gradient 0 at 0); callers detach when they want a constant.
     """
-    return torch.linalg.vector_norm(x.flatten(1).double(), dim=1)
+    return torch.linalg.vector_norm(x.reshape(x.shape[0], math.prod(x.shape[1:])).double(), dim=1)
 
 
 def _broadcast(factor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

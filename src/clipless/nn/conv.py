@@ -239,7 +239,9 @@ class Conv2d(ParametricLipschitzModule):
         if x.ndim != 4:
             raise ValueError(f"Conv2d.sample_norm_factor expects [batch, C, H, W], got {x.shape}")
         size = (int(x.shape[2]), int(x.shape[3]))
-        sq = x.detach().flatten(1).double().pow(2).sum(dim=1) * self.multiplicity(size)
+        sq = x.detach().reshape(x.shape[0], math.prod(x.shape[1:])).double().pow(2).sum(
+            dim=1
+        ) * self.multiplicity(size)
         if self.bias is not None:
             sq = sq + float(self.output_positions(size))
         return round_up(torch.sqrt(sq), x.dtype)

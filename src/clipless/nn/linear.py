@@ -108,7 +108,7 @@ class Linear(ParametricLipschitzModule):
 
         Computed in float64 and rounded upward to ``x.dtype`` (an upper bound, as scaling needs).
         """
-        sq = x.detach().flatten(1).double().pow(2).sum(dim=1)
+        sq = x.detach().reshape(x.shape[0], math.prod(x.shape[1:])).double().pow(2).sum(dim=1)
         if self.bias is not None:
             sq = sq + 1.0
         return round_up(torch.sqrt(sq), x.dtype)
