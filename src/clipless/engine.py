@@ -18,7 +18,7 @@ import math
 import secrets
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -125,7 +125,7 @@ class PrivacyEngine:
             raise ValueError("module has no trainable parameters")
 
         if getattr(loss, "reduction", "sum") != "sum":
-            loss.reduction = "sum"
+            setattr(loss, "reduction", "sum")  # noqa: B010 - typed as Tensor | Module
 
         if target_epsilon is not None:
             if target_delta is None:
@@ -138,8 +138,8 @@ class PrivacyEngine:
                 target_delta,
                 q,
                 total_steps,
-                accountant=self.accountant,
-                neighbouring=neighbouring,
+                accountant=cast(accounting.AccountantKind, self.accountant),
+                neighbouring=cast(accounting.Neighbouring, neighbouring),
             ) / _sensitivity_factor(neighbouring)
             sigma = sigma_eff if noise == "global" else sigma_eff * math.sqrt(num_tensors)
         else:
@@ -147,7 +147,8 @@ class PrivacyEngine:
             sigma = float(noise_multiplier)
 
         self.ledger = accounting.PrivacyLedger(
-            accountant=self.accountant, neighbouring=neighbouring
+            accountant=cast(accounting.AccountantKind, self.accountant),
+            neighbouring=cast(accounting.Neighbouring, neighbouring),
         )
         # The initial weights are public; projecting them is free.
         if constraint is not None:
@@ -306,7 +307,7 @@ def _total_steps(epochs: int | None, steps: int | None, q: float) -> int:
 def _infer_input_shape(loader: DataLoader[Any]) -> tuple[int, ...]:
     dataset = loader.dataset
     try:
-        first = dataset[0]  # type: ignore[index]
+        first = dataset[0]
     except Exception as exc:
         raise ValueError("cannot infer input_shape from the dataset; pass input_shape=") from exc
     x = first[0] if isinstance(first, tuple | list) else first

@@ -148,7 +148,7 @@ def scaled_linear(
     layer: ParametricLipschitzModule,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose parameter gradient is scaled per sample (module doc)."""
-    return _ScaledLinear.apply(x, weight, bias, _divisors(layer, x, threshold))  # type: ignore[no-any-return]
+    return _ScaledLinear.apply(x, weight, bias, _divisors(layer, x, threshold))
 
 
 def scaled_conv2d(
@@ -170,7 +170,7 @@ def scaled_conv2d(
         ph, pw = padding
         x = F.pad(x, (pw, pw, ph, ph), mode="circular")
         padding = (0, 0)
-    return _ScaledConv2d.apply(x, weight, bias, inv, stride, padding)  # type: ignore[no-any-return]
+    return _ScaledConv2d.apply(x, weight, bias, inv, stride, padding)
 
 
 def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:

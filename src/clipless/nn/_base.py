@@ -18,7 +18,7 @@ every input; estimates (power iteration) never qualify.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -86,6 +86,33 @@ class ParametricLipschitzModule(LipschitzModule):
     def norm_factor_bound(self, input_bound: float) -> float:
         """Certified upper bound on :meth:`sample_norm_factor` for inputs of norm <= input_bound."""
         raise NotImplementedError
+
+    def _cached_bound(self, key: Hashable, compute: Callable[[], float]) -> float:
+        """``compute()``, memoised on an exact copy of the weight and ``key``.
+
+        A certified bound is a function of the weight's values (and of public geometry in
+        ``key``), so it is reused only when the current weight is *bitwise equal* to the copy the
+        bound was computed for (``torch.equal``, O(n), far cheaper than an SVD or FFT). Version
+        counters are not trusted: writes through ``.data`` do not bump them.
+        """
+        param = getattr(self, "weight")  # noqa: B009 - typed as Tensor | Module by nn.Module
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}.weight must be a tensor")
+        weight = param.detach()
+        cached = self.__dict__.get("_bound_cache")
+        if cached is not None:
+            w_ref, key_ref, value = cached
+            if (
+                key_ref == key
+                and w_ref.shape == weight.shape
+                and w_ref.dtype == weight.dtype
+                and w_ref.device == weight.device
+                and torch.equal(w_ref, weight)
+            ):
+                return float(value)
+        value = float(compute())
+        self.__dict__["_bound_cache"] = (weight.clone(), key, value)
+        return value
 
 
 def product(values: Sequence[float]) -> float:

@@ -204,14 +204,17 @@ class Conv2d(ParametricLipschitzModule):
         """
         from clipless import bounds
 
-        return float(
-            bounds.conv_norm(
+        size = self._size(input_size)
+        key = (self.stride, self.padding, self.padding_mode, size)
+        return self._cached_bound(
+            key,
+            lambda: bounds.conv_norm(
                 self.weight.detach(),
                 stride=self.stride,
                 padding=self.padding,
                 padding_mode=self.padding_mode,
-                input_size=self._size(input_size),
-            )
+                input_size=size,
+            ),
         )
 
     def output_bound(self, input_bound: float) -> float:

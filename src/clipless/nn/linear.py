@@ -84,7 +84,7 @@ class Linear(ParametricLipschitzModule):
         """Certified ``||W||_2`` (:func:`clipless.bounds.dense_norm`; thesis eq. 5.2.3)."""
         from clipless import bounds
 
-        return float(bounds.dense_norm(self.weight.detach()))
+        return self._cached_bound(None, lambda: bounds.dense_norm(self.weight.detach()))
 
     def output_bound(self, input_bound: float) -> float:
         """``||W||_2 X + ||b||_2`` (triangle inequality)."""
