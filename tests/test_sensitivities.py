@@ -25,6 +25,7 @@ from torch.func import functional_call, grad, vmap
 
 import clipless.nn as cnn
 from clipless.bounds import BoundReport, conv_norm, report, sensitivities
+from clipless.constraints import project
 
 T = TypeVar("T")
 
@@ -367,7 +368,13 @@ def check_case(case: Case) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_sensitivities_bound_exact_per_sample_gradients(data: Any) -> None:
-    check_case(build_case(DataChooser(data)))
+    """Before and after a projection in each mode (issue A: "before and after project(...)")."""
+    case = build_case(DataChooser(data))
+    check_case(case)
+    mode = data.draw(st.sampled_from(["clip", "fix", "orthogonal"]))
+    max_norm = data.draw(st.sampled_from([0.5, 1.0, 3.0]))
+    project(case.model, mode=mode, max_norm=max_norm)
+    check_case(case)
 
 
 def test_tightness_summary(capsys: pytest.CaptureFixture[str]) -> None:
