@@ -9,8 +9,13 @@ exact discrete noise, quantiles by inversion, continual counting.
 * :func:`discrete_laplace`, :func:`discrete_gaussian` -- exact samplers (Canonne, Kamath,
   Steinke 2020) from :func:`secure_rng` (default) or :func:`seeded_rng` (tests).
 * :class:`ContinualCounter` -- running counts of a stream (Theorem 6.3.2).
+* :func:`isotonic`, :func:`smooth_tree`, :func:`smooth_counts` -- monotone smoothing
+  (pool-adjacent-violators; the thesis's problem 6.3.6 in L1 or L2).
+* :func:`roc` / :class:`DPROC` -- DP ROC curves and AUC (section 6.5.1).
+* :func:`hosmer_lemeshow` / :class:`HLResult` -- DP Hosmer-Lemeshow (Algorithm 10, Thm 6.5.1).
 """
 
+from clipless.stats.calibration import HLResult, hosmer_lemeshow, nonprivate_hosmer_lemeshow
 from clipless.stats.continual import ContinualCounter, HorizonExceededError
 from clipless.stats.ecdf import DPECDF, ecdf, poisson_dataset, release_accuracy
 from clipless.stats.grid import Grid, tree_depth
@@ -24,6 +29,8 @@ from clipless.stats.noise import (
     secure_rng,
     seeded_rng,
 )
+from clipless.stats.roc import DPROC, nonprivate_roc, roc
+from clipless.stats.smoothing import SmoothedCounts, isotonic, smooth_counts, smooth_tree
 from clipless.stats.tree import (
     TreeRelease,
     consistent_prefix_sums,
@@ -37,9 +44,12 @@ from clipless.stats.tree import (
 
 __all__ = [
     "DPECDF",
+    "DPROC",
     "ContinualCounter",
     "Grid",
+    "HLResult",
     "HorizonExceededError",
+    "SmoothedCounts",
     "TreeRelease",
     "consistent_prefix_sums",
     "discrete_gaussian",
@@ -49,14 +59,21 @@ __all__ = [
     "discrete_laplace_pmf",
     "discrete_laplace_variance",
     "ecdf",
+    "hosmer_lemeshow",
+    "isotonic",
     "node_counts_from_leaves",
+    "nonprivate_hosmer_lemeshow",
+    "nonprivate_roc",
     "path_sums",
     "poisson_dataset",
     "prefix_variance",
     "release_accuracy",
     "release_counts",
+    "roc",
     "secure_rng",
     "seeded_rng",
+    "smooth_counts",
+    "smooth_tree",
     "tree_depth",
     "tree_path_matrix",
     "tree_sensitivity",

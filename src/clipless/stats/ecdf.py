@@ -219,7 +219,7 @@ def ecdf(
     neighbouring: Neighbouring = "replace_one",
     smoothing: Smoothing | None = None,
     noise: NoiseKind = "laplace",
-    consistency: bool = False,
+    consistency: bool = True,
     n: int | None = None,
     rng: random.Random | None = None,
     *,
@@ -250,8 +250,9 @@ def ecdf(
     noise:
         ``"laplace"`` (pure DP) or ``"gaussian"`` (zCDP, needs ``rho``).
     consistency:
-        Use the least-squares prefix counts (about half the variance; combines with
-        ``smoothing=None`` or ``"isotonic"``).
+        Use the least-squares prefix counts (about half the variance of the thesis's plain
+        release; the default). ``False`` reproduces the thesis's estimator. Combines with every
+        smoothing (``"l1"``/``"l2"`` then solve problem 6.3.6 on the consistent counts).
     n:
         Under ``replace_one``, the public size; must equal ``len(values)`` (defaults to it).
         Not allowed under ``add_remove``, where the size is private.
@@ -277,11 +278,6 @@ def ecdf(
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
     if not isinstance(consistency, bool):
         raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
-    if consistency and smoothing in ("l1", "l2"):
-        raise ValueError(
-            "consistency=True combines with smoothing=None or 'isotonic'; the 'l1'/'l2' "
-            "smoothing solves the thesis's problem on the plain release's tree corrections"
-        )
     if noise == "laplace" and epsilon is not None:
         to_fraction(epsilon, "epsilon")
     if neighbouring == "replace_one":
@@ -318,7 +314,18 @@ def ecdf(
     elif smoothing == "isotonic":
         from clipless.stats.smoothing import isotonic
 
-        out = np.asarray(isotonic(raw, weights=1.0 / variance if consistency else None))
+        weights = None
+        top = float(np.max(variance)) if consistency else 0.0
+        if top > 0:
+            # inverse-variance weights, bounded so that a (near) noiseless leaf cannot overflow
+            weights = top / np.maximum(variance, top * 1e-12)
+        out = np.asarray(isotonic(raw, weights=weights))
+    elif consistency:
+        # Problem 6.3.6 applied to the least-squares prefix counts (smoothing after consistency:
+        # both are post-processing; measured the most accurate combination, RESULTS.md).
+        from clipless.stats.smoothing import smooth_counts
+
+        out = np.asarray(smooth_counts(counts, norm, smoothing, depth=release.depth).values)
     else:
         from clipless.stats.smoothing import smooth_tree
 
@@ -377,8 +384,6 @@ def release_accuracy(
         state = rng.getstate()
         for consistency in (False, True):
             for sm in smoothing:
-                if consistency and sm in ("l1", "l2"):
-                    continue
                 rng.setstate(state)  # same noise for every variant: paired comparison
                 F = ecdf(data, g, epsilon, neighbouring, sm, consistency=consistency, rng=rng)
                 last = F

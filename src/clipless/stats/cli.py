@@ -1,0 +1,347 @@
+"""``clipless ecdf`` and ``clipless roc``: DP ECDF and DP ROC curves of a CSV column.
+
+Wiring (done in the main ``clipless`` command)::
+
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_ecdf_parser(sub)
+    add_roc_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+Each command returns an exit code: 0 on success, 2 on bad input (after a one-line message on
+stderr that names the offending argument, like argparse's own errors). The CSV is read with the
+standard :mod:`csv` module (first row = header). Error messages never echo data values.
+
+The grid bounds are required arguments on purpose: they must be public, chosen without looking at
+the data (thesis section 6.3.1 takes them from the data, which leaks; see
+:mod:`clipless.stats.grid`). ``--seed`` makes the noise reproducible and is for testing only: a
+seeded generator is not cryptographically secure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+from numpy.typing import NDArray
+
+if TYPE_CHECKING:
+    from clipless.stats.ecdf import Smoothing
+    from clipless.stats.tree import Neighbouring
+
+__all__ = ["add_ecdf_parser", "add_roc_parser", "ecdf_command", "main", "roc_command"]
+
+_NEIGHBOURING = {
+    "replace_one": "replace_one",
+    "replace-one": "replace_one",
+    "add_remove": "add_remove",
+    "add-remove": "add_remove",
+}
+_TRUE = {"1", "1.0", "true", "yes", "y", "t"}
+_FALSE = {"0", "0.0", "false", "no", "n", "f"}
+
+
+class BadInputError(ValueError):
+    """Bad command-line input; ``str()`` names the argument."""
+
+
+# --------------------------------------------------------------------------------------------
+# parsers
+# --------------------------------------------------------------------------------------------
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--epsilon", required=True, help="privacy budget (> 0), pure epsilon-DP")
+    p.add_argument(
+        "--neighbouring",
+        default="replace_one",
+        help="replace_one (n public, default) or add_remove",
+    )
+    p.add_argument(
+        "--smoothing",
+        default="isotonic",
+        help="isotonic (default), l1 or l2 (thesis eq. 6.3.6), or none",
+    )
+    p.add_argument("--seed", default=None, help="reproducible, NOT secure noise (tests only)")
+    p.add_argument("--out", required=True, help="output directory (created if needed)")
+
+
+def add_ecdf_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``ecdf`` to an ``argparse`` sub-parser collection; returns the new parser."""
+    p = subparsers.add_parser(
+        "ecdf",
+        help="DP empirical CDF of a CSV column (writes ecdf.csv, ecdf.png)",
+        description="Release a DP empirical CDF of one numeric CSV column on a public grid "
+        "(binary tree mechanism, thesis chapter 6) and print its quartiles.",
+    )
+    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
+    p.add_argument("--column", required=True, help="name of the numeric column")
+    p.add_argument("--lower", required=True, help="public lower bound of the grid")
+    p.add_argument("--upper", required=True, help="public upper bound of the grid")
+    p.add_argument("--size", required=True, help="number of grid thresholds (>= 2)")
+    _common(p)
+    p.set_defaults(func=ecdf_command)
+    return p
+
+
+def add_roc_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``roc`` to an ``argparse`` sub-parser collection; returns the new parser."""
+    p = subparsers.add_parser(
+        "roc",
+        help="DP ROC curve and AUC of scores against 0/1 labels (writes roc.csv, roc.png)",
+        description="Release a DP ROC curve (two class-conditional DP ECDFs of the scores, "
+        "thesis section 6.5.1) and print its AUC.",
+    )
+    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
+    p.add_argument("--score", required=True, help="column of scores (higher = positive)")
+    p.add_argument("--label", required=True, help="column of 0/1 labels")
+    p.add_argument("--lower", default="0", help="public lower bound of the grid (default 0)")
+    p.add_argument("--upper", default="1", help="public upper bound of the grid (default 1)")
+    p.add_argument("--size", default="1024", help="number of grid thresholds (default 1024)")
+    _common(p)
+    p.set_defaults(func=roc_command)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+# --------------------------------------------------------------------------------------------
+
+
+def _real(value: str, name: str, positive: bool = False) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise BadInputError(f"{name}: expected a number, got {value!r}") from None
+    if not math.isfinite(out):
+        raise BadInputError(f"{name}: must be finite, got {value!r}")
+    if positive and out <= 0:
+        raise BadInputError(f"{name}: must be > 0, got {value!r}")
+    return out
+
+
+def _int(value: str, name: str, minimum: int) -> int:
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise BadInputError(f"{name}: expected an integer, got {value!r}") from None
+    if out < minimum:
+        raise BadInputError(f"{name}: must be >= {minimum}, got {out}")
+    return out
+
+
+def _options(args: argparse.Namespace) -> tuple[float, Neighbouring, Smoothing | None, Any]:
+    from clipless.stats.noise import secure_rng, seeded_rng
+
+    eps = _real(args.epsilon, "--epsilon", positive=True)
+    nb = _NEIGHBOURING.get(str(args.neighbouring))
+    if nb is None:
+        raise BadInputError(
+            f"--neighbouring: must be replace_one or add_remove, got {args.neighbouring!r}"
+        )
+    smoothing = str(args.smoothing).lower()
+    if smoothing not in ("none", "isotonic", "l1", "l2"):
+        raise BadInputError(
+            f"--smoothing: must be isotonic, l1, l2 or none, got {args.smoothing!r}"
+        )
+    if args.seed is None:
+        rng = secure_rng()
+    else:
+        rng = seeded_rng(_int(args.seed, "--seed", minimum=0))
+        print("note: --seed gives reproducible, non-secure noise (for tests)", file=sys.stderr)
+    chosen = None if smoothing == "none" else cast("Smoothing", smoothing)
+    return eps, cast("Neighbouring", nb), chosen, rng
+
+
+def _grid(args: argparse.Namespace) -> Any:
+    from clipless.stats.grid import Grid
+
+    lower = _real(args.lower, "--lower")
+    upper = _real(args.upper, "--upper")
+    size = _int(args.size, "--size", minimum=2)
+    if not upper > lower:
+        raise BadInputError(f"--upper: must be > --lower ({lower:g}), got {upper:g}")
+    return Grid(lower, upper, size=size)
+
+
+def _out_dir(value: str) -> Path:
+    out = Path(value)
+    if out.exists() and not out.is_dir():
+        raise BadInputError(f"--out: {value!r} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInputError(f"--out: cannot create {value!r}: {exc.strerror}") from None
+    return out
+
+
+def _read_columns(path: str, columns: Sequence[tuple[str, str]]) -> list[list[str]]:
+    """The named columns of a CSV file; ``columns`` = ``(column name, argument name)``."""
+    file = Path(path)
+    if not file.is_file():
+        raise BadInputError(f"FILE.csv: no such file: {path!r}")
+    try:
+        with file.open(newline="", encoding="utf-8-sig") as fh:
+            reader = csv.reader(fh)
+            header = next(reader, None)
+            if header is None:
+                raise BadInputError(f"FILE.csv: {path!r} is empty (expected a header row)")
+            header = [h.strip() for h in header]
+            idx = []
+            for name, arg in columns:
+                if name not in header:
+                    raise BadInputError(
+                        f"{arg}: no column {name!r} in {path!r} (columns: {', '.join(header)})"
+                    )
+                idx.append(header.index(name))
+            out: list[list[str]] = [[] for _ in columns]
+            for row_no, row in enumerate(reader, start=2):
+                if not row or all(not c.strip() for c in row):
+                    continue
+                for k, (j, (_, arg)) in enumerate(zip(idx, columns, strict=True)):
+                    if j >= len(row):
+                        raise BadInputError(f"{arg}: line {row_no} of {path!r} has no such field")
+                    out[k].append(row[j].strip())
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise BadInputError(f"FILE.csv: cannot read {path!r}: {exc}") from None
+    if not out[0]:
+        raise BadInputError(f"FILE.csv: {path!r} has a header but no data rows")
+    return out
+
+
+def _numbers(cells: list[str], arg: str) -> NDArray[np.float64]:
+    out = np.empty(len(cells))
+    for i, cell in enumerate(cells):
+        try:
+            out[i] = float(cell)
+        except ValueError:
+            raise BadInputError(f"{arg}: data row {i + 1} is not a number") from None
+        if not math.isfinite(out[i]):
+            raise BadInputError(f"{arg}: data row {i + 1} is not finite")
+    return out
+
+
+def _labels(cells: list[str], arg: str) -> NDArray[np.int64]:
+    out = np.empty(len(cells), dtype=np.int64)
+    for i, cell in enumerate(cells):
+        c = cell.lower()
+        if c in _TRUE:
+            out[i] = 1
+        elif c in _FALSE:
+            out[i] = 0
+        else:
+            raise BadInputError(f"{arg}: data row {i + 1} is not a 0/1 label")
+    return out
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _guarantee(eps: float, nb: str) -> str:
+    return f"{eps:g}-DP under {nb.replace('_', '-')} neighbouring (discrete Laplace noise)"
+
+
+# --------------------------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------------------------
+
+
+def _run(command: Any, args: argparse.Namespace, name: str) -> int:
+    try:
+        return int(command(args))
+    except (BadInputError, ValueError, TypeError) as exc:
+        print(f"clipless {name}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def ecdf_command(args: argparse.Namespace) -> int:
+    """``clipless ecdf``: write ``ecdf.csv`` (threshold,value) and ``ecdf.png``; print the
+    quartiles of the released (smoothed) function. Returns the exit code."""
+    return _run(_ecdf, args, "ecdf")
+
+
+def roc_command(args: argparse.Namespace) -> int:
+    """``clipless roc``: write ``roc.csv`` (threshold,fpr,tpr) and ``roc.png``; print the AUC.
+    Returns the exit code."""
+    return _run(_roc, args, "roc")
+
+
+def _ecdf(args: argparse.Namespace) -> int:
+    from matplotlib.figure import Figure
+
+    from clipless.stats.ecdf import ecdf
+
+    eps, nb, smoothing, rng = _options(args)
+    grid = _grid(args)
+    (cells,) = _read_columns(args.file, [(args.column, "--column")])
+    values = _numbers(cells, "--column")
+    out = _out_dir(args.out)
+    released = ecdf(values, grid, eps, nb, smoothing, rng=rng)
+    with (out / "ecdf.csv").open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["threshold", "value"])
+        for t, v in zip(grid.thresholds.tolist(), released.values.tolist(), strict=True):
+            writer.writerow([repr(t), repr(v)])
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    released.plot(ax=ax)
+    ax.set_title(f"DP ECDF of {args.column}")
+    _save(fig, out / "ecdf.png")
+    q = released.quantile(np.array([0.25, 0.5, 0.75]))
+    print(f"DP ECDF of {args.column!r}: {_guarantee(eps, nb)}, smoothing={smoothing}")
+    print(f"quartiles: q25={q[0]:.6g} median={q[1]:.6g} q75={q[2]:.6g}")
+    print(f"wrote {out / 'ecdf.csv'} and {out / 'ecdf.png'}")
+    return 0
+
+
+def _roc(args: argparse.Namespace) -> int:
+    from matplotlib.figure import Figure
+
+    from clipless.stats.roc import roc
+
+    eps, nb, smoothing, rng = _options(args)
+    grid = _grid(args)
+    score_cells, label_cells = _read_columns(
+        args.file, [(args.score, "--score"), (args.label, "--label")]
+    )
+    scores = _numbers(score_cells, "--score")
+    labels = _labels(label_cells, "--label")
+    out = _out_dir(args.out)
+    curve = roc(scores, labels, grid, eps, nb, smoothing, rng)
+    with (out / "roc.csv").open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["threshold", "fpr", "tpr"])
+        for t, f, p in zip(
+            grid.thresholds.tolist(), curve.fpr.tolist(), curve.tpr.tolist(), strict=True
+        ):
+            writer.writerow([repr(t), repr(f), repr(p)])
+    fig = Figure(figsize=(5, 5))
+    ax = fig.add_subplot()
+    curve.plot(ax=ax)
+    _save(fig, out / "roc.png")
+    print(f"DP ROC of {args.score!r} vs {args.label!r}: {_guarantee(eps, nb)}")
+    print(f"AUC={curve.auc():.6f}")
+    print(f"wrote {out / 'roc.csv'} and {out / 'roc.png'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry (``python -m clipless.stats.cli ecdf ...``), same as the main CLI."""
+    parser = argparse.ArgumentParser(prog="clipless")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_ecdf_parser(sub)
+    add_roc_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

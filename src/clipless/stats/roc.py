@@ -1,0 +1,339 @@
+r"""Differentially private ROC curves and AUC (thesis chapter 6, section 6.5.1).
+
+A ROC curve is a pair of class-conditional ECDFs of the classifier's scores: with
+``F_0(t) = #{negatives with score <= t} / n_0`` and ``F_1(t)`` the same for the positives, the
+threshold ``t`` (predict positive when ``score > t``) has false positive rate
+``FPR(t) = 1 - F_0(t)`` and true positive rate ``TPR(t) = 1 - F_1(t)``. The thesis releases the
+two count functions with the tree mechanism; the curve, its smoothing and the AUC are
+post-processing. (Convention: as in scikit-learn a *higher* score means "more likely positive";
+the thesis's section 6.5.1 uses the mirror convention ``c_0(x) <= t``, which only relabels
+thresholds.)
+
+**Privacy (derivation).** Each class's leaf counts are released by
+:func:`~clipless.stats.tree.release_counts` under its ``add_remove`` calibration: one value added
+to or removed from a class moves at most ``Delta_ar = ceil((L+1)/2)`` node values of that class's
+tree by 1 (Lemma 6.3.1), and nothing in the other tree.
+
+* ``neighbouring="add_remove"``: adding or removing one record ``(score, label)`` touches only
+  the tree of its label, so releasing *each* tree at the full ``epsilon`` (Laplace scale
+  ``Delta_ar / epsilon``) is ``epsilon``-DP for the pair (parallel composition: the likelihood
+  ratio of the joint output is that of the one tree that changed).
+* ``neighbouring="replace_one"``: replacing ``(s, y)`` by ``(s', y')`` either stays within a
+  class (``y = y'``: one tree changes by ``chi_{s'} - chi_s``, at most ``L+1`` nodes, thesis
+  Theorem 6.3.1) or **switches class** (``y != y'``: tree ``y`` loses ``chi_s`` and tree ``y'``
+  gains ``chi_{s'}``, at most ``Delta_ar`` nodes in *each*). The joint node vector therefore
+  has L1 (and squared L2) sensitivity ``max(L+1, 2 Delta_ar) = 2 ceil((L+1)/2)``, so each tree
+  gets Laplace scale ``2 Delta_ar / epsilon``: i.e. each class is released at ``epsilon / 2``
+  with the add/remove calibration. (Equivalently: a replacement is one removal plus one
+  addition, each ``epsilon/2``-DP by the first bullet, and group privacy gives ``epsilon``.)
+  This is the same noise as a *single* replace-one ECDF when ``L`` is odd (``L+1`` even) and one
+  node-unit more when ``L`` is even, and half of what the naive split (each class at
+  ``epsilon/2`` with the replace-one constant ``L+1``) would use. For Gaussian noise the same
+  squared-L2 bound gives ``rho``-zCDP with ``rho/2`` per class (direct sensitivity argument; the
+  group-privacy route would lose a factor 2).
+* **Class sizes.** Under replace-one only ``n = n_0 + n_1`` is public; ``n_0`` and ``n_1`` are
+  private (a class switch changes both). They are never read from the data: each class's
+  normaliser is its own released total ``max(P_N, 1)`` (every score is counted at ``tau_N`` after
+  clamping, so the last noisy prefix count *is* a noisy class size; post-processing, no extra
+  budget), exactly as :func:`~clipless.stats.ecdf.ecdf` does under add/remove. A class may be
+  empty: no data-dependent error is raised (that would leak).
+
+The thesis writes that two ``epsilon/2``-DP functions combine into a ``2 epsilon``-DP release;
+composition gives ``epsilon`` and is what is used here.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from clipless.stats.ecdf import DPECDF, Smoothing
+from clipless.stats.grid import Grid
+from clipless.stats.noise import resolve_rng, to_fraction
+from clipless.stats.smoothing import isotonic, smooth_tree
+from clipless.stats.tree import (
+    Neighbouring,
+    NoiseKind,
+    TreeRelease,
+    consistent_prefix_sums,
+    prefix_variance,
+    release_counts,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["DPROC", "nonprivate_roc", "roc"]
+
+
+@dataclass(frozen=True, eq=False)
+class DPROC:
+    """A released DP ROC curve (thesis section 6.5.1).
+
+    Attributes
+    ----------
+    thresholds:
+        The public grid thresholds ``tau_1 < ... < tau_N``.
+    fpr, tpr:
+        ``1 - F_0(tau_i)`` and ``1 - F_1(tau_i)``: the rates of "score > tau_i" among the
+        negatives and the positives. Non-increasing in ``i`` and within [0, 1] when smoothed.
+    negatives, positives:
+        The two class-conditional releases (:class:`~clipless.stats.ecdf.DPECDF`; each with its
+        own component guarantee, see the module docstring).
+    epsilon, rho:
+        The guarantee of the whole release: ``epsilon``-DP (Laplace) or ``rho``-zCDP (Gaussian)
+        under ``neighbouring``.
+    neighbouring, smoothing:
+        As passed to :func:`roc`.
+    """
+
+    thresholds: NDArray[np.float64] = field(repr=False)
+    fpr: NDArray[np.float64] = field(repr=False)
+    tpr: NDArray[np.float64] = field(repr=False)
+    negatives: DPECDF = field(repr=False)
+    positives: DPECDF = field(repr=False)
+    epsilon: float | None
+    rho: float | None
+    neighbouring: Neighbouring
+    smoothing: Smoothing | None
+
+    def curve(self) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """``(fpr, tpr)`` from ``(1, 1)`` (threshold below every score) through every grid
+        threshold to ``(0, 0)``."""
+        fpr = np.concatenate([[1.0], self.fpr, [0.0]])
+        tpr = np.concatenate([[1.0], self.tpr, [0.0]])
+        return fpr, tpr
+
+    def auc(self) -> float:
+        """Area under the released curve by the trapezoid rule, endpoints included.
+
+        Post-processing. With no noise and a grid containing every score this is the
+        Mann-Whitney AUC with ties counted 1/2 (scikit-learn's ``roc_auc_score``). Without
+        smoothing the curve may fold back; the trapezoid then gives a signed area.
+        """
+        fpr, tpr = self.curve()
+        return float(np.sum((fpr[:-1] - fpr[1:]) * (tpr[:-1] + tpr[1:]) / 2.0))
+
+    def plot(
+        self,
+        ax: Axes | None = None,
+        true_curve: tuple[ArrayLike, ArrayLike] | None = None,
+        **kwargs: Any,
+    ) -> Axes:
+        """Plot the released curve (and the chance diagonal); returns the Axes.
+
+        ``true_curve``: an ``(fpr, tpr)`` pair drawn for comparison, e.g. the non-private curve
+        from :func:`nonprivate_roc` in a benchmark. Object-oriented matplotlib (no pyplot).
+        """
+        if ax is None:
+            from matplotlib.figure import Figure
+
+            ax = Figure().add_subplot()
+        fpr, tpr = self.curve()
+        budget = f"ε={self.epsilon:g}" if self.epsilon is not None else f"ρ={self.rho:g}"
+        label = kwargs.pop("label", f"DP ROC ({budget}, AUC={self.auc():.3f})")
+        ax.plot(fpr, tpr, label=label, **kwargs)
+        if true_curve is not None:
+            tf = np.asarray(true_curve[0], dtype=np.float64)
+            tt = np.asarray(true_curve[1], dtype=np.float64)
+            ax.plot(tf, tt, color="black", linewidth=1.0, label="exact (non-private)")
+        ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=0.8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("false positive rate")
+        ax.set_ylabel("true positive rate")
+        ax.set_aspect("equal")
+        ax.legend(loc="lower right")
+        return ax
+
+
+def _scores_labels(
+    scores: ArrayLike, labels: ArrayLike
+) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
+    try:
+        s = np.asarray(scores, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"scores must be an array of real numbers: {exc}") from None
+    if s.ndim != 1:
+        raise ValueError(f"scores must be one-dimensional, got shape {s.shape}")
+    if s.size == 0:
+        raise ValueError("scores must be non-empty")
+    if not np.all(np.isfinite(s)):
+        raise ValueError("scores must be finite (no NaN or infinity)")
+    y = np.asarray(labels)
+    if y.ndim != 1 or y.size != s.size:
+        raise ValueError(
+            f"labels must be one-dimensional with the length of scores ({s.size}), "
+            f"got shape {y.shape}"
+        )
+    if y.dtype == bool:
+        return s, y
+    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise TypeError(f"labels must be 0/1 or booleans, got dtype {y.dtype}")
+    if not np.all((y == 0) | (y == 1)):
+        raise ValueError("labels must be 0 or 1 (negative/positive)")
+    return s, y == 1
+
+
+def _as_grid(grid: Grid | ArrayLike) -> Grid:
+    if isinstance(grid, Grid):
+        return grid
+    return Grid.from_thresholds(np.asarray(grid, dtype=np.float64))
+
+
+def _class_ecdf(
+    release: TreeRelease, grid: Grid, smoothing: Smoothing | None, consistency: bool
+) -> DPECDF:
+    """Normalise one class's release by its own released total (the add/remove branch of
+    :func:`~clipless.stats.ecdf.ecdf`) and smooth it. Post-processing only."""
+    counts = consistent_prefix_sums(release) if consistency else release.prefix_counts
+    counts = np.array(counts, dtype=np.float64)
+    variance = np.array(prefix_variance(release, consistent=consistency), dtype=np.float64)
+    norm = max(float(counts[-1]), 1.0)
+    raw = counts / norm
+    if smoothing is None:
+        values = raw
+    elif smoothing == "isotonic":
+        values = isotonic(raw, weights=1.0 / variance if consistency else None)
+    else:
+        values = smooth_tree(release, norm, smoothing)
+    values = np.array(values, dtype=np.float64)
+    for arr in (values, counts, variance):
+        arr.setflags(write=False)
+    return DPECDF(
+        grid=grid,
+        values=values,
+        counts=counts,
+        epsilon=release.epsilon,
+        neighbouring="add_remove",
+        n=norm,
+        n_private=True,
+        noise=release.noise,
+        rho=release.rho,
+        smoothing=smoothing,
+        consistency=consistency,
+        variance=variance,
+        release=release,
+    )
+
+
+def roc(
+    scores: ArrayLike,
+    labels: ArrayLike,
+    grid: Grid | ArrayLike,
+    epsilon: float | None,
+    neighbouring: Neighbouring = "replace_one",
+    smoothing: Smoothing | None = "isotonic",
+    rng: random.Random | None = None,
+    *,
+    noise: NoiseKind = "laplace",
+    rho: float | None = None,
+    consistency: bool = False,
+) -> DPROC:
+    """Release a DP ROC curve of a classifier's ``scores`` against binary ``labels``.
+
+    Thesis section 6.5.1: two class-conditional DP ECDFs of the scores on a public ``grid``
+    (tree mechanism, exact discrete noise); the curve, smoothing and AUC are post-processing.
+    The epsilon split and the handling of the private class sizes are derived in the module
+    docstring: under ``add_remove`` each class gets the full ``epsilon``, under ``replace_one``
+    each gets ``epsilon/2`` with the add/remove calibration (a class switch changes both).
+
+    Parameters
+    ----------
+    scores:
+        Classifier scores (higher = more likely positive), finite; clamped to the grid.
+    labels:
+        0/1 (or booleans), same length.
+    grid:
+        Public thresholds (a :class:`~clipless.stats.grid.Grid` or an increasing list), chosen
+        without looking at the scores.
+    epsilon:
+        Total budget (``> 0``) for Laplace noise; ``None`` with ``noise="gaussian"``.
+    neighbouring:
+        ``"replace_one"`` or ``"add_remove"``.
+    smoothing:
+        ``"isotonic"`` (default: a monotone curve), ``"l1"``/``"l2"`` (thesis eq. 6.3.6) or
+        ``None`` (raw; the curve may fold back).
+    rng:
+        :class:`random.Random`; default a cryptographically secure source.
+    noise, rho:
+        ``"laplace"`` (pure ``epsilon``-DP) or ``"gaussian"`` with a total ``rho`` (zCDP).
+    consistency:
+        Least-squares consistent prefix counts per class (about half the variance; combines
+        with ``smoothing=None`` or ``"isotonic"``).
+    """
+    s, pos = _scores_labels(scores, labels)
+    g = _as_grid(grid)
+    if neighbouring not in ("replace_one", "add_remove"):
+        raise ValueError(
+            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
+        )
+    if smoothing not in (None, "isotonic", "l1", "l2"):
+        raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
+    if not isinstance(consistency, bool):
+        raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
+    if consistency and smoothing in ("l1", "l2"):
+        raise ValueError("consistency=True combines with smoothing=None or 'isotonic'")
+    gen = resolve_rng(rng)
+    parts = 2 if neighbouring == "replace_one" else 1
+    # halving a float is exact, so the per-class budgets compose to exactly epsilon (or rho)
+    eps_class: float | None = None
+    rho_class: float | None = None
+    if noise == "laplace":
+        if epsilon is None:
+            raise ValueError("epsilon is required for noise='laplace'")
+        if rho is not None:
+            raise ValueError("rho is only for noise='gaussian'")
+        eps_class = float(to_fraction(epsilon, "epsilon")) / parts
+    elif noise == "gaussian":
+        if epsilon is not None:
+            raise ValueError("noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None")
+        if rho is None:
+            raise ValueError("rho is required for noise='gaussian'")
+        rho_class = float(to_fraction(rho, "rho")) / parts
+    else:
+        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+
+    curves = []
+    for cls in (False, True):
+        counts = g.counts(s[pos == cls])
+        rel = release_counts(counts, eps_class, "add_remove", noise, gen, rho_class)
+        curves.append(_class_ecdf(rel, g, smoothing, consistency))
+    neg, posc = curves
+    fpr = 1.0 - np.asarray(neg.values)
+    tpr = 1.0 - np.asarray(posc.values)
+    for arr in (fpr, tpr):
+        arr.setflags(write=False)
+    return DPROC(
+        thresholds=g.thresholds,
+        fpr=fpr,
+        tpr=tpr,
+        negatives=neg,
+        positives=posc,
+        epsilon=None if epsilon is None else float(epsilon),
+        rho=None if rho is None else float(rho),
+        neighbouring=neighbouring,
+        smoothing=smoothing,
+    )
+
+
+def nonprivate_roc(
+    scores: ArrayLike, labels: ArrayLike, grid: Grid | ArrayLike
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """The exact ``(fpr, tpr)`` curve at the grid thresholds, endpoints included.
+
+    **Not private** (it reads the data): for tests, benchmarks and the ``true_curve`` of
+    :meth:`DPROC.plot`. Empty classes give rates of 0.
+    """
+    s, pos = _scores_labels(scores, labels)
+    g = _as_grid(grid)
+    out = []
+    for cls in (False, True):
+        c = np.cumsum(g.counts(s[pos == cls])).astype(np.float64)
+        rates = 1.0 - c / c[-1] if c[-1] > 0 else np.zeros_like(c)
+        out.append(np.concatenate([[1.0], rates, [0.0]]))
+    return out[0], out[1]

@@ -1,0 +1,180 @@
+"""``clipless ecdf`` / ``clipless roc`` on temporary CSV files."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from clipless.stats.cli import add_ecdf_parser, add_roc_parser, main
+
+HUGE = "1e12"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clipless")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_ecdf_parser(sub)
+    add_roc_parser(sub)
+    return p
+
+
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    return int(args.func(args))
+
+
+def write_csv(path: Path, header: list[str], rows: list[list[object]]) -> Path:
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def read_csv(path: Path) -> tuple[list[str], np.ndarray]:
+    with path.open(newline="") as fh:
+        rows = list(csv.reader(fh))
+    return rows[0], np.array(rows[1:], dtype=np.float64)
+
+
+@pytest.fixture
+def income(tmp_path: Path) -> Path:
+    values = np.arange(1, 101)  # 1..100: quartiles 25, 50, 75 on an integer grid
+    rows = [[f"id{i}", v, i % 2] for i, v in enumerate(values)]
+    return write_csv(tmp_path / "data.csv", ["id", "income", "flag"], rows)
+
+
+def test_ecdf_command_outputs(
+    income: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    code = run(
+        [
+            "ecdf", str(income), "--column", "income", "--lower", "0", "--upper", "100",
+            "--size", "101", "--epsilon", HUGE, "--seed", "3", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    header, table = read_csv(out / "ecdf.csv")
+    assert header == ["threshold", "value"]
+    np.testing.assert_allclose(table[:, 0], np.arange(101))
+    np.testing.assert_allclose(table[:, 1], np.arange(101) / 100)  # noise ~ 1e-11: exact
+    assert (out / "ecdf.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "q25=25 median=50 q75=75" in printed
+    assert "1e+12-DP under replace-one" in printed
+
+
+@pytest.mark.parametrize("smoothing", ["none", "l1", "l2"])
+def test_ecdf_command_smoothing(
+    income: Path, tmp_path: Path, smoothing: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / smoothing
+    code = main(
+        [
+            "ecdf", str(income), "--column", "income", "--lower", "0", "--upper", "100",
+            "--size", "64", "--epsilon", "0.5", "--smoothing", smoothing,
+            "--neighbouring", "add-remove", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    _, table = read_csv(out / "ecdf.csv")
+    assert table.shape == (64, 2)
+    if smoothing != "none":
+        assert np.all(np.diff(table[:, 1]) >= 0)
+        assert table[:, 1].min() >= 0 and table[:, 1].max() <= 1
+    assert "quartiles:" in capsys.readouterr().out
+
+
+def test_roc_command_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 400)
+    s = np.round(np.clip(rng.normal(0.4 + 0.2 * y, 0.15), 0, 1), 2)
+    path = write_csv(
+        tmp_path / "scores.csv", ["score", "label"], [[a, b] for a, b in zip(s, y, strict=True)]
+    )
+    out = tmp_path / "roc"
+    code = run(
+        ["roc", str(path), "--score", "score", "--label", "label", "--size", "101",
+         "--epsilon", HUGE, "--seed", "1", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    header, table = read_csv(out / "roc.csv")
+    assert header == ["threshold", "fpr", "tpr"]
+    assert table.shape == (101, 3)
+    assert np.all(np.diff(table[:, 1]) <= 0) and np.all(np.diff(table[:, 2]) <= 0)
+    assert (out / "roc.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    auc = float(printed.split("AUC=")[1].split()[0])
+    assert auc == pytest.approx(roc_auc_score(y, s), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--column", "missing"], "--column: no column 'missing'"),
+        (["--column", "id"], "--column: data row 1 is not a number"),
+        (["--epsilon", "0"], "--epsilon: must be > 0"),
+        (["--epsilon", "abc"], "--epsilon: expected a number"),
+        (["--epsilon", "nan"], "--epsilon: must be finite"),
+        (["--size", "1"], "--size: must be >= 2"),
+        (["--upper", "-5"], "--upper: must be > --lower"),
+        (["--neighbouring", "swap"], "--neighbouring: must be replace_one or add_remove"),
+        (["--smoothing", "spline"], "--smoothing: must be isotonic, l1, l2 or none"),
+        (["--seed", "-1"], "--seed: must be >= 0"),
+    ],
+)
+def test_ecdf_bad_input_exits_2(
+    income: Path,
+    tmp_path: Path,
+    extra: list[str],
+    needle: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = {
+        "--column": "income", "--lower": "0", "--upper": "100", "--size": "16",
+        "--epsilon": "1", "--out": str(tmp_path / "o"),
+    }  # fmt: skip
+    for key, value in zip(extra[::2], extra[1::2], strict=True):
+        base[key] = value
+    argv = ["ecdf", str(income)] + [x for kv in base.items() for x in kv]
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("clipless ecdf: error: ") and needle in err
+
+
+def test_bad_files_and_labels_exit_2(
+    income: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = str(tmp_path / "o")
+    common = ["--lower", "0", "--upper", "1", "--size", "8", "--epsilon", "1", "--out", out]
+    assert run(["ecdf", str(tmp_path / "nope.csv"), "--column", "x", *common]) == 2
+    assert "FILE.csv: no such file" in capsys.readouterr().err
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    assert run(["ecdf", str(empty), "--column", "x", *common]) == 2
+    assert "is empty" in capsys.readouterr().err
+    header_only = write_csv(tmp_path / "h.csv", ["x"], [])
+    assert run(["ecdf", str(header_only), "--column", "x", *common]) == 2
+    assert "no data rows" in capsys.readouterr().err
+    bad_labels = write_csv(tmp_path / "l.csv", ["s", "y"], [[0.1, 0], [0.2, 2]])
+    assert run(["roc", str(bad_labels), "--score", "s", "--label", "y", *common[6:]]) == 2
+    assert "--label: data row 2 is not a 0/1 label" in capsys.readouterr().err
+    assert run(["roc", str(income), "--score", "income", "--label", "nope", *common]) == 2
+    assert "--label: no column 'nope'" in capsys.readouterr().err
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert run(["roc", str(income), "--score", "income", "--label", "flag", "--epsilon", "1",
+                "--out", str(a_file)]) == 2  # fmt: skip
+    assert "--out: " in capsys.readouterr().err
+
+
+def test_missing_required_argument_is_an_argparse_error(income: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run(["ecdf", str(income), "--column", "income"])
+    assert exc.value.code == 2
