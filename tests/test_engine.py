@@ -315,3 +315,23 @@ def test_bad_arguments(kwargs: dict, match: str) -> None:
     neighbouring = kwargs.pop("neighbouring", "add_remove")
     with pytest.raises(ValueError, match=match):
         _private(noise, neighbouring, **kwargs)
+
+
+def test_ledger_written_before_noise(tmp_path, monkeypatch) -> None:
+    """Write-ahead accounting: a crash while drawing the noise still leaves the step on disk."""
+    from clipless.accounting import PrivacyLedger
+
+    path = tmp_path / "ledger.json"
+    engine, m, o, dl = _private(ledger_path=path)
+    _train_steps(m, o, dl, o.loss, 2)
+    assert PrivacyLedger.from_json(path).steps == 2
+
+    def crash() -> None:
+        raise RuntimeError("power cut")
+
+    monkeypatch.setattr(o, "add_noise", crash)
+    with pytest.raises(RuntimeError, match="power cut"):
+        o.step()
+    on_disk = PrivacyLedger.from_json(path)
+    assert on_disk.steps == 3
+    assert on_disk.epsilon(1e-5) == pytest.approx(engine.get_epsilon(1e-5), rel=1e-12)

@@ -15,6 +15,7 @@ The mechanism is Clipless DP-SGD (seed Algorithm 1) with ``scaling="bound"`` and
 from __future__ import annotations
 
 import math
+import os
 import secrets
 import warnings
 from collections.abc import Mapping
@@ -75,6 +76,7 @@ class PrivacyEngine:
         allow_unproven: bool = False,
         input_shape: tuple[int, ...] | None = None,
         sample_rate: float | None = None,
+        ledger_path: str | os.PathLike[str] | None = None,
     ) -> tuple[torch.nn.Module, DPOptimizer, DataLoader[Any]]:
         """Return ``(module, optimizer, data_loader)`` ready for private training.
 
@@ -83,6 +85,8 @@ class PrivacyEngine:
         ``target_epsilon`` and ``target_delta`` with ``epochs`` (or ``steps``), in which case the
         smallest effective multiplier meeting the target is calibrated. ``neighbouring`` is
         ``"add_remove"`` (default) or ``"replace_one"`` (doubles every sensitivity).
+        With ``ledger_path`` the privacy ledger is written (atomically) before every step's noise
+        is drawn, so a crash never loses accounting.
         """
         from clipless import bounds, constraints, nn, sampling
 
@@ -175,6 +179,7 @@ class PrivacyEngine:
             max_norm=max_norm,
             sensitivity_factor=_sensitivity_factor(neighbouring),
             generator=generator,
+            ledger_path=ledger_path,
         )
         self.data_loader = loader
         self._config = {

@@ -31,6 +31,7 @@ statistical release of :mod:`clipless.stats` uses exact discrete samplers instea
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -76,6 +77,7 @@ class DPOptimizer(torch.optim.Optimizer):
         max_norm: float = 1.0,
         sensitivity_factor: float = 1.0,
         generator: torch.Generator | None = None,
+        ledger_path: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -118,6 +120,7 @@ class DPOptimizer(torch.optim.Optimizer):
             generator = torch.Generator(device="cpu")
             generator.manual_seed(secrets.randbits(63))
         self.generator = generator
+        self.ledger_path = ledger_path
         self._names = self._parameter_names()
         self._report: BoundReport | None = None
         self._report_key: tuple[tuple[int, int], ...] | None = None
@@ -224,13 +227,17 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Write-ahead accounting: the step is recorded (and persisted, with a ledger_path) before
+        # any noisy value exists, so a crash can only over-count, never under-count.
+        self.ledger.record(self.accounting_noise_multiplier, self.sample_rate)
+        if self.ledger_path is not None:
+            self.ledger.to_json(self.ledger_path)
         self.add_noise()
         self.original_optimizer.step()
         if self.constraint is not None:
             from clipless import constraints
 
             constraints.project(self.module, mode=self.constraint, max_norm=self.max_norm)  # type: ignore[arg-type]
-        self.ledger.record(self.accounting_noise_multiplier, self.sample_rate)
         self.refresh()
         return loss
 
