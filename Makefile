@@ -29,6 +29,11 @@ format: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
+# Populates the dataset cache ($$CLIPLESS_DATA or ~/.cache/clipless) for the benchmarks (DATA.md).
+data: $(STAMP)
+	$(VENV)/bin/clipless data fetch fashion-mnist
+	$(VENV)/bin/clipless data fetch adult
+
 demo: $(STAMP)
 	$(VENV)/bin/clipless train --dataset breast-cancer --epsilon 1.0 --delta 1e-5 --epochs 30 --out runs/demo
 

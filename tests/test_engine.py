@@ -112,6 +112,19 @@ def test_sensitivities_are_cotangent_bounds() -> None:
     assert rep.layers[0].cotangent_bound == pytest.approx(sens["1.weight"], rel=1e-12)
 
 
+def test_global_noise_uses_joint_layer_bounds() -> None:
+    """With biases, weight and bias share one bound per layer: G = sqrt(sum_k G_k^2)."""
+    _, _, o, _ = _private("global", noise_multiplier=1.0, bias=True)
+    sens = o.sensitivities()
+    layers = o.layer_sensitivities()
+    assert set(layers) == {"1", "3"}
+    for path, g in layers.items():
+        assert sens[f"{path}.weight"] == sens[f"{path}.bias"] == g
+    expected = math.sqrt(layers["1"] ** 2 + layers["3"] ** 2)
+    for std in o.noise_stds().values():
+        assert std == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize("noise", ["global", "per-layer"])
 def test_empirical_noise_std(noise: str) -> None:
     """With zero gradients the noise added to each parameter has std sigma_k G_k / (q N)."""
@@ -126,7 +139,7 @@ def test_empirical_noise_std(noise: str) -> None:
             draws[k].append(names[k].grad.flatten().clone())
     qn = o.sample_rate * o.num_samples
     assert qn == pytest.approx(20.0)
-    g = math.sqrt(sum(v**2 for v in o.sensitivities().values()))
+    g = math.sqrt(sum(v**2 for v in o.layer_sensitivities().values()))
     for k, sd in stds.items():
         expect = 0.7 * (g if noise == "global" else o.sensitivities()[k])
         assert sd == pytest.approx(expect, rel=1e-12)

@@ -119,7 +119,17 @@ class PrivacyEngine:
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon")
 
-        loader = sampling.as_poisson_loader(data_loader, sample_rate=sample_rate)
+        if isinstance(data_loader, sampling.PoissonDataLoader) and sample_rate is None:
+            loader = data_loader
+        else:
+            # The batch choice must be secret (amplification by subsampling): the sampler draws
+            # from the OS CSPRNG unless this engine was given a seed (reproducible experiments).
+            sampler_gen = None
+            if self.seed is not None:
+                sampler_gen = torch.Generator().manual_seed(self.seed + 1)
+            loader = sampling.as_poisson_loader(
+                data_loader, sample_rate=sample_rate, generator=sampler_gen
+            )
         q = loader.sample_rate
         n = loader.num_samples
         if input_shape is None:

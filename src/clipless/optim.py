@@ -17,7 +17,7 @@ noise) and Lip-DP-SGD (thesis Algorithm 8). One step:
    effective noise multiplier ``sigma_eff = (sum_p sigma_p^-2)^(-1/2)``.
 
 Noise strategies: ``"global"`` gives every tensor the same standard deviation ``sigma * G`` with
-``G = sqrt(sum_p Delta_p^2)`` (one Gaussian mechanism on the concatenated gradient,
+``G = sqrt(sum_k Delta_k^2)`` over layers (one Gaussian mechanism on the concatenated gradient,
 ``sigma_eff = sigma``); ``"per-layer"`` gives tensor ``p`` the standard deviation
 ``sigma * Delta_p`` (``sigma_eff = sigma / sqrt(D)`` over ``D`` parameter tensors). Both are
 the same mechanism.
@@ -175,15 +175,36 @@ class DPOptimizer(torch.optim.Optimizer):
                 out[name] = out.get(name, 0.0) + lb.cotangent_bound * self.sensitivity_factor
         return out
 
+    def layer_sensitivities(self) -> dict[str, float]:
+        """Joint sensitivity of each parametric layer's optimised parameters (path -> bound).
+
+        The scaling divides a sample's contribution to a layer's weight *and* bias jointly by
+        ``max(n_i, T_k)`` with ``n_i`` bounding the joint gradient norm (``sqrt(||x||^2 + 1)`` for
+        a dense layer with a bias), so the concatenated (weight, bias) contribution has norm at
+        most ``G_k`` (times the neighbouring factor), not ``sqrt(2) G_k``.
+        """
+        report = self.bound_report()
+        optimised = set(self._names.values())
+        out: dict[str, float] = {}
+        for lb in report.layers:
+            if any(name in optimised for name in lb.gradient_bounds):
+                out[lb.path] = out.get(lb.path, 0.0) + lb.cotangent_bound * self.sensitivity_factor
+        return out
+
     def noise_stds(self) -> dict[str, float]:
-        """Standard deviation of the Gaussian noise added to each parameter's summed gradient."""
+        """Standard deviation of the Gaussian noise added to each parameter's summed gradient.
+
+        ``global``: one Gaussian mechanism on the concatenation of all optimised gradients, whose
+        L2 sensitivity is ``G = sqrt(sum_k Delta_k^2)`` over layers (:meth:`layer_sensitivities`);
+        every tensor gets std ``sigma G``. ``per-layer``: tensor ``p`` gets ``sigma Delta_p``.
+        """
         delta = self.sensitivities()
         names = list(self._names.values())
         missing = [n for n in names if n not in delta]
         if missing:
             raise ValueError(f"no certified sensitivity for parameters {missing}")
         if self.noise == "global":
-            total = math.sqrt(math.fsum(delta[n] ** 2 for n in names))
+            total = math.sqrt(math.fsum(v**2 for v in self.layer_sensitivities().values()))
             return dict.fromkeys(names, self.noise_multiplier * total)
         return {n: self.noise_multiplier * delta[n] for n in names}
 

@@ -17,6 +17,7 @@ and restore it; it is not a cryptographically secure source.
 from __future__ import annotations
 
 import numbers
+import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -63,8 +64,10 @@ class PoissonSampler(Sampler[list[int]]):
 
     Yields lists of distinct indices in increasing order, possibly empty. ``steps`` defaults to
     ``round(1 / sample_rate)`` (one expected pass over the data). ``generator`` defaults to a
-    private ``torch.Generator`` seeded from torch's global generator, so ``torch.manual_seed``
-    makes runs reproducible; pass a seeded generator to control it explicitly.
+    private ``torch.Generator`` seeded from the operating system's CSPRNG (:mod:`secrets`): the
+    amplification by subsampling assumes the batch choice is secret, so it must not be
+    predictable from a public seed such as ``torch.manual_seed``. Pass a seeded generator for
+    reproducible experiments (which then forgo that assumption).
 
     >>> g = torch.Generator().manual_seed(0)
     >>> sampler = PoissonSampler(10, 0.3, steps=3, generator=g)
@@ -87,8 +90,7 @@ class PoissonSampler(Sampler[list[int]]):
             else _check_positive_int(steps, "steps")
         )
         if generator is None:
-            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator().manual_seed(secrets.randbits(63))
         elif not isinstance(generator, torch.Generator):
             raise TypeError(
                 f"generator must be a torch.Generator or None; got {type(generator).__name__}"

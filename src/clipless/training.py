@@ -1,0 +1,839 @@
+"""The training loop: :func:`fit` (epochs, evaluation, budget stop, checkpoints, EMA, augmentation
+multiplicity, metrics) and :func:`plot_training`.
+
+One front door::
+
+    engine = clipless.PrivacyEngine(accountant="pld")
+    model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer,
+                                                   data_loader=loader, loss=loss, ...)
+    result = fit(model, optimizer, loader, loss, engine=engine, epochs=30, delta=1e-5,
+                 eval_loader=test_loader, epsilon_budget=1.0, checkpoint_dir="runs/x")
+
+What is private and what is not
+-------------------------------
+* The weights after every step, their projection, their EMA (a fixed function of the private
+  iterates: post-processing) and every metric computed on *public* evaluation data are covered by
+  the DP guarantee the ledger reports.
+* The training loss and accuracy shown in the progress bar and stored in the metrics are computed
+  on the private training batches: they are **not** DP releases. They are diagnostics for the
+  operator; do not publish them as part of a private release (or evaluate on public data instead).
+
+Budget
+------
+With ``epsilon_budget``, :meth:`clipless.PrivacyEngine.would_exceed` is asked before *every* step
+(including steps on empty Poisson batches, which still add noise and count); training stops before
+the first step that would push epsilon above the budget, then writes the ledger and a checkpoint and
+reports ``stop_reason="budget"``. (The ledger caches the number of affordable steps, so asking
+before every step is cheap.)
+
+Augmentation multiplicity
+-------------------------
+With ``augmult=K``, every sample of the Poisson batch is augmented ``K`` times (``augment`` is
+applied to the batch of ``B*K`` repeated inputs) and the loss of each copy is weighted ``1/K``, so
+sample ``i``'s contribution to any layer's gradient is the *mean* of ``K`` scaled per-copy
+contributions.
+Each of those has norm at most the layer's sensitivity ``G_k`` (the per-copy loss gradient is
+bounded by the loss's Lipschitz constant, and gradient scaling acts per copy), so by the triangle
+inequality the mean has norm at most ``G_k``: the sensitivity, hence the noise and the accounting,
+are unchanged (De et al. 2022, "Unlocking high-accuracy differentially private image
+classification through scale", section 3.2). This requires that the model treats the ``B*K`` rows
+independently (true for every clipless layer: there is no batch normalisation).
+
+Checkpoints and resume
+----------------------
+Each epoch (and at a budget stop) ``checkpoint_dir/checkpoint.pt`` is written atomically with the
+model, optimizer, engine (ledger and noise-generator state), EMA, the torch / Python / NumPy global
+RNG states, the states of the generators found on the data loader (Poisson sampling), the epoch and
+the metrics. ``checkpoint_dir/ledger.json`` is also written by the optimizer *before* every step's
+noise is drawn (write-ahead accounting), so even a hard kill loses no accounting. ``resume=True``
+(or a path) continues from it; with the same seeds the resumed run is step-for-step the run that
+was never interrupted (same ledger, same epsilon, same weights). After a crash, a resume keeps the
+larger of the two ledgers: steps taken after the last checkpoint were spent, even though their
+weights are lost.
+Checkpoints are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import math
+import os
+import random
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from clipless.engine import PrivacyEngine
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "LEDGER_NAME",
+    "FitResult",
+    "WeightEMA",
+    "evaluate",
+    "fit",
+    "load_checkpoint",
+    "plot_training",
+    "save_checkpoint",
+    "training_loss",
+    "write_metrics",
+]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+LEDGER_NAME = "ledger.json"
+_CHECKPOINT_FORMAT = 1
+
+PathLike = str | os.PathLike[str]
+Augment = Callable[[torch.Tensor], torch.Tensor]
+EpochCallback = Callable[[dict[str, Any]], "bool | None"]
+
+
+# ------------------------------------------------------------------------------------- results
+@dataclass
+class FitResult:
+    """What :func:`fit` returns.
+
+    ``stop_reason`` is ``"completed"``, ``"budget"`` (the next step would have exceeded
+    ``epsilon_budget``) or ``"callback"`` (``on_epoch_end`` returned ``True``). ``history`` holds
+    one record per (possibly partial) epoch; ``epsilon`` is spent at ``delta`` after the last step.
+    ``ema_model`` is the EMA of the weights when ``ema_decay`` was given (the model that was
+    evaluated), else ``None``.
+    """
+
+    history: list[dict[str, Any]]
+    stop_reason: str
+    epochs_completed: int
+    steps: int
+    epsilon: float
+    delta: float
+    epsilon_budget: float | None = None
+    checkpoint_path: Path | None = None
+    metrics_path: Path | None = None
+    ema_model: torch.nn.Module | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final(self) -> dict[str, Any]:
+        """The last history record (``{}`` if no epoch ran)."""
+        return dict(self.history[-1]) if self.history else {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable summary (what ``metrics.json`` holds)."""
+        return {
+            "history": [dict(r) for r in self.history],
+            "stop_reason": self.stop_reason,
+            "epochs_completed": self.epochs_completed,
+            "steps": self.steps,
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "epsilon_budget": self.epsilon_budget,
+            "config": _jsonable(self.config),
+            "final": self.final,
+        }
+
+
+# ------------------------------------------------------------------------------------------ EMA
+class WeightEMA:
+    """Exponential moving average of a model's parameters (and a copy of its buffers).
+
+    ``ema <- d * ema + (1 - d) * w`` after every optimizer step, with the usual warm-up
+    ``d = min(decay, (1 + t) / (10 + t))`` at update ``t``. The EMA is a fixed function of the
+    private iterates (post-processing). With the ``clip`` / ``fix`` constraints every iterate
+    satisfies ``||W|| <= C`` per layer, and so does any convex combination of them (a norm is
+    convex), so the EMA model keeps the Lipschitz constraint.
+    """
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        if not (isinstance(decay, float | int) and 0.0 < float(decay) < 1.0):
+            raise ValueError(f"ema_decay must be in (0, 1); got {decay!r}")
+        self.decay = float(decay)
+        self.updates = 0
+        self.model = copy.deepcopy(model)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        """Fold the current weights of ``model`` into the average."""
+        self.updates += 1
+        d = min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
+        for avg, p in zip(self.model.parameters(), model.parameters(), strict=True):
+            avg.mul_(d).add_(p.detach(), alpha=1.0 - d)
+        for avg_b, b in zip(self.model.buffers(), model.buffers(), strict=True):
+            avg_b.copy_(b)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "updates": self.updates, "decay": self.decay}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.updates = int(state["updates"])
+
+
+# ------------------------------------------------------------------------------ checkpointing
+def save_checkpoint(path: PathLike, state: Mapping[str, Any]) -> Path:
+    """``torch.save`` ``state`` to ``path`` atomically (temporary file, fsync, rename).
+
+    The file is created readable by its owner only (``0o600``): a training checkpoint holds the
+    state of the noise generator, and whoever knows it can recompute the noise of later steps.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(dict(state), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def load_checkpoint(path: PathLike) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`fit` (``weights_only=True``: no arbitrary pickles)."""
+    state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a clipless training checkpoint")
+    return state
+
+
+def _default_mode() -> int:
+    """``0o666`` minus the process umask (what ``open(path, "w")`` would give)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, _default_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    np_state: Any = np.random.get_state()  # noqa: NPY002 - the legacy global state
+    return {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": {
+            "name": str(np_state[0]),
+            "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+    }
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state(  # noqa: NPY002 - the legacy global state
+        (
+            np_state["name"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+
+
+def _find_generators(loader: object) -> dict[str, torch.Generator | np.random.Generator]:
+    """The random generators reachable from a data loader (its sampler, batch sampler...)."""
+    found: dict[str, torch.Generator | np.random.Generator] = {}
+    seen: set[int] = set()
+
+    def visit(obj: object, path: str, depth: int) -> None:
+        if id(obj) in seen or depth > 3:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Generator | np.random.Generator):
+            found[path] = obj
+            return
+        if isinstance(obj, torch.Tensor | torch.nn.Module | torch.utils.data.Dataset):
+            return
+        attrs = getattr(obj, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return
+        for name, value in sorted(attrs.items()):
+            if isinstance(value, str | int | float | bool | bytes | type(None)):
+                continue
+            visit(value, f"{path}.{name}" if path else name, depth + 1)
+
+    visit(loader, "", 0)
+    return found
+
+
+def _generator_states(loader: object) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, gen in _find_generators(loader).items():
+        if isinstance(gen, torch.Generator):
+            out[path] = {"kind": "torch", "state": gen.get_state()}
+        else:
+            out[path] = {"kind": "numpy", "state": json.dumps(gen.bit_generator.state)}
+    return out
+
+
+def _set_generator_states(loader: object, states: Mapping[str, Any]) -> None:
+    generators = _find_generators(loader)
+    for path, entry in states.items():
+        gen = generators.get(path)
+        if gen is None:
+            warnings.warn(
+                f"checkpoint has a state for loader generator {path!r} that this loader lacks; "
+                "the resumed run will sample different batches",
+                stacklevel=3,
+            )
+            continue
+        if isinstance(gen, torch.Generator):
+            gen.set_state(entry["state"])
+        else:
+            gen.bit_generator.state = json.loads(entry["state"])
+
+
+# ---------------------------------------------------------------------------------- metrics
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return str(value)
+
+
+def write_metrics(result: FitResult | Mapping[str, Any], path: PathLike) -> tuple[Path, Path]:
+    """Write ``metrics.json`` (everything) and ``metrics.csv`` (the history) next to each other.
+
+    ``path`` names the JSON file; the CSV gets the same stem with ``.csv``. Both atomically.
+    """
+    data = result.to_dict() if isinstance(result, FitResult) else _jsonable(dict(result))
+    json_path = Path(path)
+    if json_path.suffix != ".json":
+        json_path = json_path.with_suffix(".json")
+    csv_path = json_path.with_suffix(".csv")
+    _atomic_write_text(json_path, json.dumps(_jsonable(data), indent=2) + "\n")
+    history: Sequence[Mapping[str, Any]] = data.get("history", [])
+    columns: list[str] = []
+    for record in history:
+        columns.extend(k for k in record if k not in columns)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for record in history:
+        writer.writerow({k: ("" if record.get(k) is None else record.get(k)) for k in columns})
+    _atomic_write_text(csv_path, buffer.getvalue())
+    return json_path, csv_path
+
+
+def plot_training(
+    metrics: FitResult | Mapping[str, Any] | Sequence[Mapping[str, Any]], path: PathLike
+) -> Path:
+    """PNG with accuracy (train, test) and epsilon against epochs (matplotlib, Agg canvas).
+
+    ``metrics`` is a :class:`FitResult`, a ``metrics.json`` dictionary, or a history list.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if isinstance(metrics, FitResult):
+        history: Sequence[Mapping[str, Any]] = metrics.history
+    elif isinstance(metrics, Mapping):
+        history = metrics.get("history", [])
+    else:
+        history = metrics
+    epochs = [r.get("epoch_progress", r.get("epoch")) for r in history]
+    fig = Figure(figsize=(9.0, 3.6), dpi=110)
+    FigureCanvasAgg(fig)
+    ax_acc, ax_eps = fig.subplots(1, 2)
+    for key, label, style in (
+        ("train_accuracy", "train (running; not a DP release)", "--"),
+        ("test_accuracy", "test", "-"),
+    ):
+        points = [
+            (e, r[key]) for e, r in zip(epochs, history, strict=True) if r.get(key) is not None
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax_acc.plot(xs, ys, style, marker="o", markersize=3, label=label)
+    ax_acc.set_xlabel("epoch")
+    ax_acc.set_ylabel("accuracy")
+    ax_acc.set_title("accuracy")
+    ax_acc.grid(alpha=0.3)
+    if ax_acc.lines:
+        ax_acc.legend(loc="lower right", fontsize=8)
+    points = [
+        (e, r["epsilon"])
+        for e, r in zip(epochs, history, strict=True)
+        if r.get("epsilon") is not None
+    ]
+    if points:
+        xs, ys = zip(*points, strict=True)
+        ax_eps.plot(xs, ys, marker="o", markersize=3, color="tab:red", label="spent")
+    budget = metrics.epsilon_budget if isinstance(metrics, FitResult) else None
+    if isinstance(metrics, Mapping):
+        budget = metrics.get("epsilon_budget")
+    if budget is not None:
+        ax_eps.axhline(float(budget), color="gray", linestyle=":", label="budget")
+    delta = history[-1].get("delta") if history else None
+    ax_eps.set_xlabel("epoch")
+    ax_eps.set_ylabel("epsilon")
+    ax_eps.set_title(f"privacy spent (delta = {delta:g})" if delta else "privacy spent")
+    ax_eps.grid(alpha=0.3)
+    if ax_eps.lines:
+        ax_eps.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, format="png")
+    return target
+
+
+# ------------------------------------------------------------------------------- evaluation
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, Mapping):
+        return batch["x"] if "x" in batch else batch["input"], batch[
+            "y"
+        ] if "y" in batch else batch["target"]
+    if isinstance(batch, list | tuple) and len(batch) >= 2:
+        return batch[0], batch[1]
+    raise TypeError(f"data loaders must yield (inputs, targets) pairs; got {type(batch).__name__}")
+
+
+def _correct(logits: torch.Tensor, y: torch.Tensor) -> int:
+    if logits.dim() >= 2 and logits.shape[-1] > 1:
+        pred = logits.argmax(dim=-1)
+    else:
+        pred = (logits.reshape(y.shape) > 0).to(y.dtype)
+    return int((pred == y.reshape(pred.shape)).sum())
+
+
+def _loss_sum(loss: torch.nn.Module, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    value = loss(logits, y)
+    reduction = getattr(loss, "reduction", "sum")
+    if reduction == "mean":
+        return value * logits.shape[0]
+    if reduction == "none":
+        return value.sum()
+    return value
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, loader: Iterable[Any], loss: torch.nn.Module | None = None
+) -> dict[str, float]:
+    """Mean loss (if ``loss``) and accuracy of ``model`` over ``loader`` (eval mode, no grad)."""
+    device = _device_of(model)
+    was_training = model.training
+    model.eval()
+    total, correct, loss_sum = 0, 0, 0.0
+    try:
+        for batch in loader:
+            x, y = _split_batch(batch)
+            if x.shape[0] == 0:
+                continue
+            x, y = x.to(device), y.to(device)
+            logits = model(x)
+            correct += _correct(logits, y)
+            total += int(x.shape[0])
+            if loss is not None:
+                loss_sum += float(_loss_sum(loss, logits, y))
+    finally:
+        model.train(was_training)
+    out = {"accuracy": correct / total if total else float("nan")}
+    if loss is not None:
+        out["loss"] = loss_sum / total if total else float("nan")
+    return out
+
+
+# ------------------------------------------------------------------------------------- fit
+def training_loss(
+    model: torch.nn.Module,
+    loss: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    augment: Augment | None = None,
+    augmult: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The summed loss of one batch whose backward gives the (scaled) gradient sum.
+
+    Without ``augment``: ``sum_i loss(model(x_i), y_i)``. With ``augment`` and ``augmult=K``:
+    ``sum_i (1/K) sum_j loss(model(a_ij), y_i)`` over ``a = augment(x repeated K times per
+    sample)``, one forward of ``B*K`` rows; each sample's gradient contribution is then the mean of
+    ``K`` contributions each bounded by the layer's sensitivity, so it is bounded by it too (module
+    docstring). Returns ``(loss, logits, targets)`` (``logits``/``targets`` of the ``B*K`` rows).
+    """
+    if augment is not None:
+        x_in = augment(x.repeat_interleave(augmult, dim=0))
+        if x_in.shape[0] != x.shape[0] * augmult:
+            raise ValueError(
+                f"augment must return one row per input row; got {x_in.shape[0]} rows for "
+                f"{x.shape[0] * augmult}"
+            )
+        y_in = y.repeat_interleave(augmult, dim=0)
+    else:
+        x_in, y_in = x, y
+    logits = model(x_in)
+    return _loss_sum(loss, logits, y_in) / augmult, logits, y_in
+
+
+def _ledger_steps(engine: PrivacyEngine) -> int:
+    ledger = getattr(engine, "ledger", None)
+    return int(getattr(ledger, "steps", 0)) if ledger is not None else 0
+
+
+def _epsilon(engine: PrivacyEngine, delta: float) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        return float(engine.get_epsilon(delta))
+
+
+def _write_ledger(engine: PrivacyEngine, path: Path) -> None:
+    ledger = getattr(engine, "ledger", None)
+    if ledger is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ledger.to_json(path)
+
+
+def _validate(
+    epochs: int,
+    delta: float,
+    epsilon_budget: float | None,
+    ema_decay: float | None,
+    augment: Augment | None,
+    augmult: int,
+) -> None:
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be a positive integer; got {epochs!r}")
+    if not (isinstance(delta, float | int) and 0.0 < float(delta) < 1.0):
+        raise ValueError(f"delta must be in (0, 1); got {delta!r}")
+    if epsilon_budget is not None and not (
+        isinstance(epsilon_budget, float | int)
+        and math.isfinite(epsilon_budget)
+        and epsilon_budget > 0
+    ):
+        raise ValueError(
+            f"epsilon_budget must be a finite number > 0 or None; got {epsilon_budget!r}"
+        )
+    if ema_decay is not None and not (isinstance(ema_decay, float | int) and 0.0 < ema_decay < 1.0):
+        raise ValueError(f"ema_decay must be in (0, 1) or None; got {ema_decay!r}")
+    if isinstance(augmult, bool) or not isinstance(augmult, int) or augmult < 1:
+        raise ValueError(f"augmult must be a positive integer; got {augmult!r}")
+    if augmult > 1 and augment is None:
+        raise ValueError("augmult > 1 needs augment= (K identical copies would change nothing)")
+    if augment is not None and not callable(augment):
+        raise TypeError(f"augment must be callable (a batch of inputs -> a batch); got {augment!r}")
+
+
+def _resume_path(resume: bool | PathLike, checkpoint_dir: Path | None) -> Path | None:
+    if resume is False or resume is None:
+        return None
+    if resume is True:
+        if checkpoint_dir is None:
+            raise ValueError("resume=True needs checkpoint_dir (or pass resume=<checkpoint path>)")
+        path = checkpoint_dir / CHECKPOINT_NAME
+        return path if path.is_file() else None
+    path = Path(resume)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"resume: no checkpoint at {path}")
+    return path
+
+
+def fit(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_loader: DataLoader[Any] | Iterable[Any],
+    loss: torch.nn.Module,
+    *,
+    engine: PrivacyEngine,
+    epochs: int,
+    delta: float,
+    eval_loader: Iterable[Any] | None = None,
+    epsilon_budget: float | None = None,
+    checkpoint_dir: PathLike | None = None,
+    resume: bool | PathLike = False,
+    ema_decay: float | None = None,
+    augment: Augment | None = None,
+    augmult: int = 1,
+    metrics_path: PathLike | None = None,
+    progress: bool = True,
+    on_epoch_end: EpochCallback | None = None,
+) -> FitResult:
+    """Train ``model`` privately for ``epochs`` passes over ``train_loader`` (module docstring).
+
+    ``model``, ``optimizer`` and ``train_loader`` are what ``engine.make_private`` returned and
+    ``loss`` the loss given to it (reduction ``"sum"``: the optimizer divides the noisy sum by the
+    expected batch size). Every epoch: the Poisson batches are trained on (an empty batch still
+    takes a noisy step), then ``eval_loader`` (public or held-out data) is evaluated with the EMA
+    weights if ``ema_decay`` is given, a history record is appended (``epoch``, ``steps``,
+    ``train_loss``, ``train_accuracy``, ``test_loss``, ``test_accuracy``, ``epsilon``, ``delta``,
+    ``lr``, ``time_s``, ``complete``), a checkpoint is written to ``checkpoint_dir`` and
+    ``on_epoch_end(record)`` is called (return ``True`` to stop). ``resume=True`` continues from
+    ``checkpoint_dir/checkpoint.pt`` if present (a path: from that checkpoint). ``metrics_path``
+    (``.json``; a ``.csv`` of the history is written beside it) is rewritten every epoch.
+    """
+    _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult)
+    reduction = getattr(loss, "reduction", "sum")
+    if reduction != "sum":
+        raise ValueError(
+            f"loss.reduction must be 'sum' (make_private sets it; the optimizer divides by the "
+            f"expected batch size); got {reduction!r}"
+        )
+    from tqdm.auto import tqdm
+
+    delta = float(delta)
+    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    metrics_file = Path(metrics_path) if metrics_path is not None else None
+    device = _device_of(model)
+    ema = WeightEMA(model, float(ema_decay)) if ema_decay is not None else None
+    history: list[dict[str, Any]] = []
+    start_epoch = 0
+    stop_reason = "completed"
+
+    if ckpt_dir is not None and getattr(optimizer, "ledger_path", "") is None:
+        # Write-ahead accounting (clipless.optim): every step is on disk before its noise exists.
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        optimizer.ledger_path = ckpt_dir / LEDGER_NAME  # type: ignore[attr-defined]
+    resume_from = _resume_path(resume, ckpt_dir)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        engine_state = dict(state["engine"])
+        ledger_file = resume_from.parent / LEDGER_NAME
+        engine_state = _prefer_larger_ledger(engine_state, ledger_file)
+        engine.load_state_dict(engine_state)
+        if ema is not None and state.get("ema") is not None:
+            ema.load_state_dict(state["ema"])
+        _set_rng_state(state["rng"])
+        _set_generator_states(train_loader, state.get("loader_generators", {}))
+        history = [dict(r) for r in state.get("history", [])]
+        start_epoch = int(state["epoch"])
+        if history and not history[-1].get("complete", True):
+            # Stopped inside an epoch (budget): that epoch is run again as a fresh pass.
+            history.pop()
+        refresh = getattr(optimizer, "refresh", None)
+        if callable(refresh):
+            refresh()
+
+    try:
+        steps_per_epoch: int | None = len(train_loader)  # type: ignore[arg-type]
+    except TypeError:
+        steps_per_epoch = None
+    bar = tqdm(
+        total=None if steps_per_epoch is None else steps_per_epoch * epochs,
+        initial=0 if steps_per_epoch is None else steps_per_epoch * start_epoch,
+        disable=not progress,
+        unit="step",
+        dynamic_ncols=True,
+        leave=False,
+    )
+    config = {
+        "epochs": epochs,
+        "delta": delta,
+        "epsilon_budget": epsilon_budget,
+        "ema_decay": ema_decay,
+        "augmult": augmult,
+        "engine": getattr(engine, "config", {}),
+    }
+    epoch = start_epoch
+    epsilon = _epsilon(engine, delta) if _ledger_steps(engine) else 0.0
+    epochs_completed = sum(1 for r in history if r.get("complete"))
+
+    def checkpoint(epoch_index: int, reason: str | None) -> None:
+        if ckpt_dir is None:
+            return
+        _write_ledger(engine, ckpt_dir / LEDGER_NAME)
+        save_checkpoint(
+            ckpt_dir / CHECKPOINT_NAME,
+            {
+                "format": _CHECKPOINT_FORMAT,
+                "epoch": epoch_index,
+                "stop_reason": reason,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "engine": engine.state_dict(),
+                "ema": ema.state_dict() if ema is not None else None,
+                "rng": _rng_state(),
+                "loader_generators": _generator_states(train_loader),
+                "history": [_jsonable(r) for r in history],
+            },
+        )
+
+    def publish(result: FitResult) -> None:
+        if metrics_file is not None:
+            write_metrics(result, metrics_file)
+
+    def make_result() -> FitResult:
+        return FitResult(
+            history=history,
+            stop_reason=stop_reason,
+            epochs_completed=epochs_completed,
+            steps=_ledger_steps(engine),
+            epsilon=epsilon,
+            delta=delta,
+            epsilon_budget=epsilon_budget,
+            checkpoint_path=None if ckpt_dir is None else ckpt_dir / CHECKPOINT_NAME,
+            metrics_path=metrics_file,
+            ema_model=None if ema is None else ema.model,
+            config=config,
+        )
+
+    try:
+        for epoch in range(start_epoch, epochs):
+            started = time.perf_counter()
+            model.train()
+            seen, steps_in_epoch = 0, 0
+            correct, loss_total = 0.0, 0.0
+            budget_hit = False
+            for batch in train_loader:
+                if epsilon_budget is not None and engine.would_exceed(epsilon_budget, delta):
+                    budget_hit = True
+                    break
+                x, y = _split_batch(batch)
+                optimizer.zero_grad()
+                if x.shape[0] > 0:
+                    x, y = x.to(device), y.to(device)
+                    batch_loss, logits, y_in = training_loss(
+                        model, loss, x, y, augment=augment, augmult=augmult
+                    )
+                    batch_loss.backward()
+                    with torch.no_grad():
+                        loss_total += float(batch_loss)
+                        correct += _correct(logits, y_in) / augmult
+                        seen += int(x.shape[0])
+                optimizer.step()
+                if ema is not None:
+                    ema.update(model)
+                steps_in_epoch += 1
+                bar.update(1)
+                if seen:
+                    bar.set_postfix(
+                        loss=f"{loss_total / seen:.4f}",
+                        acc=f"{correct / seen:.3f}",
+                        eps=f"{epsilon:.3f}",
+                        refresh=False,
+                    )
+            epsilon = _epsilon(engine, delta)
+            record: dict[str, Any] = {
+                "epoch": epoch + 1,
+                "epoch_progress": epoch
+                + (steps_in_epoch / steps_per_epoch if steps_per_epoch else 1.0),
+                "steps": _ledger_steps(engine),
+                "train_loss": loss_total / seen if seen else None,
+                "train_accuracy": correct / seen if seen else None,
+                "test_loss": None,
+                "test_accuracy": None,
+                "epsilon": epsilon,
+                "delta": delta,
+                "lr": float(optimizer.param_groups[0].get("lr", float("nan"))),
+                "time_s": time.perf_counter() - started,
+                "complete": not budget_hit,
+            }
+            if eval_loader is not None:
+                scores = evaluate(ema.model if ema is not None else model, eval_loader, loss)
+                record["test_loss"] = scores.get("loss")
+                record["test_accuracy"] = scores["accuracy"]
+            record = {k: _jsonable(v) for k, v in record.items()}
+            history.append(record)
+            bar.set_postfix(
+                loss=_fmt(record["train_loss"]),
+                acc=_fmt(record["train_accuracy"], 3),
+                test=_fmt(record["test_accuracy"], 3),
+                eps=f"{epsilon:.3f}",
+            )
+            if budget_hit:
+                stop_reason = "budget"
+                checkpoint(epoch, "budget")
+                publish(make_result())
+                if on_epoch_end is not None:
+                    on_epoch_end(dict(record))
+                break
+            epochs_completed += 1
+            checkpoint(epoch + 1, None)
+            publish(make_result())
+            if on_epoch_end is not None and on_epoch_end(dict(record)):
+                stop_reason = "callback"
+                break
+    except BaseException:
+        # A crash loses no accounting: the steps taken so far were spent.
+        if ckpt_dir is not None:
+            _write_ledger(engine, ckpt_dir / LEDGER_NAME)
+        raise
+    finally:
+        bar.close()
+    if ckpt_dir is not None:
+        _write_ledger(engine, ckpt_dir / LEDGER_NAME)
+    epsilon = _epsilon(engine, delta) if _ledger_steps(engine) else epsilon
+    result = make_result()
+    publish(result)
+    return result
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    return "-" if value is None else f"{float(value):.{digits}f}"
+
+
+def _prefer_larger_ledger(engine_state: dict[str, Any], ledger_file: Path) -> dict[str, Any]:
+    """Use ``ledger.json`` instead of the checkpoint's ledger if it records more steps.
+
+    Steps taken after the last checkpoint (before a crash) were spent; resuming must not forget
+    them, even though their weights are lost.
+    """
+    if not ledger_file.is_file():
+        return engine_state
+    from clipless.accounting import PrivacyLedger
+
+    on_disk = PrivacyLedger.from_json(ledger_file)
+    in_ckpt = PrivacyLedger.from_dict(engine_state["ledger"])
+    if on_disk.steps > in_ckpt.steps:
+        warnings.warn(
+            f"{ledger_file} records {on_disk.steps} steps but the checkpoint only "
+            f"{in_ckpt.steps}: the steps after the checkpoint were spent and stay in the ledger",
+            stacklevel=3,
+        )
+        engine_state = dict(engine_state)
+        engine_state["ledger"] = on_disk.to_dict()
+    return engine_state

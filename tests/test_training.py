@@ -1,0 +1,405 @@
+"""Tests of :mod:`clipless.training` with the real engine on a tiny synthetic problem."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import clipless.nn as cnn
+from clipless.accounting import PrivacyLedger
+from clipless.engine import PrivacyEngine
+from clipless.training import (
+    CHECKPOINT_NAME,
+    LEDGER_NAME,
+    FitResult,
+    evaluate,
+    fit,
+    load_checkpoint,
+    plot_training,
+    training_loss,
+)
+
+DELTA = 1e-5
+N = 64
+
+
+def _data(seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, 4, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    return TensorDataset(x, y)
+
+
+def _setup(
+    *,
+    sigma: float = 4.0,
+    batch_size: int = 16,
+    seed: int = 0,
+    scaling: str = "per-sample",
+) -> tuple[Any, Any, Any, Any, PrivacyEngine, DataLoader[Any]]:
+    torch.manual_seed(seed)
+    data = _data()
+    model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(4, 8), cnn.GroupSort(2), cnn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    loader = DataLoader(
+        data, batch_size=batch_size, generator=torch.Generator().manual_seed(seed + 1)
+    )
+    loss = cnn.CrossEntropyLoss()
+    engine = PrivacyEngine(accountant="pld", seed=seed + 2)
+    model, optimizer, loader = engine.make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        loss=loss,
+        noise_multiplier=sigma,
+        scaling=scaling,
+        input_shape=(4,),
+    )
+    return model, optimizer, loader, loss, engine, DataLoader(data, batch_size=N)
+
+
+def _noise(x: torch.Tensor) -> torch.Tensor:
+    """An augmentation that draws from torch's global RNG (restored on resume)."""
+    return x + 0.05 * torch.randn_like(x)
+
+
+# ----------------------------------------------------------------------------------- budget
+def test_budget_stop_happens_before_exceeding(tmp_path: Path) -> None:
+    model, optimizer, loader, loss, engine, test_loader = _setup(sigma=8.0)
+    opt = engine.optimizer
+    assert opt is not None
+    # a budget that allows a number of steps that is not a multiple of the epoch length
+    probe = PrivacyLedger("pld")
+    probe.record(opt.effective_noise_multiplier, opt.sample_rate, count=10)
+    budget = probe.epsilon(DELTA) * 1.0001
+    result = fit(
+        model,
+        optimizer,
+        loader,
+        loss,
+        engine=engine,
+        epochs=50,
+        delta=DELTA,
+        eval_loader=test_loader,
+        epsilon_budget=budget,
+        checkpoint_dir=tmp_path,
+        progress=False,
+    )
+    assert result.stop_reason == "budget"
+    assert result.steps == 10 and engine.ledger is not None and engine.ledger.steps == 10
+    assert result.epsilon <= budget and engine.get_epsilon(DELTA) <= budget
+    # one more step would exceed: checked independently of the engine's own answer
+    assert engine.would_exceed(budget, DELTA)
+    one_more = PrivacyLedger.from_dict(engine.ledger.to_dict())
+    one_more.record(opt.effective_noise_multiplier, opt.sample_rate)
+    assert one_more.epsilon(DELTA) > budget
+    # the ledger and a checkpoint were saved at the stop; the last record is partial
+    saved = PrivacyLedger.from_json(tmp_path / LEDGER_NAME)
+    assert saved.to_dict() == engine.ledger.to_dict()
+    state = load_checkpoint(tmp_path / CHECKPOINT_NAME)
+    assert state["stop_reason"] == "budget"
+    assert result.history[-1]["complete"] is False
+    assert result.history[-1]["steps"] == 10
+    # resuming with the same budget takes no step
+    model2, optimizer2, loader2, loss2, engine2, _ = _setup(sigma=8.0)
+    again = fit(
+        model2,
+        optimizer2,
+        loader2,
+        loss2,
+        engine=engine2,
+        epochs=50,
+        delta=DELTA,
+        epsilon_budget=budget,
+        checkpoint_dir=tmp_path,
+        resume=True,
+        progress=False,
+    )
+    assert again.stop_reason == "budget" and again.steps == 10
+
+
+def test_budget_already_spent_takes_no_step() -> None:
+    model, optimizer, loader, loss, engine, _ = _setup()
+    result = fit(
+        model,
+        optimizer,
+        loader,
+        loss,
+        engine=engine,
+        epochs=3,
+        delta=DELTA,
+        epsilon_budget=1e-6,
+        progress=False,
+    )
+    assert result.stop_reason == "budget" and result.steps == 0 and result.epsilon == 0.0
+
+
+# ----------------------------------------------------------------------------------- resume
+def _run(tmp: Path | None, epochs: int, resume: bool) -> tuple[FitResult, Any, PrivacyEngine]:
+    model, optimizer, loader, loss, engine, test_loader = _setup(batch_size=32)
+    result = fit(
+        model,
+        optimizer,
+        loader,
+        loss,
+        engine=engine,
+        epochs=epochs,
+        delta=DELTA,
+        eval_loader=test_loader,
+        checkpoint_dir=tmp,
+        resume=resume,
+        ema_decay=0.9,
+        augment=_noise,
+        augmult=2,
+        progress=False,
+    )
+    return result, model, engine
+
+
+def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    full, full_model, full_engine = _run(tmp_path / "full", 3, resume=False)
+    first, _, _ = _run(tmp_path / "split", 1, resume=False)
+    assert first.epochs_completed == 1
+    resumed, resumed_model, resumed_engine = _run(tmp_path / "split", 3, resume=True)
+    assert resumed.epochs_completed == 3 and len(resumed.history) == 3
+    assert full_engine.ledger is not None and resumed_engine.ledger is not None
+    assert resumed_engine.ledger.to_dict() == full_engine.ledger.to_dict()
+    assert resumed.epsilon == full.epsilon
+    assert (tmp_path / "split" / LEDGER_NAME).read_text() == (
+        tmp_path / "full" / LEDGER_NAME
+    ).read_text()
+    # same seeds: the same batches, noise and augmentations, hence the same weights
+    for (name, a), b in zip(
+        full_model.state_dict().items(), resumed_model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert full.ema_model is not None and resumed.ema_model is not None
+    for a, b in zip(full.ema_model.parameters(), resumed.ema_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert [r["test_accuracy"] for r in resumed.history] == [
+        r["test_accuracy"] for r in full.history
+    ]
+
+
+def test_resume_without_checkpoint_starts_fresh_and_bad_path_fails(tmp_path: Path) -> None:
+    model, optimizer, loader, loss, engine, _ = _setup()
+    result = fit(
+        model,
+        optimizer,
+        loader,
+        loss,
+        engine=engine,
+        epochs=1,
+        delta=DELTA,
+        checkpoint_dir=tmp_path,
+        resume=True,
+        progress=False,
+    )
+    assert result.epochs_completed == 1
+    with pytest.raises(FileNotFoundError, match="resume"):
+        fit(
+            model,
+            optimizer,
+            loader,
+            loss,
+            engine=engine,
+            epochs=1,
+            delta=DELTA,
+            resume=tmp_path / "missing.pt",
+            progress=False,
+        )
+
+
+def test_crash_keeps_the_accounting(tmp_path: Path) -> None:
+    """A crash mid-epoch writes the ledger; resume keeps the steps spent after the checkpoint."""
+    model, optimizer, loader, loss, engine, _ = _setup()
+    calls = {"n": 0}
+
+    def exploding(x: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 7:  # in the second epoch (4 steps per epoch)
+            raise KeyboardInterrupt
+        return x
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(
+            model,
+            optimizer,
+            loader,
+            loss,
+            engine=engine,
+            epochs=3,
+            delta=DELTA,
+            augment=exploding,
+            checkpoint_dir=tmp_path,
+            progress=False,
+        )
+    assert engine.ledger is not None
+    spent = engine.ledger.steps
+    state = load_checkpoint(tmp_path / CHECKPOINT_NAME)
+    checkpointed = PrivacyLedger.from_dict(state["engine"]["ledger"]).steps
+    assert spent > checkpointed  # steps after the last checkpoint were spent
+    assert PrivacyLedger.from_json(tmp_path / LEDGER_NAME).steps == spent
+    model2, optimizer2, loader2, loss2, engine2, _ = _setup()
+    with pytest.warns(UserWarning, match="spent"):
+        result = fit(
+            model2,
+            optimizer2,
+            loader2,
+            loss2,
+            engine=engine2,
+            epochs=2,
+            delta=DELTA,
+            checkpoint_dir=tmp_path,
+            resume=True,
+            progress=False,
+        )
+    assert result.steps == spent + (2 - state["epoch"]) * len(loader2)
+
+
+# ---------------------------------------------------------------------------------- metrics
+def test_metrics_files_and_plot(tmp_path: Path) -> None:
+    model, optimizer, loader, loss, engine, test_loader = _setup()
+    seen: list[dict[str, Any]] = []
+    result = fit(
+        model,
+        optimizer,
+        loader,
+        loss,
+        engine=engine,
+        epochs=2,
+        delta=DELTA,
+        eval_loader=test_loader,
+        metrics_path=tmp_path / "metrics.json",
+        progress=True,
+        on_epoch_end=seen.append,
+    )
+    assert [r["epoch"] for r in seen] == [1, 2]
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert data["stop_reason"] == "completed" and data["epochs_completed"] == 2
+    assert data["epsilon"] == pytest.approx(result.epsilon) and data["delta"] == DELTA
+    fields = {
+        "epoch",
+        "steps",
+        "train_loss",
+        "train_accuracy",
+        "test_loss",
+        "test_accuracy",
+        "epsilon",
+        "delta",
+        "lr",
+        "time_s",
+        "complete",
+    }
+    for record in data["history"]:
+        assert fields <= set(record)
+        assert 0.0 <= record["test_accuracy"] <= 1.0
+    assert data["history"][-1]["epsilon"] == pytest.approx(result.epsilon)
+    assert data["history"][0]["epsilon"] < data["history"][1]["epsilon"]
+    with open(tmp_path / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 2 and fields <= set(rows[0])
+    assert float(rows[1]["epsilon"]) == pytest.approx(result.epsilon)
+    png = plot_training(data, tmp_path / "training.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_training(result, tmp_path / "again.png").stat().st_size > 1000
+
+
+def test_empty_poisson_batches_still_step() -> None:
+    """With q = 1/64 most batches are empty; each still adds noise and is accounted for."""
+    model, optimizer, loader, loss, engine, _ = _setup(batch_size=1)
+    result = fit(
+        model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA, progress=False
+    )
+    assert result.steps == len(loader)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_evaluate_accuracy() -> None:
+    model = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(2))
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 1.0], [0.0, 3.0]])
+    y = torch.tensor([0, 1, 1, 1])
+    scores = evaluate(model, DataLoader(TensorDataset(x, y), batch_size=3))
+    assert scores == {"accuracy": 0.75}
+
+
+# -------------------------------------------------------------------------- augmultiplicity
+def test_augmult_keeps_each_samples_contribution_within_the_sensitivity() -> None:
+    """Per sample: the mean of K scaled copy-gradients is bounded by the layer's sensitivity."""
+    model, _optimizer, _loader, loss, engine, _ = _setup(scaling="per-sample")
+    opt = engine.optimizer
+    assert opt is not None
+    sens = opt.sensitivities()
+    names = [n for n, _ in model.named_parameters()]
+    data = _data(3)
+    g = torch.Generator().manual_seed(5)
+
+    def wild(x: torch.Tensor) -> torch.Tensor:  # far-apart copies: no cancellation to hide behind
+        return 5.0 * x + 3.0 * torch.randn(x.shape, generator=g)
+
+    largest = dict.fromkeys(names, 0.0)
+    for i in range(16):
+        x, y = data.tensors[0][i : i + 1], data.tensors[1][i : i + 1]
+        for augment, k in ((wild, 8), (lambda t: t, 4), (None, 1)):
+            model.zero_grad()
+            value, logits, _ = training_loss(model, loss, x, y, augment=augment, augmult=k)
+            assert logits.shape[0] == k
+            value.backward()
+            for name, p in model.named_parameters():
+                assert p.grad is not None
+                norm = float(p.grad.norm())
+                largest[name] = max(largest[name], norm / sens[name])
+                assert norm <= sens[name] * (1 + 1e-6), (name, k, norm, sens[name])
+    assert max(largest.values()) > 0.05  # the bound is not vacuous here
+    # identical copies: the mean equals the single-copy contribution
+    x, y = data.tensors[0][:3], data.tensors[1][:3]
+    model.zero_grad()
+    training_loss(model, loss, x, y)[0].backward()
+    single = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    training_loss(model, loss, x, y, augment=lambda t: t, augmult=5)[0].backward()
+    for a, p in zip(single, model.parameters(), strict=True):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"epochs": 0}, "epochs"),
+        ({"delta": 1.5}, "delta"),
+        ({"epsilon_budget": -1.0}, "epsilon_budget"),
+        ({"ema_decay": 1.0}, "ema_decay"),
+        ({"augmult": 0}, "augmult"),
+        ({"augmult": 3}, "augment"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs: dict[str, Any], match: str) -> None:
+    model, optimizer, loader, loss, engine, _ = _setup()
+    args: dict[str, Any] = {"epochs": 1, "delta": DELTA, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        fit(model, optimizer, loader, loss, engine=engine, progress=False, **args)
+
+
+def test_loss_must_sum() -> None:
+    model, optimizer, loader, _loss, engine, _ = _setup()
+    with pytest.raises(ValueError, match="reduction"):
+        fit(
+            model,
+            optimizer,
+            loader,
+            cnn.CrossEntropyLoss(reduction="mean"),
+            engine=engine,
+            epochs=1,
+            delta=DELTA,
+            progress=False,
+        )
