@@ -77,7 +77,6 @@ Negative or NaN multipliers are rejected.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -85,7 +84,6 @@ import logging
 import math
 import numbers
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -93,6 +91,8 @@ import dp_accounting
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+
+from clipless._io import atomic_write
 
 __all__ = [
     "ACCOUNTANTS",
@@ -1125,32 +1125,8 @@ class PrivacyLedger:
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write the ledger to ``path`` atomically (temp file in the same directory, fsync,
         ``os.replace``): a crash leaves either the old file or the new one, never a torn one."""
-        target = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(target))
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory
-        )
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        try:  # make the rename itself durable (POSIX); best effort elsewhere
-            dir_fd = os.open(directory, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(dir_fd)
-        except OSError:
-            pass
-        finally:
-            os.close(dir_fd)
+        atomic_write(path, text)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> PrivacyLedger:

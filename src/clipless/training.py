@@ -62,7 +62,6 @@ import json
 import math
 import os
 import random
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -72,6 +71,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from clipless._io import atomic_write, atomic_write_with
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -190,19 +191,7 @@ def save_checkpoint(path: PathLike, state: Mapping[str, Any]) -> Path:
     The file is created readable by its owner only (``0o600``): a training checkpoint holds the
     state of the noise generator, and whoever knows it can recompute the noise of later steps.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(dict(state), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write_with(path, lambda handle: torch.save(dict(state), handle), mode=0o600)
 
 
 def load_checkpoint(path: PathLike) -> dict[str, Any]:
@@ -211,28 +200,6 @@ def load_checkpoint(path: PathLike) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a clipless training checkpoint")
     return state
-
-
-def _default_mode() -> int:
-    """``0o666`` minus the process umask (what ``open(path, "w")`` would give)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, _default_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _rng_state() -> dict[str, Any]:
@@ -345,7 +312,7 @@ def write_metrics(result: FitResult | Mapping[str, Any], path: PathLike) -> tupl
     if json_path.suffix != ".json":
         json_path = json_path.with_suffix(".json")
     csv_path = json_path.with_suffix(".csv")
-    _atomic_write_text(json_path, json.dumps(_jsonable(data), indent=2) + "\n")
+    atomic_write(json_path, json.dumps(_jsonable(data), indent=2) + "\n")
     history: Sequence[Mapping[str, Any]] = data.get("history", [])
     columns: list[str] = []
     for record in history:
@@ -355,7 +322,7 @@ def write_metrics(result: FitResult | Mapping[str, Any], path: PathLike) -> tupl
     writer.writeheader()
     for record in history:
         writer.writerow({k: ("" if record.get(k) is None else record.get(k)) for k in columns})
-    _atomic_write_text(csv_path, buffer.getvalue())
+    atomic_write(csv_path, buffer.getvalue())
     return json_path, csv_path
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+from clipless._io import atomic_write
 
 __all__ = [
     "DOWNLOAD_TIMEOUT_S",
@@ -62,21 +63,7 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a rename."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, data)
 
 
 def download_verified(
