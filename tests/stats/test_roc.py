@@ -128,5 +128,5 @@ def test_validation() -> None:
         roc(s, np.array(["a"] * 10), grid, 1.0)
     with pytest.raises(ValueError, match="rho is required"):
         roc(s, y, grid, None, noise="gaussian")
-    with pytest.raises(ValueError, match="consistency"):
-        roc(s, y, grid, 1.0, smoothing="l2", consistency=True)
+    with pytest.raises(TypeError, match="consistency"):
+        roc(s, y, grid, 1.0, consistency=1)

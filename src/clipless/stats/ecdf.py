@@ -63,7 +63,7 @@ from clipless.stats.tree import (
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["DPECDF", "Smoothing", "ecdf", "release_accuracy"]
+__all__ = ["DPECDF", "Smoothing", "ecdf", "from_release", "release_accuracy"]
 
 Smoothing = Literal["isotonic", "l1", "l2"]
 
@@ -298,13 +298,43 @@ def ecdf(
         )
 
     release = release_counts(g.counts(data), epsilon, neighbouring, noise, rng, rho)
+    return from_release(
+        release,
+        g,
+        n=n_pub if neighbouring == "replace_one" else None,
+        smoothing=smoothing,
+        consistency=consistency,
+    )
+
+
+def poisson_dataset(lam: float, size: int = 1 << 15, seed: int = 0) -> NDArray[np.float64]:
+    """The thesis's ``X_pois(lambda)`` (section 6.6.2): for each ``i in 1..size``,
+    ``Pois(lambda)`` instances with value ``i``. Grid: ``Grid(1, size, size=size)``."""
+    reps = np.random.default_rng(seed).poisson(lam, size)
+    return np.repeat(np.arange(1, size + 1, dtype=np.float64), reps)
+
+
+def from_release(
+    release: TreeRelease,
+    grid: Grid,
+    *,
+    n: int | None,
+    smoothing: Smoothing | None = None,
+    consistency: bool = True,
+) -> DPECDF:
+    """Post-process a tree release into a :class:`DPECDF` (no privacy cost).
+
+    ``n`` is the public size (replace-one); ``None`` normalises by the released total
+    ``max(P_N, 1)`` (add/remove, where the size is private). Used by :func:`ecdf` and by
+    :func:`clipless.stats.roc` for each class.
+    """
     if consistency:
-        counts = consistent_prefix_sums(release)
+        counts = np.array(consistent_prefix_sums(release), dtype=np.float64)
     else:
         counts = release.prefix_counts.astype(np.float64)
-    variance = prefix_variance(release, consistent=consistency)
-    if neighbouring == "replace_one":
-        norm, n_private = float(n_pub), False
+    variance = np.array(prefix_variance(release, consistent=consistency), dtype=np.float64)
+    if n is not None:
+        norm, n_private = float(n), False
     else:
         norm, n_private = max(float(counts[-1]), 1.0), True
 
@@ -331,31 +361,23 @@ def ecdf(
 
         out = np.asarray(smooth_tree(release, norm, smoothing))
     out = np.array(out, dtype=np.float64)
-    counts = np.array(counts, dtype=np.float64)
     for arr in (out, counts, variance):
         arr.setflags(write=False)
     return DPECDF(
-        grid=g,
+        grid=grid,
         values=out,
         counts=counts,
         epsilon=release.epsilon,
-        neighbouring=neighbouring,
+        neighbouring=release.neighbouring,
         n=norm,
         n_private=n_private,
-        noise=noise,
+        noise=release.noise,
         rho=release.rho,
         smoothing=smoothing,
         consistency=consistency,
         variance=variance,
         release=release,
     )
-
-
-def poisson_dataset(lam: float, size: int = 1 << 15, seed: int = 0) -> NDArray[np.float64]:
-    """The thesis's ``X_pois(lambda)`` (section 6.6.2): for each ``i in 1..size``,
-    ``Pois(lambda)`` instances with value ``i``. Grid: ``Grid(1, size, size=size)``."""
-    reps = np.random.default_rng(seed).poisson(lam, size)
-    return np.repeat(np.arange(1, size + 1, dtype=np.float64), reps)
 
 
 def release_accuracy(

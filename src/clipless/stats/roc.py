@@ -51,16 +51,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from clipless.stats.ecdf import DPECDF, Smoothing
+from clipless.stats.ecdf import DPECDF, Smoothing, from_release
 from clipless.stats.grid import Grid
 from clipless.stats.noise import resolve_rng, to_fraction
-from clipless.stats.smoothing import isotonic, smooth_tree
 from clipless.stats.tree import (
     Neighbouring,
     NoiseKind,
     TreeRelease,
-    consistent_prefix_sums,
-    prefix_variance,
     release_counts,
 )
 
@@ -190,35 +187,7 @@ def _class_ecdf(
 ) -> DPECDF:
     """Normalise one class's release by its own released total (the add/remove branch of
     :func:`~clipless.stats.ecdf.ecdf`) and smooth it. Post-processing only."""
-    counts = consistent_prefix_sums(release) if consistency else release.prefix_counts
-    counts = np.array(counts, dtype=np.float64)
-    variance = np.array(prefix_variance(release, consistent=consistency), dtype=np.float64)
-    norm = max(float(counts[-1]), 1.0)
-    raw = counts / norm
-    if smoothing is None:
-        values = raw
-    elif smoothing == "isotonic":
-        values = isotonic(raw, weights=1.0 / variance if consistency else None)
-    else:
-        values = smooth_tree(release, norm, smoothing)
-    values = np.array(values, dtype=np.float64)
-    for arr in (values, counts, variance):
-        arr.setflags(write=False)
-    return DPECDF(
-        grid=grid,
-        values=values,
-        counts=counts,
-        epsilon=release.epsilon,
-        neighbouring="add_remove",
-        n=norm,
-        n_private=True,
-        noise=release.noise,
-        rho=release.rho,
-        smoothing=smoothing,
-        consistency=consistency,
-        variance=variance,
-        release=release,
-    )
+    return from_release(release, grid, n=None, smoothing=smoothing, consistency=consistency)
 
 
 def roc(
@@ -232,7 +201,7 @@ def roc(
     *,
     noise: NoiseKind = "laplace",
     rho: float | None = None,
-    consistency: bool = False,
+    consistency: bool = True,
 ) -> DPROC:
     """Release a DP ROC curve of a classifier's ``scores`` against binary ``labels``.
 
@@ -263,8 +232,8 @@ def roc(
     noise, rho:
         ``"laplace"`` (pure ``epsilon``-DP) or ``"gaussian"`` with a total ``rho`` (zCDP).
     consistency:
-        Least-squares consistent prefix counts per class (about half the variance; combines
-        with ``smoothing=None`` or ``"isotonic"``).
+        Least-squares consistent prefix counts per class (about half the variance; the
+        default, as in :func:`~clipless.stats.ecdf.ecdf`; combines with every smoothing).
     """
     s, pos = _scores_labels(scores, labels)
     g = _as_grid(grid)
@@ -276,8 +245,6 @@ def roc(
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
     if not isinstance(consistency, bool):
         raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
-    if consistency and smoothing in ("l1", "l2"):
-        raise ValueError("consistency=True combines with smoothing=None or 'isotonic'")
     gen = resolve_rng(rng)
     parts = 2 if neighbouring == "replace_one" else 1
     # halving a float is exact, so the per-class budgets compose to exactly epsilon (or rho)
