@@ -348,3 +348,12 @@ def test_ledger_written_before_noise(tmp_path, monkeypatch) -> None:
     on_disk = PrivacyLedger.from_json(path)
     assert on_disk.steps == 3
     assert on_disk.epsilon(1e-5) == pytest.approx(engine.get_epsilon(1e-5), rel=1e-12)
+
+
+def test_bounds_follow_weights_changed_through_data() -> None:
+    """Sensitivities are recomputed from the weights the forward uses, even after .data writes."""
+    _, m, o, _ = _private(constraint=None)
+    before = o.sensitivities()["1.weight"]
+    m[3].weight.data.mul_(3.0)  # bypasses version counters
+    after = o.sensitivities()["1.weight"]
+    assert after == pytest.approx(3.0 * before, rel=1e-6)

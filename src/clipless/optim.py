@@ -122,8 +122,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.generator = generator
         self.ledger_path = ledger_path
         self._names = self._parameter_names()
-        self._report: BoundReport | None = None
-        self._report_key: tuple[tuple[int, int], ...] | None = None
         self.refresh()
 
     # ------------------------------------------------------------------ bounds
@@ -140,18 +138,16 @@ class DPOptimizer(torch.optim.Optimizer):
                 names[p] = by_param[p]
         return names
 
-    def _weights_key(self) -> tuple[tuple[int, int], ...]:
-        return tuple((p._version, p.data_ptr()) for p in self.module.parameters())
-
     def bound_report(self) -> BoundReport:
-        """The certified bounds at the current weights (recomputed whenever a weight changed)."""
+        """The certified bounds at the current weights.
+
+        Recomputed on every call (a one-sample forward): the expensive part, each layer's
+        certified norm, is memoised by the layer on an exact copy of its weight, so a weight
+        changed by any means (even through ``.data``) is always recertified.
+        """
         from clipless import bounds
 
-        key = self._weights_key()
-        if self._report is None or key != self._report_key:
-            self._report = bounds.report(self.module, self.loss, self.input_shape)
-            self._report_key = key
-        return self._report
+        return bounds.report(self.module, self.loss, self.input_shape)
 
     def refresh(self) -> None:
         """Recompute bounds at the current weights and set the scaling thresholds for them."""
@@ -161,13 +157,14 @@ class DPOptimizer(torch.optim.Optimizer):
         )
         _scaling.apply_thresholds(self.module, values)
 
-    def sensitivities(self) -> dict[str, float]:
+    def sensitivities(self, report: BoundReport | None = None) -> dict[str, float]:
         """``Delta_p`` per parameter name: the L2 bound on one sample's scaled contribution.
 
         Under the scaling modes every parameter of layer ``k`` has sensitivity ``G_k``, times
         ``sensitivity_factor`` (2 for replace-one neighbours, DESIGN.md "Adjacency").
+        ``report`` defaults to the bounds at the current weights.
         """
-        report = self.bound_report()
+        report = report if report is not None else self.bound_report()
         out: dict[str, float] = {}
         for lb in report.layers:
             # A layer used several times contributes once per use: the bounds add up.
@@ -175,7 +172,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 out[name] = out.get(name, 0.0) + lb.cotangent_bound * self.sensitivity_factor
         return out
 
-    def layer_sensitivities(self) -> dict[str, float]:
+    def layer_sensitivities(self, report: BoundReport | None = None) -> dict[str, float]:
         """Joint sensitivity of each parametric layer's optimised parameters (path -> bound).
 
         The scaling divides a sample's contribution to a layer's weight *and* bias jointly by
@@ -183,7 +180,7 @@ class DPOptimizer(torch.optim.Optimizer):
         a dense layer with a bias), so the concatenated (weight, bias) contribution has norm at
         most ``G_k`` (times the neighbouring factor), not ``sqrt(2) G_k``.
         """
-        report = self.bound_report()
+        report = report if report is not None else self.bound_report()
         optimised = set(self._names.values())
         out: dict[str, float] = {}
         for lb in report.layers:
@@ -198,13 +195,15 @@ class DPOptimizer(torch.optim.Optimizer):
         L2 sensitivity is ``G = sqrt(sum_k Delta_k^2)`` over layers (:meth:`layer_sensitivities`);
         every tensor gets std ``sigma G``. ``per-layer``: tensor ``p`` gets ``sigma Delta_p``.
         """
-        delta = self.sensitivities()
+        report = self.bound_report()
+        delta = self.sensitivities(report)
         names = list(self._names.values())
         missing = [n for n in names if n not in delta]
         if missing:
             raise ValueError(f"no certified sensitivity for parameters {missing}")
         if self.noise == "global":
-            total = math.sqrt(math.fsum(v**2 for v in self.layer_sensitivities().values()))
+            layers = self.layer_sensitivities(report)
+            total = math.sqrt(math.fsum(v**2 for v in layers.values()))
             return dict.fromkeys(names, self.noise_multiplier * total)
         return {n: self.noise_multiplier * delta[n] for n in names}
 
