@@ -597,3 +597,27 @@ def test_returns_every_parametric_layer_in_order() -> None:
         if path in out:
             assert abs(module.lipschitz() - 0.7) <= REL * 0.7
     assert constraints.MODES == ("clip", "fix", "orthogonal")
+
+
+def test_projection_seeds_the_layer_bound_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After project(), lipschitz() returns the projection's certified bound without a new SVD."""
+    from clipless import bounds as bounds_module
+
+    torch.manual_seed(0)
+    model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(20, 20, bias=False))
+    with torch.no_grad():
+        model[1].weight.mul_(10.0)
+    returned = project(model, mode="clip", max_norm=1.0)
+    calls = []
+    original = bounds_module.dense_norm
+    monkeypatch.setattr(
+        bounds_module, "dense_norm", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    assert model[1].lipschitz() == returned["1"]
+    assert not calls
+    exact = float(torch.linalg.matrix_norm(model[1].weight.detach().double(), 2))
+    assert exact <= returned["1"] <= 1.0
+    with torch.no_grad():
+        model[1].weight.add_(0.01)
+    model[1].lipschitz()
+    assert calls  # a changed weight is certified afresh

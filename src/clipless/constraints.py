@@ -451,6 +451,9 @@ def _project_layer(
     else:
         bound, scale = ub, 1.0
     state.upper_bound = bound
+    # The certified bound of the weight just written: lipschitz() (hence the bound report that
+    # calibrates the next step's noise) reuses it instead of certifying the same weight again.
+    layer.seed_bound(bound)
     state.lower_bound = lower * scale
     state.slack *= scale
     if certify_every > 1:

@@ -87,6 +87,22 @@ class ParametricLipschitzModule(LipschitzModule):
         """Certified upper bound on :meth:`sample_norm_factor` for inputs of norm <= input_bound."""
         raise NotImplementedError
 
+    def _bound_key(self) -> Hashable:
+        """The public geometry the default :meth:`lipschitz` certifies for (None for dense)."""
+        return None
+
+    def seed_bound(self, value: float) -> None:
+        """Record ``value`` as a certified bound of :meth:`lipschitz` at the *current* weight.
+
+        For callers that certified the current weight themselves (the projections of
+        :mod:`clipless.constraints` know the certified bound of the weight they just wrote), so
+        that the next :meth:`lipschitz` call need not recompute it. Only an upper bound obtained
+        by a certified argument may be recorded here: the value is trusted as long as the weight
+        stays bitwise equal.
+        """
+        param = getattr(self, "weight")  # noqa: B009
+        self.__dict__["_bound_cache"] = (param.detach().clone(), self._bound_key(), float(value))
+
     def _cached_bound(self, key: Hashable, compute: Callable[[], float]) -> float:
         """``compute()``, memoised on an exact copy of the weight and ``key``.
 

@@ -196,6 +196,9 @@ class Conv2d(ParametricLipschitzModule):
         return out
 
     # ------------------------------------------------------------------ bounds
+    def _bound_key(self) -> tuple[object, ...]:
+        return (self.stride, self.padding, self.padding_mode, self._size(None))
+
     def lipschitz(self, input_size: tuple[int, int] | None = None) -> float:
         """Certified operator norm (:func:`clipless.bounds.conv_norm`), for ``input_size``.
 
