@@ -320,6 +320,7 @@ _TARGET = {"noise_multiplier": None, "target_epsilon": 1.0, "target_delta": 1e-5
         ({"neighbouring": "nope"}, "neighbouring"),
         ({"constraint": "nope"}, "constraint"),
         ({"max_norm": 0.0}, "max_norm"),
+        ({"certify_every": 0}, "certify_every"),
     ],
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:

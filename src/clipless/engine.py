@@ -77,6 +77,7 @@ class PrivacyEngine:
         input_shape: tuple[int, ...] | None = None,
         sample_rate: float | None = None,
         ledger_path: str | os.PathLike[str] | None = None,
+        certify_every: int = 1,
     ) -> tuple[torch.nn.Module, DPOptimizer, DataLoader[Any]]:
         """Return ``(module, optimizer, data_loader)`` ready for private training.
 
@@ -86,7 +87,9 @@ class PrivacyEngine:
         smallest effective multiplier meeting the target is calibrated. ``neighbouring`` is
         ``"add_remove"`` (default) or ``"replace_one"`` (doubles every sensitivity).
         With ``ledger_path`` the privacy ledger is written (atomically) before every step's noise
-        is drawn, so a crash never loses accounting.
+        is drawn, so a crash never loses accounting. ``certify_every=k`` lets the projection
+        carry a certified bound (``ub + ||dW||_F``, :func:`clipless.constraints.project`) between
+        exact certifications, which are the dominant per-step cost for large layers.
         """
         from clipless import bounds, constraints, nn, sampling
 
@@ -116,6 +119,12 @@ class PrivacyEngine:
             raise ValueError(f"constraint must be one of {CONSTRAINTS} or None; got {constraint!r}")
         if not (isinstance(max_norm, int | float) and math.isfinite(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm must be a finite number > 0; got {max_norm!r}")
+        if (
+            isinstance(certify_every, bool)
+            or not isinstance(certify_every, int)
+            or certify_every < 1
+        ):
+            raise ValueError(f"certify_every must be an integer >= 1; got {certify_every!r}")
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon")
 
@@ -190,6 +199,7 @@ class PrivacyEngine:
             sensitivity_factor=_sensitivity_factor(neighbouring),
             generator=generator,
             ledger_path=ledger_path,
+            certify_every=certify_every,
         )
         self.data_loader = loader
         self._config = {

@@ -78,6 +78,7 @@ class DPOptimizer(torch.optim.Optimizer):
         sensitivity_factor: float = 1.0,
         generator: torch.Generator | None = None,
         ledger_path: str | os.PathLike[str] | None = None,
+        certify_every: int = 1,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -121,6 +122,7 @@ class DPOptimizer(torch.optim.Optimizer):
             generator.manual_seed(secrets.randbits(63))
         self.generator = generator
         self.ledger_path = ledger_path
+        self.certify_every = int(certify_every)
         self._names = self._parameter_names()
         self.refresh()
 
@@ -257,7 +259,12 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.constraint is not None:
             from clipless import constraints
 
-            constraints.project(self.module, mode=self.constraint, max_norm=self.max_norm)  # type: ignore[arg-type]
+            constraints.project(
+                self.module,
+                mode=self.constraint,  # type: ignore[arg-type]
+                max_norm=self.max_norm,
+                certify_every=self.certify_every,
+            )
         self.refresh()
         return loss
 
