@@ -113,7 +113,7 @@ def _matrices() -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("method", ["svd", "gram", "auto"])
+@pytest.mark.parametrize("method", ["svd", "eigh", "gram", "auto"])
 @pytest.mark.parametrize(("name", "mat"), _matrices(), ids=[n for n, _ in _matrices()])
 def test_dense_norm_is_certified_and_within_one_percent(
     method: str, name: str, mat: torch.Tensor
@@ -135,8 +135,9 @@ def test_dense_norm_large_matrix_gram_path() -> None:
 
 
 def test_dense_norm_auto_switches_to_gram(monkeypatch: pytest.MonkeyPatch) -> None:
-    mat = torch.randn(70, 60, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    assert dense_norm(mat) == dense_norm(mat, method="svd")
+    mat = torch.randn(90, 70, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    assert dense_norm(mat) == dense_norm(mat, method="eigh")  # min dim 70 > 64
+    assert dense_norm(mat[:, :40]) == dense_norm(mat[:, :40], method="svd")
     monkeypatch.setattr(bounds, "_SVD_MAX_DIM", 50)
     assert dense_norm(mat) == dense_norm(mat, method="gram") != dense_norm(mat, method="svd")
 

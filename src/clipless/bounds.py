@@ -175,21 +175,28 @@ def gram_iteration(mats: torch.Tensor, iters: int) -> torch.Tensor:
 def dense_norm(
     weight: torch.Tensor,
     *,
-    method: Literal["auto", "svd", "gram"] = "auto",
+    method: Literal["auto", "svd", "eigh", "gram"] = "auto",
     gram_iters: int = 8,
 ) -> float:
     """Certified upper bound on the spectral norm ``||W||_2`` of a 2-D matrix (float64).
 
     ``"svd"``: the exact largest singular value (LAPACK, backward stable) times
-    ``1 + NUMERIC_MARGIN``. ``"gram"``: :func:`gram_iteration` with ``gram_iters`` steps (within
+    ``1 + NUMERIC_MARGIN``. ``"eigh"``: the largest eigenvalue of the float64 Gram matrix
+    ``G = W^T W`` of the smaller side (symmetric LAPACK solver, backward stable; about 1.5x faster
+    than the SVD on CPU), with the rounding of the product covered explicitly:
+    ``fl(G) = G + E`` with ``|E| <= gamma_k |W|^T |W|`` entrywise (``k`` the inner dimension), so
+    ``||E||_2 <= ||E||_F <= gamma_k ||W||_F^2`` and
+    ``||W||_2^2 = lambda_max(G) <= lambda_max(fl(G)) + gamma_k ||W||_F^2``.
+    ``"gram"``: :func:`gram_iteration` with ``gram_iters`` steps (within
     ``rank^(2^-(gram_iters+1))`` of the truth in the worst case, all singular values equal -- about
     1.4% for rank 1500 at 8 steps, much less for typical spectra; raise ``gram_iters`` for
-    near-orthogonal wide layers). ``"auto"``: SVD when ``min(m, n) <= 1024``, else Gram iteration.
+    near-orthogonal wide layers). ``"auto"``: SVD when ``min(m, n) <= 64``, ``eigh`` up to
+    ``min(m, n) <= 1024``, else Gram iteration.
     """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor, got shape {getattr(weight, 'shape', None)}")
-    if method not in ("auto", "svd", "gram"):
-        raise ValueError(f"method must be 'auto', 'svd' or 'gram', got {method!r}")
+    if method not in ("auto", "svd", "eigh", "gram"):
+        raise ValueError(f"method must be 'auto', 'svd', 'eigh' or 'gram', got {method!r}")
     if isinstance(gram_iters, bool) or not isinstance(gram_iters, int) or gram_iters < 0:
         raise ValueError(f"gram_iters must be a non-negative int, got {gram_iters!r}")
     with torch.no_grad():
@@ -197,13 +204,30 @@ def dense_norm(
         if weight.numel() == 0:
             return 0.0
         if method == "auto":
-            method = "svd" if min(w.shape) <= _SVD_MAX_DIM else "gram"
+            small = min(w.shape)
+            method = "svd" if small <= 64 else "eigh" if small <= _SVD_MAX_DIM else "gram"
         if method == "gram":
             return float(gram_iteration(w, gram_iters).item())
         w = w.to(torch.complex128 if w.is_complex() else torch.float64)
         if not bool(torch.isfinite(w).all()):
             raise ValueError("weight must be finite")
+        if method == "eigh":
+            return _eigh_norm(w)
         return _inflate(float(torch.linalg.matrix_norm(w, ord=2).item()))
+
+
+def _eigh_norm(w: torch.Tensor) -> float:
+    """``sqrt(lambda_max(fl(W^H W)) + gamma_k ||W||_F^2)``, inflated (see :func:`dense_norm`)."""
+    if w.shape[0] < w.shape[1]:
+        w = w.mH
+    k = w.shape[0]  # inner dimension of the product
+    gamma = k * _U / (1.0 - k * _U)
+    if w.is_complex():
+        gamma *= 2.0
+    gram = w.mH @ w
+    lam = float(torch.linalg.eigvalsh(gram)[-1].item())
+    fro2 = float(torch.linalg.vector_norm(w).item()) ** 2
+    return _inflate(math.sqrt(_inflate(max(lam, 0.0) + gamma * fro2 * (1.0 + 4.0 * _U))))
 
 
 # --------------------------------------------------------------------------------------------
