@@ -10,14 +10,19 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_quick_start_runs() -> None:
+def test_readme_examples_run() -> None:
     text = README.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     assert blocks, "README has no python block"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(blocks[0], str(README), "exec"), {})
+        for block in blocks[1:]:
+            exec(compile(block, str(README), "exec"), {})
     printed = out.getvalue()
+    quartiles = [float(v) for v in re.search(r"DP quartiles: \[(.*?)\]", printed).group(1).split()]
+    assert quartiles == sorted(quartiles) and 30 < quartiles[1] < 60
+    assert 0.8 < float(re.search(r"DP AUC: ([0-9.]+)", printed).group(1)) < 0.9
     epsilon = float(re.search(r"epsilon = ([0-9.]+)", printed).group(1))
     accuracy = float(re.search(r"test accuracy = ([0-9.]+)", printed).group(1))
     assert 0.9 < epsilon <= 1.0
