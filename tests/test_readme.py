@@ -22,7 +22,7 @@ def test_readme_examples_run() -> None:
     printed = out.getvalue()
     quartiles = [float(v) for v in re.search(r"DP quartiles: \[(.*?)\]", printed).group(1).split()]
     assert quartiles == sorted(quartiles) and 30 < quartiles[1] < 60
-    assert 0.8 < float(re.search(r"DP AUC: ([0-9.]+)", printed).group(1)) < 0.9
+    assert 0.75 < float(re.search(r"DP AUC: ([0-9.]+)", printed).group(1)) < 0.95
     epsilon = float(re.search(r"epsilon = ([0-9.]+)", printed).group(1))
     accuracy = float(re.search(r"test accuracy = ([0-9.]+)", printed).group(1))
     assert 0.9 < epsilon <= 1.0
