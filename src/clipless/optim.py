@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -280,9 +280,3 @@ class DPOptimizer(torch.optim.Optimizer):
             f"noise_multiplier={self.noise_multiplier}, sample_rate={self.sample_rate}, "
             f"scaling={self.scaling!r}, constraint={self.constraint!r}, max_norm={self.max_norm})"
         )
-
-
-def parameters_of(optimizer: torch.optim.Optimizer) -> Iterable[torch.nn.Parameter]:
-    """All parameters held by ``optimizer`` (in group order)."""
-    for group in optimizer.param_groups:
-        yield from group["params"]
