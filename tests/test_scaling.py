@@ -9,7 +9,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from clipless import nn
-from clipless.scaling import BATCH_MAX, thresholds_for
+from clipless.mechanism import BATCH_MAX, thresholds_for
 
 DT = torch.float64
 

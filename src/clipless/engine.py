@@ -14,7 +14,7 @@ The mechanism is Clipless DP-SGD (seed Algorithm 1) with ``scaling="bound"`` and
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 import secrets
 import warnings
@@ -24,13 +24,34 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader
 
-from clipless import accounting
-from clipless.optim import CONSTRAINTS, NOISE_STRATEGIES, DPOptimizer
-from clipless.scaling import SCALING_MODES
+from clipless import accounting, bounds, constraints, mechanism
+from clipless.mechanism import PrivacyConfig
+from clipless.nn import ParametricLipschitzModule
+from clipless.optim import DPOptimizer
 
 __all__ = ["PrivacyEngine"]
 
-NEIGHBOURING = ("add_remove", "replace_one")
+NEIGHBOURING = mechanism.NEIGHBOURING
+
+
+_OPACUS_ONLY: dict[str, str] = {
+    "max_grad_norm": (
+        "there is no per-sample gradient clipping in clipless: each layer's sensitivity is "
+        "certified from the Lipschitz bounds of the (public) weights and the loss constant. The "
+        "logit-level analogue of a clipping threshold is a clipless.nn.LossGradientClip(c) layer "
+        "at the end of the model; scaling='threshold' bounds the layer-input norms instead"
+    ),
+    "clipping": "there is no clipping (see max_grad_norm); choose scaling= instead",
+    "grad_sample_mode": "no per-sample gradients are computed: the step costs a normal backward",
+    "batch_first": "inputs are always [batch, ...]",
+    "loss_reduction": (
+        "give the loss to make_private(loss=...): it is switched to reduction='sum' and the noisy "
+        "sum is divided by the expected batch size"
+    ),
+    "noise_generator": "pass PrivacyEngine(seed=...) for reproducible experiments",
+    "clip_per_layer": "there is no clipping; noise='per-layer' allocates noise per tensor",
+    "total_steps": "use steps=",
+}
 
 
 class PrivacyEngine:
@@ -41,18 +62,46 @@ class PrivacyEngine:
     ...     module=model, optimizer=optimizer, data_loader=loader, loss=loss,
     ...     target_epsilon=1.0, target_delta=1e-5, epochs=10)
     >>> engine.get_epsilon(1e-5)                           # doctest: +SKIP
+
+    ``accountant`` is ``"pld"`` (default) or ``"rdp"``. ``secure_mode`` exists for Opacus
+    compatibility: the batch choice is always drawn from the OS CSPRNG; ``secure_mode=True``
+    (floating-point noise hardened against Mironov 2012) is not implemented and refused.
+    After ``make_private``, :attr:`accountant` is the :class:`clipless.accounting.PrivacyLedger`
+    (``engine.accountant.get_epsilon(delta)`` works as in Opacus) and :attr:`config` the frozen
+    :class:`clipless.mechanism.PrivacyConfig`.
     """
 
-    def __init__(self, accountant: str = "pld", *, seed: int | None = None) -> None:
-        if accountant not in ("pld", "rdp"):
+    def __init__(
+        self, accountant: str = "pld", *, seed: int | None = None, secure_mode: bool = False
+    ) -> None:
+        if accountant not in mechanism.ACCOUNTANTS:
             raise ValueError(f"accountant must be 'pld' or 'rdp'; got {accountant!r}")
-        self.accountant = accountant
+        if secure_mode:
+            raise ValueError(
+                "secure_mode=True is not supported: clipless always draws the Poisson batch choice "
+                "from the OS CSPRNG, but its floating-point Gaussian noise is not hardened against "
+                "floating-point attacks (Mironov 2012), so it will not claim to be"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None; got {type(seed).__name__}")
+        self.accountant_kind = accountant
         self.seed = seed
-        self.ledger: accounting.PrivacyLedger | None = None
+        self.ledger = accounting.PrivacyLedger(
+            accountant=cast(accounting.AccountantKind, accountant)
+        )
         self.optimizer: DPOptimizer | None = None
-        self.unproven = False
         self.data_loader: DataLoader[Any] | None = None
-        self._config: dict[str, Any] = {}
+        self._config: PrivacyConfig | None = None
+
+    @property
+    def accountant(self) -> accounting.PrivacyLedger:
+        """The privacy ledger (Opacus: ``engine.accountant.get_epsilon(delta)``)."""
+        return self.ledger
+
+    @property
+    def unproven(self) -> bool:
+        """``True`` when the mechanism has no DP proof (``scaling="batch-max"``)."""
+        return self._config is not None and not self._config.proven
 
     # ------------------------------------------------------------------ setup
     def make_private(
@@ -78,47 +127,52 @@ class PrivacyEngine:
         sample_rate: float | None = None,
         ledger_path: str | os.PathLike[str] | None = None,
         certify_every: int = 1,
+        validate_data: bool = True,
+        poisson_sampling: bool = True,
+        max_grad_norm: float | None = None,
+        **opacus_options: Any,
     ) -> tuple[torch.nn.Module, DPOptimizer, DataLoader[Any]]:
         """Return ``(module, optimizer, data_loader)`` ready for private training.
 
-        Give either ``noise_multiplier`` (``sigma``; with ``noise="per-layer"`` every parameter
+        Give either ``noise_multiplier`` (``sigma``; with ``noise="per-layer"`` every noised
         tensor gets ``sigma`` and the step's effective multiplier is ``sigma / sqrt(D)``) or
         ``target_epsilon`` and ``target_delta`` with ``epochs`` (or ``steps``), in which case the
-        smallest effective multiplier meeting the target is calibrated. ``neighbouring`` is
-        ``"add_remove"`` (default) or ``"replace_one"`` (doubles every sensitivity).
-        With ``ledger_path`` the privacy ledger is written (atomically) before every step's noise
-        is drawn, so a crash never loses accounting. ``certify_every=k`` lets the projection
-        carry a certified bound (``ub + ||dW||_F``, :func:`clipless.constraints.project`) between
-        exact certifications, which are the dominant per-step cost for large layers.
+        smallest multiplier meeting the target is calibrated and the run is planned for that many
+        steps: the optimizer refuses a step past the plan (``extend`` re-plans explicitly).
+        ``max_norm`` is the layers' operator-norm constraint ``C`` (not the input radius, which
+        is the model's ``InputNorm(max_norm=...)``). ``neighbouring`` is ``"add_remove"``
+        (default) or ``"replace_one"`` (doubles every sensitivity). With ``ledger_path`` the ledger
+        is written (atomically) before every step's noise is drawn, so a crash never loses
+        accounting. ``certify_every=k`` lets the projection carry a certified bound between exact
+        certifications. ``validate_data`` checks once that every record is finite and every
+        integer label is a valid class, so that no record can make a step fail when it is sampled
+        (a failure with probability ``q`` per step would break delta).
+
+        The optimizer enforces the contract the noise relies on (:mod:`clipless.optim`): the
+        per-sample cotangent at the model output is clipped to the loss constant, gradient
+        accumulation, steps past the plan, changed parameter sets and inputs of another shape are
+        refused with a named error.
         """
-        from clipless import bounds, constraints, nn, sampling
+        from clipless import nn, sampling
 
         if self.optimizer is not None:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new engine")
+        _refuse_opacus_options(opacus_options, max_grad_norm, poisson_sampling)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
         nn.validate(module)
-        if not hasattr(loss, "lipschitz"):
+        if not callable(getattr(loss, "lipschitz", None)):
             raise TypeError(
                 f"loss must be a clipless loss with a certified lipschitz() (e.g. "
-                f"clipless.nn.CrossEntropyLoss); got {type(loss).__name__}"
+                f"clipless.nn.CrossEntropyLoss); got {type(loss).__name__}. Plain torch losses "
+                "have no certified constant; clipless.nn has a twin of the usual ones"
             )
-        if scaling not in SCALING_MODES:
-            raise ValueError(f"scaling must be one of {SCALING_MODES}; got {scaling!r}")
         if scaling == "batch-max" and not allow_unproven:
             raise ValueError(
                 "scaling='batch-max' is not differentially private (thesis Algorithm 8 line 11 "
                 "rescales every sample by the batch maximum); pass allow_unproven=True to use it "
                 "for reproduction only"
             )
-        if noise not in NOISE_STRATEGIES:
-            raise ValueError(f"noise must be one of {NOISE_STRATEGIES}; got {noise!r}")
-        if neighbouring not in NEIGHBOURING:
-            raise ValueError(f"neighbouring must be one of {NEIGHBOURING}; got {neighbouring!r}")
-        if constraint is not None and constraint not in CONSTRAINTS:
-            raise ValueError(f"constraint must be one of {CONSTRAINTS} or None; got {constraint!r}")
-        if not (isinstance(max_norm, int | float) and math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"max_norm must be a finite number > 0; got {max_norm!r}")
         if (
             isinstance(certify_every, bool)
             or not isinstance(certify_every, int)
@@ -127,6 +181,10 @@ class PrivacyEngine:
             raise ValueError(f"certify_every must be an integer >= 1; got {certify_every!r}")
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}"
+            )
 
         if isinstance(data_loader, sampling.PoissonDataLoader) and sample_rate is None:
             loader = data_loader
@@ -143,139 +201,180 @@ class PrivacyEngine:
         n = loader.num_samples
         if input_shape is None:
             input_shape = _infer_input_shape(loader)
-        num_tensors = sum(1 for p in module.parameters() if p.requires_grad)
-        if num_tensors == 0:
-            raise ValueError("module has no trainable parameters")
-
+        input_shape = tuple(input_shape)
+        noised = _noised(module, optimizer)
         if getattr(loss, "reduction", "sum") != "sum":
             setattr(loss, "reduction", "sum")  # noqa: B010 - typed as Tensor | Module
 
+        planned = (
+            None
+            if target_epsilon is None and epochs is None and steps is None
+            else (_total_steps(epochs, steps, q))
+        )
+        config = PrivacyConfig(
+            noise_multiplier=1.0 if noise_multiplier is None else noise_multiplier,
+            sample_rate=q,
+            num_samples=n,
+            num_tensors=len(noised),
+            noise=noise,
+            scaling=scaling,
+            constraint=constraint,
+            max_norm=max_norm,
+            neighbouring=neighbouring,
+            accountant=self.accountant_kind,
+            steps=planned,
+            thresholds=thresholds,
+            allow_unproven=allow_unproven,
+        )
         if target_epsilon is not None:
             if target_delta is None:
                 raise ValueError("target_delta is required with target_epsilon")
-            total_steps = _total_steps(epochs, steps, q)
-            # calibrate_noise works in dp_accounting's convention (std / one example's bound G);
-            # our multipliers are relative to the sensitivity Delta = factor * G.
-            sigma_eff = accounting.calibrate_noise(
-                target_epsilon,
-                target_delta,
-                q,
-                total_steps,
-                accountant=cast(accounting.AccountantKind, self.accountant),
-                neighbouring=cast(accounting.Neighbouring, neighbouring),
-            ) / _sensitivity_factor(neighbouring)
-            sigma = sigma_eff if noise == "global" else sigma_eff * math.sqrt(num_tensors)
-        else:
-            assert noise_multiplier is not None
-            sigma = float(noise_multiplier)
+            assert planned is not None
+            config = config.calibrate(target_epsilon, target_delta, planned)
 
+        # Everything the step relies on is checked before any state changes.
+        report = bounds.report(module, loss, input_shape)
+        if validate_data:
+            _validate_dataset(loader.dataset, report.num_logits)
         self.ledger = accounting.PrivacyLedger(
-            accountant=cast(accounting.AccountantKind, self.accountant),
+            accountant=cast(accounting.AccountantKind, self.accountant_kind),
             neighbouring=cast(accounting.Neighbouring, neighbouring),
         )
         # The initial weights are public; projecting them is free.
         if constraint is not None:
             constraints.project(module, mode=constraint, max_norm=max_norm)  # type: ignore[arg-type]
-        generator = torch.Generator(device="cpu")
+        device = noised[0].device
+        generator = torch.Generator(device=device)
         generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
-        self.unproven = scaling == "batch-max"
-        # Validate that every parameter is covered by a certified bound before training starts.
-        bounds.sensitivities(module, loss, tuple(input_shape))
         self.optimizer = DPOptimizer(
             optimizer,
             module=module,
             loss=loss,
-            input_shape=tuple(input_shape),
-            noise_multiplier=sigma,
-            sample_rate=q,
-            num_samples=n,
+            input_shape=input_shape,
+            config=config,
             ledger=self.ledger,
-            noise=noise,
-            scaling=scaling,
-            thresholds=thresholds,
-            allow_unproven=allow_unproven,
-            constraint=constraint,
-            max_norm=max_norm,
-            sensitivity_factor=_sensitivity_factor(neighbouring),
             generator=generator,
             ledger_path=ledger_path,
             certify_every=certify_every,
         )
+        self._config = config
         self.data_loader = loader
-        self._config = {
-            "noise_multiplier": sigma,
-            "effective_noise_multiplier": self.optimizer.effective_noise_multiplier,
-            "sample_rate": q,
-            "num_samples": n,
-            "noise": noise,
-            "scaling": scaling,
-            "constraint": constraint,
-            "max_norm": max_norm,
-            "neighbouring": neighbouring,
-            "accountant": self.accountant,
-        }
         return module, self.optimizer, loader
 
+    def make_private_with_epsilon(
+        self,
+        *,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader[Any],
+        loss: torch.nn.Module,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: int | None = None,
+        steps: int | None = None,
+        **options: Any,
+    ) -> tuple[torch.nn.Module, DPOptimizer, DataLoader[Any]]:
+        """Opacus's name for :meth:`make_private` with a target ``(epsilon, delta)``."""
+        if options.get("noise_multiplier") is not None:
+            raise ValueError(
+                "make_private_with_epsilon calibrates the noise: drop noise_multiplier"
+            )
+        return self.make_private(
+            module=module,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            loss=loss,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            epochs=epochs,
+            steps=steps,
+            **options,
+        )
+
     # ------------------------------------------------------------- accounting
-    def _ledger(self) -> accounting.PrivacyLedger:
-        if self.ledger is None:
+    def _opt(self) -> DPOptimizer:
+        if self.optimizer is None:
             raise RuntimeError("call make_private first")
-        return self.ledger
+        return self.optimizer
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon spent so far at ``delta`` (recomputed from the ledger)."""
-        if self.unproven:
+        if not self.ledger.is_dp_guarantee or self.unproven:
             warnings.warn(
-                "scaling='batch-max' is not differentially private: this epsilon is NOT a DP "
+                "an unproven mode (scaling='batch-max') was used: this epsilon is NOT a DP "
                 "guarantee",
                 stacklevel=2,
             )
-        return self._ledger().epsilon(delta)
+        return self.ledger.epsilon(delta)
 
     def would_exceed(self, epsilon_budget: float, delta: float, count: int = 1) -> bool:
         """True if ``count`` more steps would push epsilon above ``epsilon_budget``."""
-        opt = self.optimizer
-        if opt is None:
-            raise RuntimeError("call make_private first")
-        return self._ledger().would_exceed(
+        opt = self._opt()
+        return self.ledger.would_exceed(
             epsilon_budget, delta, opt.accounting_noise_multiplier, opt.sample_rate, count=count
         )
 
+    @property
+    def steps_remaining(self) -> int | None:
+        """Steps left in the plan, or ``None`` when no number of steps was planned."""
+        return self._opt().steps_remaining
+
+    def extend(self, *, steps: int, delta: float | None = None) -> float | None:
+        """Plan ``steps`` more steps at the same noise (an explicit decision to spend more).
+
+        Returns the epsilon at ``delta`` that the run will have spent at the end of the new plan
+        (``None`` without ``delta``): it exceeds the original target, which is the point.
+        """
+        opt = self._opt()
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
+        config = opt.config
+        base = config.steps if config.steps is not None else self.ledger.steps
+        new = config.with_steps(max(base, self.ledger.steps) + steps)
+        opt.config = new
+        self._config = new
+        if delta is None:
+            return None
+        return new.epsilon(delta)
+
     def guarantee(self, delta: float) -> accounting.PrivacyGuarantee:
-        """A frozen description of what has been spent so far."""
-        opt = self.optimizer
-        if opt is None:
-            raise RuntimeError("call make_private first")
-        ledger = self._ledger()
-        return accounting.PrivacyGuarantee(
-            epsilon=ledger.epsilon(delta),
-            delta=delta,
-            accountant=self.accountant,
-            neighbouring=self._config["neighbouring"],
-            sample_rate=opt.sample_rate,
-            noise_multiplier=opt.accounting_noise_multiplier,
-            steps=ledger.steps,
-            mechanism=(
-                f"Poisson-subsampled Gaussian, clipless {self._config['scaling']} scaling, "
-                f"{self._config['noise']} noise"
-            ),
-            is_dp_guarantee=not self.unproven,
+        """A frozen description of what has been spent so far, read from the ledger.
+
+        The ledger records each step's ``proven`` flag, so a run that ever used an unproven mode
+        reports ``is_dp_guarantee=False`` here, in the saved ledger and in ``ledger.guarantee``.
+        """
+        config = self._opt().config
+        mechanism_name = (
+            f"Poisson-subsampled Gaussian, clipless {config.scaling} scaling, {config.noise} noise"
         )
+        return self.ledger.guarantee(delta, mechanism=mechanism_name)
 
     @property
     def config(self) -> dict[str, Any]:
-        """The public hyper-parameters of the mechanism."""
-        return dict(self._config)
+        """The public hyper-parameters of the mechanism (:class:`PrivacyConfig` as a dict)."""
+        if self._config is None:
+            return {}
+        out = self._config.to_dict()
+        out["effective_noise_multiplier"] = self._config.effective_noise_multiplier
+        return out
+
+    @property
+    def privacy_config(self) -> PrivacyConfig:
+        """The frozen :class:`clipless.mechanism.PrivacyConfig` of every step."""
+        return self._opt().config
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        opt = self.optimizer
-        if opt is None:
-            raise RuntimeError("call make_private first")
+        opt = self._opt()
         state: dict[str, Any] = {
-            "ledger": self._ledger().to_dict(),
+            "ledger": self.ledger.to_dict(),
             "generator": opt.generator.get_state(),
-            "config": dict(self._config),
+            "config": opt.config.to_dict(),
+            "bounds": {
+                name: layer.bound_state()
+                for name, layer in opt.module.named_modules()
+                if isinstance(layer, ParametricLipschitzModule)
+            },
         }
         sampler_gen = _sampler_generator(self.data_loader)
         if sampler_gen is not None:
@@ -283,38 +382,137 @@ class PrivacyEngine:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        opt = self.optimizer
-        if opt is None:
-            raise RuntimeError("call make_private first (with the same arguments), then load")
+        """Restore a checkpoint taken by :meth:`state_dict` of an engine with the same config.
+
+        The ledger never goes backwards: a checkpoint whose ledger has fewer steps than this
+        engine has already recorded is refused (those steps were spent). The mechanism must be
+        the same (a checkpoint of another configuration is refused, naming the difference); a
+        longer plan saved by :meth:`extend` is kept.
+        """
+        opt = self._opt()
         ledger = accounting.PrivacyLedger.from_dict(state["ledger"])
         if (ledger.accountant, ledger.neighbouring) != (
-            self._ledger().accountant,
-            self._ledger().neighbouring,
+            self.ledger.accountant,
+            self.ledger.neighbouring,
         ):
             raise ValueError("checkpoint ledger uses a different accountant or neighbouring")
+        if ledger.steps < self.ledger.steps:
+            raise ValueError(
+                f"the checkpoint's ledger records {ledger.steps} steps but this engine has "
+                f"already recorded {self.ledger.steps}: loading it would roll the accounting back"
+            )
+        saved = state.get("config")
+        if isinstance(saved, Mapping) and "num_tensors" in saved:
+            theirs = PrivacyConfig.from_dict(saved)
+            mine = opt.config
+            diff = [
+                f.name
+                for f in dataclasses.fields(PrivacyConfig)
+                if f.name != "steps" and getattr(theirs, f.name) != getattr(mine, f.name)
+            ]
+            if diff:
+                raise ValueError(
+                    "the checkpoint was taken with another privacy configuration: "
+                    + ", ".join(
+                        f"{k} {getattr(theirs, k)!r} (checkpoint) vs {getattr(mine, k)!r} (now)"
+                        for k in diff
+                    )
+                )
+            if theirs.steps is not None and (mine.steps is None or theirs.steps > mine.steps):
+                opt.config = mine.with_steps(theirs.steps)
+                self._config = opt.config
         self.ledger = ledger
         opt.ledger = ledger
+        saved_bounds = state.get("bounds") or {}
+        for name, layer in opt.module.named_modules():
+            if isinstance(layer, ParametricLipschitzModule) and name in saved_bounds:
+                layer.load_bound_state(saved_bounds[name])
         opt.generator.set_state(state["generator"])
         sampler_gen = _sampler_generator(self.data_loader)
         if sampler_gen is not None and "sampler_generator" in state:
             sampler_gen.set_state(state["sampler_generator"])
 
 
+def _refuse_opacus_options(
+    options: Mapping[str, Any], max_grad_norm: float | None, poisson_sampling: bool
+) -> None:
+    if max_grad_norm is not None:
+        raise TypeError(f"max_grad_norm: {_OPACUS_ONLY['max_grad_norm']}")
+    if poisson_sampling is not True:
+        raise ValueError(
+            "poisson_sampling must be True: the accounting is for Poisson sampling, and the "
+            "loader is always replaced by a Poisson loader"
+        )
+    for key in options:
+        hint = _OPACUS_ONLY.get(key)
+        if hint is not None:
+            raise TypeError(f"{key}: {hint}")
+    if options:
+        raise TypeError(f"make_private got unexpected keyword arguments {sorted(options)}")
+
+
+def _noised(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    own = {id(p) for p in module.parameters()}
+    params: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in own:
+                raise ValueError(
+                    "optimizer holds a parameter that is not in module; every optimised "
+                    "parameter needs a certified sensitivity"
+                )
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if not params:
+        raise ValueError("module has no trainable parameters in the optimizer")
+    return params
+
+
+def _validate_dataset(dataset: Any, num_logits: int) -> None:
+    """Every record finite and every integer label in ``[0, num_logits)`` (when multiclass).
+
+    One vectorised pass over a ``TensorDataset``; other datasets are read once in large batches.
+    """
+    from torch.utils.data import TensorDataset
+
+    def check(index_offset: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        for position, t in enumerate(tensors):
+            t = torch.as_tensor(t)
+            if t.is_floating_point() or t.is_complex():
+                bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1) if t.ndim else None
+                if bad is not None and bool(bad.any()):
+                    row = index_offset + int(bad.nonzero()[0, 0])
+                    raise ValueError(
+                        f"the training data has a non-finite value (NaN or inf) in record {row}, "
+                        f"field {position}; clean or drop it before training"
+                    )
+            elif position == len(tensors) - 1 and num_logits > 1 and t.ndim == 1:
+                bad = (t < 0) | (t >= num_logits)
+                if bool(bad.any()):
+                    row = index_offset + int(bad.nonzero()[0, 0])
+                    raise ValueError(
+                        f"record {row} has label {int(t[row - index_offset])}, outside the "
+                        f"model's {num_logits} classes [0, {num_logits})"
+                    )
+
+    if isinstance(dataset, TensorDataset):
+        check(0, tuple(dataset.tensors))
+        return
+    offset = 0
+    for batch in DataLoader(dataset, batch_size=4096, shuffle=False):
+        parts = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+        tensors = tuple(p for p in parts if isinstance(p, torch.Tensor))
+        if tensors:
+            check(offset, tensors)
+            offset += int(tensors[0].shape[0])
+
+
 def _sampler_generator(loader: DataLoader[Any] | None) -> torch.Generator | None:
     sampler = getattr(loader, "batch_sampler", None)
     gen = getattr(sampler, "generator", None)
     return gen if isinstance(gen, torch.Generator) else None
-
-
-def _sensitivity_factor(neighbouring: str) -> float:
-    """Replace-one: one example's contribution g becomes g' with ``||g - g'|| <= 2 G``.
-
-    The noise std is ``sigma * Delta`` with ``Delta = 2 G``; the ledger records ``2 sigma`` under
-    dp_accounting's REPLACE_ONE relation, whose multiplier is relative to ``G`` (see
-    :attr:`clipless.optim.DPOptimizer.accounting_noise_multiplier`). At sampling rate 1 this makes
-    the epsilon of ``(replace_one, sigma)`` equal to that of ``(add_remove, sigma)``.
-    """
-    return 2.0 if neighbouring == "replace_one" else 1.0
 
 
 def _total_steps(epochs: int | None, steps: int | None, q: float) -> int:

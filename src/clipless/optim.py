@@ -1,54 +1,170 @@
 """A DP optimizer that wraps any :class:`torch.optim.Optimizer` without per-sample gradients.
 
-DESIGN.md, "Training: the mathematics"; Clipless DP-SGD (seed Algorithm 1, "local" and "global"
-noise) and Lip-DP-SGD (thesis Algorithm 8). One step:
+DESIGN notes, "Training: the mathematics"; Clipless DP-SGD (seed Algorithm 1, "local" and
+"global" noise) and Lip-DP-SGD (thesis Algorithm 8). The privacy argument of every noise scale is
+in :mod:`clipless.mechanism` (and the bounds it uses in :mod:`clipless.bounds`); this module applies
+the plan and **enforces the assumptions the plan relies on**, so that a hand-written loop cannot
+void the guarantee. One step:
 
-1. the model's backward has produced, for every parameter tensor ``p``, the *sum* over the
-   Poisson batch of the per-sample (scaled) gradients, each of L2 norm at most ``Delta_p``: the
-   cotangent bound ``G_k`` of its layer (:mod:`clipless.scaling`, :mod:`clipless.bounds`),
-   computed from the weights the forward used (public: they are the output of earlier private
-   steps);
-2. Gaussian noise of standard deviation ``sigma_p * Delta_p`` is added to each tensor's sum;
-3. the noisy sum is divided by the *expected* batch size ``q N`` (never the realised one, which is
-   private under Poisson sampling);
-4. the wrapped optimizer steps; then the weights are projected (``clip`` / ``fix`` /
-   ``orthogonal``, :func:`clipless.constraints.project`), which is post-processing;
-5. the step is recorded in the privacy ledger as one Poisson-subsampled Gaussian mechanism with the
-   effective noise multiplier ``sigma_eff = (sum_p sigma_p^-2)^(-1/2)``.
+1. *Forward* (a hook on the model, training mode with gradients enabled): the input's shape is
+   checked against ``input_shape`` (the bounds were certified for it); the bound report is
+   computed at the weights this forward uses and frozen into a :class:`clipless.mechanism.NoisePlan`
+   (sensitivities, noise stds, scaling thresholds, event); the thresholds are set on the layers.
+2. *Backward*: the model output passes through a guard whose backward clips every row's cotangent
+   to the certified loss constant ``L`` (norm in float64) and zeroes non-finite rows, so no loss,
+   scale, reduction or extra term can exceed the sensitivity the noise was calibrated to; for the
+   certified loss with ``reduction="sum"`` this is a no-op. The guard also checks that the weights
+   have not been changed since the forward pass, and warns once when every row's cotangent is at
+   most ``L / B`` (a mean-reduced loss: its gradients are ``B`` times too small).
+3. :meth:`DPOptimizer.step` refuses a step that is not one private gradient: two backward passes
+   through the model since the last step (gradient accumulation: one sample could contribute
+   twice), gradients that did not come through the model, parameters added to the optimizer after
+   ``make_private``, or a step past the number of steps the budget was planned for. Then
+   (write-ahead accounting) the plan's event is recorded in the ledger with its ``proven`` flag and
+   persisted, Gaussian noise of the plan's standard deviations is added on the parameters' device,
+   the sum is divided by the *expected* batch size ``q N``, the wrapped optimizer steps, and the
+   weights are projected (``clip`` / ``fix`` / ``orthogonal``, post-processing).
 
-Noise strategies: ``"global"`` gives every tensor the same standard deviation ``sigma * G`` with
-``G = sqrt(sum_k Delta_k^2)`` over layers (one Gaussian mechanism on the concatenated gradient,
-``sigma_eff = sigma``); ``"per-layer"`` gives tensor ``p`` the standard deviation
-``sigma * Delta_p`` (``sigma_eff = sigma / sqrt(D)`` over ``D`` parameter tensors). Both are
-the same mechanism.
-
-The noise comes from :func:`torch.normal` with a dedicated :class:`torch.Generator` seeded from the
-operating system's CSPRNG (``secrets``) unless a seed is given. Like Opacus without ``secure_mode``,
-floating-point Gaussian sampling is not hardened against the attacks of Mironov (2012); the
-statistical release of :mod:`clipless.stats` uses exact discrete samplers instead.
+The noise comes from :func:`torch.normal` with a dedicated :class:`torch.Generator` (on the
+parameters' device) seeded from the operating system's CSPRNG unless a seed is given. Like Opacus
+without ``secure_mode``, floating-point Gaussian sampling is not hardened against the attacks of
+Mironov (2012); the statistical release of :mod:`clipless.stats` uses exact discrete samplers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import secrets
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clipless import scaling as _scaling
+from clipless import bounds, constraints, mechanism
+from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
+from clipless.nn import ParametricLipschitzModule
 
 if TYPE_CHECKING:
     from clipless.accounting import PrivacyLedger
     from clipless.bounds import BoundReport
 
-__all__ = ["CONSTRAINTS", "NOISE_STRATEGIES", "DPOptimizer", "NoiseStrategy"]
+__all__ = [
+    "CONSTRAINTS",
+    "NOISE_STRATEGIES",
+    "DPOptimizer",
+    "PlanExhaustedError",
+    "PrivacyContractError",
+]
 
-NoiseStrategy = Literal["global", "per-layer"]
-NOISE_STRATEGIES: tuple[str, ...] = ("global", "per-layer")
-CONSTRAINTS: tuple[str, ...] = ("clip", "fix", "orthogonal")
+
+class PrivacyContractError(RuntimeError):
+    """A training step would break an assumption the noise calibration relies on."""
+
+
+class PlanExhaustedError(PrivacyContractError):
+    """The run has taken every step its privacy budget was planned for."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Pass:
+    """One forward pass in training mode: its frozen plan and the weights it used."""
+
+    plan: NoisePlan
+    weights: tuple[torch.Tensor, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    owner: DPOptimizer
+    backwards: int = 0
+
+
+class _OutputGuard(torch.autograd.Function):
+    """Identity forward; backward enforces the per-row cotangent bound ``L`` (module doc, 2)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, record: _Pass) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.record = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        record: _Pass = ctx.record
+        record.owner._on_backward(record)
+        return _enforce_bound(grad, record.plan.output_bound, record.owner), None
+
+
+def _enforce_bound(grad: torch.Tensor, bound: float, owner: DPOptimizer) -> torch.Tensor:
+    """Zero non-finite rows, clip every row to norm ``bound`` (float64 norms, safe radius)."""
+    if grad.shape[0] == 0:
+        return grad
+    flat = grad.detach().reshape(grad.shape[0], -1)
+    finite = torch.isfinite(flat).all(dim=1)
+    if not bool(finite.all()):
+        grad = torch.where(_rows(finite, grad), grad, torch.zeros((), dtype=grad.dtype))
+        flat = grad.detach().reshape(grad.shape[0], -1)
+    norms = torch.linalg.vector_norm(flat.double(), dim=1)
+    largest = float(norms.max())
+    owner._last_cotangent_norm = largest
+    rows = grad.shape[0] // max(1, owner._multiplicity)
+    if not owner._mean_warning_given and rows >= 8 and 0.0 < largest <= bound / rows * (1.0 + 1e-6):
+        owner._mean_warning_given = True
+        warnings.warn(
+            f"every sample's loss gradient at the model output has norm <= L/B = {bound:.4g}/"
+            f"{rows} (largest {largest:.3g}): the loss looks mean-reduced. Its gradients are "
+            "B times too small for the noise, which is calibrated to one sample's summed loss; "
+            "use reduction='sum' (make_private sets it on the loss it is given)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    radius = _safe_radius(bound, grad.dtype)
+    factor = (radius / norms.clamp_min(1e-300)).clamp(max=1.0)
+    return grad * factor.to(grad.dtype).reshape(-1, *([1] * (grad.ndim - 1)))
+
+
+def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return mask.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def _safe_radius(bound: float, dtype: torch.dtype) -> float:
+    """A radius whose rounding in ``dtype`` keeps a rescaled row within ``bound``."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return float(bound) * (1.0 - 8.0 * eps)
+
+
+class _Hook:
+    """A model hook calling ``owner.<method>``; copies of the model (EMA, export) drop it.
+
+    The hook holds its optimizer weakly, and a deep copy or pickle of the model gets an inert
+    hook: only the model that was made private is enforced.
+    """
+
+    def __init__(self, owner: DPOptimizer | None, method: str) -> None:
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self._method = method
+
+    def __call__(self, *args: Any) -> Any:
+        owner = self._owner() if self._owner is not None else None
+        if owner is None:
+            return None
+        return getattr(owner, self._method)(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return _Hook(None, self._method)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Hook, (None, self._method))
+
+
+def _is_transformed(x: object) -> bool:
+    """True inside ``torch.func`` transforms (vmap/grad): per-sample reference computations."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return isinstance(x, torch.Tensor) and callable(check) and bool(check(x))
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -56,6 +172,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     Built by :meth:`clipless.PrivacyEngine.make_private`; it shares ``param_groups`` and ``state``
     with the wrapped optimizer, so learning-rate schedulers and ``state_dict`` work as usual.
+    ``config`` is the frozen :class:`clipless.mechanism.PrivacyConfig` of every step.
     """
 
     def __init__(
@@ -65,17 +182,8 @@ class DPOptimizer(torch.optim.Optimizer):
         module: torch.nn.Module,
         loss: torch.nn.Module,
         input_shape: tuple[int, ...],
-        noise_multiplier: float,
-        sample_rate: float,
-        num_samples: int,
+        config: PrivacyConfig,
         ledger: PrivacyLedger,
-        noise: str = "global",
-        scaling: str = "per-sample",
-        thresholds: Mapping[str, float] | None = None,
-        allow_unproven: bool = False,
-        constraint: str | None = "clip",
-        max_norm: float = 1.0,
-        sensitivity_factor: float = 1.0,
         generator: torch.Generator | None = None,
         ledger_path: str | os.PathLike[str] | None = None,
         certify_every: int = 1,
@@ -84,18 +192,8 @@ class DPOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}"
             )
-        if noise not in NOISE_STRATEGIES:
-            raise ValueError(f"noise must be one of {NOISE_STRATEGIES}; got {noise!r}")
-        if constraint is not None and constraint not in CONSTRAINTS:
-            raise ValueError(f"constraint must be one of {CONSTRAINTS} or None; got {constraint!r}")
-        if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
-            raise ValueError(
-                f"noise_multiplier must be a finite number > 0; got {noise_multiplier}"
-            )
-        if not (0.0 < sample_rate <= 1.0):
-            raise ValueError(f"sample_rate must be in (0, 1]; got {sample_rate}")
-        if not (math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"max_norm must be a finite number > 0; got {max_norm}")
+        if not isinstance(config, PrivacyConfig):
+            raise TypeError(f"config must be a PrivacyConfig; got {type(config).__name__}")
         self.original_optimizer = optimizer
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
@@ -105,30 +203,44 @@ class DPOptimizer(torch.optim.Optimizer):
         self.module = module
         self.loss = loss
         self.input_shape = tuple(input_shape)
-        self.noise_multiplier = float(noise_multiplier)
-        self.noise = noise
-        self.sample_rate = float(sample_rate)
-        self.num_samples = int(num_samples)
-        self.expected_batch_size = self.sample_rate * self.num_samples
+        self.config = config
         self.ledger = ledger
-        self.scaling = scaling
-        self.thresholds = dict(thresholds) if thresholds is not None else None
-        self.allow_unproven = allow_unproven
-        self.constraint = constraint
-        self.max_norm = float(max_norm)
-        self.sensitivity_factor = float(sensitivity_factor)
-        if generator is None:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(secrets.randbits(63))
-        self.generator = generator
         self.ledger_path = ledger_path
         self.certify_every = int(certify_every)
-        self._names = self._parameter_names()
+        self._names = self._noised_parameters()
+        if len(self._names) != config.num_tensors:
+            raise ValueError(
+                f"config.num_tensors is {config.num_tensors} but the optimizer holds "
+                f"{len(self._names)} trainable parameters"
+            )
+        dtypes = {p.dtype for p in self._names}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"all trained parameters must share one dtype; got {sorted(map(str, dtypes))}"
+            )
+        self._dtype = str(next(iter(dtypes))).removeprefix("torch.")
+        mechanism.rounding_margin(self._dtype)  # refuses half precision up front
+        device = next(iter(self._names)).device
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(secrets.randbits(63))
+        self.generator = generator
+        self._multiplicity = 1
+        self._pending: list[_Pass] = []
+        self._released: dict[torch.nn.Parameter, tuple[int, int]] = {}
+        self._current: _Pass | None = None
+        self._mean_warning_given = False
+        self._last_cotangent_norm = 0.0
+        self._hooks = [
+            module.register_forward_pre_hook(_Hook(self, "_before_forward")),
+            module.register_forward_hook(_Hook(self, "_after_forward")),
+        ]
         self.refresh()
 
-    # ------------------------------------------------------------------ bounds
-    def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
-        by_param = {p: n for n, p in self.module.named_parameters()}
+    # ------------------------------------------------------------- parameters
+    def _noised_parameters(self) -> dict[torch.nn.Parameter, str]:
+        """Trainable parameters held by the optimizer, by name (the tensors that get noise)."""
+        by_param = {p: n for n, p in self.module.named_parameters(remove_duplicate=False)}
         names: dict[torch.nn.Parameter, str] = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -137,135 +249,264 @@ class DPOptimizer(torch.optim.Optimizer):
                         "optimizer holds a parameter that is not in module; every optimised "
                         "parameter needs a certified sensitivity"
                     )
-                names[p] = by_param[p]
+                if p.requires_grad:
+                    names[p] = by_param[p]
+        if not names:
+            raise ValueError("the optimizer holds no trainable parameter of the module")
         return names
 
+    def _check_parameters(self) -> None:
+        current = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
+        if current != set(self._names):
+            raise PrivacyContractError(
+                "the optimizer's trainable parameters changed after make_private (add_param_group "
+                "or requires_grad toggled): their noise would not be calibrated; build a new "
+                "PrivacyEngine for the new parameter set"
+            )
+
+    # ------------------------------------------------------------------ plans
     def bound_report(self) -> BoundReport:
-        """The certified bounds at the current weights.
-
-        Recomputed on every call (a one-sample forward): the expensive part, each layer's
-        certified norm, is memoised by the layer on an exact copy of its weight, so a weight
-        changed by any means (even through ``.data``) is always recertified.
-        """
-        from clipless import bounds
-
+        """The certified bounds at the current weights (layer norms are memoised exactly)."""
         return bounds.report(self.module, self.loss, self.input_shape)
 
-    def refresh(self) -> None:
-        """Recompute bounds at the current weights and set the scaling thresholds for them."""
-        report = self.bound_report()
-        values = _scaling.thresholds_for(
-            report, self.scaling, self.thresholds, allow_unproven=self.allow_unproven
+    def current_plan(self, multiplicity: int = 1) -> NoisePlan:
+        """The :class:`NoisePlan` a step would use at the current weights."""
+        return mechanism.plan_step(
+            self.config,
+            self.bound_report(),
+            list(self._names.values()),
+            dtype=self._dtype,
+            multiplicity=multiplicity,
         )
-        _scaling.apply_thresholds(self.module, values)
 
-    def sensitivities(self, report: BoundReport | None = None) -> dict[str, float]:
-        """``Delta_p`` per parameter name: the L2 bound on one sample's scaled contribution.
+    def _apply(self, plan: NoisePlan) -> None:
+        """Set the plan's scaling threshold and multiplicity on every parametric layer."""
+        for path, value in plan.thresholds.items():
+            layer = self.module.get_submodule(path)
+            if not isinstance(layer, ParametricLipschitzModule):
+                raise TypeError(f"{path!r} is not a clipless parametric layer")
+            layer.scaling_threshold = value
+            layer.scaling_multiplicity = plan.multiplicity
 
-        Under the scaling modes every parameter of layer ``k`` has sensitivity ``G_k``, times
-        ``sensitivity_factor`` (2 for replace-one neighbours, DESIGN.md "Adjacency").
-        ``report`` defaults to the bounds at the current weights.
+    def refresh(self) -> NoisePlan:
+        """Plan at the current weights and set the layers' scaling thresholds for it."""
+        plan = self.current_plan(self._multiplicity)
+        self._apply(plan)
+        return plan
+
+    @contextlib.contextmanager
+    def sample_multiplicity(self, k: int) -> Iterator[None]:
+        """Within the block, every sample occupies ``k`` consecutive rows (augmentation copies).
+
+        Each row's contribution to the parameter gradients is divided by ``k`` inside the scaled
+        kernels (after the cotangent clipping), so one sample's ``k`` copies together contribute at
+        most the layer's sensitivity. Do not divide the loss by ``k`` yourself.
         """
-        report = report if report is not None else self.bound_report()
-        out: dict[str, float] = {}
-        for lb in report.layers:
-            # A layer used several times contributes once per use: the bounds add up.
-            for name in lb.gradient_bounds:
-                out[name] = out.get(name, 0.0) + lb.cotangent_bound * self.sensitivity_factor
-        return out
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an integer >= 1; got {k!r}")
+        previous, self._multiplicity = self._multiplicity, k
+        try:
+            yield
+        finally:
+            self._multiplicity = previous
 
-    def layer_sensitivities(self, report: BoundReport | None = None) -> dict[str, float]:
-        """Joint sensitivity of each parametric layer's optimised parameters (path -> bound).
+    # ------------------------------------------------------------------ hooks
+    def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if not (module.training and torch.is_grad_enabled()) or not args:
+            return
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or _is_transformed(x):
+            return
+        if tuple(x.shape[1:]) != self.input_shape:
+            raise ValueError(
+                f"the model was made private for inputs of shape {self.input_shape} (one sample) "
+                f"but received a batch of shape {tuple(x.shape)}: the certified bounds depend on "
+                "the input shape"
+            )
+        plan = self.current_plan(self._multiplicity)
+        self._apply(plan)
+        params = tuple(self._names)
+        self._current = _Pass(
+            plan=plan,
+            weights=tuple(p.detach().clone() for p in params),
+            params=params,
+            owner=self,
+        )
 
-        The scaling divides a sample's contribution to a layer's weight *and* bias jointly by
-        ``max(n_i, T_k)`` with ``n_i`` bounding the joint gradient norm (``sqrt(||x||^2 + 1)`` for
-        a dense layer with a bias), so the concatenated (weight, bias) contribution has norm at
-        most ``G_k`` (times the neighbouring factor), not ``sqrt(2) G_k``.
-        """
-        report = report if report is not None else self.bound_report()
-        optimised = set(self._names.values())
-        out: dict[str, float] = {}
-        for lb in report.layers:
-            if any(name in optimised for name in lb.gradient_bounds):
-                out[lb.path] = out.get(lb.path, 0.0) + lb.cotangent_bound * self.sensitivity_factor
-        return out
+    def _after_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], output: Any
+    ) -> torch.Tensor | None:
+        record = self._current
+        if record is None or not isinstance(output, torch.Tensor) or _is_transformed(output):
+            return None
+        self._current = None
+        if not output.requires_grad:
+            return None
+        guarded: torch.Tensor = _OutputGuard.apply(output, record)
+        return guarded
 
-    def noise_stds(self) -> dict[str, float]:
-        """Standard deviation of the Gaussian noise added to each parameter's summed gradient.
+    def _on_backward(self, record: _Pass) -> None:
+        for p, w in zip(record.params, record.weights, strict=True):
+            if not torch.equal(p.detach(), w):
+                raise PrivacyContractError(
+                    f"parameter {self._names[p]!r} changed between the forward and the backward "
+                    "pass: the noise was planned for the weights the forward used"
+                )
+        record.backwards += 1
+        self._pending.append(record)
 
-        ``global``: one Gaussian mechanism on the concatenation of all optimised gradients, whose
-        L2 sensitivity is ``G = sqrt(sum_k Delta_k^2)`` over layers (:meth:`layer_sensitivities`);
-        every tensor gets std ``sigma G``. ``per-layer``: tensor ``p`` gets ``sigma Delta_p``.
-        """
-        report = self.bound_report()
-        delta = self.sensitivities(report)
-        names = list(self._names.values())
-        missing = [n for n in names if n not in delta]
-        if missing:
-            raise ValueError(f"no certified sensitivity for parameters {missing}")
-        if self.noise == "global":
-            layers = self.layer_sensitivities(report)
-            total = math.sqrt(math.fsum(v**2 for v in layers.values()))
-            return dict.fromkeys(names, self.noise_multiplier * total)
-        return {n: self.noise_multiplier * delta[n] for n in names}
+    # ------------------------------------------------------- compatibility API
+    @property
+    def noise_multiplier(self) -> float:
+        return float(self.config.noise_multiplier)
+
+    @property
+    def noise(self) -> str:
+        return self.config.noise
+
+    @property
+    def scaling(self) -> str:
+        return self.config.scaling
+
+    @property
+    def constraint(self) -> str | None:
+        return self.config.constraint
+
+    @property
+    def max_norm(self) -> float:
+        return float(self.config.max_norm)
+
+    @property
+    def sample_rate(self) -> float:
+        return float(self.config.sample_rate)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.config.num_samples)
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.config.expected_batch_size
 
     @property
     def effective_noise_multiplier(self) -> float:
         """``sigma_eff`` of the whole step, relative to the sensitivities ``Delta_p``."""
-        if self.noise == "global":
-            return self.noise_multiplier
-        return self.noise_multiplier / math.sqrt(len(self._names))
+        return self.config.effective_noise_multiplier
 
     @property
     def accounting_noise_multiplier(self) -> float:
-        """The multiplier recorded in the ledger: noise std over one example's norm bound ``G``.
+        """The multiplier recorded in the ledger (``dp_accounting``'s convention)."""
+        return self.config.accounting_noise_multiplier
 
-        This is ``dp_accounting``'s convention (its ``REPLACE_ONE`` relation itself accounts for
-        a difference of ``2 G`` between an example and its replacement), so under replace-one,
-        where ``Delta_p = 2 G_p``, it is ``2 sigma_eff``; under add/remove it is ``sigma_eff``.
-        """
-        return self.effective_noise_multiplier * self.sensitivity_factor
+    def sensitivities(self) -> dict[str, float]:
+        """``Delta_p`` per noised parameter at the current weights (:func:`mechanism.plan_step`)."""
+        return dict(self.current_plan().sensitivities)
+
+    def layer_sensitivities(self) -> dict[str, float]:
+        """Joint (weight, bias) sensitivity of each parametric layer path, summed over uses."""
+        plan = self.current_plan()
+        out: dict[str, float] = {}
+        for lb in self.bound_report().layers:
+            names = [n for n in lb.gradient_bounds if n in plan.sensitivities]
+            if names:
+                g = mechanism.use_bound(lb.cotangent_bound, self.config, plan.rounding_margin)
+                out[lb.path] = math.nextafter(out.get(lb.path, 0.0) + g, math.inf)
+        return out
+
+    def noise_stds(self) -> dict[str, float]:
+        """Noise standard deviation per noised parameter at the current weights."""
+        return dict(self.current_plan().stds)
+
+    @property
+    def steps_remaining(self) -> int | None:
+        """Steps left in the plan (``None`` when the config plans no number of steps)."""
+        if self.config.steps is None:
+            return None
+        return max(0, self.config.steps - self.ledger.steps)
 
     # -------------------------------------------------------------------- step
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def add_noise(self) -> None:
-        """Add the calibrated noise to every gradient and divide by the expected batch size."""
-        stds = self.noise_stds()
+    def add_noise(self, plan: NoisePlan | None = None) -> None:
+        """Add the plan's noise to every noised gradient and divide by the expected batch size."""
+        plan = plan if plan is not None else self.current_plan(self._multiplicity)
         for p, name in self._names.items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             noise = torch.normal(
-                0.0, stds[name], size=p.shape, generator=self.generator, device="cpu"
+                0.0,
+                plan.stds[name],
+                size=tuple(p.shape),
+                generator=self.generator,
+                device=self.generator.device,
+                dtype=p.grad.dtype,
             )
-            p.grad.add_(noise.to(device=p.device, dtype=p.grad.dtype))
-            p.grad.div_(self.expected_batch_size)
+            p.grad.add_(noise.to(p.grad.device))
+            p.grad.div_(plan.expected_batch_size)
+
+    def _plan_for_step(self) -> NoisePlan:
+        """The plan of the one private gradient the step releases (or refuse it)."""
+        pending = self._pending
+        if len(pending) > 1:
+            raise PrivacyContractError(
+                f"{len(pending)} backward passes through the model since the last step: "
+                "accumulating gradients over several backward passes (or backpropagating one "
+                "batch twice) lets one sample contribute more than the noise covers; take one "
+                "step per backward pass"
+            )
+        if pending:
+            return pending[0].plan
+        for p, name in self._names.items():
+            grad = p.grad
+            if grad is None or self._released.get(p) == (id(grad), grad._version):
+                continue  # no gradient, or the noisy gradient this optimizer released last step
+            if bool(torch.count_nonzero(grad)):
+                raise PrivacyContractError(
+                    f"parameter {name!r} has a gradient that did not come through a training-mode "
+                    "forward and backward pass of the private model since the last step"
+                )
+        return self.current_plan(self._multiplicity)  # no gradient: an empty batch
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Noise, inner step, projection, accounting (module docstring)."""
+        """Checks, accounting, noise, inner step, projection (module docstring)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Write-ahead accounting: the step is recorded (and persisted, with a ledger_path) before
-        # any noisy value exists, so a crash can only over-count, never under-count.
-        self.ledger.record(self.accounting_noise_multiplier, self.sample_rate)
-        if self.ledger_path is not None:
-            self.ledger.to_json(self.ledger_path)
-        self.add_noise()
+        try:
+            self._check_parameters()
+            plan = self._plan_for_step()
+            remaining = self.steps_remaining
+            if remaining is not None and remaining <= 0:
+                raise PlanExhaustedError(
+                    f"the privacy budget was planned for {self.config.steps} steps and all were "
+                    "taken; a further step would spend more than the target epsilon. To train "
+                    "longer, call engine.extend(steps=...) (it re-accounts and reports the new "
+                    "epsilon)"
+                )
+            # Write-ahead accounting: the step is recorded (and persisted, with a ledger_path)
+            # before any noisy value exists, so a crash can only over-count, never under-count.
+            self.ledger.record(
+                plan.accounting_noise_multiplier, plan.sample_rate, proven=plan.proven
+            )
+            if self.ledger_path is not None:
+                self.ledger.to_json(self.ledger_path)
+            self.add_noise(plan)
+        finally:
+            self._pending = []
         self.original_optimizer.step()
-        if self.constraint is not None:
-            from clipless import constraints
-
+        self._released = {
+            p: (id(p.grad), p.grad._version) for p in self._names if p.grad is not None
+        }
+        if self.config.constraint is not None:
             constraints.project(
                 self.module,
-                mode=self.constraint,  # type: ignore[arg-type]
-                max_norm=self.max_norm,
+                mode=self.config.constraint,  # type: ignore[arg-type]
+                max_norm=self.config.max_norm,
                 certify_every=self.certify_every,
             )
-        self.refresh()
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -274,9 +515,16 @@ class DPOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.original_optimizer.load_state_dict(state_dict)
 
+    def detach(self) -> None:
+        """Remove the hooks this optimizer placed on the model (the model stays usable)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     def __repr__(self) -> str:
+        c = self.config
         return (
-            f"DPOptimizer({type(self.original_optimizer).__name__}, noise={self.noise!r}, "
-            f"noise_multiplier={self.noise_multiplier}, sample_rate={self.sample_rate}, "
-            f"scaling={self.scaling!r}, constraint={self.constraint!r}, max_norm={self.max_norm})"
+            f"DPOptimizer({type(self.original_optimizer).__name__}, noise={c.noise!r}, "
+            f"noise_multiplier={c.noise_multiplier}, sample_rate={c.sample_rate}, "
+            f"scaling={c.scaling!r}, constraint={c.constraint!r}, max_norm={c.max_norm})"
         )

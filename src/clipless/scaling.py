@@ -15,7 +15,7 @@ elementwise rescale of the cotangent, then the usual batched matrix product or
 ``torch.nn.grad.conv2d_weight``). No per-sample gradient is ever materialised. The gradient with
 respect to the layer *input* is not scaled, so cotangents propagate exactly as without scaling.
 
-Modes (:func:`thresholds_for`):
+Modes (:func:`clipless.mechanism.thresholds_for` chooses ``T_k``):
 
 * ``"bound"``: ``T_k`` = the certified bound on ``n_i`` propagated from the input norm bound (seed
   Algorithm 1), so ``s_i = T_k`` for every sample: the true gradient divided by a public constant.
@@ -32,32 +32,26 @@ Modes (:func:`thresholds_for`):
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
+from clipless.mechanism import BATCH_MAX, SCALING_MODES
+
 if TYPE_CHECKING:
-    from clipless.bounds import BoundReport
     from clipless.nn._base import ParametricLipschitzModule
 
 __all__ = [
     "BATCH_MAX",
     "SCALING_MODES",
     "ScalingMode",
-    "apply_thresholds",
     "scaled_conv2d",
     "scaled_linear",
-    "thresholds_for",
 ]
 
 ScalingMode = Literal["bound", "per-sample", "threshold", "batch-max"]
-SCALING_MODES: tuple[str, ...] = ("bound", "per-sample", "threshold", "batch-max")
-#: Sentinel threshold meaning "the largest factor in the current batch" (unproven mode).
-BATCH_MAX = "batch-max"
 #: Floor on the divisor so that an all-zero sample (whose contribution is zero) never divides by 0.
 _TINY = 1e-30
 
@@ -65,14 +59,18 @@ _TINY = 1e-30
 def _divisors(
     layer: ParametricLipschitzModule, x: torch.Tensor, threshold: float | str
 ) -> torch.Tensor:
-    """``1 / max(n_i, T, tiny)`` per sample, detached, in the input's dtype."""
+    """``1 / (K max(n_i, T, tiny))`` per row, detached, in the input's dtype.
+
+    ``K = layer.scaling_multiplicity`` is the number of rows each sample occupies (augmentation
+    copies): each row contributes at most ``G_k / K``, so one sample's ``K`` rows at most ``G_k``.
+    """
     with torch.no_grad():
         n = layer.sample_norm_factor(x.detach()).to(torch.float64)
         if threshold == BATCH_MAX:
             t = float(n.max()) if n.numel() > 0 else 1.0
         else:
             t = float(threshold)
-        s = torch.clamp(n, min=max(t, _TINY))
+        s = torch.clamp(n, min=max(t, _TINY)) * float(getattr(layer, "scaling_multiplicity", 1))
         return (1.0 / s).to(x.dtype)
 
 
@@ -177,60 +175,3 @@ def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:
     if isinstance(v, int):
         return (v, v)
     return (int(v[0]), int(v[1]))
-
-
-def thresholds_for(
-    report: BoundReport,
-    mode: str,
-    thresholds: Mapping[str, float] | None = None,
-    *,
-    allow_unproven: bool = False,
-) -> dict[str, float | str]:
-    """Per-layer thresholds ``T_k`` (module path -> value) for a scaling ``mode``.
-
-    ``report`` is the :class:`clipless.bounds.BoundReport` at the current weights (it provides the
-    propagated bound on each layer's norm factor for ``"bound"``). ``thresholds`` is required for
-    ``"threshold"`` and must name every parametric layer with a finite value >= 0.
-    """
-    if mode not in SCALING_MODES:
-        raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {mode!r}")
-    paths = [layer.path for layer in report.layers]
-    if mode == "bound":
-        return {lb.path: float(lb.norm_factor_bound) for lb in report.layers}
-    if mode == "per-sample":
-        return dict.fromkeys(paths, 0.0)
-    if mode == "batch-max":
-        if not allow_unproven:
-            raise ValueError(
-                "scaling='batch-max' (thesis Algorithm 8, line 11) is not differentially private: "
-                "one sample with a large activation rescales every other sample's contribution, "
-                "so the sensitivity is unbounded. Pass allow_unproven=True to use it for "
-                "reproduction only; its epsilon is never reported as a DP guarantee."
-            )
-        return dict.fromkeys(paths, BATCH_MAX)
-    # threshold
-    if thresholds is None:
-        raise ValueError("thresholds is required with scaling='threshold': {layer path: T_k >= 0}")
-    missing = [p for p in paths if p not in thresholds]
-    unknown = [p for p in thresholds if p not in paths]
-    if missing or unknown:
-        raise ValueError(
-            f"thresholds must name exactly the parametric layers {paths}; "
-            f"missing {missing}, unknown {unknown}"
-        )
-    out: dict[str, float | str] = {}
-    for p in paths:
-        t = float(thresholds[p])
-        if not math.isfinite(t) or t < 0:
-            raise ValueError(f"thresholds[{p!r}] must be a finite number >= 0; got {t!r}")
-        out[p] = t
-    return out
-
-
-def apply_thresholds(model: torch.nn.Module, values: Mapping[str, float | str | None]) -> None:
-    """Set ``scaling_threshold`` on each named parametric layer of ``model`` (None disables)."""
-    modules = dict(model.named_modules())
-    for path, value in values.items():
-        if path not in modules:
-            raise ValueError(f"no module named {path!r} in the model")
-        modules[path].scaling_threshold = value

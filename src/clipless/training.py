@@ -22,21 +22,25 @@ Budget
 ------
 With ``epsilon_budget``, :meth:`clipless.PrivacyEngine.would_exceed` is asked before *every* step
 (including steps on empty Poisson batches, which still add noise and count); training stops before
-the first step that would push epsilon above the budget, then writes the ledger and a checkpoint and
+the first step that would push epsilon above the budget (or past the number of steps the engine's
+budget was planned for), then writes the ledger and a checkpoint and
 reports ``stop_reason="budget"``. (The ledger caches the number of affordable steps, so asking
 before every step is cheap.)
 
 Augmentation multiplicity
 -------------------------
 With ``augmult=K``, every sample of the Poisson batch is augmented ``K`` times (``augment`` is
-applied to the batch of ``B*K`` repeated inputs) and the loss of each copy is weighted ``1/K``, so
-sample ``i``'s contribution to any layer's gradient is the *mean* of ``K`` scaled per-copy
-contributions.
-Each of those has norm at most the layer's sensitivity ``G_k`` (the per-copy loss gradient is
-bounded by the loss's Lipschitz constant, and gradient scaling acts per copy), so by the triangle
-inequality the mean has norm at most ``G_k``: the sensitivity, hence the noise and the accounting,
-are unchanged (De et al. 2022, "Unlocking high-accuracy differentially private image
-classification through scale", section 3.2). This requires that the model treats the ``B*K`` rows
+applied to the batch of ``B*K`` repeated inputs) and the optimizer's scaled kernels divide every
+copy's parameter-gradient contribution by ``K``
+(:meth:`clipless.optim.DPOptimizer.sample_multiplicity`), *after* the cotangent of each copy has
+been clipped (at the model output and at any ``LossGradientClip``), so sample ``i``'s
+contribution to any layer's gradient is the *mean* of ``K`` scaled per-copy contributions. Each
+of those has norm at most the layer's sensitivity ``G_k``, so by the triangle inequality the mean
+has norm at most ``G_k``. (Weighting each copy's *loss* by ``1/K`` instead, as before, is wrong
+with a clipping layer: the clip then caps each copy's already-weighted cotangent, and ``K``
+copies contribute up to ``K c``.) The sensitivity, hence the noise and the accounting, are
+unchanged (De et al. 2022, "Unlocking high-accuracy differentially private image classification
+through scale", section 3.2). This requires that the model treats the ``B*K`` rows
 independently (true for every clipless layer: there is no batch normalisation).
 
 Checkpoints and resume
@@ -73,6 +77,8 @@ import numpy as np
 import torch
 
 from clipless._io import atomic_write, atomic_write_with
+from clipless.nn import LossGradientClip
+from clipless.optim import DPOptimizer
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -461,14 +467,23 @@ def training_loss(
     *,
     augment: Augment | None = None,
     augmult: int = 1,
+    optimizer: DPOptimizer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The summed loss of one batch whose backward gives the (scaled) gradient sum.
+    """The loss of one batch whose backward gives the (scaled) private gradient sum.
 
-    Without ``augment``: ``sum_i loss(model(x_i), y_i)``. With ``augment`` and ``augmult=K``:
-    ``sum_i (1/K) sum_j loss(model(a_ij), y_i)`` over ``a = augment(x repeated K times per
-    sample)``, one forward of ``B*K`` rows; each sample's gradient contribution is then the mean of
-    ``K`` contributions each bounded by the layer's sensitivity, so it is bounded by it too (module
-    docstring). Returns ``(loss, logits, targets)`` (``logits``/``targets`` of the ``B*K`` rows).
+    Without ``augment``: ``sum_i loss(model(x_i), y_i)``. With ``augment`` and ``augmult=K``, one
+    forward of the ``B*K`` rows ``a = augment(x repeated K times per sample)``:
+
+    * with ``optimizer`` (the :class:`clipless.optim.DPOptimizer`; what :func:`fit` does): the loss
+      is ``sum_ij loss(model(a_ij), y_i)`` and the forward runs under
+      ``optimizer.sample_multiplicity(K)``, so the scaled kernels divide every row's parameter
+      gradient by ``K`` *after* any cotangent clipping: one sample's ``K`` rows together contribute
+      at most the layer's sensitivity, even with a ``LossGradientClip`` layer in the model;
+    * without it: ``sum_i (1/K) sum_j loss(...)``, valid only when no layer clips cotangents
+      (a clip would act on the ``1/K``-weighted cotangent and let ``K`` copies contribute ``K c``):
+      a model with a ``LossGradientClip`` is refused.
+
+    Returns ``(loss, logits, targets)`` (``logits``/``targets`` of the ``B*K`` rows).
     """
     if augment is not None:
         x_in = augment(x.repeat_interleave(augmult, dim=0))
@@ -480,6 +495,17 @@ def training_loss(
         y_in = y.repeat_interleave(augmult, dim=0)
     else:
         x_in, y_in = x, y
+        augmult = 1
+    if augmult > 1 and optimizer is not None:
+        with optimizer.sample_multiplicity(augmult):
+            logits = model(x_in)
+        return _loss_sum(loss, logits, y_in), logits, y_in
+    if augmult > 1 and any(isinstance(m, LossGradientClip) for m in model.modules()):
+        raise ValueError(
+            "augmult > 1 with a LossGradientClip layer needs optimizer= (the private optimizer): "
+            "dividing the loss by K before the clip would let K copies contribute K times the "
+            "clip value"
+        )
     logits = model(x_in)
     return _loss_sum(loss, logits, y_in) / augmult, logits, y_in
 
@@ -696,19 +722,28 @@ def fit(
             correct, loss_total = 0.0, 0.0
             budget_hit = False
             for batch in train_loader:
-                if epsilon_budget is not None and engine.would_exceed(epsilon_budget, delta):
-                    budget_hit = True
+                if engine.steps_remaining == 0 or (
+                    epsilon_budget is not None and engine.would_exceed(epsilon_budget, delta)
+                ):
+                    budget_hit = True  # stop before the step that would overspend
                     break
                 x, y = _split_batch(batch)
                 optimizer.zero_grad()
                 if x.shape[0] > 0:
                     x, y = x.to(device), y.to(device)
                     batch_loss, logits, y_in = training_loss(
-                        model, loss, x, y, augment=augment, augmult=augmult
+                        model,
+                        loss,
+                        x,
+                        y,
+                        augment=augment,
+                        augmult=augmult,
+                        optimizer=optimizer if isinstance(optimizer, DPOptimizer) else None,
                     )
                     batch_loss.backward()
                     with torch.no_grad():
-                        loss_total += float(batch_loss)
+                        scale = augmult if isinstance(optimizer, DPOptimizer) else 1
+                        loss_total += float(batch_loss) / scale
                         correct += _correct(logits, y_in) / augmult
                         seen += int(x.shape[0])
                 optimizer.step()

@@ -17,8 +17,9 @@ every input; estimates (power iteration) never qualify.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -65,6 +66,9 @@ class ParametricLipschitzModule(LipschitzModule):
     """
 
     scaling_threshold: float | str | None = None
+    #: Rows per sample in the batch (augmentation multiplicity): every row's contribution to the
+    #: parameter gradients is further divided by it. Set with the threshold by the optimizer.
+    scaling_multiplicity: int = 1
 
     def gradient_bounds(self, input_bound: float, cotangent_bound: float) -> dict[str, float]:
         """Per-parameter certified bounds on one sample's (unscaled) gradient norm.
@@ -103,6 +107,37 @@ class ParametricLipschitzModule(LipschitzModule):
         param = getattr(self, "weight")  # noqa: B009
         self.__dict__["_bound_cache"] = (param.detach().clone(), self._bound_key(), float(value))
 
+    def bound_state(self) -> dict[str, object] | None:
+        """The memoised certified bound of the current weight, for checkpoints (or None).
+
+        ``{"value": bound, "sha256": digest of the weight's bytes}``: :meth:`load_bound_state`
+        restores it only onto a bitwise-equal weight, so a resumed run plans exactly the noise an
+        uninterrupted run would (the bound a projection seeded can differ in its last bits from a
+        fresh certification of the same weight; both are certified).
+        """
+        cached = self.__dict__.get("_bound_cache")
+        weight = getattr(self, "weight")  # noqa: B009
+        if cached is None or not isinstance(weight, torch.Tensor):
+            return None
+        w_ref, key, value = cached
+        w = weight.detach()
+        if key != self._bound_key() or w_ref.shape != w.shape or not torch.equal(w_ref, w):
+            return None
+        return {"value": float(value), "sha256": _digest(w)}
+
+    def load_bound_state(self, state: Mapping[str, object] | None) -> bool:
+        """Restore :meth:`bound_state` if the current weight is the one it was certified for."""
+        if not state:
+            return False
+        weight = getattr(self, "weight")  # noqa: B009
+        if not isinstance(weight, torch.Tensor) or state.get("sha256") != _digest(weight.detach()):
+            return False
+        value = state.get("value")
+        if not isinstance(value, float):
+            return False
+        self.seed_bound(value)
+        return True
+
     def _cached_bound(self, key: Hashable, compute: Callable[[], float]) -> float:
         """``compute()``, memoised on an exact copy of the weight and ``key``.
 
@@ -129,6 +164,11 @@ class ParametricLipschitzModule(LipschitzModule):
         value = float(compute())
         self.__dict__["_bound_cache"] = (weight.clone(), key, value)
         return value
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data + str((tuple(t.shape), t.dtype)).encode()).hexdigest()
 
 
 def product(values: Sequence[float]) -> float:

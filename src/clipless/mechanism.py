@@ -1,0 +1,466 @@
+"""The privacy argument of one DP step: from certified bounds to a frozen noise plan.
+
+This module and :mod:`clipless.bounds` hold the whole argument from a bound to a noise scale
+(DESIGN notes, "Training: the mathematics"; Clipless DP-SGD seed, Algorithm 1 and its "local" /
+"global" noise; Lip-DP-SGD, thesis Algorithm 8):
+
+1. :class:`PrivacyConfig` (frozen, serialisable) is the mechanism: sampling rate, noise multiplier
+   and its allocation, the gradient-scaling mode, the weight constraint, the neighbouring relation,
+   the accountant and the planned number of steps. :meth:`PrivacyConfig.calibrate` returns a new
+   one whose multiplier meets a target ``(epsilon, delta)``. Performance settings (certification
+   schedule, seeds, ledger path, device) are not part of it.
+2. Each step, :func:`clipless.bounds.report` certifies, from the weights the forward pass uses
+   (public: they are the output of earlier private steps), a bound ``G_k`` on one sample's
+   cotangent at the output of every parametric layer ``k``, starting from the loss constant ``L``
+   at the model's output.
+3. :func:`plan_step` turns the config and that report into a :class:`NoisePlan`: per-tensor
+   sensitivities, per-tensor noise standard deviations, the effective multiplier of the step, the
+   ``dp_accounting`` event, the scaling thresholds the forward pass uses, the cotangent bound the
+   optimizer enforces at the model output, and whether the step is proven DP.
+4. :class:`clipless.optim.DPOptimizer` applies exactly that plan and records exactly its event.
+
+**Why the plan's sensitivities hold.** Under gradient scaling (:mod:`clipless.scaling`) one
+sample's contribution to the (weight, bias) gradient of one *use* of layer ``k`` has norm at most
+the cotangent bound ``G_k`` at that use, divided by the sample multiplicity ``K`` (``K`` augmented
+copies of one sample each contribute at most ``G_k / K``). The optimizer clips every row's
+cotangent at the model output to ``L`` (:class:`clipless.optim.DPOptimizer`), so ``G_k`` holds
+whatever loss, reduction, scale or extra term produced the backward pass. A parameter used
+several times (a module reused, or weights tied across modules) receives the sum of its uses'
+contributions, so its bound is the *sum* of their ``G`` (triangle inequality). Add/remove
+neighbours change the sum by one contribution; replace-one by the difference of two, which
+doubles every sensitivity (``sensitivity_factor = 2``).
+
+**Noise allocation.** ``"per-layer"``: tensor ``p`` gets noise ``sigma * Delta_p``; each tensor is
+a Gaussian mechanism with multiplier ``sigma`` and the ``D`` noised tensors compose into one with
+``sigma_eff = sigma / sqrt(D)`` (the Mahalanobis sensitivity is ``sqrt(D) / sigma``).
+``"global"``: one Gaussian mechanism on the concatenation of all noised gradients, whose L2
+sensitivity is ``G = sqrt(sum_c B_c^2)`` over the connected groups ``c`` of layer uses that
+share a parameter, ``B_c`` the sum of their ``G_k``; every tensor gets ``sigma G`` and
+``sigma_eff = sigma``.
+Both are one Poisson-subsampled Gaussian mechanism per step, accounted with ``dp_accounting``.
+
+**Floating point.** The bounds are computed in float64 with upward rounding, but the training step
+itself runs in the parameters' dtype. Every sensitivity is inflated by a relative margin
+(:data:`ROUNDING_MARGIN`: ``2^-12`` in float32, ``2^-40`` in float64) covering the rounding of the
+step's own arithmetic (the largest excess measured over 288 end-to-end float32 configurations was
+``6.7e-8``, 3,600 times below the margin). This margin is an engineering allowance, not a proof;
+half precision (float16 / bfloat16) is refused because its rounding (measured excess ``1.4e-3`` in
+bfloat16, overflow in float16) is not covered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal
+
+from clipless import accounting
+
+if TYPE_CHECKING:
+    import dp_accounting
+
+    from clipless.bounds import BoundReport
+
+__all__ = [
+    "BATCH_MAX",
+    "CONSTRAINTS",
+    "NEIGHBOURING",
+    "NOISE_STRATEGIES",
+    "ROUNDING_MARGIN",
+    "SCALING_MODES",
+    "NoisePlan",
+    "PrivacyConfig",
+    "plan_step",
+    "rounding_margin",
+    "thresholds_for",
+    "use_bound",
+]
+
+NoiseStrategy = Literal["global", "per-layer"]
+NOISE_STRATEGIES: tuple[str, ...] = ("global", "per-layer")
+CONSTRAINTS: tuple[str, ...] = ("clip", "fix", "orthogonal")
+SCALING_MODES: tuple[str, ...] = ("bound", "per-sample", "threshold", "batch-max")
+NEIGHBOURING: tuple[str, ...] = ("add_remove", "replace_one")
+ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+#: Sentinel threshold meaning "the largest factor in the current batch" (unproven mode).
+BATCH_MAX = "batch-max"
+#: Relative inflation of every sensitivity, by parameter dtype name (module docstring).
+ROUNDING_MARGIN: Mapping[str, float] = MappingProxyType({"float32": 2.0**-12, "float64": 2.0**-40})
+
+
+def rounding_margin(dtype_name: str) -> float:
+    """The relative sensitivity margin for parameters of dtype ``dtype_name`` (e.g. ``"float32"``).
+
+    Raises :class:`ValueError` for dtypes whose rounding the margin does not cover.
+    """
+    name = str(dtype_name).removeprefix("torch.")
+    if name not in ROUNDING_MARGIN:
+        raise ValueError(
+            f"parameters must be float32 or float64 for private training; got {name}: the "
+            "rounding of half precision (float16, bfloat16) can exceed the certified "
+            "sensitivities (measured 1.4e-3 relative in bfloat16; overflow in float16)"
+        )
+    return ROUNDING_MARGIN[name]
+
+
+def _sensitivity_factor(neighbouring: str) -> float:
+    return 2.0 if neighbouring == "replace_one" else 1.0
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """The mechanism of every training step, frozen and serialisable (module docstring).
+
+    ``noise_multiplier`` is ``sigma``: with ``noise="global"`` the step's effective multiplier,
+    with ``"per-layer"`` every noised tensor's (``sigma_eff = sigma / sqrt(D)``). Multipliers are
+    relative to the sensitivities ``Delta`` (which already include the factor 2 of replace-one);
+    :attr:`accounting_noise_multiplier` converts to ``dp_accounting``'s convention.
+    ``steps`` is the number of steps the privacy budget was planned for (``None``: not planned;
+    the caller accounts). ``thresholds`` (layer path -> ``T_k``) is used by
+    ``scaling="threshold"`` only.
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    num_samples: int
+    num_tensors: int
+    noise: str = "global"
+    scaling: str = "per-sample"
+    constraint: str | None = "clip"
+    max_norm: float = 1.0
+    neighbouring: str = "add_remove"
+    accountant: str = "pld"
+    steps: int | None = None
+    thresholds: Mapping[str, float] | None = None
+    allow_unproven: bool = False
+
+    def __post_init__(self) -> None:
+        sigma = self.noise_multiplier
+        if isinstance(sigma, bool) or not isinstance(sigma, int | float):
+            raise TypeError(f"noise_multiplier must be a number; got {type(sigma).__name__}")
+        if not (math.isfinite(sigma) and sigma > 0):
+            raise ValueError(f"noise_multiplier must be a finite number > 0; got {sigma!r}")
+        q = self.sample_rate
+        if not (isinstance(q, int | float) and 0.0 < q <= 1.0):
+            raise ValueError(f"sample_rate must be in (0, 1]; got {q!r}")
+        for name in ("num_samples", "num_tensors"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if self.noise not in NOISE_STRATEGIES:
+            raise ValueError(f"noise must be one of {NOISE_STRATEGIES}; got {self.noise!r}")
+        if self.scaling not in SCALING_MODES:
+            raise ValueError(f"scaling must be one of {SCALING_MODES}; got {self.scaling!r}")
+        if self.scaling == "batch-max" and not self.allow_unproven:
+            raise ValueError(
+                "scaling='batch-max' is not differentially private (thesis Algorithm 8 line 11 "
+                "rescales every sample by the batch maximum, so one sample changes every other "
+                "sample's contribution); pass allow_unproven=True to use it for reproduction only"
+            )
+        if self.constraint is not None and self.constraint not in CONSTRAINTS:
+            raise ValueError(
+                f"constraint must be one of {CONSTRAINTS} or None; got {self.constraint!r}"
+            )
+        c = self.max_norm
+        if isinstance(c, bool) or not (isinstance(c, int | float) and math.isfinite(c) and c > 0):
+            raise ValueError(f"max_norm must be a finite number > 0; got {c!r}")
+        if self.neighbouring not in NEIGHBOURING:
+            raise ValueError(
+                f"neighbouring must be one of {NEIGHBOURING}; got {self.neighbouring!r}"
+            )
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of {ACCOUNTANTS}; got {self.accountant!r}")
+        if self.steps is not None and (
+            isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1
+        ):
+            raise ValueError(f"steps must be an integer >= 1 or None; got {self.steps!r}")
+        if self.thresholds is not None:
+            object.__setattr__(self, "thresholds", MappingProxyType(dict(self.thresholds)))
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def proven(self) -> bool:
+        """``False`` for modes without a DP proof (``batch-max``): never report their epsilon."""
+        return self.scaling != "batch-max"
+
+    @property
+    def sensitivity_factor(self) -> float:
+        """2 under replace-one (an example and its replacement), 1 under add/remove."""
+        return _sensitivity_factor(self.neighbouring)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """``sigma_eff`` of one step, relative to the sensitivities."""
+        if self.noise == "global":
+            return float(self.noise_multiplier)
+        return float(self.noise_multiplier) / math.sqrt(self.num_tensors)
+
+    @property
+    def accounting_noise_multiplier(self) -> float:
+        """Noise std over one example's bound ``G``: ``dp_accounting``'s convention.
+
+        Its ``REPLACE_ONE`` relation itself accounts for a difference of ``2 G`` between an
+        example and its replacement, so under replace-one (``Delta = 2 G``) this is
+        ``2 sigma_eff``; under add/remove it is ``sigma_eff``.
+        """
+        return self.effective_noise_multiplier * self.sensitivity_factor
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``q N``: the noisy sum is divided by it, never by the realised (private) batch size."""
+        return self.sample_rate * self.num_samples
+
+    def step_event(self) -> dp_accounting.DpEvent:
+        """The ``dp_accounting`` event of one step: Poisson-subsampled Gaussian."""
+        return accounting.gaussian_step_event(self.accounting_noise_multiplier, self.sample_rate)
+
+    def epsilon(self, delta: float, steps: int | None = None) -> float:
+        """Epsilon after ``steps`` (default: the planned number) steps of this config."""
+        n = self.steps if steps is None else steps
+        if n is None:
+            raise ValueError("steps is required: this config has no planned number of steps")
+        return accounting.epsilon(
+            self.accounting_noise_multiplier,
+            self.sample_rate,
+            n,
+            delta,
+            accountant=self.accountant,  # type: ignore[arg-type]
+            neighbouring=self.neighbouring,  # type: ignore[arg-type]
+        )
+
+    # -------------------------------------------------------------- calibrate
+    def calibrate(self, epsilon: float, delta: float, steps: int) -> PrivacyConfig:
+        """A copy whose noise multiplier is the smallest meeting ``(epsilon, delta)`` in ``steps``.
+
+        The search (:func:`clipless.accounting.calibrate_noise`) runs in ``dp_accounting``'s
+        convention; the result is converted back to this config's multiplier.
+        """
+        sigma_acc = accounting.calibrate_noise(
+            epsilon,
+            delta,
+            self.sample_rate,
+            steps,
+            accountant=self.accountant,  # type: ignore[arg-type]
+            neighbouring=self.neighbouring,  # type: ignore[arg-type]
+        )
+        sigma_eff = sigma_acc / self.sensitivity_factor
+        sigma = sigma_eff if self.noise == "global" else sigma_eff * math.sqrt(self.num_tensors)
+        return dataclasses.replace(self, noise_multiplier=sigma, steps=int(steps))
+
+    def with_steps(self, steps: int | None) -> PrivacyConfig:
+        """A copy planned for ``steps`` steps (used to extend a run explicitly)."""
+        return dataclasses.replace(self, steps=steps)
+
+    # -------------------------------------------------------------- serialise
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["thresholds"] = None if self.thresholds is None else dict(self.thresholds)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrivacyConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown PrivacyConfig fields {unknown}")
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class NoisePlan:
+    """Exactly what one step does, computed before its gradient exists (module docstring).
+
+    ``sensitivities`` and ``stds`` are keyed by parameter name (``model.named_parameters()``),
+    over the noised tensors only. ``output_bound`` is the per-row cotangent norm the optimizer
+    enforces at the model output (the loss constant ``L``); ``thresholds`` the scaling threshold
+    of each parametric module (by path) and ``multiplicity`` the number of rows per sample.
+    """
+
+    names: tuple[str, ...]
+    sensitivities: Mapping[str, float]
+    stds: Mapping[str, float]
+    noise_multiplier: float
+    effective_noise_multiplier: float
+    accounting_noise_multiplier: float
+    sample_rate: float
+    expected_batch_size: float
+    output_bound: float
+    thresholds: Mapping[str, float | str]
+    multiplicity: int
+    rounding_margin: float
+    proven: bool
+    groups: tuple[tuple[str, ...], ...] = field(default=())
+
+    def dp_event(self) -> dp_accounting.DpEvent:
+        """The step's ``dp_accounting`` event (what the ledger records)."""
+        return accounting.gaussian_step_event(self.accounting_noise_multiplier, self.sample_rate)
+
+
+def thresholds_for(
+    report: BoundReport,
+    mode: str,
+    thresholds: Mapping[str, float] | None = None,
+    *,
+    allow_unproven: bool = False,
+) -> dict[str, float | str]:
+    """Per-module scaling thresholds ``T_k`` (module path -> value) for a scaling ``mode``.
+
+    The threshold only trades bias against variance; it never enters the privacy argument
+    (:mod:`clipless.scaling`). ``"bound"``: the certified bound on the norm factor propagated from
+    the input bound (Clipless DP-SGD, seed Algorithm 1 line 2); a module used several times gets the
+    largest of its uses' bounds. ``"per-sample"``: 0. ``"threshold"``: the given value for every
+    parametric module path. ``"batch-max"``: the batch maximum (unproven).
+    """
+    if mode not in SCALING_MODES:
+        raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {mode!r}")
+    paths = list(dict.fromkeys(layer.path for layer in report.layers))
+    if mode == "bound":
+        out: dict[str, float | str] = {}
+        for lb in report.layers:
+            prev = out.get(lb.path)
+            value = float(lb.norm_factor_bound)
+            out[lb.path] = value if not isinstance(prev, float) else max(prev, value)
+        return out
+    if mode == "per-sample":
+        return dict.fromkeys(paths, 0.0)
+    if mode == "batch-max":
+        if not allow_unproven:
+            raise ValueError(
+                "scaling='batch-max' (thesis Algorithm 8, line 11) is not differentially private: "
+                "one sample with a large activation rescales every other sample's contribution, "
+                "so the sensitivity is unbounded. Pass allow_unproven=True to use it for "
+                "reproduction only; its epsilon is never reported as a DP guarantee."
+            )
+        return dict.fromkeys(paths, BATCH_MAX)
+    if thresholds is None:
+        raise ValueError("thresholds is required with scaling='threshold': {layer path: T_k >= 0}")
+    missing = [p for p in paths if p not in thresholds]
+    unknown = [p for p in thresholds if p not in paths]
+    if missing or unknown:
+        raise ValueError(
+            f"thresholds must name exactly the parametric layers {paths}; "
+            f"missing {missing}, unknown {unknown}"
+        )
+    result: dict[str, float | str] = {}
+    for p in paths:
+        t = float(thresholds[p])
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"thresholds[{p!r}] must be a finite number >= 0; got {t!r}")
+        result[p] = t
+    return result
+
+
+def _up(value: float) -> float:
+    return math.nextafter(float(value), math.inf)
+
+
+def use_bound(cotangent_bound: float, config: PrivacyConfig, margin: float) -> float:
+    """Sensitivity of one use of a layer: ``G_k`` times the neighbouring factor and the margin."""
+    return _up(float(cotangent_bound) * (1.0 + margin) * config.sensitivity_factor)
+
+
+def _groups(
+    uses: Sequence[tuple[str, float, frozenset[str]]],
+) -> list[tuple[list[str], float]]:
+    """Connected groups of layer uses sharing a noised parameter, with the sum of their bounds."""
+    parent = list(range(len(uses)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[str, int] = {}
+    for i, (_, _, params) in enumerate(uses):
+        for name in params:
+            if name in owner:
+                parent[find(i)] = find(owner[name])
+            else:
+                owner[name] = i
+    sums: dict[int, float] = {}
+    members: dict[int, set[str]] = {}
+    for i, (_, bound, params) in enumerate(uses):
+        root = find(i)
+        sums[root] = _up(sums.get(root, 0.0) + bound)
+        members.setdefault(root, set()).update(params)
+    return [(sorted(members[r]), sums[r]) for r in sums]
+
+
+def plan_step(
+    config: PrivacyConfig,
+    report: BoundReport,
+    names: Iterable[str],
+    *,
+    dtype: str = "float32",
+    multiplicity: int = 1,
+) -> NoisePlan:
+    """The frozen :class:`NoisePlan` of one step at the weights ``report`` was certified for.
+
+    ``names`` are the noised parameters (trainable parameters held by the optimizer), ``dtype``
+    their dtype name and ``multiplicity`` the number of rows each sample occupies in the batch
+    (augmentation multiplicity; the scaled kernels divide every row's contribution by it).
+    Raises :class:`ValueError` if a noised parameter has no certified bound.
+    """
+    noised = tuple(names)
+    if not noised:
+        raise ValueError("there is no trainable parameter to noise")
+    if len(noised) != config.num_tensors:
+        raise ValueError(
+            f"the config was planned for {config.num_tensors} noised tensors but the optimizer "
+            f"holds {len(noised)}: per-layer noise would be mis-calibrated"
+        )
+    if isinstance(multiplicity, bool) or not isinstance(multiplicity, int) or multiplicity < 1:
+        raise ValueError(f"multiplicity must be an integer >= 1; got {multiplicity!r}")
+    margin = rounding_margin(dtype)
+    noised_set = frozenset(noised)
+
+    per_tensor: dict[str, float] = {}
+    uses: list[tuple[str, float, frozenset[str]]] = []
+    for lb in report.layers:
+        touched = frozenset(n for n in lb.gradient_bounds if n in noised_set)
+        if not touched:
+            continue
+        g = use_bound(lb.cotangent_bound, config, margin)
+        uses.append((lb.path, g, touched))
+        for name in touched:
+            per_tensor[name] = _up(per_tensor.get(name, 0.0) + g)
+    missing = [n for n in noised if n not in per_tensor]
+    if missing:
+        raise ValueError(
+            f"no certified sensitivity for parameters {missing}: every trained parameter must "
+            "belong to a clipless parametric layer reachable through clipless containers"
+        )
+    sigma = float(config.noise_multiplier)
+    groups = _groups(uses)
+    if config.noise == "global":
+        total = _up(math.sqrt(_up(math.fsum(b * b for _, b in groups))))
+        stds = dict.fromkeys(noised, _up(sigma * total))
+    else:
+        stds = {n: _up(sigma * per_tensor[n]) for n in noised}
+    return NoisePlan(
+        names=noised,
+        sensitivities=MappingProxyType({n: per_tensor[n] for n in noised}),
+        stds=MappingProxyType(stds),
+        noise_multiplier=sigma,
+        effective_noise_multiplier=config.effective_noise_multiplier,
+        accounting_noise_multiplier=config.accounting_noise_multiplier,
+        sample_rate=float(config.sample_rate),
+        expected_batch_size=config.expected_batch_size,
+        output_bound=float(report.loss_lipschitz),
+        thresholds=MappingProxyType(
+            thresholds_for(
+                report,
+                config.scaling,
+                config.thresholds,
+                allow_unproven=config.allow_unproven,
+            )
+        ),
+        multiplicity=multiplicity,
+        rounding_margin=margin,
+        proven=config.proven,
+        groups=tuple(tuple(m) for m, _ in groups),
+    )
