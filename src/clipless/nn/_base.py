@@ -17,10 +17,11 @@ every input; estimates (power iteration) never qualify.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 
 import torch
+
+from clipless import _certified
 
 __all__ = [
     "LipschitzModule",
@@ -39,9 +40,9 @@ class LipschitzModule(torch.nn.Module):
         """Certified upper bound on ``||f(x)||_2`` for one sample with ``||x||_2 <= input_bound``.
 
         The default, ``lipschitz() * input_bound``, is valid for maps with ``f(0) = 0``; layers with
-        an offset (a bias, a sigmoid) override it.
+        an offset (a bias, a sigmoid) override it. Rounded up (:func:`clipless._certified.mul`).
         """
-        return self.lipschitz() * float(input_bound)
+        return _certified.mul(self.lipschitz(), float(input_bound))
 
     def vanilla_export(self) -> torch.nn.Module:
         """A plain :mod:`torch.nn` module computing the same function, for inference.
@@ -129,8 +130,3 @@ class ParametricLipschitzModule(LipschitzModule):
         value = float(compute())
         self.__dict__["_bound_cache"] = (weight.clone(), key, value)
         return value
-
-
-def product(values: Sequence[float]) -> float:
-    """Product of non-negative floats in float64 (``math.prod`` keeps Python floats = float64)."""
-    return float(math.prod(float(v) for v in values))
