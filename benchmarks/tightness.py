@@ -33,8 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from clipless.bounds import conv_norm, dense_norm  # noqa: E402
-from test_bounds import conv_jacobian_norm  # noqa: E402
+from clipless.norms import conv_norm, dense_norm  # noqa: E402
+from test_norms import conv_jacobian_norm  # noqa: E402
 from test_sensitivities import TIGHTNESS, RandomChooser, build_case, check_case  # noqa: E402
 
 

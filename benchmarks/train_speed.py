@@ -43,8 +43,8 @@ that of a subprocess that only imports the same libraries and builds the data.
 Where the time goes (``--profile``, on by default, at batch 256 or the first batch size): for the
 non-private and clipless configurations, forward, backward and the optimizer step timed
 separately; the clipless step broken down with :mod:`cProfile` (noise, inner SGD step, projection,
-bound refresh, accounting, and the exact certifications ``bounds.dense_norm`` /
-``bounds.conv_norm``); per layer, the cost of one exact certification and the growth per step of
+bound refresh, accounting, and the exact certifications ``norms.dense_norm`` /
+``norms.conv_norm``); per layer, the cost of one exact certification and the growth per step of
 the carried bound ``ub + m ||W_new - W_old||_F`` (DESIGN.md "Performance practice").
 
 Run ``python benchmarks/train_speed.py --quick`` (batch 64 only, about a minute) or without
@@ -374,9 +374,9 @@ _STEP_PARTS = {
     "inner SGD step": ("sgd.py", "step"),
     "projection (constraints.project)": ("constraints.py", "project"),
     "bound refresh (DPOptimizer.refresh)": ("optim.py", "refresh"),
-    "accounting (ledger.record)": ("accounting.py", "record"),
+    "accounting (ledger.record)": ("ledger.py", "record"),
 }
-_CERTIFY = {"dense_norm": ("bounds.py", "dense_norm"), "conv_norm": ("bounds.py", "conv_norm")}
+_CERTIFY = {"dense_norm": ("norms.py", "dense_norm"), "conv_norm": ("norms.py", "conv_norm")}
 
 
 def _cum(stats: pstats.Stats, file_end: str, func: str) -> tuple[float, int]:

@@ -601,7 +601,7 @@ def test_returns_every_parametric_layer_in_order() -> None:
 
 def test_projection_seeds_the_layer_bound_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """After project(), lipschitz() returns the projection's certified bound without a new SVD."""
-    from clipless import bounds as bounds_module
+    from clipless import norms as norms_module
 
     torch.manual_seed(0)
     model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(20, 20, bias=False))
@@ -609,9 +609,9 @@ def test_projection_seeds_the_layer_bound_cache(monkeypatch: pytest.MonkeyPatch)
         model[1].weight.mul_(10.0)
     returned = project(model, mode="clip", max_norm=1.0)
     calls = []
-    original = bounds_module.dense_norm
+    original = norms_module.dense_norm
     monkeypatch.setattr(
-        bounds_module, "dense_norm", lambda *a, **k: calls.append(1) or original(*a, **k)
+        norms_module, "dense_norm", lambda *a, **k: calls.append(1) or original(*a, **k)
     )
     assert model[1].lipschitz() == returned["1"]
     assert not calls

@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from torch.func import functional_call, grad, vmap
 
 import clipless.nn as cnn
-from clipless.bounds import BoundReport, conv_norm, report, sensitivities
+from clipless.bounds import BoundReport, report, sensitivities
 from clipless.constraints import project
+from clipless.norms import conv_norm
 
 T = TypeVar("T")
 

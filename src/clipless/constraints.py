@@ -15,7 +15,7 @@ Modes (one mechanism with three parameters, DESIGN.md "One mechanism, many modes
     is already ``<= C`` is left untouched, bit for bit. A larger one is rescaled so that its
     certified bound is ``<= C``. As in the seed, ``||.||`` is the operator norm (spectral
     normalisation). Here it is always a certified *upper* bound ``ub`` from
-    :mod:`clipless.bounds`, through the layer's own :meth:`~clipless.nn.Linear.lipschitz`, so the
+    :mod:`clipless.norms`, through the layer's own :meth:`~clipless.nn.Linear.lipschitz`, so the
     result is certified even though ``ub`` may exceed the true norm.
 ``"fix"``
     Fix-Lip-DP-SGD (same seed, section 4.1: ``u_k <- C`` in line 24 of Algorithm 1) and the
@@ -27,7 +27,7 @@ Modes (one mechanism with three parameters, DESIGN.md "One mechanism, many modes
     First a few Björck iterations (Björck & Bowie 1971, "An iterative algorithm for computing the
     best estimate of an orthogonal matrix", SIAM J. Numer. Anal. 8(2)): first order,
     ``X <- X (1.5 I - 0.5 X^T X)``. They start from ``X = W / ub_2`` with ``ub_2`` a certified
-    bound on ``||W||_2`` (:func:`clipless.bounds.dense_norm`), so ``||X||_2 <= 1 < sqrt(3)``,
+    bound on ``||W||_2`` (:func:`clipless.norms.dense_norm`), so ``||X||_2 <= 1 < sqrt(3)``,
     which is inside the region where the iteration converges. Each iteration maps every singular
     value through ``f(s) = 1.5 s - 0.5 s^3``, which is increasing on ``[0, 1]`` and fixes 1. The
     result is multiplied back by ``ub_2``, so the top singular value keeps its scale and the
@@ -49,7 +49,7 @@ Modes (one mechanism with three parameters, DESIGN.md "One mechanism, many modes
 (float32: unit roundoff ``u = 2^-24``) can *raise* the norm slightly. By the triangle inequality,
 ``||W'|| <= s ub + m ||W' - s W||_F``. Here ``m = 1`` for a dense layer, and for a convolution
 ``m = sqrt(k_eff)`` (:meth:`clipless.nn.Conv2d.multiplicity`; ``||conv(E)|| <= sqrt(k_eff)
-||E_mat||_2 <= sqrt(k_eff) ||E||_F``, proof in :func:`clipless.bounds.conv_multiplicity`).
+||E_mat||_2 <= sqrt(k_eff) ||E||_F``, proof in :func:`clipless.norms.conv_multiplicity`).
 The residual ``||W' - s W||_F`` is computed in float64 and inflated to cover float64 rounding
 (:func:`_fro_upper`). The scale is chosen as ``s = C' / (ub + slack)``, with ``C'`` equal to
 ``C`` less a ``NUMERIC_MARGIN`` for the float64 arithmetic. ``slack`` is first a measured
@@ -79,8 +79,8 @@ resets the chain. Rule of thumb: the carried bound grows by ``m ||dW||_F`` per s
 less than about ``tolerance / 12`` (relative, Frobenius).
 
 **Power iteration steers, never certifies** (DESIGN.md "Certified means upper bound"). Each call
-runs a warm-started power iteration (:func:`clipless.bounds.power_iteration` /
-:func:`clipless.bounds.conv_power_iteration`) whose vector is kept on the layer between calls,
+runs a warm-started power iteration (:func:`clipless.norms.power_iteration` /
+:func:`clipless.norms.conv_power_iteration`) whose vector is kept on the layer between calls,
 in :func:`projection_state` (``.vector``, updated in place). Its lower bound decides when an exact
 recertification is worth its cost and reports the tightness ``ub / lb``. It never enters a
 returned bound.
@@ -98,6 +98,9 @@ from typing import Literal
 
 import torch
 
+from clipless import _certified, norms
+from clipless import nn as cnn
+from clipless._certified import NUMERIC_MARGIN, UNIT_ROUNDOFF, inflate
 from clipless.nn import Conv2d, Linear
 
 __all__ = ["MODES", "Mode", "ProjectionState", "project", "projection_state"]
@@ -107,7 +110,7 @@ MODES: tuple[str, ...] = ("clip", "fix", "orthogonal")
 
 _Layer = Linear | Conv2d
 _STATE_ATTR = "_clipless_projection"
-_EPS64 = 2.0**-52  # twice the float64 unit roundoff
+_EPS64 = 2.0 * UNIT_ROUNDOFF  # twice the float64 unit roundoff
 _FIRST_POWER_ITERS = 20  # cold start of the steering power iteration
 _WARM_POWER_ITERS = 2  # per call afterwards (warm-started)
 _POWER_SEED = 0x5EED  # dedicated generator: never consumes the global RNG stream
@@ -181,8 +184,6 @@ def _check_args(
 
 
 def _parametric_layers(model: torch.nn.Module) -> list[tuple[str, _Layer]]:
-    from clipless import nn as cnn
-
     layers: list[tuple[str, _Layer]] = []
     unknown: list[str] = []
     for path, module in model.named_modules():
@@ -217,13 +218,6 @@ def _fro_upper(t: torch.Tensor) -> float:
     return value * (1.0 + (n + 4) * _EPS64)
 
 
-def _up(value: float) -> float:
-    """Inflate by ``NUMERIC_MARGIN`` (a few float64 operations, as in :mod:`clipless.bounds`)."""
-    from clipless.bounds import NUMERIC_MARGIN
-
-    return value * (1.0 + NUMERIC_MARGIN)
-
-
 def _multiplicity(layer: _Layer) -> float:
     """``m`` with ``||layer operator of E|| <= m ||E||_F`` for a weight perturbation ``E``.
 
@@ -231,7 +225,7 @@ def _multiplicity(layer: _Layer) -> float:
     the layer's ``lipschitz()`` certifies (recorded ``input_size``, or size-free).
     """
     if isinstance(layer, Conv2d):
-        return math.sqrt(layer.multiplicity()) * (1.0 + _EPS64)
+        return _certified.sqrt(layer.multiplicity())
     return 1.0
 
 
@@ -276,12 +270,10 @@ def _bjorck(weight: torch.Tensor, iters: int) -> None:
     convergence to the orthogonal polar factor (full-rank part), Björck & Bowie 1971. The smaller
     Gram matrix is formed (``X (X^T X)`` or ``(X X^T) X``, equal).
     """
-    from clipless import bounds
-
     if iters == 0:
         return
     mat = weight.detach().reshape(weight.shape[0], -1)
-    scale = bounds.dense_norm(mat)
+    scale = norms.dense_norm(mat)
     if scale == 0.0:
         return
     work = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -294,8 +286,6 @@ def _bjorck(weight: torch.Tensor, iters: int) -> None:
 
 def _lower_bound(layer: _Layer, state: ProjectionState) -> float:
     """Warm-started power iteration: a LOWER bound (steering only); ``state.vector`` in place."""
-    from clipless import bounds
-
     w = layer.weight.detach()
     size = layer.input_size if isinstance(layer, Conv2d) else None
     if isinstance(layer, Conv2d):
@@ -321,7 +311,7 @@ def _lower_bound(layer: _Layer, state: ProjectionState) -> float:
         init = v
     iters = _FIRST_POWER_ITERS if cold else _WARM_POWER_ITERS
     if isinstance(layer, Conv2d) and size is not None:
-        result = bounds.conv_power_iteration(
+        result = norms.conv_power_iteration(
             w,
             stride=layer.stride,
             padding=layer.padding,
@@ -331,7 +321,7 @@ def _lower_bound(layer: _Layer, state: ProjectionState) -> float:
             init=init,
         )
     else:
-        result = bounds.power_iteration(w, iters=iters, init=init)
+        result = norms.power_iteration(w, iters=iters, init=init)
     new = result.vector.detach().to(w.dtype)
     if v is None or cold:
         state.vector = new.clone()
@@ -358,7 +348,7 @@ def _certified_bound(
         assert reference is not None
         w = layer.weight.detach()
         gap = m * _fro_upper(w.to(torch.float64) - reference.to(torch.float64))
-        carried = _up(state.upper_bound + gap)
+        carried = inflate(state.upper_bound + gap)
         # Recertify early only when the carried bound would force a rescale by more than the
         # tolerance AND it may be looser than that: two upper estimates of how far ``carried``
         # may exceed the exact certifier's value are the chain's accumulated slack (the
@@ -371,7 +361,7 @@ def _certified_bound(
             state.calls_since_exact += 1
             state.slack = slack
             return carried
-    ub = float(layer.lipschitz())  # certified (clipless.bounds, float64, NUMERIC_MARGIN)
+    ub = float(layer.lipschitz())  # certified (clipless.norms, float64, NUMERIC_MARGIN)
     state.calls_since_exact = 0
     state.exact_certifications += 1
     state.slack = 0.0
@@ -388,8 +378,6 @@ def _rescale(layer: _Layer, ub: float, max_norm: float, m: float) -> tuple[float
     n = w64.numel()
     fro = _fro_upper(w64)
     u, sub = _unit_roundoff(weight.dtype)
-    from clipless.bounds import NUMERIC_MARGIN
-
     target = max_norm / (1.0 + 4.0 * NUMERIC_MARGIN)
 
     def certify(scale: float) -> tuple[float, torch.Tensor]:
@@ -398,7 +386,7 @@ def _rescale(layer: _Layer, ub: float, max_norm: float, m: float) -> tuple[float
             return math.inf, candidate
         # ||fl(sW) - sW||_F: float64 residual (one rounding in s*W, one in the difference).
         resid = _fro_upper(candidate.to(torch.float64) - w64 * scale) + _EPS64 * scale * fro
-        return _up(scale * ub + m * resid), candidate
+        return inflate(scale * ub + m * resid), candidate
 
     # Slack per unit scale: measured (twice, growing), then the a-priori rounding bound.
     apriori = m * ((u + 2.0 * _EPS64) * fro) * 1.01
@@ -508,8 +496,6 @@ def project(
             ``Linear`` / ``Conv2d``, or an argument has the wrong type.
     """
     c = _check_args(mode, max_norm, certify_every, tolerance, bjorck_iters)
-    from clipless import nn as cnn
-
     cnn.validate(model)
     out: dict[str, float] = {}
     with torch.no_grad():

@@ -18,10 +18,11 @@ every input; estimates (power iteration) never qualify.
 from __future__ import annotations
 
 import hashlib
-import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
+
+from clipless import _certified
 
 __all__ = [
     "LipschitzModule",
@@ -40,9 +41,9 @@ class LipschitzModule(torch.nn.Module):
         """Certified upper bound on ``||f(x)||_2`` for one sample with ``||x||_2 <= input_bound``.
 
         The default, ``lipschitz() * input_bound``, is valid for maps with ``f(0) = 0``; layers with
-        an offset (a bias, a sigmoid) override it.
+        an offset (a bias, a sigmoid) override it. Rounded up (:func:`clipless._certified.mul`).
         """
-        return self.lipschitz() * float(input_bound)
+        return _certified.mul(self.lipschitz(), float(input_bound))
 
     def vanilla_export(self) -> torch.nn.Module:
         """A plain :mod:`torch.nn` module computing the same function, for inference.
@@ -169,8 +170,3 @@ class ParametricLipschitzModule(LipschitzModule):
 def _digest(t: torch.Tensor) -> str:
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return hashlib.sha256(data + str((tuple(t.shape), t.dtype)).encode()).hexdigest()
-
-
-def product(values: Sequence[float]) -> float:
-    """Product of non-negative floats in float64 (``math.prod`` keeps Python floats = float64)."""
-    return float(math.prod(float(v) for v in values))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from fractions import Fraction
 from typing import Any
 
 import torch
@@ -16,14 +15,11 @@ import torch
 __all__ = [
     "as_bound",
     "int_pair",
-    "inv_sqrt_upper",
     "nonnegative_float",
     "positive_float",
     "positive_int",
     "reduction",
     "safe_radius",
-    "sqrt_upper",
-    "upper",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -104,31 +100,3 @@ def safe_radius(radius: float, dtype: torch.dtype) -> float:
     """
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
     return float(radius) * (1.0 - 4.0 * eps)
-
-
-def inv_sqrt_upper(value: float) -> float:
-    """The smallest float64 ``c`` found with ``c >= 1 / sqrt(value)`` exactly (``value > 0``).
-
-    Checked in exact rational arithmetic (``c^2 value >= 1``), so e.g. ``1/sqrt(4)`` stays
-    ``0.5`` while an inexact quotient is rounded up by one ulp.
-    """
-    c = 1.0 / math.sqrt(value)
-    while Fraction(c) ** 2 * Fraction(value) < 1:
-        c = math.nextafter(c, math.inf)
-    return c
-
-
-def upper(value: Fraction | int) -> float:
-    """The smallest float64 ``>= value`` (``value`` an exact rational)."""
-    f = float(value)
-    if Fraction(f) < value:
-        f = math.nextafter(f, math.inf)
-    return f
-
-
-def sqrt_upper(value: Fraction | int) -> float:
-    """A float64 ``c >= sqrt(value)`` (checked exactly: ``c^2 >= value``), within an ulp or two."""
-    c = math.sqrt(float(value))
-    while Fraction(c) ** 2 < value:
-        c = math.nextafter(c, math.inf)
-    return c

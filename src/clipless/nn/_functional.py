@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from clipless._certified import NUMERIC_MARGIN, inflate
 from clipless.nn._checks import safe_radius
 
 __all__ = [
@@ -24,16 +25,13 @@ __all__ = [
     "thesis_group_norm",
 ]
 
-#: Relative margin on float64 norms computed here (the same role as ``bounds.NUMERIC_MARGIN``).
-NUMERIC_MARGIN = 1e-9
-
 # Norms below this are treated as zero when dividing (the quotient is clamped anyway).
 _TINY = 1e-300
 
 
 def norm_upper(t: torch.Tensor) -> float:
     """Euclidean norm of a whole tensor in float64, rounded up by :data:`NUMERIC_MARGIN`."""
-    return float(torch.linalg.vector_norm(t.detach().double())) * (1.0 + NUMERIC_MARGIN)
+    return inflate(float(torch.linalg.vector_norm(t.detach().double())))
 
 
 def round_up(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

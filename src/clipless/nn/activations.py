@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from clipless import _certified
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import group_sort
@@ -141,8 +142,9 @@ class Sigmoid(LipschitzModule):
                 "Sigmoid.output_bound needs the number of entries per sample (sigmoid(0) = 1/2 "
                 "contributes sqrt(n)/2): run one forward pass or pass num_features= to Sigmoid"
             )
-        root_n = math.sqrt(self.sample_numel)
-        return min(0.5 * root_n + 0.25 * x_bound, root_n)
+        root_n = _certified.sqrt(self.sample_numel)
+        offset = _certified.add(_certified.mul(0.5, root_n), _certified.mul(0.25, x_bound))
+        return min(offset, root_n)
 
     def vanilla_export(self) -> torch.nn.Module:
         return torch.nn.Sigmoid()

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
+from clipless import _certified
 from clipless.nn import _checks
-from clipless.nn._base import LipschitzModule, product
+from clipless.nn._base import LipschitzModule
 from clipless.nn.export import PlainResidual, vanilla_export
 from clipless.nn.validate import validate
 
@@ -32,8 +33,8 @@ class Sequential(LipschitzModule, torch.nn.Sequential):
         validate(self)
 
     def lipschitz(self) -> float:
-        """Product of the children's constants (1 for an empty Sequential)."""
-        return product([m.lipschitz() for m in self._lipschitz_children()])
+        """Product of the children's constants (1 for an empty Sequential), rounded up."""
+        return _certified.product([m.lipschitz() for m in self._lipschitz_children()])
 
     def output_bound(self, input_bound: float) -> float:
         """Composition of the children's output bounds."""
@@ -124,13 +125,15 @@ class Residual(LipschitzModule):
         return out if self.scale == 1.0 else out * self.scale
 
     def lipschitz(self) -> float:
-        """``scale (1 + Lip(branch))``."""
-        return self.scale * (1.0 + self.branch.lipschitz())
+        """``scale (1 + Lip(branch))``, rounded up."""
+        return _certified.mul(self.scale, _certified.add(1.0, self.branch.lipschitz()))
 
     def output_bound(self, input_bound: float) -> float:
-        """``scale (X + branch.output_bound(X))``."""
+        """``scale (X + branch.output_bound(X))``, rounded up."""
         x_bound = _checks.as_bound("input_bound", input_bound)
-        return self.scale * (x_bound + self.branch.output_bound(x_bound))
+        return _certified.mul(
+            self.scale, _certified.add(x_bound, self.branch.output_bound(x_bound))
+        )
 
     def vanilla_export(self) -> torch.nn.Module:
         return PlainResidual(_export_child(self.branch), self.scale)

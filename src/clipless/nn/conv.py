@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from clipless import _certified, norms
 from clipless.nn import _checks
 from clipless.nn._base import ParametricLipschitzModule
 from clipless.nn._functional import norm_upper, round_up
@@ -29,14 +30,14 @@ class Conv2d(ParametricLipschitzModule):
     Certified constants, for a cotangent ``||dy|| <= G`` and input ``||x|| <= X``:
 
     * input-Lipschitz constant: the operator norm of the convolution, certified by
-      :func:`clipless.bounds.conv_norm` (FFT symbol for a known input size; the size-free
+      :func:`clipless.norms.conv_norm` (FFT symbol for a known input size; the size-free
       ``sqrt(k_eff) ||K||_2`` otherwise). This replaces the seeds' ``sqrt(h'w') ||K||_F``
       (thesis Theorem 5.2.1, Table 5.1), which is valid but much looser (DESIGN.md).
     * weight gradient: ``grad_K = Dy Patches(x)`` with ``Dy`` the ``out x P`` cotangent and
       ``Patches(x)`` the ``P x (in h' w')`` patch matrix, so
       ``||grad_K||_F <= ||Dy||_F ||Patches(x)||_F <= G sqrt(k_eff) X``, where every input pixel is
       read by at most ``k_eff`` (output position, kernel offset) pairs
-      (:func:`clipless.bounds.conv_multiplicity`; ``k_eff = h'w'`` at stride 1 with zero padding,
+      (:func:`clipless.norms.conv_multiplicity`; ``k_eff = h'w'`` at stride 1 with zero padding,
       the seeds' ``sqrt(h'w')`` of Theorem 5.2.1).
     * bias gradient: ``grad_b[o] = sum_p dy[o, p]``, so ``||grad_b|| <= sqrt(P) G`` (Cauchy-Schwarz
       over the ``P = H_out W_out`` positions).
@@ -151,6 +152,8 @@ class Conv2d(ParametricLipschitzModule):
             self._check_size(size, "input spatial size")
             self.input_size = size
         if self.scaling_threshold is not None:
+            # Deliberately lazy: clipless.scaling sits above nn in the layering (the engine's
+            # machinery); the layer calls up into it only once the engine set a threshold.
             from clipless import scaling
 
             return scaling.scaled_conv2d(x, self.weight, self.bias, self.scaling_threshold, self)
@@ -167,13 +170,11 @@ class Conv2d(ParametricLipschitzModule):
     def multiplicity(self, input_size: tuple[int, int] | None = None) -> int:
         """``k_eff``: the most (output position, kernel offset) pairs that read one input pixel.
 
-        From :func:`clipless.bounds.conv_multiplicity` for ``input_size`` (default: the recorded
+        From :func:`clipless.norms.conv_multiplicity` for ``input_size`` (default: the recorded
         :attr:`input_size`; ``None`` gives the size-free value).
         """
-        from clipless import bounds
-
         return int(
-            bounds.conv_multiplicity(
+            norms.conv_multiplicity(
                 self.kernel_size,
                 self.stride,
                 self.padding,
@@ -200,18 +201,16 @@ class Conv2d(ParametricLipschitzModule):
         return (self.stride, self.padding, self.padding_mode, self._size(None))
 
     def lipschitz(self, input_size: tuple[int, int] | None = None) -> float:
-        """Certified operator norm (:func:`clipless.bounds.conv_norm`), for ``input_size``.
+        """Certified operator norm (:func:`clipless.norms.conv_norm`), for ``input_size``.
 
         ``input_size`` defaults to the recorded :attr:`input_size`; when neither is known the
         size-free bound ``sqrt(k_eff) ||K||_2`` (valid for every input size) is returned.
         """
-        from clipless import bounds
-
         size = self._size(input_size)
         key = (self.stride, self.padding, self.padding_mode, size)
         return self._cached_bound(
             key,
-            lambda: bounds.conv_norm(
+            lambda: norms.conv_norm(
                 self.weight.detach(),
                 stride=self.stride,
                 padding=self.padding,
@@ -221,20 +220,25 @@ class Conv2d(ParametricLipschitzModule):
         )
 
     def output_bound(self, input_bound: float) -> float:
-        """``Lip X + sqrt(P) ||b||`` (the bias adds ``b_o`` at each of the ``P`` positions)."""
+        """``Lip X + sqrt(P) ||b||`` (the bias adds ``b_o`` at each of the ``P`` positions).
+
+        Rounded up, as every bound here (:mod:`clipless._certified`).
+        """
         x_bound = _checks.as_bound("input_bound", input_bound)
-        out = self.lipschitz() * x_bound
+        out = _certified.mul(self.lipschitz(), x_bound)
         if self.bias is not None:
-            out += math.sqrt(self.output_positions()) * norm_upper(self.bias)
+            root_p = _certified.sqrt(self.output_positions())
+            out = _certified.add(out, _certified.mul(root_p, norm_upper(self.bias)))
         return out
 
     def gradient_bounds(self, input_bound: float, cotangent_bound: float) -> dict[str, float]:
         """``{"weight": G sqrt(k_eff) X, "bias": G sqrt(P)}`` (class docstring)."""
         x_bound = _checks.as_bound("input_bound", input_bound)
         g_bound = _checks.as_bound("cotangent_bound", cotangent_bound)
-        out = {"weight": g_bound * math.sqrt(self.multiplicity()) * x_bound}
+        root_k = _certified.sqrt(self.multiplicity())
+        out = {"weight": _certified.mul(_certified.mul(g_bound, root_k), x_bound)}
         if self.bias is not None:
-            out["bias"] = g_bound * math.sqrt(self.output_positions())
+            out["bias"] = _certified.mul(g_bound, _certified.sqrt(self.output_positions()))
         return out
 
     def sample_norm_factor(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,12 +257,12 @@ class Conv2d(ParametricLipschitzModule):
         return round_up(torch.sqrt(sq), x.dtype)
 
     def norm_factor_bound(self, input_bound: float) -> float:
-        """``sqrt(k_eff X^2 + P)`` with a bias, ``sqrt(k_eff) X`` without."""
+        """``sqrt(k_eff X^2 + P)`` with a bias, ``sqrt(k_eff) X`` without (rounded up)."""
         x_bound = _checks.as_bound("input_bound", input_bound)
-        sq = self.multiplicity() * x_bound * x_bound
+        sq = _certified.mul(_certified.mul(float(self.multiplicity()), x_bound), x_bound)
         if self.bias is not None:
-            sq += self.output_positions()
-        return math.sqrt(sq)
+            sq = _certified.add(sq, float(self.output_positions()))
+        return _certified.sqrt(sq)
 
     def vanilla_export(self) -> torch.nn.Module:
         """A ``torch.nn.Conv2d`` (same padding mode) with copies of the weight and bias."""

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from clipless import _certified, norms
 from clipless.nn import _checks
 from clipless.nn._base import ParametricLipschitzModule
 from clipless.nn._functional import norm_upper, round_up
@@ -20,7 +21,7 @@ class Linear(ParametricLipschitzModule):
     Certified constants (thesis Table 5.1 "Dense", eq. 5.2.3; Clipless DP-SGD seed, Algorithm 1):
 
     * input-Lipschitz constant: the spectral norm ``||W||_2``, certified by
-      :func:`clipless.bounds.dense_norm` (exact SVD for small matrices, Gram iteration otherwise);
+      :func:`clipless.norms.dense_norm` (exact SVD for small matrices, Gram iteration otherwise);
     * output bound: ``||W x + b|| <= ||W||_2 X + ||b||``;
     * per-sample parameter gradients, for a cotangent ``dy`` with ``||dy|| <= G``:
       ``grad_W = dy x^T`` has ``||grad_W||_F = ||dy|| ||x|| <= G X`` and ``grad_b = dy`` has norm
@@ -75,30 +76,30 @@ class Linear(ParametricLipschitzModule):
                 f"{tuple(x.shape)} (use clipless.nn.Flatten first for multi-dimensional inputs)"
             )
         if self.scaling_threshold is not None:
+            # Deliberately lazy: clipless.scaling sits above nn in the layering (the engine's
+            # machinery); the layer calls up into it only once the engine set a threshold.
             from clipless import scaling
 
             return scaling.scaled_linear(x, self.weight, self.bias, self.scaling_threshold, self)
         return F.linear(x, self.weight, self.bias)
 
     def lipschitz(self) -> float:
-        """Certified ``||W||_2`` (:func:`clipless.bounds.dense_norm`; thesis eq. 5.2.3)."""
-        from clipless import bounds
-
-        return self._cached_bound(None, lambda: bounds.dense_norm(self.weight.detach()))
+        """Certified ``||W||_2`` (:func:`clipless.norms.dense_norm`; thesis eq. 5.2.3)."""
+        return self._cached_bound(None, lambda: norms.dense_norm(self.weight.detach()))
 
     def output_bound(self, input_bound: float) -> float:
-        """``||W||_2 X + ||b||_2`` (triangle inequality)."""
+        """``||W||_2 X + ||b||_2`` (triangle inequality), rounded up."""
         x_bound = _checks.as_bound("input_bound", input_bound)
-        out = self.lipschitz() * x_bound
+        out = _certified.mul(self.lipschitz(), x_bound)
         if self.bias is not None:
-            out += norm_upper(self.bias)
+            out = _certified.add(out, norm_upper(self.bias))
         return out
 
     def gradient_bounds(self, input_bound: float, cotangent_bound: float) -> dict[str, float]:
         """``{"weight": G X, "bias": G}`` (``||dy x^T||_F = ||dy|| ||x||``; ``grad_b = dy``)."""
         x_bound = _checks.as_bound("input_bound", input_bound)
         g_bound = _checks.as_bound("cotangent_bound", cotangent_bound)
-        out = {"weight": g_bound * x_bound}
+        out = {"weight": _certified.mul(g_bound, x_bound)}
         if self.bias is not None:
             out["bias"] = g_bound
         return out
@@ -114,10 +115,10 @@ class Linear(ParametricLipschitzModule):
         return round_up(torch.sqrt(sq), x.dtype)
 
     def norm_factor_bound(self, input_bound: float) -> float:
-        """``sqrt(X^2 + 1)`` with a bias, ``X`` without."""
+        """``sqrt(X^2 + 1)`` with a bias, ``X`` without (rounded up)."""
         x_bound = _checks.as_bound("input_bound", input_bound)
         if self.bias is not None:
-            return math.sqrt(x_bound * x_bound + 1.0)
+            return _certified.sqrt(_certified.add(_certified.mul(x_bound, x_bound), 1.0))
         return x_bound
 
     def vanilla_export(self) -> torch.nn.Module:

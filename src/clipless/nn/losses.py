@@ -24,6 +24,7 @@ from fractions import Fraction
 import torch
 import torch.nn.functional as F
 
+from clipless import _certified
 from clipless.nn import _checks
 
 __all__ = [
@@ -166,7 +167,7 @@ class CrossEntropyLoss(LipschitzLoss):
 
     def lipschitz(self, num_logits: int = 1) -> float:
         _num_logits(num_logits)
-        return _checks.upper(Fraction(_checks.sqrt_upper(2)) / Fraction(self.temperature))
+        return _certified.upper(Fraction(_certified.sqrt_upper(2)) / Fraction(self.temperature))
 
     def extra_repr(self) -> str:
         return f"temperature={self.temperature}, reduction={self.reduction!r}"
@@ -194,7 +195,7 @@ class BCEWithLogitsLoss(LipschitzLoss):
         return losses.reshape(batch, -1).sum(dim=1)
 
     def lipschitz(self, num_logits: int = 1) -> float:
-        return _checks.sqrt_upper(_num_logits(num_logits))
+        return _certified.sqrt_upper(_num_logits(num_logits))
 
 
 class MulticlassHingeLoss(LipschitzLoss):
@@ -218,7 +219,7 @@ class MulticlassHingeLoss(LipschitzLoss):
         return _hinge_per_sample(input, target, self.margin)
 
     def lipschitz(self, num_logits: int = 1) -> float:
-        return 1.0 if _num_logits(num_logits) == 1 else _checks.sqrt_upper(2)
+        return 1.0 if _num_logits(num_logits) == 1 else _certified.sqrt_upper(2)
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, reduction={self.reduction!r}"
@@ -240,7 +241,7 @@ class KRLoss(LipschitzLoss):
 
     def lipschitz(self, num_logits: int = 1) -> float:
         k = _num_logits(num_logits)
-        return 1.0 if k == 1 else _checks.sqrt_upper(Fraction(k, k - 1))
+        return 1.0 if k == 1 else _certified.sqrt_upper(Fraction(k, k - 1))
 
 
 class HKRLoss(LipschitzLoss):
@@ -272,8 +273,8 @@ class HKRLoss(LipschitzLoss):
         k = _num_logits(num_logits)
         a = Fraction(self.alpha)
         if k == 1:
-            return _checks.upper(1 + a)
-        return _checks.sqrt_upper(Fraction(k, k - 1) * (1 + 2 * a) + 2 * a * a)
+            return _certified.upper(1 + a)
+        return _certified.sqrt_upper(Fraction(k, k - 1) * (1 + 2 * a) + 2 * a * a)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, margin={self.margin}, reduction={self.reduction!r}"
@@ -292,7 +293,7 @@ class L1Loss(LipschitzLoss):
         return (input - target).abs().reshape(batch, -1).sum(dim=1)
 
     def lipschitz(self, num_logits: int = 1) -> float:
-        return _checks.sqrt_upper(_num_logits(num_logits))
+        return _certified.sqrt_upper(_num_logits(num_logits))
 
 
 class HuberLoss(LipschitzLoss):
@@ -316,7 +317,7 @@ class HuberLoss(LipschitzLoss):
 
     def lipschitz(self, num_logits: int = 1) -> float:
         k = _num_logits(num_logits)
-        return _checks.upper(Fraction(self.delta) * Fraction(_checks.sqrt_upper(k)))
+        return _certified.upper(Fraction(self.delta) * Fraction(_certified.sqrt_upper(k)))
 
     def extra_repr(self) -> str:
         return f"delta={self.delta}, reduction={self.reduction!r}"

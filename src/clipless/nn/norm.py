@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import torch
 
+from clipless import _certified
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import thesis_group_norm
@@ -68,14 +69,14 @@ class GroupNorm(LipschitzModule):
 
     def lipschitz(self) -> float:
         """``1 / alpha`` (class docstring), rounded up to a float64 when it is not exact."""
-        return _checks.upper(1 / Fraction(self.alpha))
+        return _certified.upper(1 / Fraction(self.alpha))
 
     def output_bound(self, input_bound: float) -> float:
         """``min(X / alpha, sqrt(n))``."""
         x_bound = _checks.as_bound("input_bound", input_bound)
-        bound = x_bound * self.lipschitz()
+        bound = _certified.mul(x_bound, self.lipschitz())
         if self.sample_numel is not None:
-            bound = min(bound, math.sqrt(self.sample_numel))
+            bound = min(bound, _certified.sqrt(self.sample_numel))
         return bound
 
     def vanilla_export(self) -> torch.nn.Module:

@@ -31,6 +31,11 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless.stats.ecdf import ecdf
+from clipless.stats.grid import Grid
+from clipless.stats.noise import secure_rng, seeded_rng
+from clipless.stats.roc import roc
+
 if TYPE_CHECKING:
     from clipless.stats.ecdf import Smoothing
     from clipless.stats.tree import Neighbouring
@@ -137,8 +142,6 @@ def _int(value: str, name: str, minimum: int) -> int:
 
 
 def _options(args: argparse.Namespace) -> tuple[float, Neighbouring, Smoothing | None, Any]:
-    from clipless.stats.noise import secure_rng, seeded_rng
-
     eps = _real(args.epsilon, "--epsilon", positive=True)
     nb = _NEIGHBOURING.get(str(args.neighbouring))
     if nb is None:
@@ -160,8 +163,6 @@ def _options(args: argparse.Namespace) -> tuple[float, Neighbouring, Smoothing |
 
 
 def _grid(args: argparse.Namespace) -> Any:
-    from clipless.stats.grid import Grid
-
     lower = _real(args.lower, "--lower")
     upper = _real(args.upper, "--upper")
     size = _int(args.size, "--size", minimum=2)
@@ -275,9 +276,7 @@ def roc_command(args: argparse.Namespace) -> int:
 
 
 def _ecdf(args: argparse.Namespace) -> int:
-    from matplotlib.figure import Figure
-
-    from clipless.stats.ecdf import ecdf
+    from matplotlib.figure import Figure  # lazy: matplotlib is slow to import, only plots need it
 
     eps, nb, smoothing, rng = _options(args)
     grid = _grid(args)
@@ -303,9 +302,7 @@ def _ecdf(args: argparse.Namespace) -> int:
 
 
 def _roc(args: argparse.Namespace) -> int:
-    from matplotlib.figure import Figure
-
-    from clipless.stats.roc import roc
+    from matplotlib.figure import Figure  # lazy: matplotlib is slow to import, only plots need it
 
     eps, nb, smoothing, rng = _options(args)
     grid = _grid(args)

@@ -51,6 +51,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from clipless.stats.grid import Grid
 from clipless.stats.noise import seeded_rng, to_fraction
+from clipless.stats.smoothing import isotonic, smooth_counts, smooth_tree
 from clipless.stats.tree import (
     Neighbouring,
     NoiseKind,
@@ -342,8 +343,6 @@ def from_release(
     if smoothing is None:
         out = raw
     elif smoothing == "isotonic":
-        from clipless.stats.smoothing import isotonic
-
         weights = None
         top = float(np.max(variance)) if consistency else 0.0
         if top > 0:
@@ -353,12 +352,8 @@ def from_release(
     elif consistency:
         # Problem 6.3.6 applied to the least-squares prefix counts (smoothing after consistency:
         # both are post-processing; measured the most accurate combination, RESULTS.md).
-        from clipless.stats.smoothing import smooth_counts
-
         out = np.asarray(smooth_counts(counts, norm, smoothing, depth=release.depth).values)
     else:
-        from clipless.stats.smoothing import smooth_tree
-
         out = np.asarray(smooth_tree(release, norm, smoothing))
     out = np.array(out, dtype=np.float64)
     for arr in (out, counts, variance):

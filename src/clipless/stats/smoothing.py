@@ -432,7 +432,7 @@ def _pdas(d: NDArray[np.float64], graph: _Dyadic) -> NDArray[np.float64] | None:
 
 
 def _osqp_l2(d: NDArray[np.float64], graph: _Dyadic) -> tuple[NDArray[np.float64], float, str]:
-    import osqp
+    import osqp  # lazy: slow to import; only the fallback when the active-set method fails
 
     K = graph.incidence.tocsc()
     M = graph.num_edges

@@ -1,0 +1,183 @@
+"""The privacy accountant (PLD or RDP, add/remove or replace-one) and :func:`epsilon`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import dp_accounting
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from clipless.accounting._checks import (
+    DEFAULT_PLD_DISCRETIZATION,
+    AccountantKind,
+    Neighbouring,
+    _check_count,
+    _check_delta,
+    _check_discretization,
+    _check_epsilon,
+    _check_kind,
+    _check_neighbouring,
+    _check_orders,
+)
+from clipless.accounting.events import _rdp_replace_one, dpsgd_event
+
+__all__ = ["Accountant", "epsilon"]
+
+_NR = dp_accounting.NeighboringRelation
+
+
+class Accountant:
+    """A privacy accountant: compose ``dp_accounting`` events, then ask for epsilon or delta.
+
+    ``kind="pld"`` (default) wraps ``dp_accounting``'s ``PLDAccountant`` (Doroshenko et al.
+    2022; pessimistic discretisation ``value_discretization_interval``, default
+    :data:`DEFAULT_PLD_DISCRETIZATION`); ``kind="rdp"`` wraps ``RdpAccountant`` with ``orders``
+    (default :data:`DEFAULT_RDP_ORDERS`). ``neighbouring`` is ``"add_remove"`` (default) or
+    ``"replace_one"``; the treatment of replace-one is documented in the package docstring.
+
+    >>> from clipless.accounting import gaussian_step_event
+    >>> acc = Accountant("pld")
+    >>> acc.compose(gaussian_step_event(1.0, 0.01), count=1000)  # doctest: +ELLIPSIS
+    <clipless.accounting...Accountant object at ...>
+    >>> round(acc.epsilon(1e-5), 4)
+    1.8282
+    """
+
+    def __init__(
+        self,
+        kind: AccountantKind = "pld",
+        neighbouring: Neighbouring = "add_remove",
+        *,
+        value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
+        orders: Sequence[float] | None = None,
+    ) -> None:
+        self._kind = _check_kind(kind)
+        self._neighbouring = _check_neighbouring(neighbouring)
+        self._vdi = _check_discretization(value_discretization_interval)
+        self._orders = _check_orders(orders)
+        self._inner: dp_accounting.PrivacyAccountant
+        if self._kind == "pld":
+            relation = (
+                _NR.REPLACE_ONE if self._neighbouring == "replace_one" else _NR.ADD_OR_REMOVE_ONE
+            )
+            self._inner = pld_privacy_accountant.PLDAccountant(
+                neighboring_relation=relation, value_discretization_interval=self._vdi
+            )
+        else:
+            # Always add/remove: replace-one is rewritten by _rdp_replace_one (issue #378).
+            self._inner = rdp_privacy_accountant.RdpAccountant(
+                orders=list(self._orders), neighboring_relation=_NR.ADD_OR_REMOVE_ONE
+            )
+        self._ledger = dp_accounting.DpEventBuilder()
+
+    @property
+    def kind(self) -> str:
+        """``"pld"`` or ``"rdp"``."""
+        return self._kind
+
+    @property
+    def neighbouring(self) -> str:
+        """``"add_remove"`` or ``"replace_one"``."""
+        return self._neighbouring
+
+    @property
+    def value_discretization_interval(self) -> float:
+        """PLD discretisation interval (unused by RDP)."""
+        return self._vdi
+
+    @property
+    def orders(self) -> tuple[float, ...]:
+        """RDP orders (unused by PLD)."""
+        return self._orders
+
+    @property
+    def ledger(self) -> dp_event.DpEvent:
+        """Everything composed so far, as one ``DpEvent`` (as given, before any rewriting)."""
+        return self._ledger.build()
+
+    def _translate(self, event: dp_event.DpEvent) -> dp_event.DpEvent:
+        if self._kind == "rdp" and self._neighbouring == "replace_one":
+            return _rdp_replace_one(event)
+        return event
+
+    def check_supported(self, event: dp_event.DpEvent) -> None:
+        """Raise ``ValueError`` (with the reason) unless :meth:`compose` accepts ``event``.
+
+        Cheap: walks the event without composing it.
+        """
+        if not isinstance(event, dp_event.DpEvent):
+            raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
+        if not self._inner.supports(self._translate(event)):
+            raise ValueError(
+                f"the {self._kind} accountant with {self._neighbouring} neighbours does not "
+                f"support {event!r}"
+            )
+
+    def supports(self, event: dp_event.DpEvent) -> bool:
+        """Whether :meth:`compose` accepts ``event``."""
+        try:
+            self.check_supported(event)
+        except ValueError:
+            return False
+        return True
+
+    def compose(self, event: dp_event.DpEvent, count: int = 1) -> Accountant:
+        """Account for ``count`` applications of ``event``; returns ``self``."""
+        if not isinstance(event, dp_event.DpEvent):
+            raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
+        n = _check_count(count, "count", minimum=0)
+        translated = self._translate(event)
+        if n == 0:
+            self.check_supported(event)
+            return self
+        try:
+            self._inner.compose(translated, n)
+        except dp_accounting.UnsupportedEventError as exc:
+            raise ValueError(
+                f"the {self._kind} accountant with {self._neighbouring} neighbours does not "
+                f"support {event!r}: {exc}"
+            ) from exc
+        self._ledger.compose(event, n)
+        return self
+
+    def epsilon(self, delta: float) -> float:
+        """Smallest epsilon such that everything composed so far is ``(epsilon, delta)``-DP."""
+        d = _check_delta(delta)
+        return float(self._inner.get_epsilon(d))
+
+    def delta(self, epsilon: float) -> float:
+        """Smallest delta such that everything composed so far is ``(epsilon, delta)``-DP.
+
+        ``epsilon`` may be 0 here (the delta of a pure-DP-style query); it must be finite.
+        """
+        e = _check_epsilon(epsilon, allow_zero=True)
+        return float(self._inner.get_delta(e))
+
+
+def epsilon(
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    accountant: AccountantKind = "pld",
+    neighbouring: Neighbouring = "add_remove",
+    *,
+    value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
+    orders: Sequence[float] | None = None,
+) -> float:
+    """Epsilon of ``steps`` Poisson-subsampled Gaussian steps at ``delta``.
+
+    >>> round(epsilon(1.0, 0.01, 1000, 1e-5), 4)
+    1.8282
+    """
+    _check_delta(delta)  # validate everything before the (possibly costly) composition
+    event = dpsgd_event(noise_multiplier, sample_rate, steps)
+    acc = Accountant(
+        accountant,
+        neighbouring,
+        value_discretization_interval=value_discretization_interval,
+        orders=orders,
+    )
+    return acc.compose(event).epsilon(delta)

@@ -1,0 +1,103 @@
+"""``dp_accounting`` events of clipless DP-SGD steps (package docstring, "The mechanism").
+
+Also the rewriting of events for the RDP accountant under replace-one neighbours
+(:func:`_rdp_replace_one`; package docstring, "Neighbouring relations").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from dp_accounting import dp_event
+
+from clipless.accounting._checks import _check_count, _check_noise_multiplier, _check_sample_rate
+
+__all__ = ["dpsgd_event", "effective_noise_multiplier", "gaussian_step_event"]
+
+
+def effective_noise_multiplier(sigmas: Sequence[float] | Iterable[float]) -> float:
+    """The noise multiplier of one step whose layers have multipliers ``sigmas``.
+
+    Layer ``k`` has sensitivity ``G_k`` and noise ``N(0, (sigma_k G_k)^2 I)``; dividing each layer
+    by its noise scale turns the step into one Gaussian mechanism with unit noise and sensitivity
+    ``sqrt(sum_k sigma_k^-2)``, i.e. noise multiplier ``(sum_k sigma_k^-2)^(-1/2)`` (DESIGN.md,
+    "Noise strategies"). ``global`` allocation (``sigma_k = sigma G / G_k``,
+    ``G = sqrt(sum G_k^2)``) gives ``sigma``; ``per-layer`` (``sigma_k = sigma`` for ``D`` layers)
+    gives ``sigma / sqrt(D)``.
+
+    A layer with ``sigma_k = inf`` adds nothing; any ``sigma_k = 0`` makes the step non-private
+    (result 0).
+
+    >>> effective_noise_multiplier([2.0, 2.0, 2.0, 2.0])
+    1.0
+    """
+    values = [_check_noise_multiplier(s, "sigmas[i]") for s in sigmas]
+    if not values:
+        raise ValueError("sigmas must contain at least one noise multiplier")
+    if any(s == 0.0 for s in values):
+        return 0.0
+    precision = math.fsum(1.0 / (s * s) for s in values if math.isfinite(s))
+    if precision == 0.0:
+        return math.inf
+    return 1.0 / math.sqrt(precision)
+
+
+def gaussian_step_event(noise_multiplier: float, sample_rate: float = 1.0) -> dp_event.DpEvent:
+    """One step: ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` (Abadi et al. 2016).
+
+    ``q == 1`` gives the plain ``GaussianDpEvent(sigma)``; ``sigma == 0`` gives
+    ``NonPrivateDpEvent`` and ``sigma == inf`` gives ``NoOpDpEvent`` (package docstring).
+    ``noise_multiplier`` is ``std / G`` with ``G`` the bound on one example's contribution.
+
+    >>> gaussian_step_event(1.0, 0.01)
+    PoissonSampledDpEvent(sampling_probability=0.01, event=GaussianDpEvent(noise_multiplier=1.0))
+    """
+    sigma = _check_noise_multiplier(noise_multiplier)
+    q = _check_sample_rate(sample_rate)
+    if sigma == 0.0:
+        return dp_event.NonPrivateDpEvent()
+    if math.isinf(sigma):
+        return dp_event.NoOpDpEvent()
+    gaussian = dp_event.GaussianDpEvent(sigma)
+    if q == 1.0:
+        return gaussian
+    return dp_event.PoissonSampledDpEvent(q, gaussian)
+
+
+def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_event.DpEvent:
+    """``steps`` compositions of :func:`gaussian_step_event` (``SelfComposedDpEvent``)."""
+    count = _check_count(steps, "steps", minimum=0)
+    step = gaussian_step_event(noise_multiplier, sample_rate)
+    if count == 0:
+        return dp_event.NoOpDpEvent()
+    return dp_event.SelfComposedDpEvent(step, count)
+
+
+def _rdp_replace_one(event: dp_event.DpEvent) -> dp_event.DpEvent:
+    """Rewrite ``event`` for an add/remove RDP accountant so that it accounts for replace-one.
+
+    Exact for un-subsampled Gaussians (sensitivity ``2 G`` == multiplier halved); anything whose
+    replace-one RDP is not known exactly is refused (package docstring).
+    """
+    if isinstance(event, dp_event.NoOpDpEvent | dp_event.NonPrivateDpEvent):
+        return event
+    if isinstance(event, dp_event.GaussianDpEvent):
+        return dp_event.GaussianDpEvent(event.noise_multiplier / 2.0)
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return dp_event.SelfComposedDpEvent(_rdp_replace_one(event.event), event.count)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return dp_event.ComposedDpEvent([_rdp_replace_one(e) for e in event.events])
+    if isinstance(event, dp_event.PoissonSampledDpEvent):
+        if event.sampling_probability == 0.0:
+            return dp_event.NoOpDpEvent()
+        if event.sampling_probability == 1.0:
+            return _rdp_replace_one(event.event)
+        raise ValueError(
+            "the RDP accountant has no proven bound for replace_one neighbours with Poisson "
+            f"subsampling (sample_rate={event.sampling_probability}); use accountant='pld'"
+        )
+    raise ValueError(
+        f"event {event!r} is not supported by the RDP accountant with replace_one neighbours; "
+        "use accountant='pld'"
+    )

@@ -1,0 +1,82 @@
+"""A frozen, self-describing privacy claim."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from clipless.accounting._checks import (
+    _check_count,
+    _check_delta,
+    _check_kind,
+    _check_neighbouring,
+    _check_noise_multiplier,
+    _check_sample_rate,
+    _real,
+)
+
+__all__ = ["PrivacyGuarantee"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyGuarantee:
+    """A frozen description of a privacy claim, separate from the code that trains.
+
+    ``noise_multiplier`` (effective, ``std / G``) and ``sample_rate`` are ``None`` when the steps
+    did not all share one value (``mechanism`` then lists them). ``is_dp_guarantee`` is ``False``
+    when an unproven mode (e.g. batch-max gradient scaling, DESIGN.md) was used: the numbers are
+    then what the accountant *would* report, and ``str()`` says "NOT a DP guarantee".
+    """
+
+    epsilon: float
+    delta: float
+    accountant: str
+    neighbouring: str
+    sample_rate: float | None
+    noise_multiplier: float | None
+    steps: int
+    mechanism: str
+    is_dp_guarantee: bool = True
+
+    def __post_init__(self) -> None:
+        eps = _real(self.epsilon, "epsilon")
+        if math.isnan(eps) or eps < 0.0:
+            raise ValueError(f"epsilon must be in [0, inf]; got {self.epsilon!r}")
+        _check_delta(self.delta)
+        _check_kind(self.accountant)
+        _check_neighbouring(self.neighbouring)
+        if self.sample_rate is not None:
+            _check_sample_rate(self.sample_rate)
+        if self.noise_multiplier is not None:
+            _check_noise_multiplier(self.noise_multiplier)
+        _check_count(self.steps, "steps", minimum=0)
+        if not isinstance(self.mechanism, str):
+            raise TypeError(f"mechanism must be a str; got {type(self.mechanism).__name__}")
+        if not isinstance(self.is_dp_guarantee, bool):
+            raise TypeError(
+                f"is_dp_guarantee must be a bool; got {type(self.is_dp_guarantee).__name__}"
+            )
+
+    def __str__(self) -> str:
+        relation = "add/remove-one" if self.neighbouring == "add_remove" else "replace-one"
+        claim = (
+            f"(epsilon={self.epsilon:.4g}, delta={self.delta:.3g})-DP under {relation} "
+            f"neighbours, {self.accountant.upper()} accountant, {self.steps} steps of "
+            f"{self.mechanism}"
+        )
+        if self.noise_multiplier is not None and self.sample_rate is not None:
+            claim += (
+                f" (noise multiplier {self.noise_multiplier:.6g}, "
+                f"sample rate {self.sample_rate:.6g})"
+            )
+        if not self.is_dp_guarantee:
+            return (
+                "NOT a DP guarantee: an unproven mode was used, so the following is only what "
+                f"the accountant would report: {claim}"
+            )
+        return claim
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields."""
+        return dataclasses.asdict(self)

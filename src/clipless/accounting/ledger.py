@@ -1,0 +1,502 @@
+"""The privacy ledger: every step's mechanism parameters, saved as JSON, epsilon recomputable."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from dp_accounting import dp_event
+
+from clipless._io import atomic_write
+from clipless.accounting._checks import (
+    DEFAULT_PLD_DISCRETIZATION,
+    AccountantKind,
+    Neighbouring,
+    _check_count,
+    _check_delta,
+    _check_discretization,
+    _check_epsilon,
+    _check_kind,
+    _check_neighbouring,
+    _check_noise_multiplier,
+    _check_orders,
+    _check_sample_rate,
+)
+from clipless.accounting.accountant import Accountant
+from clipless.accounting.events import gaussian_step_event
+from clipless.accounting.guarantee import PrivacyGuarantee
+
+__all__ = ["LEDGER_FORMAT", "LEDGER_VERSION", "LedgerEntry", "PrivacyLedger"]
+
+LEDGER_FORMAT = "clipless.PrivacyLedger"
+LEDGER_VERSION = 1
+
+_NEVER = 1 << 62
+_MECHANISM_REFS = "Abadi et al. 2016; Mironov et al. 2019"
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerEntry:
+    """``count`` consecutive identical steps, starting at step index ``start_step``.
+
+    ``noise_multiplier`` is the step's effective multiplier (``std / G``); ``proven`` is ``False``
+    for steps taken in an unproven mode (batch-max scaling).
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    count: int
+    start_step: int
+    label: str | None = None
+    proven: bool = True
+
+    @property
+    def stop_step(self) -> int:
+        """One past the last step index of this entry."""
+        return self.start_step + self.count
+
+    def to_dict(self) -> dict[str, Any]:
+        sigma: float | str = self.noise_multiplier
+        if math.isinf(self.noise_multiplier):
+            sigma = "inf"  # strict JSON has no Infinity
+        return {
+            "noise_multiplier": sigma,
+            "sample_rate": self.sample_rate,
+            "count": self.count,
+            "start_step": self.start_step,
+            "label": self.label,
+            "proven": self.proven,
+        }
+
+
+_ENTRY_KEYS = frozenset(
+    ("noise_multiplier", "sample_rate", "count", "start_step", "label", "proven")
+)
+_LEDGER_KEYS = frozenset(
+    (
+        "format",
+        "version",
+        "accountant",
+        "neighbouring",
+        "value_discretization_interval",
+        "rdp_orders",
+        "entries",
+        "metadata",
+    )
+)
+
+_Groups = tuple[tuple[tuple[float, float], int], ...]
+
+
+class PrivacyLedger:
+    """Every step's mechanism parameters, enough to recompute epsilon from the saved file alone.
+
+    ``record(noise_multiplier, sample_rate, count=1)`` appends steps; consecutive identical steps
+    (same multiplier, rate, label and proven flag) are merged into one :class:`LedgerEntry`, so a
+    run with a fixed noise multiplier is one entry. :meth:`epsilon` composes
+    ``SelfComposedDpEvent(gaussian_step_event(sigma, q), n)`` for every distinct ``(sigma, q)``
+    (composition commutes, so order does not matter). :meth:`to_json` writes atomically (temporary
+    file in the same directory, ``fsync``, ``os.replace``). :meth:`would_exceed` answers the
+    training loop's "may I take one more step?" so that it stops *before* the budget is exceeded.
+
+    ``metadata`` is any JSON-serialisable mapping stored with the ledger (dataset size, run id...).
+    """
+
+    def __init__(
+        self,
+        accountant: AccountantKind = "pld",
+        neighbouring: Neighbouring = "add_remove",
+        *,
+        value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
+        orders: Sequence[float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._accountant = _check_kind(accountant)
+        self._neighbouring = _check_neighbouring(neighbouring)
+        self._vdi = _check_discretization(value_discretization_interval)
+        self._orders = _check_orders(orders)
+        self._custom_orders = orders is not None
+        # Validates events without composing them (rdp + replace_one refuses q < 1 steps).
+        self._checker = self._make_accountant()
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise TypeError(f"metadata must be a mapping or None; got {type(metadata).__name__}")
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self._entries: list[LedgerEntry] = []
+        self._eps_cache: dict[tuple[_Groups, float], float] = {}
+        self._brackets: dict[tuple[Any, ...], list[int]] = {}
+
+    # ----------------------------------------------------------------------- properties
+    @property
+    def accountant(self) -> str:
+        """``"pld"`` or ``"rdp"``."""
+        return self._accountant
+
+    @property
+    def neighbouring(self) -> str:
+        """``"add_remove"`` or ``"replace_one"``."""
+        return self._neighbouring
+
+    @property
+    def value_discretization_interval(self) -> float:
+        return self._vdi
+
+    @property
+    def entries(self) -> tuple[LedgerEntry, ...]:
+        return tuple(self._entries)
+
+    @property
+    def steps(self) -> int:
+        """Number of steps recorded."""
+        return self._entries[-1].stop_step if self._entries else 0
+
+    @property
+    def is_dp_guarantee(self) -> bool:
+        """``False`` if any recorded step used an unproven mode."""
+        return all(e.proven for e in self._entries)
+
+    # --------------------------------------------------------------------------- record
+    def record(
+        self,
+        noise_multiplier: float,
+        sample_rate: float,
+        count: int = 1,
+        *,
+        label: str | None = None,
+        proven: bool = True,
+    ) -> None:
+        """Append ``count`` steps with effective ``noise_multiplier`` and ``sample_rate``."""
+        sigma = _check_noise_multiplier(noise_multiplier)
+        q = _check_sample_rate(sample_rate)
+        n = _check_count(count, "count", minimum=1)
+        if label is not None and not isinstance(label, str):
+            raise TypeError(f"label must be a str or None; got {type(label).__name__}")
+        if not isinstance(proven, bool):
+            raise TypeError(f"proven must be a bool; got {type(proven).__name__}")
+        # Refuse what the accountant cannot account for *before* it enters the ledger.
+        self._checker.check_supported(gaussian_step_event(sigma, q))
+        last = self._entries[-1] if self._entries else None
+        if last is not None and (
+            last.noise_multiplier,
+            last.sample_rate,
+            last.label,
+            last.proven,
+        ) == (
+            sigma,
+            q,
+            label,
+            proven,
+        ):
+            self._entries[-1] = dataclasses.replace(last, count=last.count + n)
+        else:
+            self._entries.append(LedgerEntry(sigma, q, n, self.steps, label, proven))
+
+    # -------------------------------------------------------------------------- epsilon
+    def _make_accountant(self) -> Accountant:
+        return Accountant(
+            self._accountant,  # type: ignore[arg-type]
+            self._neighbouring,  # type: ignore[arg-type]
+            value_discretization_interval=self._vdi,
+            orders=self._orders,
+        )
+
+    def _groups(self) -> dict[tuple[float, float], int]:
+        groups: dict[tuple[float, float], int] = {}
+        for e in self._entries:
+            key = (e.noise_multiplier, e.sample_rate)
+            groups[key] = groups.get(key, 0) + e.count
+        return groups
+
+    def _epsilon_of(self, groups: Mapping[tuple[float, float], int], delta: float) -> float:
+        frozen: _Groups = tuple((k, n) for k, n in groups.items() if n > 0)
+        cached = self._eps_cache.get((frozen, delta))
+        if cached is not None:
+            return cached
+        acc = self._make_accountant()
+        for (sigma, q), n in frozen:
+            acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
+        eps = acc.epsilon(delta)
+        if len(self._eps_cache) > 256:
+            self._eps_cache.clear()
+        self._eps_cache[(frozen, delta)] = eps
+        return eps
+
+    def to_dp_event(self) -> dp_event.DpEvent:
+        """The whole ledger as one ``DpEvent`` (grouped by distinct ``(sigma, q)``)."""
+        return dp_event.ComposedDpEvent(
+            [
+                dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n)
+                for (sigma, q), n in self._groups().items()
+            ]
+        )
+
+    def epsilon(self, delta: float) -> float:
+        """Epsilon spent so far at ``delta``."""
+        return self._epsilon_of(self._groups(), _check_delta(delta))
+
+    def delta(self, epsilon: float) -> float:
+        """Delta spent so far at ``epsilon``."""
+        acc = self._make_accountant()
+        for (sigma, q), n in self._groups().items():
+            acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
+        return acc.delta(epsilon)
+
+    def guarantee(self, delta: float, mechanism: str | None = None) -> PrivacyGuarantee:
+        """A frozen :class:`PrivacyGuarantee` for everything recorded so far."""
+        groups = self._groups()
+        sigmas = {k[0] for k in groups}
+        rates = {k[1] for k in groups}
+        if mechanism is None:
+            parts = [f"{n} x (sigma={s:.6g}, q={q:.6g})" for (s, q), n in groups.items()]
+            mechanism = f"Poisson-subsampled Gaussian ({_MECHANISM_REFS})"
+            if len(groups) > 1:
+                mechanism += ": " + ", ".join(parts)
+        return PrivacyGuarantee(
+            epsilon=self.epsilon(delta),
+            delta=delta,
+            accountant=self._accountant,
+            neighbouring=self._neighbouring,
+            sample_rate=next(iter(rates)) if len(rates) == 1 else None,
+            noise_multiplier=next(iter(sigmas)) if len(sigmas) == 1 else None,
+            steps=self.steps,
+            mechanism=mechanism,
+            is_dp_guarantee=self.is_dp_guarantee,
+        )
+
+    # ---------------------------------------------------------------------- lookahead
+    def would_exceed(
+        self,
+        epsilon_budget: float,
+        delta: float,
+        noise_multiplier: float,
+        sample_rate: float,
+        count: int = 1,
+    ) -> bool:
+        """True if ``count`` more steps ``(noise_multiplier, sample_rate)`` would exceed the budget.
+
+        "Exceed" means the epsilon at ``delta`` after those steps is strictly above
+        ``epsilon_budget``. Repeated calls are cheap: for a given budget, delta and step the
+        ledger keeps a bracket on the number of such steps that fit (found with ``O(log T)``
+        epsilon evaluations the first time the answer is "exceeds", exact to one step) and
+        reuses it while only such steps are recorded. Soundness of the reuse: the true epsilon
+        never decreases with more steps, and the computed epsilon is an upper bound on it, so
+        "computed epsilon(m) <= budget" implies "true epsilon(n) <= budget" for every
+        ``n <= m``.
+        """
+        budget = _check_epsilon(epsilon_budget, "epsilon_budget")
+        d = _check_delta(delta)
+        sigma = _check_noise_multiplier(noise_multiplier)
+        q = _check_sample_rate(sample_rate)
+        n = _check_count(count, "count", minimum=1)
+        self._checker.check_supported(gaussian_step_event(sigma, q))
+        groups = self._groups()
+        key_step = (sigma, q)
+        current = groups.pop(key_step, 0)
+        others: _Groups = tuple(groups.items())
+        total = current + n
+        cache_key = (budget, d, key_step, others)
+        bracket = self._brackets.get(cache_key)  # [largest known ok, smallest known bad]
+
+        def excess(m: int) -> float:
+            """log(epsilon(m) / budget), forced > 0 exactly when epsilon(m) > budget."""
+            trial = dict(others)
+            trial[key_step] = m
+            eps = self._epsilon_of(trial, d)
+            if eps > budget:
+                return max(math.log(eps / budget), 1e-300)
+            return min(math.log(max(eps, 1e-300) / budget), 0.0)
+
+        if bracket is None:
+            if len(self._brackets) > 64:
+                self._brackets.clear()
+            bracket = self._brackets[cache_key] = [-1, _NEVER]
+        return not self._refine(bracket, excess, total)
+
+    @staticmethod
+    def _refine(bracket: list[int], excess: Callable[[int], float], total: int) -> bool:
+        """Whether ``total`` steps fit, updating ``bracket = [largest known fitting count,
+        smallest known exceeding count]`` (``-1`` and ``_NEVER`` when unknown).
+
+        A fitting ``total`` is followed by up to three doublings (so a loop that asks before
+        every step re-evaluates only ``O(log T)`` times). Once an exceeding count is known the
+        bracket is closed to adjacent integers by an Illinois (safeguarded regula falsi) search
+        on ``log epsilon`` against ``log count``, which is close to linear, with bisection as the
+        fallback; after that every answer is a comparison.
+        """
+        lo, hi = bracket
+        if total <= lo:
+            return True
+        if total >= hi:
+            return False
+        e_lo = -math.inf
+        e_total = excess(total)
+        if e_total <= 0.0:
+            lo, e_lo = total, e_total
+            for _ in range(3):
+                probe = 2 * lo
+                if probe >= hi:
+                    break
+                e_probe = excess(probe)
+                if e_probe > 0.0:
+                    hi, e_hi = probe, e_probe
+                    break
+                lo, e_lo = probe, e_probe
+        else:
+            hi, e_hi = total, e_total
+        if hi < _NEVER:
+            if e_lo == -math.inf and hi > 1:  # only the exceeding end was evaluated here
+                if lo < 1:
+                    probe = max(1, hi // 2)
+                    e_probe = excess(probe)
+                    if e_probe > 0.0:
+                        hi, e_hi = probe, e_probe
+                    else:
+                        lo, e_lo = probe, e_probe
+                else:
+                    e_lo = excess(lo)
+            side = 0
+            iteration = 0
+            while hi - lo > 1:
+                iteration += 1
+                usable = lo >= 1 and math.isfinite(e_lo) and math.isfinite(e_hi) and e_hi > e_lo
+                if iteration > 12 or not usable:
+                    mid = (lo + hi) // 2
+                else:
+                    t = -e_lo / (e_hi - e_lo)
+                    x = math.exp(math.log(lo) + t * (math.log(hi) - math.log(lo)))
+                    # Round towards the end that did not move last, to close the bracket there.
+                    mid = math.floor(x) if side >= 0 else math.ceil(x)
+                    mid = min(max(mid, lo + 1), hi - 1)
+                e_mid = excess(mid)
+                if e_mid > 0.0:
+                    hi, e_hi = mid, e_mid
+                    if side == +1:
+                        e_lo /= 2.0
+                    side = +1
+                else:
+                    lo, e_lo = mid, e_mid
+                    if side == -1:
+                        e_hi /= 2.0
+                    side = -1
+        bracket[0], bracket[1] = lo, hi
+        return total <= lo
+
+    # --------------------------------------------------------------------- persistence
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (format tag, version, accountant settings, entries, metadata)."""
+        return {
+            "format": LEDGER_FORMAT,
+            "version": LEDGER_VERSION,
+            "accountant": self._accountant,
+            "neighbouring": self._neighbouring,
+            "value_discretization_interval": self._vdi,
+            "rdp_orders": list(self._orders) if self._custom_orders else None,
+            "entries": [e.to_dict() for e in self._entries],
+            "metadata": copy.deepcopy(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrivacyLedger:
+        """Rebuild a ledger from :meth:`to_dict` output; ``ValueError`` on a malformed one."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"privacy ledger must be a JSON object; got {type(data).__name__}")
+        if data.get("format") != LEDGER_FORMAT:
+            raise ValueError(
+                f"not a privacy ledger: 'format' is {data.get('format')!r}, expected "
+                f"{LEDGER_FORMAT!r}"
+            )
+        version = data.get("version")
+        if version != LEDGER_VERSION or isinstance(version, bool):
+            raise ValueError(
+                f"unsupported privacy ledger version {version!r} (this clipless reads version "
+                f"{LEDGER_VERSION})"
+            )
+        unknown = set(data) - _LEDGER_KEYS
+        missing = {"accountant", "neighbouring", "entries"} - set(data)
+        if unknown or missing:
+            raise ValueError(
+                f"malformed privacy ledger: unknown keys {sorted(unknown)}, missing keys "
+                f"{sorted(missing)}"
+            )
+        try:
+            ledger = cls(
+                data["accountant"],
+                data["neighbouring"],
+                value_discretization_interval=data.get(
+                    "value_discretization_interval", DEFAULT_PLD_DISCRETIZATION
+                ),
+                orders=data.get("rdp_orders"),
+                metadata=data.get("metadata") or {},
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed privacy ledger: {exc}") from exc
+        entries = data["entries"]
+        if not isinstance(entries, list):
+            raise ValueError("malformed privacy ledger: 'entries' must be a list")
+        for i, raw in enumerate(entries):
+            if not isinstance(raw, Mapping) or set(raw) != _ENTRY_KEYS:
+                keys = sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__
+                raise ValueError(
+                    f"malformed privacy ledger: entries[{i}] must have exactly the keys "
+                    f"{sorted(_ENTRY_KEYS)}; got {keys}"
+                )
+            sigma_raw = raw["noise_multiplier"]
+            if sigma_raw == "inf":
+                sigma_raw = math.inf
+            if raw["start_step"] != ledger.steps or isinstance(raw["start_step"], bool):
+                raise ValueError(
+                    f"malformed privacy ledger: entries[{i}].start_step is {raw['start_step']!r}, "
+                    f"expected {ledger.steps} (entries must be contiguous)"
+                )
+            try:
+                entry = LedgerEntry(
+                    noise_multiplier=_check_noise_multiplier(
+                        sigma_raw, f"entries[{i}].noise_multiplier"
+                    ),
+                    sample_rate=_check_sample_rate(raw["sample_rate"], f"entries[{i}].sample_rate"),
+                    count=_check_count(raw["count"], f"entries[{i}].count", minimum=1),
+                    start_step=ledger.steps,
+                    label=raw["label"],
+                    proven=raw["proven"],
+                )
+                if entry.label is not None and not isinstance(entry.label, str):
+                    raise TypeError(f"entries[{i}].label must be a string or null")
+                if not isinstance(entry.proven, bool):
+                    raise TypeError(f"entries[{i}].proven must be true or false")
+                ledger._checker.check_supported(
+                    gaussian_step_event(entry.noise_multiplier, entry.sample_rate)
+                )
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"malformed privacy ledger: {exc}") from exc
+            ledger._entries.append(entry)  # kept as written: no re-merging
+        return ledger
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write the ledger to ``path`` atomically (temp file in the same directory, fsync,
+        ``os.replace``): a crash leaves either the old file or the new one, never a torn one."""
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+        atomic_write(path, text)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> PrivacyLedger:
+        """Read a ledger written by :meth:`to_json`; ``ValueError`` naming the file if malformed."""
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{os.fspath(path)}: not a valid JSON privacy ledger: {exc}") from exc
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{os.fspath(path)}: {exc}") from exc
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivacyLedger(accountant={self._accountant!r}, neighbouring={self._neighbouring!r}, "
+            f"steps={self.steps}, entries={len(self._entries)})"
+        )
