@@ -19,7 +19,7 @@ This module and :mod:`clipless.bounds` hold the whole argument from a bound to a
    optimizer enforces at the model output, and whether the step is proven DP.
 4. :class:`clipless.optim.DPOptimizer` applies exactly that plan and records exactly its event.
 
-**Why the plan's sensitivities hold.** Under gradient scaling (:mod:`clipless.scaling`) one
+**Why the plan's sensitivities hold.** Under gradient scaling (:mod:`clipless.nn._scaled`) one
 sample's contribution to the (weight, bias) gradient of one *use* of layer ``k`` has norm at most
 the cotangent bound ``G_k`` at that use, divided by the sample multiplicity ``K`` (``K`` augmented
 copies of one sample each contribute at most ``G_k / K``). The optimizer clips every row's
@@ -58,6 +58,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 from clipless import accounting
+from clipless.nn._scaled import BATCH_MAX, SCALING_MODES
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -82,11 +83,8 @@ __all__ = [
 NoiseStrategy = Literal["global", "per-layer"]
 NOISE_STRATEGIES: tuple[str, ...] = ("global", "per-layer")
 CONSTRAINTS: tuple[str, ...] = ("clip", "fix", "orthogonal")
-SCALING_MODES: tuple[str, ...] = ("bound", "per-sample", "threshold", "batch-max")
 NEIGHBOURING: tuple[str, ...] = ("add_remove", "replace_one")
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
-#: Sentinel threshold meaning "the largest factor in the current batch" (unproven mode).
-BATCH_MAX = "batch-max"
 #: Relative inflation of every sensitivity, by parameter dtype name (module docstring).
 ROUNDING_MARGIN: Mapping[str, float] = MappingProxyType({"float32": 2.0**-12, "float64": 2.0**-40})
 
@@ -309,7 +307,7 @@ def thresholds_for(
     """Per-module scaling thresholds ``T_k`` (module path -> value) for a scaling ``mode``.
 
     The threshold only trades bias against variance; it never enters the privacy argument
-    (:mod:`clipless.scaling`). ``"bound"``: the certified bound on the norm factor propagated from
+    (:mod:`clipless.nn._scaled`). ``"bound"``: the certified bound on the norm factor propagated from
     the input bound (Clipless DP-SGD, seed Algorithm 1 line 2); a module used several times gets the
     largest of its uses' bounds. ``"per-sample"``: 0. ``"threshold"``: the given value for every
     parametric module path. ``"batch-max"``: the batch maximum (unproven).

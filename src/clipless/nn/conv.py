@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from clipless import _certified, norms
-from clipless.nn import _checks
+from clipless.nn import _checks, _scaled
 from clipless.nn._base import ParametricLipschitzModule
 from clipless.nn._functional import norm_upper, round_up
 
@@ -49,7 +49,7 @@ class Conv2d(ParametricLipschitzModule):
     ``sqrt(ceil(h'/s_h) ceil(w'/s_w))``, which makes the size-free bound at most 1 for zero padding.
 
     When :attr:`scaling_threshold` is set, the forward routes through
-    :func:`clipless.scaling.scaled_conv2d` (which reads ``stride``, ``padding``, ``padding_mode``).
+    :func:`clipless.nn._scaled.scaled_conv2d` (reads ``stride``, ``padding``, ``padding_mode``).
     """
 
     in_channels: int
@@ -152,11 +152,7 @@ class Conv2d(ParametricLipschitzModule):
             self._check_size(size, "input spatial size")
             self.input_size = size
         if self.scaling_threshold is not None:
-            # Deliberately lazy: clipless.scaling sits above nn in the layering (the engine's
-            # machinery); the layer calls up into it only once the engine set a threshold.
-            from clipless import scaling
-
-            return scaling.scaled_conv2d(x, self.weight, self.bias, self.scaling_threshold, self)
+            return _scaled.scaled_conv2d(x, self.weight, self.bias, self.scaling_threshold, self)
         return self._conv_forward(x, self.weight, self.bias)
 
     # ------------------------------------------------------------------ geometry

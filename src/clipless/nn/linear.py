@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from clipless import _certified, norms
-from clipless.nn import _checks
+from clipless.nn import _checks, _scaled
 from clipless.nn._base import ParametricLipschitzModule
 from clipless.nn._functional import norm_upper, round_up
 
@@ -32,7 +32,7 @@ class Linear(ParametricLipschitzModule):
     1-Lipschitz, gradient-norm-preserving start) and the bias at zero.
 
     When :attr:`scaling_threshold` is set (by the engine), the forward routes through
-    :func:`clipless.scaling.scaled_linear`, which rescales each sample's parameter gradient.
+    :func:`clipless.nn._scaled.scaled_linear`, which rescales each sample's parameter gradient.
     """
 
     in_features: int
@@ -76,11 +76,7 @@ class Linear(ParametricLipschitzModule):
                 f"{tuple(x.shape)} (use clipless.nn.Flatten first for multi-dimensional inputs)"
             )
         if self.scaling_threshold is not None:
-            # Deliberately lazy: clipless.scaling sits above nn in the layering (the engine's
-            # machinery); the layer calls up into it only once the engine set a threshold.
-            from clipless import scaling
-
-            return scaling.scaled_linear(x, self.weight, self.bias, self.scaling_threshold, self)
+            return _scaled.scaled_linear(x, self.weight, self.bias, self.scaling_threshold, self)
         return F.linear(x, self.weight, self.bias)
 
     def lipschitz(self) -> float:

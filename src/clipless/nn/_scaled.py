@@ -1,4 +1,4 @@
-"""Per-layer gradient scaling: one mechanism with a per-layer threshold ``T_k``.
+"""Per-layer gradient scaling kernels: one mechanism with a per-layer threshold ``T_k``.
 
 DESIGN.md, "Gradient scaling"; Lip-DP-SGD (thesis Algorithm 8, line 11) and Clipless DP-SGD (seed
 Algorithm 1, line 2). For a parametric layer ``k`` with input ``x_i`` of sample ``i``, the joint
@@ -38,8 +38,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
-from clipless.mechanism import BATCH_MAX, SCALING_MODES
-
 if TYPE_CHECKING:
     from clipless.nn._base import ParametricLipschitzModule
 
@@ -52,6 +50,9 @@ __all__ = [
 ]
 
 ScalingMode = Literal["bound", "per-sample", "threshold", "batch-max"]
+SCALING_MODES: tuple[str, ...] = ("bound", "per-sample", "threshold", "batch-max")
+#: Sentinel threshold meaning "the largest factor in the current batch" (unproven mode).
+BATCH_MAX = "batch-max"
 #: Floor on the divisor so that an all-zero sample (whose contribution is zero) never divides by 0.
 _TINY = 1e-30
 
