@@ -993,3 +993,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _ArgError as exc:  # one line on stderr: the option, what is wrong, what is accepted
         print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":  # python -m clipless.cli (python -m clipless is the same)
+    sys.exit(main())
