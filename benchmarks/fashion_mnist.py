@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
-from clipless import constraints, nn
+from clipless import constraints, models, nn
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
@@ -63,28 +63,11 @@ OPACUS_GRID: list[dict[str, Any]] = [
 
 
 def build_model(arch: str) -> torch.nn.Module:
+    """The Lipschitz model (:mod:`clipless.models`; inputs ``1 x 28 x 28``, 10 classes)."""
     if arch == "mlp":
-        return nn.Sequential(
-            nn.InputNorm(max_norm=1.0),
-            nn.Flatten(),
-            nn.Linear(784, 256, bias=False),
-            nn.GroupSort(2),
-            nn.Linear(256, 256, bias=False),
-            nn.GroupSort(2),
-            nn.Linear(256, 10, bias=False),
-        )
+        return models.mlp((1, 28, 28), (256, 256), 10, input_norm=1.0, bias=False)
     if arch == "cnn":
-        return nn.Sequential(
-            nn.InputNorm(max_norm=1.0),
-            nn.Conv2d(1, 16, 3, padding=1, bias=False),
-            nn.GroupSort(2),
-            nn.L2NormPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1, bias=False),
-            nn.GroupSort(2),
-            nn.L2NormPool2d(2),
-            nn.Flatten(),
-            nn.Linear(32 * 7 * 7, 10, bias=False),
-        )
+        return models.convnet((1, 28, 28), (16, 32), 10, input_norm=1.0, pool="l2", bias=False)
     raise ValueError(f"unknown architecture {arch!r}")
 
 

@@ -76,7 +76,7 @@ import torch
 import torch.nn.functional as F
 
 import clipless
-from clipless import constraints, nn
+from clipless import constraints, models, nn
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 CONFIGS = (
@@ -94,29 +94,11 @@ TEMPERATURE = 0.1
 
 # ------------------------------------------------------------------------------------ models
 def build_model(name: str) -> torch.nn.Module:
-    """The clipless model (inputs ``1 x 28 x 28``, 10 classes)."""
+    """The clipless model (:mod:`clipless.models`; inputs ``1 x 28 x 28``, 10 classes)."""
     if name == "mlp":
-        return nn.Sequential(
-            nn.InputNorm(max_norm=1.0),
-            nn.Flatten(),
-            nn.Linear(784, 1024, bias=False),
-            nn.GroupSort(2),
-            nn.Linear(1024, 1024, bias=False),
-            nn.GroupSort(2),
-            nn.Linear(1024, 10, bias=False),
-        )
+        return models.mlp((1, 28, 28), (1024, 1024), 10, input_norm=1.0, bias=False)
     if name == "cnn":
-        return nn.Sequential(
-            nn.InputNorm(max_norm=1.0),
-            nn.Conv2d(1, 32, 3, padding=1, bias=False),
-            nn.GroupSort(2),
-            nn.L2NormPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1, bias=False),
-            nn.GroupSort(2),
-            nn.L2NormPool2d(2),
-            nn.Flatten(),
-            nn.Linear(64 * 7 * 7, 10, bias=False),
-        )
+        return models.convnet((1, 28, 28), (32, 64), 10, input_norm=1.0, pool="l2", bias=False)
     raise ValueError(f"unknown model {name!r}")
 
 

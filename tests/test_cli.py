@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -134,3 +136,409 @@ def test_build_mlp_starts_with_input_norm_for_images() -> None:
     assert isinstance(model[0], nn.InputNorm) and isinstance(model[1], nn.Flatten)
     assert model(torch.randn(3, 1, 8, 8)).shape == (3, 10)
     nn.validate(model)
+
+
+# ------------------------------------------------------------------------ run folders (safety)
+RUN = ["train", "--dataset", "breast-cancer", "--epsilon", "1.0", "--delta", "1e-5"]
+RUN += ["--epochs", "1", "--no-progress", "--quiet", "--unsafe-seed", "5"]
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("base") / "run"
+    assert main([*RUN, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def run_copy(finished_run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    return out
+
+
+def _one_line_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_out_holding_a_run_is_refused_and_left_byte_identical(
+    run_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _snapshot(run_copy)
+    assert "ledger.json" in before and "config.json" in before
+    capsys.readouterr()
+    assert main([*RUN, "--out", str(run_copy)]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "--out" in line and "already holds a run" in line
+    assert "--resume" in line and "--force" in line
+    assert _snapshot(run_copy) == before
+    assert list(run_copy.parent.iterdir()) == [run_copy]  # nothing moved aside either
+
+
+@pytest.mark.parametrize("marker", ["ledger.json", "checkpoint.pt", "metrics.json"])
+def test_any_run_file_marks_a_run(
+    marker: str, tmp_path: Path, finished_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(finished_run / marker, out / marker)
+    assert main([*RUN, "--out", str(out)]) == 2
+    assert marker in _one_line_error(capsys.readouterr().err)
+    assert (out / marker).read_bytes() == (finished_run / marker).read_bytes()
+
+
+def test_force_keeps_the_old_run_aside(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = _snapshot(run_copy)
+    capsys.readouterr()
+    assert main([*RUN, "--out", str(run_copy), "--force"]) == 0
+    err = capsys.readouterr().err
+    aside = [p for p in run_copy.parent.iterdir() if p.name.startswith("run.old-")]
+    assert len(aside) == 1, list(run_copy.parent.iterdir())
+    assert "--force" in err and str(aside[0]) in err
+    assert _snapshot(aside[0]) == before  # the old ledger, checkpoint, metrics: untouched
+    assert (run_copy / "ledger.json").is_file() and (run_copy / "config.json").is_file()
+    new = json.loads((run_copy / "metrics.json").read_text())
+    assert new["config"]["resumed"] is False and new["epsilon"] <= 1.0
+
+
+def test_resume_and_force_are_exclusive(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = _snapshot(run_copy)
+    assert main([*RUN, "--out", str(run_copy), "--resume", "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "--force" in err and "--resume" in err
+    assert _snapshot(run_copy) == before
+
+
+def test_resume_of_a_missing_or_empty_folder_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing"
+    assert main(["train", "--out", str(missing), "--resume"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "--resume" in line and "does not exist" in line and str(missing) in line
+    assert not missing.exists()  # no silent fresh start
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", "--out", str(empty), "--resume"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "--resume" in line and "holds no run" in line
+    assert list(empty.iterdir()) == []
+
+
+def test_resume_without_checkpoint_is_refused_and_keeps_the_ledger(
+    run_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (run_copy / "checkpoint.pt").unlink()  # as after a crash in the first epoch
+    before = _snapshot(run_copy)
+    capsys.readouterr()
+    assert main(["train", "--out", str(run_copy), "--resume"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "--resume" in line and "checkpoint.pt" in line
+    assert _snapshot(run_copy) == before
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "saved_shown"),
+    [
+        ("--epsilon", "2", "1"),
+        ("--delta", "1e-06", "1e-05"),
+        ("--dataset", "digits", "breast-cancer"),
+        ("--model", "cnn", "mlp"),
+        ("--hidden", "32,32", "16,16"),
+        ("--neighbouring", "replace_one", "add_remove"),
+        ("--epochs", "5", "1"),
+        ("--batch-size", "64", "128"),
+        ("--lr", "0.1", "0.02"),
+        ("--unsafe-seed", "6", "5"),
+    ],
+)
+def test_resume_with_a_different_option_is_refused(
+    option: str,
+    value: str,
+    saved_shown: str,
+    run_copy: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    before = _snapshot(run_copy)
+    capsys.readouterr()
+    assert main(["train", "--out", str(run_copy), "--resume", option, value]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert f"argument {option}:" in line
+    assert f"{option} (run: {saved_shown}, given: {value})" in line, line
+    assert _snapshot(run_copy) == before
+
+
+def test_resume_with_the_same_options_or_none_is_accepted(
+    run_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = (run_copy / "ledger.json").read_bytes()
+    assert main([*RUN, "--out", str(run_copy), "--resume"]) == 0  # all given, all equal
+    assert main(["train", "--out", str(run_copy), "--resume", "--no-progress"]) == 0
+    assert (run_copy / "ledger.json").read_bytes() == ledger  # finished: no further step
+
+
+def test_resume_continues_an_interrupted_run_with_its_calibrated_noise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import clipless.training as training_mod
+
+    out = tmp_path / "run"
+    argv = ["train", "--dataset", "breast-cancer", "--epsilon", "1.0", "--epochs", "2"]
+    argv += ["--out", str(out), "--no-progress", "--quiet"]
+    real_evaluate = training_mod.evaluate
+    calls = {"n": 0}
+
+    def crash_in_second_epoch(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(training_mod, "evaluate", crash_in_second_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    monkeypatch.setattr(training_mod, "evaluate", real_evaluate)
+    saved = json.loads((out / "config.json").read_text())
+    spent_before = PrivacyLedger.from_json(out / "ledger.json").steps
+    assert spent_before > 0
+    with pytest.warns(UserWarning, match="steps after the checkpoint were spent"):
+        assert main(["train", "--out", str(out), "--resume", "--no-progress", "--quiet"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    config = metrics["config"]
+    assert config["resumed"] is True
+    assert config["noise_multiplier"] == saved["noise_multiplier"]
+    assert config["target_epsilon"] == 1.0 and config["epochs"] == 2
+    ledger = PrivacyLedger.from_json(out / "ledger.json")
+    assert ledger.steps >= spent_before  # nothing spent is forgotten
+    assert metrics["epsilon"] == pytest.approx(ledger.epsilon(1e-5))
+    assert metrics["epsilon"] <= 1.0  # the budget stop holds across the resume
+
+
+def test_metrics_json_holds_the_full_configuration(finished_run: Path) -> None:
+    import clipless
+
+    config = json.loads((finished_run / "metrics.json").read_text())["config"]
+    expected = {
+        "dataset": "breast-cancer",
+        "model": "mlp",
+        "hidden": [16, 16],
+        "lr": 0.02,
+        "optimizer": "sgd",
+        "batch_size": 128,
+        "epochs": 1,
+        "seed": 0,
+        "target_epsilon": 1.0,
+        "delta": 1e-5,
+        "accountant": "pld",
+        "neighbouring": "add_remove",
+        "constraint": "orthogonal",
+        "scaling": "per-sample",
+        "noise": "global",
+        "device": "cpu",
+        "clipless_version": clipless.__version__,
+    }
+    for key, value in expected.items():
+        assert config[key] == value, key
+    assert config["sample_rate"] == pytest.approx(128 / config["num_samples"])
+    assert config["noise_multiplier"] > 0 and config["effective_noise_multiplier"] > 0
+    assert "git_commit" in config
+    commit = config["git_commit"]
+    assert commit is None or (len(commit) == 40 and int(commit, 16) >= 0)
+    saved = json.loads((finished_run / "config.json").read_text())
+    for key in expected:
+        assert saved[key] == config[key], key
+    assert saved["noise_multiplier"] == config["noise_multiplier"]
+
+
+def test_git_commit_is_none_when_git_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from clipless import cli
+
+    def no_git(*args: Any, **kwargs: Any) -> Any:
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(cli.subprocess, "run", no_git)
+    assert cli._git_commit() is None
+
+    def failing(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 128, "", "fatal: not a git repository")
+
+    monkeypatch.setattr(cli.subprocess, "run", failing)
+    assert cli._git_commit() is None
+
+
+# ----------------------------------------------------------------------------- bad values
+@pytest.mark.parametrize(
+    ("argv", "named", "accepted"),
+    [
+        (["train", "--model", "rnn"], "--model", "mlp"),
+        (["train", "--hidden", "4,a"], "--hidden", "64,64"),
+        (["train", "--hidden", ""], "--hidden", ">= 2"),
+        (["train", "--device", "gpu"], "--device", "cuda:N"),
+        (["train", "--pool", "max"], "--pool", "avg"),
+        (["train", "--model", "cnn", "--out", "{tmp}/x"], "--model", "image dataset"),
+        (["train", "--out", "{file}/x"], "--out", "not a writable folder"),
+        (["train", "--out", "{file}"], "--out", "not a folder"),
+        (["train", "--device", "cuda:99", "--out", "{tmp}/x"], "--device", "cuda"),
+        (
+            [
+                "train",
+                "--dataset",
+                "digits",
+                "--model",
+                "cnn",
+                "--hidden",
+                "2,2,2,2",
+                "--out",
+                "{tmp}/x",
+            ],
+            "--hidden",
+            "too small",
+        ),
+    ],
+)
+def test_more_bad_values_exit_2_naming_the_option(
+    argv: list[str],
+    named: str,
+    accepted: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{file}", str(afile)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and accepted in err, err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has an MPS device")
+def test_unavailable_mps_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--device", "mps", "--out", str(tmp_path / "x")]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "--device" in line and "mps is not available" in line and "cpu" in line
+
+
+def test_auto_device_resolves() -> None:
+    from clipless.cli import _resolve_device
+
+    assert _resolve_device("auto").type in ("cpu", "cuda", "mps")
+    assert _resolve_device("cpu") == torch.device("cpu")
+
+
+def test_train_without_data_offline_exits_1_saying_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(images_mod, "FASHION_MNIST_SYSTEM_DIRS", [tmp_path / "none"])
+
+    def offline(*args: object, **kwargs: object) -> bytes:
+        raise OSError("offline")
+
+    monkeypatch.setattr(images_mod, "download_verified", offline)
+    argv = ["train", "--dataset", "fashion-mnist", "--model", "cnn", "--data-root"]
+    argv += [str(tmp_path / "cache"), "--out", str(tmp_path / "run")]
+    assert main(argv) == 1
+    line = _one_line_error(capsys.readouterr().err)
+    assert "clipless data fetch fashion-mnist" in line and "apt-get install" in line
+    assert not (tmp_path / "run").exists()
+
+
+# -------------------------------------------------------------------------------- models
+def test_cnn_on_digits_runs_and_the_saved_model_reproduces_its_predictions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from clipless import nn
+    from clipless.data import load_dataset
+
+    out = tmp_path / "cnn"
+    argv = ["train", "--dataset", "digits", "--model", "cnn", "--hidden", "4,8"]
+    argv += ["--epsilon", "2", "--accountant", "rdp", "--epochs", "1", "--batch-size", "256"]
+    argv += ["--out", str(out), "--no-progress", "--unsafe-seed", "1"]
+    assert main(argv) == 0
+    assert "final: test_acc" in capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["stop_reason"] == "completed" and metrics["epsilon"] <= 2.0
+    assert metrics["config"]["model"] == "cnn" and metrics["config"]["hidden"] == [4, 8]
+    assert PrivacyLedger.from_json(out / "ledger.json").epsilon(1e-5) <= 2.0
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert state["format"] == "clipless-model-v2" and state["architecture"]["kind"] == "cnn"
+    model = load_trained_model(out / "model.pt")
+    assert any(isinstance(m, nn.Conv2d) for m in model.modules())
+    nn.validate(model)
+    _, test, _ = load_dataset("digits")
+    x, y = test.tensors
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    accuracy = int((logits.argmax(1) == y).sum()) / len(y)
+    # the reloaded model is the evaluated one: same test accuracy as the run reported
+    assert accuracy == pytest.approx(metrics["final"]["test_accuracy"], abs=1e-12)
+    again = load_trained_model(out / "model.pt")
+    again.eval()
+    with torch.no_grad():
+        assert torch.equal(again(x), logits)
+
+
+def test_load_trained_model_reads_the_v1_format(tmp_path: Path) -> None:
+    from clipless import models
+
+    torch.manual_seed(0)
+    mlp = models.mlp((30,), (4,), 2, 5.0, bias=True)
+    arch = {"input_shape": [30], "hidden": [4], "num_classes": 2, "input_norm": 5.0}
+    state = {"format": "clipless-mlp-v1", "architecture": {**arch, "bias": True}}
+    torch.save({**state, "state_dict": mlp.state_dict()}, tmp_path / "model.pt")
+    x = torch.randn(5, 30)
+    assert torch.equal(load_trained_model(tmp_path / "model.pt")(x), mlp(x))
+    torch.save({"format": "something-else"}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a model saved by"):
+        load_trained_model(tmp_path / "other.pt")
+
+
+@pytest.mark.parametrize("pool", ["l2", "avg"])
+def test_convnet_builder(pool: str) -> None:
+    from clipless import models, nn
+
+    model = models.convnet((1, 28, 28), (16, 32), 10, input_norm=1.0, pool=pool)
+    nn.validate(model)
+    assert isinstance(model[0], nn.InputNorm)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 2 and all(c.bias is None for c in convs)
+    pools = (nn.L2NormPool2d if pool == "l2" else nn.AvgPool2d,)
+    assert sum(isinstance(m, pools) for m in model.modules()) == 2
+    x = torch.rand(3, 1, 28, 28)
+    assert model(x).shape == (3, 10)
+    twin = nn.vanilla_export(model)
+    assert not any(isinstance(m, nn.Conv2d) for m in twin.modules())
+    torch.testing.assert_close(twin(x), model(x))
+    small = models.convnet((1, 8, 8), (4, 8), 10, input_norm=2.0)
+    assert small(torch.rand(2, 1, 8, 8)).shape == (2, 10)
+    with pytest.raises(ValueError, match="too small"):
+        models.convnet((1, 8, 8), (2, 2, 2, 2), 10)
+    with pytest.raises(ValueError, match="channels, height, width"):
+        models.convnet((64,), (4,), 10)
+
+
+# ------------------------------------------------------------------------------- defaults
+def test_train_defaults_match_the_api_except_where_documented() -> None:
+    import inspect
+
+    from clipless.engine import PrivacyEngine
+
+    args = build_parser().parse_args(["train"])
+    make_private = inspect.signature(PrivacyEngine.make_private).parameters
+    for option in ("max_norm", "scaling", "noise", "neighbouring"):
+        assert getattr(args, option) == make_private[option].default, option
+    engine_init = inspect.signature(PrivacyEngine.__init__).parameters
+    assert args.accountant == engine_init["accountant"].default
+    assert args.unsafe_seed is None and engine_init["seed"].default is None  # secret noise
+    # --constraint deliberately defaults to orthogonal (docs/cli.md); the help says what the
+    # API's default is, whatever it is
+    assert args.constraint == "orthogonal"

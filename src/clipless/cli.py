@@ -1,6 +1,6 @@
-"""The ``clipless`` command.
+"""The ``clipless`` command (user guide: ``docs/cli.md``).
 
-``clipless train``  trains a Lipschitz MLP with clipless DP-SGD on a registered dataset,
+``clipless train``  trains a Lipschitz MLP or ConvNet with clipless DP-SGD on a registered dataset,
 ``clipless data``   lists datasets and fetches them into the cache (``DATA.md``),
 ``clipless ecdf`` / ``clipless roc`` release DP statistics (:mod:`clipless.stats`).
 
@@ -11,24 +11,72 @@ argument), 1 when the run fails (for instance a dataset that is not available of
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import random
 import secrets
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["build_mlp", "build_parser", "load_trained_model", "main"]
 
-MODEL_FORMAT = "clipless-mlp-v1"
+MODEL_FORMAT = "clipless-model-v2"  # v2: the architecture names its kind (mlp / cnn)
+_MODEL_FORMAT_V1 = "clipless-mlp-v1"
+RUN_CONFIG_NAME = "config.json"
+RUN_CONFIG_FORMAT = "clipless-run-v1"
+# What makes a folder a run: refused as --out unless --resume or --force.
+RUN_FILES = (
+    "ledger.json",
+    "checkpoint.pt",
+    "metrics.json",
+    "metrics.csv",
+    RUN_CONFIG_NAME,
+    "model.pt",
+    "training.png",
+)
+# The options that define a run (its data, model, mechanism, noise calibration and optimisation):
+# a resumed run keeps them; giving a different value with --resume is refused.
+RUN_OPTIONS = {
+    "dataset": "--dataset",
+    "model": "--model",
+    "hidden": "--hidden",
+    "pool": "--pool",
+    "bias": "--bias",
+    "input_norm": "--input-norm",
+    "temperature": "--temperature",
+    "epsilon": "--epsilon",
+    "delta": "--delta",
+    "accountant": "--accountant",
+    "neighbouring": "--neighbouring",
+    "noise": "--noise",
+    "scaling": "--scaling",
+    "constraint": "--constraint",
+    "max_norm": "--max-norm",
+    "epochs": "--epochs",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "optimizer": "--optimizer",
+    "momentum": "--momentum",
+    "ema": "--ema",
+    "seed": "--seed",
+    "unsafe_seed": "--unsafe-seed",
+}
+DEFAULT_HIDDEN = {"mlp": (16, 16), "cnn": (16, 32)}
+DEVICES = "cpu, cuda, cuda:N, mps, auto"
 
 _EPILOG = """\
 examples:
   clipless train --dataset breast-cancer --epsilon 1.0 --delta 1e-5 --epochs 30 --out runs/demo
   clipless train --dataset digits --epsilon 3 --epochs 40 --hidden 128,128 --out runs/digits
+  clipless train --dataset digits --model cnn --hidden 8,16 --epsilon 3 --out runs/cnn
   clipless train --out runs/demo --resume            (continue an interrupted run)
+  clipless train --out runs/demo --force             (start over; the old run is kept aside)
   clipless data list
   clipless data fetch fashion-mnist                  (populate $CLIPLESS_DATA / ~/.cache/clipless)
   clipless ecdf --help
@@ -106,6 +154,25 @@ def _hidden(text: str) -> tuple[int, ...]:
     return widths
 
 
+def _device(text: str) -> str:
+    value = text.strip().lower()
+    if value in ("cpu", "cuda", "mps", "auto"):
+        return value
+    if value.startswith("cuda:") and value[5:].isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"expected one of {DEVICES}; got {text!r}")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where the help text already states them."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default:" in text or "(None:" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def _dataset_names() -> list[str]:
     from clipless.data import available_datasets
 
@@ -139,17 +206,19 @@ def _add_train_parser(sub: Any) -> None:
     datasets = _dataset_names()
     p = sub.add_parser(
         "train",
-        help="train a Lipschitz MLP with clipless DP-SGD and report (epsilon, delta)",
+        help="train a Lipschitz MLP or ConvNet with clipless DP-SGD and report (epsilon, delta)",
         description=(
-            "Train an MLP (InputNorm -> Linear -> GroupSort -> ... -> Linear) with clipless "
-            "DP-SGD: per-layer gradient sensitivities are certified from the weights' Lipschitz "
-            "bounds, so no per-sample gradient is clipped. The noise is calibrated so that "
-            "--epochs epochs spend at most --epsilon at --delta; training stops before any step "
-            "that would exceed it. Prints one line per epoch (train/test accuracy, epsilon) and "
-            "writes metrics.json, metrics.csv, ledger.json, model.pt, training.png and "
-            "checkpoint.pt under --out."
+            "Train an MLP (InputNorm -> Linear -> GroupSort -> ... -> Linear) or a small ConvNet "
+            "(--model cnn) with clipless DP-SGD: per-layer gradient sensitivities are certified "
+            "from the weights' Lipschitz bounds, so no per-sample gradient is clipped. The noise "
+            "is calibrated so that --epochs epochs spend at most --epsilon at --delta; training "
+            "stops before any step that would exceed it. Prints one line per epoch (train/test "
+            "accuracy, epsilon) and writes config.json, metrics.json, metrics.csv, ledger.json, "
+            "model.pt, training.png and checkpoint.pt under --out. A folder that already holds a "
+            "run is refused unless --resume (continue it, same configuration) or --force (start "
+            "over; the old run is moved to OUT.old-<timestamp>, nothing is deleted)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--dataset", default="breast-cancer", choices=datasets, help="dataset name")
     p.add_argument(
@@ -157,7 +226,26 @@ def _add_train_parser(sub: Any) -> None:
         default=None,
         help="dataset cache (None: $CLIPLESS_DATA or ~/.cache/clipless)",
     )
-    p.add_argument("--out", default="runs/demo", help="output folder")
+    p.add_argument("--out", default="runs/demo", help="output folder (the run folder)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out (its checkpoint, ledger and saved configuration; the "
+        "options that define the run may be left out, and must not differ)",
+    )
+    again.add_argument(
+        "--force",
+        action="store_true",
+        help="start a new run in --out even if it holds one: the old run is moved to "
+        "OUT.old-<timestamp> (its ledger is kept, nothing is deleted)",
+    )
+    p.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        help=f"where to train: {DEVICES} (auto: cuda if available, else mps, else cpu)",
+    )
     priv = p.add_argument_group("privacy")
     priv.add_argument("--epsilon", type=_positive_float, default=1.0, help="epsilon budget")
     priv.add_argument("--delta", type=_probability, default=1e-5, help="delta")
@@ -188,7 +276,8 @@ def _add_train_parser(sub: Any) -> None:
         choices=("clip", "fix", "orthogonal"),
         default="orthogonal",
         help="weight projection after each step (orthogonal: Bjorck steps then a certified "
-        "rescale, gradient-norm preserving; clip: rescale only above --max-norm; fix: always)",
+        "rescale, gradient-norm preserving; clip: rescale only above --max-norm; fix: always). "
+        "The Python API (PrivacyEngine.make_private) defaults to clip",
     )
     priv.add_argument(
         "--max-norm", type=_positive_float, default=1.0, help="per-layer Lipschitz bound C"
@@ -200,7 +289,27 @@ def _add_train_parser(sub: Any) -> None:
         help="input norm bound X_0 enforced by InputNorm (None: a public bound of the dataset's "
         "fixed transform, sqrt(number of features) for features in [-1, 1])",
     )
-    tr = p.add_argument_group("training")
+    tr = p.add_argument_group("model and training")
+    tr.add_argument(
+        "--model",
+        choices=("mlp", "cnn"),
+        default="mlp",
+        help="mlp, or cnn: a small Lipschitz ConvNet for image datasets (digits, fashion-mnist)",
+    )
+    tr.add_argument(
+        "--hidden",
+        type=_hidden,
+        default=None,
+        help="hidden widths (mlp) or convolution channels (cnn), e.g. 64,64; the noise grows "
+        "with the number of weights: small datasets want small models (default: 16,16 for mlp, "
+        "16,32 for cnn)",
+    )
+    tr.add_argument(
+        "--pool",
+        choices=("l2", "avg"),
+        default="l2",
+        help="cnn pooling: L2-norm pooling (Lipschitz 1) or average pooling (Lipschitz 1/2)",
+    )
     tr.add_argument("--epochs", type=_positive_int, default=30, help="epochs")
     tr.add_argument(
         "--batch-size", type=_positive_int, default=128, help="expected (Poisson) batch size"
@@ -214,16 +323,10 @@ def _add_train_parser(sub: Any) -> None:
         help="SGD momentum in [0, 1) (post-processing of the noisy gradients)",
     )
     tr.add_argument(
-        "--hidden",
-        type=_hidden,
-        default=(16, 16),
-        help="hidden widths, e.g. 64,64 (the noise grows with the number of weights: small "
-        "datasets want small models)",
-    )
-    tr.add_argument(
         "--bias",
         action="store_true",
-        help="give the linear layers biases (each bias is one more noised tensor)",
+        help="give the linear layers biases (each bias is one more noised tensor; the cnn's "
+        "convolutions stay bias-free)",
     )
     tr.add_argument(
         "--temperature", type=_positive_float, default=1.0, help="cross-entropy temperature"
@@ -242,9 +345,6 @@ def _add_train_parser(sub: Any) -> None:
         help="ALSO seed the batch sampling and the DP noise (reproducible runs for testing; "
         "anyone who knows it can recompute the noise, so the epsilon is no guarantee against "
         "them). Default: both come from the operating system's CSPRNG",
-    )
-    tr.add_argument(
-        "--resume", action="store_true", help="continue from --out/checkpoint.pt (same ledger)"
     )
     tr.add_argument(
         "--threads",
@@ -321,32 +421,37 @@ def build_mlp(
 ) -> Any:
     """``InputNorm(X_0) [-> Flatten] -> (Linear -> GroupSort(2)) x len(hidden) -> Linear``.
 
-    One logit per class (``num_classes >= 2``). Every layer has a certified Lipschitz bound; the
-    ``InputNorm`` makes ``X_0 = input_norm`` a certified input bound whatever the data.
+    Kept for compatibility: :func:`clipless.models.mlp` (whose ``bias`` defaults to ``False``,
+    like ``clipless train``) builds the same model.
     """
-    from clipless import nn
+    from clipless import models
 
-    layers: list[Any] = [nn.InputNorm(float(input_norm))]  # over all non-batch dims
-    if len(input_shape) > 1:
-        layers.append(nn.Flatten())
-    width = math.prod(int(s) for s in input_shape)
-    for h in hidden:
-        layers += [nn.Linear(width, int(h), bias=bias), nn.GroupSort(2)]
-        width = int(h)
-    layers.append(nn.Linear(width, int(num_classes), bias=bias))
-    return nn.Sequential(*layers)
+    return models.mlp(input_shape, hidden, num_classes, input_norm, bias)
 
 
 def load_trained_model(path: str | Path) -> Any:
-    """Rebuild the model saved by ``clipless train`` (``model.pt``) with its trained weights."""
+    """Rebuild the model saved by ``clipless train`` (``model.pt``) with its trained weights.
+
+    Reads both formats: ``clipless-model-v2`` (an MLP or a ConvNet, named by
+    ``architecture["kind"]``) and the older ``clipless-mlp-v1`` (an MLP). The model is on the CPU.
+    """
     import torch
 
+    from clipless import models
+
     state = torch.load(Path(path), map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != MODEL_FORMAT:
+    fmt = state.get("format") if isinstance(state, dict) else None
+    if fmt not in (MODEL_FORMAT, _MODEL_FORMAT_V1):
         raise ValueError(f"{path} is not a model saved by `clipless train`")
     arch = state["architecture"]
-    model = build_mlp(
-        arch["input_shape"], arch["hidden"], arch["num_classes"], arch["input_norm"], arch["bias"]
+    model = models.build(
+        str(arch.get("kind", "mlp")),
+        arch["input_shape"],
+        arch["hidden"],
+        arch["num_classes"],
+        arch["input_norm"],
+        arch["bias"],
+        str(arch.get("pool", "l2")),
     )
     model.load_state_dict(state["state_dict"])
     return model
@@ -365,19 +470,237 @@ def _default_input_norm(dataset: str, input_shape: Sequence[int]) -> float:
     return max(1.0, math.sqrt(features))
 
 
+# ------------------------------------------------------------------------------- run folder
+def _run_files(out: Path) -> list[str]:
+    """The files of :data:`RUN_FILES` present in ``out`` (empty if it is no folder)."""
+    if not out.is_dir():
+        return []
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
+def _check_out_folder(out: Path, args: argparse.Namespace) -> None:
+    """Refuse an --out that would lose a run, or a --resume with nothing to resume (no writes)."""
+    if out.exists() and not out.is_dir():
+        raise _ArgError("--out", f"{out} exists and is not a folder")
+    found = _run_files(out)
+    if args.resume:
+        if not found:
+            what = "does not exist" if not out.exists() else "holds no run"
+            raise _ArgError(
+                "--resume",
+                f"{out} {what}: there is nothing to resume (run without --resume to start a run)",
+            )
+        from clipless.training import CHECKPOINT_NAME
+
+        if not (out / CHECKPOINT_NAME).is_file():
+            raise _ArgError(
+                "--resume",
+                f"{out} holds a run without {CHECKPOINT_NAME} (it stopped before its first "
+                "checkpoint), which cannot be continued; its ledger is left as it is. --force "
+                "starts over and moves the old run aside",
+            )
+        if not (out / RUN_CONFIG_NAME).is_file():
+            raise _ArgError(
+                "--resume",
+                f"{out} has no {RUN_CONFIG_NAME} (a run from an older clipless), so its "
+                "configuration cannot be checked; --force starts over and moves the old run aside",
+            )
+        return
+    if found and not args.force:
+        raise _ArgError(
+            "--out",
+            f"{out} already holds a run ({', '.join(found)}); pass --resume to continue it, or "
+            f"--force to start a new one (the old run is moved to {out}.old-<timestamp>, "
+            "nothing is deleted), or choose another --out",
+        )
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise _ArgError("--out", f"cannot create or write {out}: {parent} is not a writable folder")
+
+
+def _move_aside(out: Path) -> Path:
+    """Rename the run folder ``out`` to ``out.old-<timestamp>`` (a fresh name); returns it."""
+    resolved = out.resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = resolved.with_name(f"{resolved.name}.old-{stamp}")
+    suffix = 1
+    while target.exists():
+        target = resolved.with_name(f"{resolved.name}.old-{stamp}-{suffix}")
+        suffix += 1
+    try:
+        resolved.rename(target)
+    except OSError as exc:
+        raise _ArgError("--out", f"cannot move the earlier run {out} aside: {exc}") from None
+    return target
+
+
+def _make_writable_folder(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise _ArgError("--out", f"cannot write to {out}: {exc.strerror or exc}") from None
+
+
+def _read_run_config(out: Path) -> dict[str, Any]:
+    path = out / RUN_CONFIG_NAME
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise _ArgError("--resume", f"cannot read {path}: {exc}") from None
+    if (
+        not isinstance(saved, dict)
+        or saved.get("format") != RUN_CONFIG_FORMAT
+        or not isinstance(saved.get("options"), dict)
+    ):
+        raise _ArgError("--resume", f"{path} is not a run configuration written by clipless train")
+    missing = [RUN_OPTIONS[k] for k in RUN_OPTIONS if k not in saved["options"]]
+    if missing:
+        raise _ArgError("--resume", f"{path} lacks {', '.join(missing)}")
+    return saved
+
+
+def _comparable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
+
+
+def _adopt_saved_options(
+    args: argparse.Namespace, saved: Mapping[str, Any], given: set[str], out: Path
+) -> None:
+    """Refuse a given run option that differs from the saved run; take the saved values."""
+    options = saved["options"]
+    differ = [
+        f"{flag} (run: {_show(options[dest])}, given: {_show(getattr(args, dest))})"
+        for dest, flag in RUN_OPTIONS.items()
+        if dest in given and _comparable(getattr(args, dest)) != _comparable(options[dest])
+    ]
+    if differ:
+        flag = differ[0].split(" ", 1)[0]
+        raise _ArgError(
+            flag,
+            f"the run in {out} was planned with other values: {'; '.join(differ)}. A resumed "
+            "run keeps its configuration (its noise was calibrated for it): leave these options "
+            "out, or start a new run (--force or another --out)",
+        )
+    for dest in RUN_OPTIONS:
+        value = options[dest]
+        setattr(args, dest, tuple(value) if dest == "hidden" else value)
+    if "device" not in given and isinstance(saved.get("device"), str):
+        args.device = saved["device"]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple | list):
+        return ",".join(str(v) for v in value)
+    return "None" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _resolve_device(spec: str) -> Any:
+    import torch
+
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if spec.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise _ArgError(
+                "--device",
+                f"{spec} is not available (torch.cuda.is_available() is False: no CUDA GPU or a "
+                f"CPU-only torch); accepted: {DEVICES}",
+            )
+        index = int(spec[5:]) if ":" in spec else 0
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise _ArgError(
+                "--device",
+                f"{spec} is not available ({count} CUDA device(s): cuda:0 to cuda:{count - 1})",
+            )
+        return torch.device(spec)
+    if spec == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise _ArgError(
+                "--device",
+                f"mps is not available (torch.backends.mps.is_available() is False); "
+                f"accepted: {DEVICES}",
+            )
+    return torch.device(spec)
+
+
+def _git_commit() -> str | None:
+    """``git rev-parse HEAD`` of the checkout clipless is imported from, else ``None``."""
+    import clipless
+
+    source = Path(clipless.__file__).resolve().parent
+    try:
+        tracked = subprocess.run(
+            ["git", "ls-files", "--error-unmatch", "cli.py"],
+            cwd=source,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        if tracked.returncode != 0:  # not a checkout of clipless (e.g. installed in a repo)
+            return None
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=source,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and commit else None
+
+
+def _merge_config(metrics_path: Path, run_config: Mapping[str, Any]) -> None:
+    """Add the run configuration to the ``config`` of a ``metrics.json`` written by ``fit``."""
+    from clipless.training import write_metrics
+
+    data = json.loads(metrics_path.read_text(encoding="utf-8"))
+    data["config"] = {**(data.get("config") or {}), **run_config}
+    write_metrics(data, metrics_path)
+
+
+# --------------------------------------------------------------------------------- training
 def _run_train(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
     from torch.utils.data import DataLoader
 
-    from clipless import nn
+    import clipless
+    from clipless import models, nn
+    from clipless._io import atomic_write
     from clipless.data import DatasetNotFoundError, load_dataset
     from clipless.engine import PrivacyEngine
     from clipless.sampling import poisson_loader
-    from clipless.training import fit, plot_training
+    from clipless.training import fit, plot_training, write_metrics
 
     started = time.perf_counter()
     out = Path(args.out)
+    given: set[str] = set(getattr(args, "given", set(RUN_OPTIONS)))
+    # 1. the run folder: refuse before anything is read or written
+    _check_out_folder(out, args)
+    saved: dict[str, Any] | None = None
+    if args.resume:
+        saved = _read_run_config(out)
+        _adopt_saved_options(args, saved, given, out)
+    if args.hidden is None:
+        args.hidden = DEFAULT_HIDDEN[args.model]
+    device = _resolve_device(args.device)
+
+    # 2. the data and what depends on it
     try:
         train, test, info = load_dataset(args.dataset, args.data_root)
     except DatasetNotFoundError as exc:
@@ -388,19 +711,56 @@ def _run_train(args: argparse.Namespace) -> int:
             "--batch-size",
             f"must be at most the training set size {len(train)}; got {args.batch_size}",
         )
-    torch.set_num_threads(args.threads)
-    if not args.resume and (out / "ledger.json").is_file():
+    if saved is not None and saved.get("num_samples") not in (None, len(train)):
+        raise _ArgError(
+            "--dataset",
+            f"{info.name} now has {len(train)} training samples but the run in {out} was planned "
+            f"for {saved['num_samples']}: it cannot be resumed on other data",
+        )
+    if args.model == "cnn" and len(info.input_shape) != 3:
+        raise _ArgError(
+            "--model",
+            f"cnn needs an image dataset (digits, fashion-mnist); {info.name} has input shape "
+            f"{tuple(info.input_shape)} (use --model mlp)",
+        )
+    if args.input_norm is None:
+        args.input_norm = _default_input_norm(info.name, info.input_shape)
+    try:
+        models.build(  # validates the architecture against the data before any write
+            args.model,
+            info.input_shape,
+            args.hidden,
+            info.num_classes,
+            args.input_norm,
+            bool(args.bias),
+            args.pool,
+        )
+    except ValueError as exc:  # e.g. more convolution stages than the image size allows
+        raise _ArgError("--hidden", f"{exc} (dataset {info.name})") from None
+
+    # 3. side effects start here
+    if args.force and _run_files(out):
+        aside = _move_aside(out)
         print(
-            f"clipless train: {out} holds an earlier run; starting a new one (its ledger is "
-            "replaced: privacy spent by separate runs on the same data adds up; use --resume "
-            "to continue that run instead)",
+            f"clipless train: --force: moved the earlier run in {out} to {aside} (its ledger is "
+            "kept: privacy spent by separate runs on the same data adds up); starting a new run",
             file=sys.stderr,
         )
+    _make_writable_folder(out)
+    torch.set_num_threads(args.threads)
     random.seed(args.seed)
     np.random.seed(args.seed)  # noqa: NPY002 - seed the legacy global state for third parties
     torch.manual_seed(args.seed)
-    input_norm = args.input_norm or _default_input_norm(info.name, info.input_shape)
-    model = build_mlp(info.input_shape, args.hidden, info.num_classes, input_norm, args.bias)
+    model: torch.nn.Module = models.build(
+        args.model,
+        info.input_shape,
+        args.hidden,
+        info.num_classes,
+        args.input_norm,
+        bool(args.bias),
+        args.pool,
+    )  # built again after seeding: the initial weights depend on --seed only
+    model.to(device)
     loss = nn.CrossEntropyLoss(temperature=args.temperature)
     if args.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(
@@ -419,33 +779,90 @@ def _run_train(args: argparse.Namespace) -> int:
         train, sample_rate=min(1.0, args.batch_size / len(train)), generator=sampling_generator
     )
     engine = PrivacyEngine(accountant=args.accountant, seed=args.unsafe_seed)
+    # A resumed run keeps the noise multiplier it was calibrated with (saved in config.json);
+    # a new run calibrates it for --epsilon over --epochs.
+    calibration: dict[str, Any] = (
+        {"noise_multiplier": float(saved["noise_multiplier"])}
+        if saved is not None
+        else {"target_epsilon": args.epsilon, "target_delta": args.delta, "epochs": args.epochs}
+    )
     model, optimizer, loader = engine.make_private(
         module=model,
         optimizer=optimizer,
         data_loader=poisson,
         loss=loss,
-        target_epsilon=args.epsilon,
-        target_delta=args.delta,
-        epochs=args.epochs,
         max_norm=args.max_norm,
         constraint=args.constraint,
         scaling=args.scaling,
         noise=args.noise,
         neighbouring=args.neighbouring,
         input_shape=tuple(info.input_shape),
+        **calibration,
     )
-    test_loader = DataLoader(test, batch_size=1024)
     config = engine.config
+    if saved is not None and config["sample_rate"] != saved.get("sample_rate"):
+        raise _ArgError(
+            "--batch-size",
+            f"gives sample rate {config['sample_rate']} but the run in {out} was planned with "
+            f"{saved.get('sample_rate')}",
+        )
+    options = {dest: _comparable(getattr(args, dest)) for dest in RUN_OPTIONS}
+    run_config: dict[str, Any] = {
+        "dataset": info.name,
+        "model": args.model,
+        "hidden": list(args.hidden),
+        "pool": args.pool if args.model == "cnn" else None,
+        "bias": bool(args.bias),
+        "input_shape": list(info.input_shape),
+        "num_classes": info.num_classes,
+        "input_norm": float(args.input_norm),
+        "temperature": args.temperature,
+        "lr": args.lr,
+        "optimizer": args.optimizer,
+        "momentum": args.momentum if args.optimizer == "sgd" else None,
+        "batch_size": args.batch_size,
+        "sample_rate": config["sample_rate"],
+        "num_samples": config["num_samples"],
+        "epochs": args.epochs,
+        "seed": args.seed,
+        "unsafe_seed": args.unsafe_seed,
+        "target_epsilon": args.epsilon,
+        "delta": args.delta,
+        "noise_multiplier": config["noise_multiplier"],
+        "effective_noise_multiplier": config["effective_noise_multiplier"],
+        "accountant": args.accountant,
+        "neighbouring": args.neighbouring,
+        "constraint": args.constraint,
+        "max_norm": args.max_norm,
+        "scaling": args.scaling,
+        "noise": args.noise,
+        "ema": args.ema,
+        "device": str(device),
+        "clipless_version": clipless.__version__,
+        "git_commit": _git_commit(),
+        "resumed": saved is not None,
+    }
+    if saved is None:
+        # Written before the first step: a later --resume reloads exactly this run.
+        saved_config = {
+            "format": RUN_CONFIG_FORMAT,
+            "options": options,
+            **{k: v for k, v in run_config.items() if k != "resumed"},
+        }
+        atomic_write(out / RUN_CONFIG_NAME, json.dumps(saved_config, indent=2) + "\n")
+    test_loader = DataLoader(test, batch_size=1024)
     if not args.quiet:
         print(
             f"clipless train: {info.name} (n={len(train)} train, {len(test)} test), "
-            f"target epsilon={args.epsilon:g} delta={args.delta:g}, "
-            f"sigma={config.get('effective_noise_multiplier', float('nan')):.3f}, "
-            f"q={config.get('sample_rate', float('nan')):.4f}, epochs={args.epochs}",
+            f"{'resuming' if saved is not None else 'new run'} in {out}, model {args.model} "
+            f"{_show(args.hidden)} on {device}, target epsilon={args.epsilon:g} "
+            f"delta={args.delta:g}, sigma={config.get('effective_noise_multiplier', math.nan):.3f}"
+            f", q={config.get('sample_rate', math.nan):.4f}, epochs={args.epochs}",
             flush=True,
         )
 
     def on_epoch_end(record: dict[str, Any]) -> None:
+        _merge_config(out / "metrics.json", run_config)  # fit has just written it
         if args.quiet:
             return
         from tqdm.auto import tqdm
@@ -471,7 +888,7 @@ def _run_train(args: argparse.Namespace) -> int:
         eval_loader=test_loader,
         epsilon_budget=args.epsilon,
         checkpoint_dir=out,
-        resume=bool(args.resume),
+        resume=saved is not None,
         ema_decay=args.ema or None,
         metrics_path=out / "metrics.json",
         progress=not args.no_progress and sys.stderr.isatty(),
@@ -479,18 +896,23 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     assert engine.ledger is not None
     engine.ledger.to_json(out / "ledger.json")
+    metrics = result.to_dict()
+    metrics["config"] = {**metrics["config"], **run_config}
+    write_metrics(metrics, out / "metrics.json")
     evaluated = result.ema_model if result.ema_model is not None else model
     torch.save(
         {
             "format": MODEL_FORMAT,
             "architecture": {
+                "kind": args.model,
                 "input_shape": list(info.input_shape),
                 "hidden": list(args.hidden),
                 "num_classes": info.num_classes,
-                "input_norm": float(input_norm),
+                "input_norm": float(args.input_norm),
                 "bias": bool(args.bias),
+                "pool": args.pool,
             },
-            "state_dict": evaluated.state_dict(),
+            "state_dict": {k: v.detach().cpu() for k, v in evaluated.state_dict().items()},
             "dataset": info.name,
             "epsilon": result.epsilon,
             "delta": result.delta,
@@ -544,6 +966,19 @@ class _ArgError(Exception):
         super().__init__(f"argument {argument}: {message}")
 
 
+def _given_options(argv: Sequence[str] | None) -> set[str]:
+    """The ``train`` options written on the command line (not defaulted): parse once more with
+    every default suppressed, so that only what was given lands in the namespace."""
+    parser = build_parser()
+    for action in parser._actions:  # argparse has no public accessor
+        if isinstance(action, argparse._SubParsersAction):
+            train = action.choices["train"]
+            for option in train._actions:
+                if option.dest != "help":
+                    option.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) - {"command", "func"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``clipless`` command; returns the exit status (2 for bad arguments)."""
     parser = build_parser()
@@ -551,9 +986,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help / --version (0) or bad arguments (2)
         return int(exc.code) if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if args.command == "train":
+        args.given = _given_options(argv)
     try:
         return int(args.func(args))
-    except _ArgError as exc:
-        parser.print_usage(sys.stderr)
+    except _ArgError as exc:  # one line on stderr: the option, what is wrong, what is accepted
         print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":  # python -m clipless.cli (python -m clipless is the same)
+    sys.exit(main())

@@ -178,3 +178,18 @@ def test_missing_required_argument_is_an_argparse_error(income: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         run(["ecdf", str(income), "--column", "income"])
     assert exc.value.code == 2
+
+
+def test_cli_and_api_share_the_smoothing_and_neighbouring_defaults():
+    import argparse
+    import inspect
+
+    from clipless.stats import ecdf, roc
+    from clipless.stats.cli import add_ecdf_parser, add_roc_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    for add, api in ((add_ecdf_parser, ecdf), (add_roc_parser, roc)):
+        parser = add(sub)
+        defaults = inspect.signature(api).parameters
+        assert parser.get_default("smoothing") == defaults["smoothing"].default == "isotonic"
+        assert parser.get_default("neighbouring") == defaults["neighbouring"].default

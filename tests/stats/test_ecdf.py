@@ -39,7 +39,7 @@ def test_gaussian_noise_release():
 def test_noise_level_replace_one():
     data = poisson_dataset(3.0, size=256, seed=0)
     grid = Grid(1, 256, size=256)
-    F = ecdf(data, grid, 1.0, consistency=False, rng=seeded_rng(2))
+    F = ecdf(data, grid, 1.0, smoothing=None, consistency=False, rng=seeded_rng(2))
     # L = 8: every prefix count has variance 9 * Var(DLap(9))
     assert F.variance[0] == pytest.approx(F.release.prefix_variance)
     assert F.n == data.size and not F.n_private
@@ -49,7 +49,7 @@ def test_noise_level_replace_one():
 
 def test_add_remove_normalised_by_released_total():
     data = np.random.default_rng(3).uniform(size=2000)
-    F = ecdf(data, Grid(0, 1, size=64), 1.0, "add_remove", rng=seeded_rng(3))
+    F = ecdf(data, Grid(0, 1, size=64), 1.0, "add_remove", smoothing=None, rng=seeded_rng(3))
     assert F.n == F.counts[-1]
     assert F.values[-1] == 1.0
     assert abs(F.n - 2000) < 200
@@ -170,6 +170,19 @@ def test_isotonic_smoothing_is_monotone(smoothing, consistency):
     )
     assert np.all(np.diff(F.values) >= -1e-12)
     assert F.values.min() >= 0.0 and F.values.max() <= 1.0
+
+
+def test_default_smoothing_is_isotonic_and_monotone():
+    """The default release is monotone in [0, 1] (isotonic post-processing), unlike the raw one."""
+    data = poisson_dataset(1.0, size=64, seed=1)
+    grid = Grid(1, 256, size=256)
+    F = ecdf(data, grid, 0.1, rng=seeded_rng(0))
+    raw = ecdf(data, grid, 0.1, smoothing=None, rng=seeded_rng(0))
+    assert F.smoothing == "isotonic"
+    assert np.all(np.diff(F.values) >= -1e-12)
+    assert F.values.min() >= 0.0 and F.values.max() <= 1.0
+    np.testing.assert_array_equal(F.counts, raw.counts)  # the same noisy release
+    assert np.any(np.diff(raw.values) < 0)  # what the default protects against
 
 
 def test_release_accuracy_consistency_helps():

@@ -218,7 +218,7 @@ def ecdf(
     grid: Grid | ArrayLike,
     epsilon: float | None,
     neighbouring: Neighbouring = "replace_one",
-    smoothing: Smoothing | None = None,
+    smoothing: Smoothing | None = "isotonic",
     noise: NoiseKind = "laplace",
     consistency: bool = True,
     n: int | None = None,
@@ -245,9 +245,13 @@ def ecdf(
         ``"replace_one"`` (``n`` public) or ``"add_remove"`` (``n`` private, estimated by the
         released total, see the module docstring).
     smoothing:
-        ``None``; ``"isotonic"`` (pool-adjacent-violators on the values, weighted by the inverse
-        variances); ``"l1"``/``"l2"``: the thesis's problem 6.3.6 over tree corrections.
-        Smoothed values are non-decreasing within [0, 1].
+        ``"isotonic"`` (the default: pool-adjacent-violators on the values, weighted by the
+        inverse variances); ``"l1"``/``"l2"``: the thesis's problem 6.3.6 over tree corrections;
+        ``None``: the raw (consistent) values, which the noise can make non-monotone and push
+        outside [0, 1]. Smoothed values are non-decreasing within [0, 1]. The default is
+        ``"isotonic"`` because a released CDF should be monotone, and smoothing is
+        post-processing of the noisy release: it costs no privacy. ``clipless ecdf`` and
+        :func:`clipless.stats.roc` use the same default.
     noise:
         ``"laplace"`` (pure DP) or ``"gaussian"`` (zCDP, needs ``rho``).
     consistency:
