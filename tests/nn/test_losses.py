@@ -6,6 +6,7 @@ of each one, and must never exceed it.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -226,3 +227,153 @@ def test_bad_targets() -> None:
         BCEWithLogitsLoss()(z, torch.full((3, 4), 1.5))
     with pytest.raises(ValueError, match="shape"):
         L1Loss()(z, torch.zeros(3, 3))
+
+
+# (loss, logits shape, target) for an empty batch of every kind each loss accepts
+EMPTY_CASES = [
+    (CrossEntropyLoss(), (0, 4), torch.zeros(0, dtype=torch.long)),
+    (CrossEntropyLoss(temperature=2.0), (0, 4), torch.zeros(0, 4)),
+    (BCEWithLogitsLoss(), (0, 3), torch.zeros(0, 3)),
+    (BCEWithLogitsLoss(), (0,), torch.zeros(0)),
+    (BCEWithLogitsLoss(), (0, 1), torch.zeros(0, 1)),
+    (MulticlassHingeLoss(), (0, 4), torch.zeros(0, dtype=torch.long)),
+    (MulticlassHingeLoss(), (0,), torch.zeros(0)),
+    (MulticlassHingeLoss(), (0, 1), torch.zeros(0, 1)),
+    (KRLoss(), (0, 4), torch.zeros(0, dtype=torch.long)),
+    (KRLoss(), (0,), torch.zeros(0)),
+    (HKRLoss(), (0, 4), torch.zeros(0, dtype=torch.long)),
+    (HKRLoss(), (0, 1), torch.zeros(0, 1)),
+    (L1Loss(), (0, 3), torch.zeros(0, 3)),
+    (L1Loss(), (0,), torch.zeros(0)),
+    (L1Loss(), (0, 1), torch.zeros(0, 1)),
+    (L1Loss(), (0, 2, 5), torch.zeros(0, 2, 5)),
+    (HuberLoss(0.5), (0, 3), torch.zeros(0, 3)),
+    (HuberLoss(), (0,), torch.zeros(0)),
+    (HuberLoss(), (0, 1), torch.zeros(0, 1)),
+]
+
+
+@pytest.mark.parametrize(("loss", "shape", "target"), EMPTY_CASES, ids=repr)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch(
+    loss: LipschitzLoss, shape: tuple[int, ...], target: torch.Tensor, reduction: str
+) -> None:
+    loss = copy.copy(loss)
+    loss.reduction = reduction
+    z = torch.zeros(shape, requires_grad=True)
+    out = loss(z, target)
+    if reduction == "none":
+        assert out.shape == (0,)
+    else:
+        assert out.shape == ()
+        assert float(out.detach()) == 0.0  # the mean of an empty batch is 0, not nan
+    out.sum().backward()
+    assert z.grad is not None
+    assert z.grad.shape == z.shape
+
+
+def test_mean_unchanged_on_nonempty_batch() -> None:
+    z = torch.randn(5, 3)
+    targets = torch.rand(5, 3)
+    for loss_cls in (BCEWithLogitsLoss, L1Loss, HuberLoss):
+        per_sample = loss_cls(reduction="none")(z, targets)
+        assert torch.equal(loss_cls(reduction="mean")(z, targets), per_sample.mean())
+
+
+def test_probability_targets_accepted() -> None:
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    probs = torch.softmax(torch.randn(6, 5, generator=gen, dtype=torch.float64), dim=1)
+    torch.testing.assert_close(
+        CrossEntropyLoss(reduction="none")(z, probs),
+        F.cross_entropy(z, probs, reduction="none"),
+    )
+    one_hot = F.one_hot(torch.tensor([0, 4, 2, 1, 3, 3]), 5).double()
+    torch.testing.assert_close(
+        CrossEntropyLoss(reduction="none")(z, one_hot),
+        CrossEntropyLoss(reduction="none")(z, torch.tensor([0, 4, 2, 1, 3, 3])),
+    )
+    # rows off by rounding only, in low precision dtypes, are accepted (and renormalised)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        low = probs.to(dtype)
+        out = CrossEntropyLoss(reduction="none")(z.to(dtype), low)
+        assert out.shape == (6,)
+        assert bool(out.isfinite().all())
+    # a row summing to 1 + 1e-6 in float32 passes (tolerance 1e-5)
+    CrossEntropyLoss()(z.float(), torch.tensor([[0.5, 0.500001, 0, 0, 0]] * 6))
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ((100.0, 0.0), "sum"),
+        ((math.nan, 0.0), "NaN"),
+        ((math.inf, 0.0), "NaN or infinity"),
+        ((-0.5, 1.5), "negative"),
+        ((0.5, 0.4), "sum"),
+        ((0.5, 0.5001), "sum"),
+    ],
+)
+def test_probability_targets_rejected(row: tuple[float, float], match: str) -> None:
+    z = torch.randn(2, 2)
+    target = torch.tensor([[0.5, 0.5], list(row)])
+    with pytest.raises(ValueError, match="target") as info:
+        CrossEntropyLoss()(z, target)
+    assert match in str(info.value)
+    assert "each row summing to 1" in str(info.value)  # says what is accepted
+
+
+@pytest.mark.parametrize("bad", [-1, 3, 100])
+def test_class_index_targets_out_of_range(bad: int) -> None:
+    z = torch.randn(2, 3)
+    for loss in (CrossEntropyLoss(), MulticlassHingeLoss(), KRLoss(), HKRLoss()):
+        with pytest.raises(ValueError, match=r"target class indices must lie in \[0, 3\)"):
+            loss(z, torch.tensor([0, bad]))
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_elementwise_targets_must_be_finite(value: float) -> None:
+    z = torch.randn(2, 2)
+    target = torch.tensor([[0.0, 1.0], [value, 0.0]])
+    for loss in (BCEWithLogitsLoss(), L1Loss(), HuberLoss()):
+        with pytest.raises(ValueError, match="target") as info:
+            loss(z, target)
+        assert "finite" in str(info.value)
+
+
+def test_bce_targets_out_of_range() -> None:
+    z = torch.randn(2, 2)
+    for row in ((100.0, 0.0), (-0.1, 0.0)):
+        with pytest.raises(ValueError, match=r"target must hold probabilities in \[0, 1\]"):
+            BCEWithLogitsLoss()(z, torch.tensor([[0.0, 1.0], list(row)]))
+    # L1 and Huber accept any finite regression target
+    L1Loss()(z, torch.tensor([[100.0, 0.0], [-3.0, 2.0]]))
+    HuberLoss()(z, torch.tensor([[100.0, 0.0], [-3.0, 2.0]]))
+
+
+def test_losses_run_under_vmap() -> None:
+    """Exact per-sample gradients (torch.func.vmap(grad)) run through the target checks."""
+    from torch.func import grad, vmap
+
+    z = torch.randn(4, 3)
+    cases = [
+        (CrossEntropyLoss(), torch.tensor([0, 2, 1, 1])),
+        (CrossEntropyLoss(), torch.softmax(torch.randn(4, 3), dim=1)),
+        (BCEWithLogitsLoss(), torch.rand(4, 3)),
+        (L1Loss(), torch.randn(4, 3)),
+        (HuberLoss(), torch.randn(4, 3)),
+        (MulticlassHingeLoss(), torch.tensor([0, 2, 1, 1])),
+        (HKRLoss(), torch.tensor([0, 2, 1, 1])),
+    ]
+    for loss, target in cases:
+
+        def one(zi: torch.Tensor, yi: torch.Tensor, loss: LipschitzLoss = loss) -> torch.Tensor:
+            return loss(zi.unsqueeze(0), yi.unsqueeze(0))
+
+        per_sample = vmap(grad(one))(z, target)
+        z_ = z.clone().requires_grad_(True)
+        loss.per_sample(z_, target).sum().backward()
+        torch.testing.assert_close(per_sample, z_.grad)
+    zb = torch.randn(4)
+    yb = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    vmap(grad(lambda zi, yi: KRLoss()(zi.unsqueeze(0), yi.unsqueeze(0))))(zb, yb)

@@ -13,6 +13,7 @@ from clipless.nn.activations import Abs, Flatten, GroupSort, ReLU, Sigmoid, Tanh
 from clipless.nn.clip import LossGradientClip
 from clipless.nn.containers import Residual, Sequential
 from clipless.nn.conv import Conv2d
+from clipless.nn.convert import ConversionEntry, ConversionReport, convert
 from clipless.nn.export import vanilla_export
 from clipless.nn.input import InputNorm
 from clipless.nn.linear import Linear
@@ -35,6 +36,8 @@ __all__ = [
     "AvgPool2d",
     "BCEWithLogitsLoss",
     "Conv2d",
+    "ConversionEntry",
+    "ConversionReport",
     "CrossEntropyLoss",
     "Flatten",
     "GroupNorm",
@@ -56,6 +59,7 @@ __all__ = [
     "Sequential",
     "Sigmoid",
     "Tanh",
+    "convert",
     "validate",
     "vanilla_export",
 ]

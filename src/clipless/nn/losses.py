@@ -7,6 +7,13 @@ Algorithm 1, line 4; thesis Table 5.1, section 2.5). Conventions shared by every
 * each sample has its own loss ``l_i`` (a sum over its outputs where the loss is elementwise);
   ``reduction="none"`` returns ``[l_1, ..., l_b]`` (shape ``[batch]``; note that torch's
   elementwise losses would return ``[batch, K]``), ``"sum"`` their sum and ``"mean"`` their mean;
+* an empty batch (logits of shape ``[0, ...]``) is accepted by every loss: ``"none"`` returns an
+  empty ``[0]`` tensor, ``"sum"`` returns 0 and ``"mean"`` also returns 0 (rather than torch's
+  ``nan`` for the mean of nothing), so that a Poisson-sampled empty batch contributes nothing;
+  backward works and gives an empty gradient;
+* targets are validated: a loss raises :class:`ValueError` naming ``target`` when it is not
+  finite or outside the range its certified constant assumes (class indices in ``[0, K)``,
+  probability rows on the simplex, binary probabilities in ``[0, 1]``);
 * ``lipschitz(num_logits)`` is a certified upper bound, for any label and any logits, on
   ``||d l_i / d z_i||_2``, the gradient of one sample's loss with respect to its own logit vector
   of length ``num_logits`` (at kinks autograd returns a convex combination of one-sided gradients,
@@ -56,6 +63,59 @@ def _check_same_shape(input: torch.Tensor, target: torch.Tensor) -> None:
         )
 
 
+def _checkable(target: torch.Tensor) -> bool:
+    """Whether ``target``'s values can be checked: non-empty and outside ``torch.func`` transforms.
+
+    Under ``vmap`` (used for exact per-sample gradients in tests and audits) a data-dependent
+    check cannot run; the values were (or can be) checked outside the transform.
+    """
+    if not target.numel():
+        return False
+    return not torch._C._functorch.is_functorch_wrapped_tensor(target)
+
+
+def _check_finite(target: torch.Tensor) -> None:
+    if target.dtype.is_floating_point and _checkable(target) and not bool(target.isfinite().all()):
+        raise ValueError("target must be finite (no NaN or infinity)")
+
+
+def _sum_per_sample(losses: torch.Tensor) -> torch.Tensor:
+    """Sum elementwise losses ``[batch, ...]`` over each sample's outputs (``[batch]``).
+
+    Unlike ``reshape(batch, -1)``, this also works for an empty batch.
+    """
+    if losses.ndim == 1:
+        return losses
+    return losses.flatten(1).sum(dim=1)
+
+
+def _probability_rows(input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Probability targets ``[batch, K]``: finite, ``>= 0``, each row summing to 1.
+
+    The sum is checked in float64 with tolerance ``max(1e-5, eps)`` of the target's dtype (the
+    rounding of ``K`` values that sum to 1 exactly moves the sum by at most ``eps / 2``); the rows
+    are then divided by their sum so that they lie on the simplex (up to rounding), which the
+    bound ``sqrt(2) / T`` assumes (the gradient is ``p sum(y) - y``).
+    """
+    _check_same_shape(input, target)
+    sums = target.double().sum(dim=1)
+    if not _checkable(target):
+        return (target.double() / sums[:, None]).to(input.dtype)
+    accepted = "class probabilities (finite, >= 0, each row summing to 1) or class indices"
+    if not bool(target.isfinite().all()):
+        raise ValueError(f"target must be {accepted}; it holds NaN or infinity")
+    if bool((target < 0).any()):
+        raise ValueError(f"target must be {accepted}; it holds negative values")
+    tol = max(1e-5, torch.finfo(target.dtype).eps)
+    worst = float((sums - 1.0).abs().max())
+    if worst > tol:
+        raise ValueError(
+            f"target must be {accepted}; a row's sum differs from 1 by {worst:.3g} "
+            f"(tolerance {tol:.3g})"
+        )
+    return (target.double() / sums[:, None]).to(input.dtype)
+
+
 def _is_binary(input: torch.Tensor) -> bool:
     """Single-logit (binary) problems: logits of shape ``[batch]`` or ``[batch, 1]``."""
     return input.ndim == 1 or (input.ndim == 2 and input.shape[1] == 1)
@@ -70,7 +130,9 @@ def _signed_labels(input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             f"{tuple(target.shape)}"
         )
     valid = (target == 1) | (target == 0) | (target == -1)
-    if not bool(valid.all()) or (bool((target == 0).any()) and bool((target == -1).any())):
+    if _checkable(target) and (
+        not bool(valid.all()) or (bool((target == 0).any()) and bool((target == -1).any()))
+    ):
         raise ValueError("binary target must hold labels in {0, 1} or in {-1, 1}")
     one = torch.ones((), dtype=input.dtype, device=input.device)
     return torch.where(target > 0, one, -one)
@@ -86,7 +148,7 @@ def _class_indices(input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             f"{tuple(target.shape)} ({target.dtype})"
         )
     num_classes = input.shape[1]
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_classes):
+    if _checkable(target) and (int(target.min()) < 0 or int(target.max()) >= num_classes):
         raise ValueError(f"target class indices must lie in [0, {num_classes})")
     return target.long()
 
@@ -97,7 +159,8 @@ def _hinge_per_sample(input: torch.Tensor, target: torch.Tensor, margin: float) 
         return torch.relu(margin - y * input.reshape(-1))
     idx = _class_indices(input, target)
     true_logit = input.gather(1, idx[:, None]).squeeze(1)
-    others = input.masked_fill(F.one_hot(idx, input.shape[1]).bool(), -torch.inf)
+    is_true = torch.arange(input.shape[1], device=input.device) == idx[:, None]  # vmap-safe one_hot
+    others = input.masked_fill(is_true, -torch.inf)
     return torch.relu(margin - true_logit + others.amax(dim=1))
 
 
@@ -127,7 +190,8 @@ class LipschitzLoss(torch.nn.Module):
         if self.reduction == "sum":
             return losses.sum()
         if self.reduction == "mean":
-            return losses.mean()
+            # the mean of an empty batch is 0 (module docstring), not torch's nan
+            return losses.mean() if losses.numel() else losses.sum()
         return losses
 
     def lipschitz(self, num_logits: int = 1) -> float:
@@ -141,7 +205,10 @@ class LipschitzLoss(torch.nn.Module):
 class CrossEntropyLoss(LipschitzLoss):
     """Softmax cross-entropy of ``logits / temperature``: ``-log softmax(z / T)_y``.
 
-    ``target``: class indices (shape ``[batch]``) or class probabilities (shape ``[batch, K]``).
+    ``target``: class indices (integer, shape ``[batch]``, values in ``[0, K)``) or class
+    probabilities (floating point, shape ``[batch, K]``, finite, ``>= 0``, each row summing to 1
+    within ``max(1e-5, eps)`` of the target's dtype; accepted rows are renormalised to sum to 1).
+    Anything else raises :class:`ValueError`.
 
     **Lipschitz constant ``sqrt(2) / T``** (thesis Table 5.1, "Softmax Cross-entropy";
     Clipless DP-SGD seed, Requirement 1). The gradient is ``(p - y) / T`` with ``p = softmax(z/T)``
@@ -160,7 +227,7 @@ class CrossEntropyLoss(LipschitzLoss):
         if input.ndim != 2:
             raise ValueError(f"logits must have shape [batch, K], got {tuple(input.shape)}")
         if target.dtype.is_floating_point:
-            _check_same_shape(input, target)
+            target = _probability_rows(input, target)
         else:
             target = _class_indices(input, target)
         return F.cross_entropy(input / self.temperature, target, reduction="none")
@@ -187,12 +254,14 @@ class BCEWithLogitsLoss(LipschitzLoss):
     """
 
     def per_sample(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        batch = _batch_of(input)
+        _batch_of(input)
         _check_same_shape(input, target)
-        if target.numel() and (float(target.min()) < 0.0 or float(target.max()) > 1.0):
-            raise ValueError("target must lie in [0, 1] (the bound sqrt(K) needs it)")
+        if _checkable(target) and not bool(((target >= 0) & (target <= 1)).all()):
+            raise ValueError(
+                "target must hold probabilities in [0, 1] (finite; the bound sqrt(K) needs it)"
+            )
         losses = F.binary_cross_entropy_with_logits(input, target.to(input.dtype), reduction="none")
-        return losses.reshape(batch, -1).sum(dim=1)
+        return _sum_per_sample(losses)
 
     def lipschitz(self, num_logits: int = 1) -> float:
         return _certified.sqrt_upper(_num_logits(num_logits))
@@ -288,9 +357,10 @@ class L1Loss(LipschitzLoss):
     """
 
     def per_sample(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        batch = _batch_of(input)
+        _batch_of(input)
         _check_same_shape(input, target)
-        return (input - target).abs().reshape(batch, -1).sum(dim=1)
+        _check_finite(target)
+        return _sum_per_sample((input - target).abs())
 
     def lipschitz(self, num_logits: int = 1) -> float:
         return _certified.sqrt_upper(_num_logits(num_logits))
@@ -310,10 +380,11 @@ class HuberLoss(LipschitzLoss):
         self.delta = _checks.positive_float("delta", delta)
 
     def per_sample(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        batch = _batch_of(input)
+        _batch_of(input)
         _check_same_shape(input, target)
+        _check_finite(target)
         losses = F.huber_loss(input, target.to(input.dtype), reduction="none", delta=self.delta)
-        return losses.reshape(batch, -1).sum(dim=1)
+        return _sum_per_sample(losses)
 
     def lipschitz(self, num_logits: int = 1) -> float:
         k = _num_logits(num_logits)

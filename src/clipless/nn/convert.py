@@ -1,0 +1,896 @@
+"""``convert(model)``: turn a plain torch model into its certified clipless twin.
+
+The analogue of Opacus's ``ModuleValidator.fix`` (:func:`clipless.nn.validate` is the analogue of
+``ModuleValidator.validate``). Each module is mapped to a clipless layer with a certified bound
+where one exists; the result always starts with a :class:`~clipless.nn.InputNorm` (the certified
+input bound ``X_0`` of :mod:`clipless.bounds`). Every decision is recorded in a
+:class:`ConversionReport`:
+
+* **twins** compute exactly the original function (weights copied): ``Linear``, ``Conv2d`` (no
+  groups, no dilation, ``padding_mode`` zeros or circular), ``ReLU``, ``Tanh``, ``Sigmoid``,
+  ``Flatten`` (``start_dim >= 1``), ``AvgPool2d`` (non-overlapping windows), ``Sequential``;
+* **substitutions** change the function: ``MaxPool2d`` -> :class:`~clipless.nn.L2NormPool2d`
+  (same windows), ``BatchNorm*`` / ``LayerNorm`` / ``GroupNorm`` / ``InstanceNorm*`` ->
+  :class:`~clipless.nn.GroupNorm` (per-sample statistics; batch statistics mix samples, which
+  voids per-sample sensitivity; affine parameters are dropped);
+* **removals**: ``Dropout*`` and ``Identity`` (identities in eval mode);
+* **insertion**: a leading ``InputNorm(max_norm=input_norm)`` when the model has none;
+* **unconvertible**: everything else (other activations, normalisation-free attention, ``Conv1d``,
+  ``Embedding``, ...).
+
+A custom module (its own ``forward``) is traced with :func:`torch.fx.symbolic_trace`. When the
+graph is a chain of module calls and of the functions ``relu``/``tanh``/``sigmoid``/``flatten``/
+``view(x.size(0), -1)``/``max_pool2d``/``avg_pool2d``/``dropout``, with skip connections
+``x + f(x)`` or ``(x + f(x)) / 2``, it is rebuilt as a :class:`~clipless.nn.Sequential` with
+:class:`~clipless.nn.Residual` blocks (``mode="add"`` / ``"average"``). Anything else
+(concatenation, products of activations, data-dependent control flow, direct use of parameters,
+several inputs or outputs) is reported as unconvertible with the fx node and the reason.
+
+Function preservation: when the report has no substitutions (:attr:`ConversionReport.exact`),
+the converted model computes the original model's function in eval mode for every input inside
+the ``InputNorm`` ball. (The engine then projects the weights onto its operator-norm constraint,
+which changes the function again if the original weights violate it.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from clipless.nn import _checks
+from clipless.nn._base import LipschitzModule
+from clipless.nn.activations import Flatten, ReLU, Sigmoid, Tanh
+from clipless.nn.containers import Residual, Sequential
+from clipless.nn.conv import PADDING_MODES, Conv2d
+from clipless.nn.export import PlainResidual
+from clipless.nn.input import InputNorm
+from clipless.nn.linear import Linear
+from clipless.nn.norm import GroupNorm
+from clipless.nn.pooling import AvgPool2d, L2NormPool2d
+
+__all__ = ["ConversionEntry", "ConversionReport", "convert"]
+
+EntryKind = Literal["twin", "substituted", "removed", "inserted", "unconvertible"]
+
+_MAX_GROUPS = 32  # BatchNorm2d/3d -> GroupNorm with the largest divisor of C up to this
+
+
+@dataclass(frozen=True)
+class ConversionEntry:
+    """One decision of :func:`convert`.
+
+    Attributes:
+        path: the module's qualified name in the original model (``""`` for the root); for an
+            operation of a traced ``forward``, the path of the module whose forward it is in.
+        original: the original type (``"torch.nn.BatchNorm2d"``) or operation
+            (``"call_function torch.cat"``).
+        replacement: the clipless module put in its place (its repr), or ``None`` when the module
+            was removed or could not be converted.
+        reason: why (and, for an unconvertible module, what to do instead).
+        kind: ``"twin"`` (same function, weights copied), ``"substituted"`` (a different,
+            certified function), ``"removed"`` (identity in eval mode), ``"inserted"`` (the
+            leading ``InputNorm``) or ``"unconvertible"``.
+        node: the :mod:`torch.fx` node name when the entry comes from a traced ``forward``.
+    """
+
+    path: str
+    original: str
+    replacement: str | None
+    reason: str
+    kind: EntryKind
+    node: str | None = None
+
+    def __str__(self) -> str:
+        where = repr(self.path) if self.path else "<root>"
+        if self.node is not None:
+            where += f" (fx node {self.node!r})"
+        target = self.replacement if self.replacement is not None else "-"
+        return f"{where}: {self.original} -> {target} [{self.kind}] {self.reason}"
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """Everything :func:`convert` did, in model order (:class:`ConversionEntry` each)."""
+
+    entries: tuple[ConversionEntry, ...]
+
+    @property
+    def unconvertible(self) -> tuple[ConversionEntry, ...]:
+        """Modules and operations without a certified clipless equivalent."""
+        return tuple(e for e in self.entries if e.kind == "unconvertible")
+
+    @property
+    def substitutions(self) -> tuple[ConversionEntry, ...]:
+        """Replacements that change the function (e.g. max pooling -> L2-norm pooling)."""
+        return tuple(e for e in self.entries if e.kind == "substituted")
+
+    @property
+    def removed(self) -> tuple[ConversionEntry, ...]:
+        return tuple(e for e in self.entries if e.kind == "removed")
+
+    @property
+    def ok(self) -> bool:
+        """True when everything was converted (the result passes :func:`clipless.nn.validate`)."""
+        return not self.unconvertible
+
+    @property
+    def exact(self) -> bool:
+        """True when the converted model computes the original function.
+
+        In eval mode and for inputs inside the ``InputNorm`` ball: no substitutions and nothing
+        unconvertible (removed modules are identities in eval mode).
+        """
+        return self.ok and not self.substitutions
+
+    def __str__(self) -> str:
+        lines = [f"ConversionReport ({len(self.entries)} entries):"]
+        lines += [f"  - {entry}" for entry in self.entries]
+        return "\n".join(lines)
+
+
+class _UnconvertibleError(Exception):
+    """A traced graph that is not a chain with ``x + f(x)`` skips (internal)."""
+
+    def __init__(self, node: torch.fx.Node, reason: str) -> None:
+        super().__init__(reason)
+        self.node = node
+        self.reason = reason
+
+
+def _type_name(module: torch.nn.Module) -> str:
+    cls = type(module)
+    if cls.__module__.startswith("torch.nn.") and getattr(torch.nn, cls.__name__, None) is cls:
+        return f"torch.nn.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _copy_parameters(source: torch.nn.Module, target: torch.nn.Module, names: list[str]) -> None:
+    with torch.no_grad():
+        for name in names:
+            src = getattr(source, name)
+            dst = getattr(target, name)
+            if src is None:
+                continue
+            dst.copy_(src)
+            dst.requires_grad_(src.requires_grad)
+
+
+def _largest_divisor(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+_NORM_REASON = (
+    "batch statistics mix the samples of a batch (one sample changes every other sample's "
+    "output, so per-sample sensitivity is unbounded); substituted by the per-sample thesis "
+    "normalisation (x - mean) / max(alpha, std), Lipschitz 1/alpha, without affine parameters"
+)
+
+
+class _Converter:
+    def __init__(self) -> None:
+        self.entries: list[ConversionEntry] = []
+        self.memo: dict[int, torch.nn.Module | None] = {}
+
+    def record(
+        self,
+        path: str,
+        original: str,
+        replacement: torch.nn.Module | None,
+        reason: str,
+        kind: EntryKind,
+        node: str | None = None,
+    ) -> None:
+        text = None
+        if replacement is not None:
+            text = f"clipless.nn.{type(replacement).__name__}({replacement.extra_repr()})"
+        self.entries.append(ConversionEntry(path, original, text, reason, kind, node))
+
+    # ------------------------------------------------------------------ modules
+    def module(self, module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+        """The converted module (``None``: removed); unconvertible ones are deep-copied."""
+        key = id(module)
+        if key not in self.memo:
+            self.memo[key] = self._module(module, path)
+        return self.memo[key]
+
+    def _module(self, module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+        name = _type_name(module)
+        if isinstance(module, LipschitzModule):
+            return _deepcopy(module)
+        if type(module) is torch.nn.Sequential:
+            return self.sequential(
+                [
+                    (child_name, self.module(child, _join(path, child_name)))
+                    for child_name, child in module._modules.items()
+                    if child is not None
+                ]
+            )
+        leaf = self.leaf(module, path, name)
+        if leaf is not _NOT_A_LEAF:
+            return leaf
+        return self.traced(module, path)
+
+    def leaf(self, m: torch.nn.Module, path: str, name: str) -> Any:
+        def twin(new: torch.nn.Module, reason: str = "certified twin") -> torch.nn.Module:
+            self.record(path, name, new, reason, "twin")
+            return new
+
+        def substitute(new: torch.nn.Module, reason: str) -> torch.nn.Module:
+            self.record(path, name, new, reason, "substituted")
+            return new
+
+        def removed(reason: str) -> None:
+            self.record(path, name, None, reason, "removed")
+
+        def unconvertible(reason: str) -> torch.nn.Module:
+            self.record(path, name, None, reason, "unconvertible")
+            return _deepcopy(m)
+
+        if type(m) is torch.nn.Linear:
+            w = m.weight
+            new = Linear(
+                m.in_features,
+                m.out_features,
+                bias=m.bias is not None,
+                device=w.device,
+                dtype=w.dtype,
+            )
+            _copy_parameters(m, new, ["weight", "bias"])
+            return twin(new, "certified twin, weights copied")
+        if type(m) is torch.nn.Conv2d:
+            return self.conv2d(m, twin, unconvertible)
+        if type(m) is torch.nn.ReLU:
+            return twin(ReLU())
+        if type(m) is torch.nn.Tanh:
+            return twin(Tanh())
+        if type(m) is torch.nn.Sigmoid:
+            return twin(Sigmoid())
+        if type(m) is torch.nn.Flatten:
+            if m.start_dim < 1:
+                return unconvertible(
+                    f"Flatten(start_dim={m.start_dim}) flattens the batch dimension or depends on "
+                    "the input's rank; clipless.nn.Flatten needs start_dim >= 1"
+                )
+            if m.end_dim == 0:
+                return unconvertible("Flatten(end_dim=0) flattens the batch dimension")
+            return twin(Flatten(m.start_dim, m.end_dim))
+        if type(m) is torch.nn.MaxPool2d:
+            kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
+            problem = _pool_problem(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.dilation)
+            if problem:
+                return unconvertible(
+                    f"{problem}; clipless.nn.L2NormPool2d (max pooling's Lipschitz replacement) "
+                    "only pools non-overlapping windows: use MaxPool2d(k) (stride = kernel) "
+                    "before converting"
+                )
+            return substitute(
+                L2NormPool2d(kernel),
+                "no certified max pooling in clipless; the L2 norm of each same window is "
+                "1-Lipschitz (values differ: the window's L2 norm instead of its maximum)",
+            )
+        if type(m) is torch.nn.AvgPool2d:
+            kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
+            problem = _pool_problem(m.kernel_size, m.stride, m.padding, m.ceil_mode, 1)
+            if problem or m.divisor_override is not None:
+                return unconvertible(
+                    f"{problem or 'divisor_override is set'}; clipless.nn.AvgPool2d averages "
+                    "non-overlapping windows (stride = kernel, no padding)"
+                )
+            return twin(AvgPool2d(kernel))
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            channels = int(m.num_features)
+            groups = (
+                1
+                if isinstance(m, torch.nn.BatchNorm1d)
+                else _largest_divisor(channels, _MAX_GROUPS)
+            )
+            return substitute(GroupNorm(groups, channels), _NORM_REASON)
+        if type(m) is torch.nn.LayerNorm:
+            shape = tuple(m.normalized_shape)
+            return substitute(
+                GroupNorm(1, int(shape[0])),
+                _NORM_REASON.replace(
+                    "batch statistics mix the samples of a batch (one sample changes every other "
+                    "sample's output, so per-sample sensitivity is unbounded)",
+                    "LayerNorm's 1/sqrt(var + eps) has Lipschitz constant about 1/sqrt(eps)",
+                )
+                + f"; assumes normalized_shape {shape} covers every non-batch dimension",
+            )
+        if type(m) is torch.nn.GroupNorm:
+            return substitute(
+                GroupNorm(m.num_groups, m.num_channels),
+                "GroupNorm's 1/sqrt(var + eps) has Lipschitz constant about 1/sqrt(eps); "
+                "substituted by (x - mean) / max(alpha, std), Lipschitz 1/alpha, without affine "
+                "parameters",
+            )
+        if isinstance(m, torch.nn.modules.instancenorm._InstanceNorm):
+            channels = int(m.num_features)
+            return substitute(
+                GroupNorm(channels, channels),
+                "InstanceNorm's 1/sqrt(var + eps) has Lipschitz constant about 1/sqrt(eps); "
+                "substituted by (x - mean) / max(alpha, std) per channel, Lipschitz 1/alpha, "
+                "without affine parameters",
+            )
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            removed(
+                "dropout has no useful Lipschitz certificate and is the identity in eval mode; "
+                "the DP noise already regularises"
+            )
+            return None
+        if type(m) is torch.nn.Identity:
+            removed("identity")
+            return None
+        if type(m).__module__.startswith("torch.") or not _has_own_forward(m):
+            from clipless.nn.validate import _advice
+
+            return unconvertible(_advice(m))
+        return _NOT_A_LEAF
+
+    def conv2d(
+        self,
+        m: torch.nn.Conv2d,
+        twin: Callable[[torch.nn.Module, str], torch.nn.Module],
+        unconvertible: Callable[[str], torch.nn.Module],
+    ) -> torch.nn.Module:
+        kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
+        problems = []
+        if m.groups != 1:
+            problems.append(f"groups={m.groups} (only groups=1 is certified)")
+        if tuple(m.dilation) != (1, 1):
+            problems.append(f"dilation={m.dilation} (only dilation 1 is certified)")
+        if m.padding_mode not in PADDING_MODES:
+            problems.append(f"padding_mode={m.padding_mode!r} (clipless has {PADDING_MODES})")
+        padding: Any = m.padding
+        if padding == "valid":
+            padding = (0, 0)
+        elif padding == "same":
+            if any(k % 2 == 0 for k in kernel):
+                problems.append("padding='same' with an even kernel (asymmetric padding)")
+            padding = (kernel[0] // 2, kernel[1] // 2)
+        if problems:
+            return unconvertible("clipless.nn.Conv2d does not support " + ", ".join(problems))
+        w = m.weight
+        new = Conv2d(
+            m.in_channels,
+            m.out_channels,
+            kernel,
+            stride=_checks.int_pair("stride", tuple(m.stride), 1),
+            padding=_checks.int_pair("padding", tuple(padding), 0),
+            padding_mode=m.padding_mode,
+            bias=m.bias is not None,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        _copy_parameters(m, new, ["weight", "bias"])
+        reason = "certified twin, weights copied"
+        if m.bias is not None:
+            reason += (
+                " (bias kept: its per-sample gradient bound grows as sqrt(output positions); "
+                "bias=False is usually better under DP)"
+            )
+        return twin(new, reason)
+
+    # --------------------------------------------------------------- containers
+    def sequential(self, items: list[tuple[str, torch.nn.Module | None]]) -> torch.nn.Module:
+        """A clipless ``Sequential`` of the converted items (a torch one if some are not)."""
+        kept = OrderedDict((name, module) for name, module in items if module is not None)
+        if all(isinstance(m, LipschitzModule) for m in kept.values()):
+            return Sequential(kept)
+        return torch.nn.Sequential(kept)
+
+    def residual(self, branch: torch.nn.Module, mode: str) -> torch.nn.Module:
+        if isinstance(branch, LipschitzModule):
+            return Residual(branch, mode=mode)
+        return PlainResidual(branch, 1.0 if mode == "add" else 0.5)
+
+    # ------------------------------------------------------------------ tracing
+    def traced(self, module: torch.nn.Module, path: str) -> torch.nn.Module:
+        name = _type_name(module)
+        try:
+            graph_module = torch.fx.GraphModule(module, _Tracer().trace(module))
+        except Exception as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.record(
+                path,
+                name,
+                None,
+                f"torch.fx.symbolic_trace failed ({type(exc).__name__}: {first_line}); only "
+                "forwards without data-dependent control flow can be converted",
+                "unconvertible",
+            )
+            return _deepcopy(module)
+        try:
+            structure = _Structure(graph_module.graph).build()
+        except _UnconvertibleError as exc:
+            self.record(
+                path,
+                name,
+                None,
+                f"{_describe(exc.node)}: {exc.reason}; only chains of layers with skip "
+                "connections x + f(x) or (x + f(x)) / 2 can be converted",
+                "unconvertible",
+                node=exc.node.name,
+            )
+            return _deepcopy(module)
+        return self.build(structure, module, path)
+
+    def build(self, items: list[Any], owner: torch.nn.Module, path: str) -> torch.nn.Module:
+        out: list[tuple[str, torch.nn.Module | None]] = []
+        for item in items:
+            if isinstance(item, _ResidualSpec):
+                branch = self.build(item.branch, owner, path)
+                out.append((item.node.name, self.residual(branch, item.mode)))
+                continue
+            node: torch.fx.Node = item
+            if node.op == "call_module":
+                target = str(node.target)
+                out.append(
+                    (node.name, self.module(owner.get_submodule(target), _join(path, target)))
+                )
+                continue
+            substitute = _function_module(node)
+            assert substitute is not None  # _Structure accepted it
+            before = len(self.entries)
+            converted = self.leaf(substitute, path, _describe(node))
+            for i in range(before, len(self.entries)):
+                e = self.entries[i]
+                reason = e.reason
+                if node.target in ("view", "reshape"):
+                    reason += " (view/reshape to [batch, -1] or [-1, features] is a flatten)"
+                self.entries[i] = ConversionEntry(
+                    e.path, e.original, e.replacement, reason, e.kind, node.name
+                )
+            out.append((node.name, converted))
+        return self.sequential(out)
+
+
+_NOT_A_LEAF = object()
+
+
+def _deepcopy(module: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def _has_own_forward(module: torch.nn.Module) -> bool:
+    return type(module).forward is not torch.nn.Module.forward
+
+
+def _pool_problem(
+    kernel_size: Any, stride: Any, padding: Any, ceil_mode: bool, dilation: Any
+) -> str:
+    kernel = _checks.int_pair("kernel_size", kernel_size, 1)
+    strides = kernel if stride is None or stride == [] else _checks.int_pair("stride", stride, 1)
+    problems = []
+    if strides != kernel:
+        problems.append(f"stride {strides} != kernel_size {kernel} (overlapping or gapped windows)")
+    if _checks.int_pair("padding", padding, 0) != (0, 0):
+        problems.append(f"padding={padding}")
+    if _checks.int_pair("dilation", dilation, 1) != (1, 1):
+        problems.append(f"dilation={dilation}")
+    if ceil_mode:
+        problems.append("ceil_mode=True")
+    return ", ".join(problems)
+
+
+def _describe(node: torch.fx.Node) -> str:
+    target = node.target
+    if node.op == "call_function":
+        qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", str(target))
+        module = getattr(target, "__module__", None) or ""
+        module = {"torch._C._nn": "torch.nn.functional", "_operator": "operator"}.get(
+            module, module
+        )
+        if module == "torch._C._VariableFunctions" or module.startswith("torch._C"):
+            module = "torch"
+        return f"call_function {module + '.' if module else ''}{qual}"
+    if node.op == "call_method":
+        return f"call_method Tensor.{target}"
+    return f"{node.op} {target}"
+
+
+# --------------------------------------------------------------------------- functions
+# Stubs give the signatures of the functions and methods a traced forward may call.
+def _sig_unary(input: Any, inplace: bool = False) -> None: ...
+def _sig_flatten(input: Any, start_dim: int = 0, end_dim: int = -1) -> None: ...
+def _sig_method_flatten(self: Any, start_dim: int = 0, end_dim: int = -1) -> None: ...
+def _sig_dropout(
+    input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> None: ...
+def _sig_pool(
+    input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, *rest: Any, **kw: Any
+) -> None: ...
+def _sig_method_unary(self: Any) -> None: ...
+
+
+_RELU = {torch.relu, F.relu, torch.relu_, F.relu_}
+_TANH = {torch.tanh, F.tanh}
+_SIGMOID = {torch.sigmoid, F.sigmoid}
+_DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout}
+_ADD = {operator.add, torch.add, operator.iadd}
+
+
+def _bind(sig: Callable[..., None], node: torch.fx.Node) -> inspect.BoundArguments | None:
+    try:
+        bound = inspect.signature(sig).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
+    """The torch module a function/method node computes on its first argument (``None``: none)."""
+    target = node.target
+    if node.op == "call_function":
+        if target in _RELU or target in _TANH or target in _SIGMOID:
+            if _bind(_sig_unary, node) is None:
+                return None
+            if target in _RELU:
+                return torch.nn.ReLU()
+            return torch.nn.Tanh() if target in _TANH else torch.nn.Sigmoid()
+        if target is torch.flatten:
+            bound = _bind(_sig_flatten, node)
+            if bound is None:
+                return None
+            return torch.nn.Flatten(bound.arguments["start_dim"], bound.arguments["end_dim"])
+        if target in _DROPOUT:
+            return torch.nn.Dropout() if _bind(_sig_dropout, node) is not None else None
+        if target in (F.max_pool2d, F.avg_pool2d):
+            try:
+                fn = torch.nn.MaxPool2d if target is F.max_pool2d else torch.nn.AvgPool2d
+                return fn(*node.args[1:], **node.kwargs)  # type: ignore[arg-type]
+            except TypeError:
+                return None
+        return None
+    if node.op == "call_method":
+        if target in ("relu", "tanh", "sigmoid", "relu_", "tanh_", "sigmoid_"):
+            if _bind(_sig_method_unary, node) is None:
+                return None
+            kind = str(target).rstrip("_")
+            return {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "sigmoid": torch.nn.Sigmoid}[
+                kind
+            ]()
+        if target == "flatten":
+            bound = _bind(_sig_method_flatten, node)
+            if bound is None:
+                return None
+            return torch.nn.Flatten(bound.arguments["start_dim"], bound.arguments["end_dim"])
+        if target in ("view", "reshape") and _batch_flatten_source(node) is not None:
+            return torch.nn.Flatten(1, -1)
+    return None
+
+
+def _is_batch_size_of(node: Any, source: torch.fx.Node) -> bool:
+    """``source.size(0)`` or ``source.shape[0]``."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.op == "call_method" and node.target == "size":
+        return bool(len(node.args) == 2 and node.args[0] is source and node.args[1] == 0)
+    if node.op == "call_function" and node.target is operator.getitem:
+        base, index = node.args
+        return bool(
+            index == 0
+            and isinstance(base, torch.fx.Node)
+            and (
+                (
+                    base.op == "call_function"
+                    and base.target is getattr
+                    and base.args[0] is source
+                    and base.args[1] == "shape"
+                )
+                or (base.op == "call_method" and base.target == "size" and base.args == (source,))
+            )
+        )
+    return False
+
+
+def _batch_flatten_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input of ``x.view(x.size(0), -1)`` / ``x.view(-1, n)`` (and ``reshape``), else None."""
+    if node.kwargs or len(node.args) < 2:
+        return None
+    source = node.args[0]
+    if not isinstance(source, torch.fx.Node):
+        return None
+    shape = node.args[1:]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    if len(shape) != 2:
+        return None
+    first, second = shape
+    if _is_batch_size_of(first, source) and second == -1:
+        return source
+    if first == -1 and isinstance(second, int) and not isinstance(second, bool) and second > 0:
+        return source
+    return None
+
+
+def _is_helper(node: torch.fx.Node) -> bool:
+    """Shape queries feeding a ``view(x.size(0), -1)``: not data flow."""
+    if node.op == "call_method" and node.target == "size":
+        return True
+    if node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",):
+        return True
+    if node.op == "call_function" and node.target is operator.getitem:
+        base = node.args[0]
+        return isinstance(base, torch.fx.Node) and _is_helper(base)
+    return False
+
+
+class _Tracer(torch.fx.Tracer):
+    """Leaves: every torch.nn module and clipless module; custom modules are traced through."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, LipschitzModule) or type(m) is torch.nn.Sequential:
+            return True
+        return type(m).__module__.startswith("torch.") or not _has_own_forward(m)
+
+
+@dataclass
+class _ResidualSpec:
+    branch: list[Any]
+    mode: str
+    node: torch.fx.Node  # the add (or the division / multiplication for "average")
+    source: torch.fx.Node
+
+
+class _Structure:
+    """Decompose a traced graph into a chain of nodes with nested ``x + f(x)`` blocks."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.sources: dict[torch.fx.Node, int] = {}  # residual source -> number of skips from it
+        self.used: set[torch.fx.Node] = set()
+
+    def build(self) -> list[Any]:
+        nodes = list(self.graph.nodes)
+        for n in nodes:
+            if n.op == "get_attr":
+                raise _UnconvertibleError(
+                    n, f"reads the attribute self.{n.target} directly (wrap it in a module)"
+                )
+        output = next(n for n in nodes if n.op == "output")
+        result = output.args[0]
+        if not isinstance(result, torch.fx.Node):
+            raise _UnconvertibleError(output, "the forward must return a single tensor")
+        inputs = [n for n in nodes if n.op == "placeholder" and n.users]
+        if len(inputs) != 1:
+            raise _UnconvertibleError(
+                output, f"the forward must use exactly one input tensor, it uses {len(inputs)}"
+            )
+        items = self.chain(inputs[0], result)
+        self.used.add(inputs[0])
+        self.check_users()
+        return items
+
+    def chain(self, src: torch.fx.Node, dst: torch.fx.Node) -> list[Any]:
+        """The items mapping the value ``src`` to the value ``dst``, in call order."""
+        items: list[Any] = []
+        node = dst
+        while node is not src:
+            if node.op == "placeholder":
+                raise _UnconvertibleError(
+                    node, "the value is reached by two paths that are not a skip x + f(x)"
+                )
+            self.used.add(node)
+            residual = self.residual(node)
+            if residual is not None:
+                items.append(residual)
+                node = residual.source
+                continue
+            items.append(node)
+            node = self.unary_input(node)
+        items.reverse()
+        return items
+
+    def residual(self, node: torch.fx.Node) -> _ResidualSpec | None:
+        add, mode = node, "add"
+        halved = _halved(node)
+        if halved is not None:
+            add, mode = halved, "average"
+            self.used.add(add)
+        if not _is_add(add):
+            return None
+        operands = [*add.args, *add.kwargs.values()]
+        tensors = [a for a in operands if isinstance(a, torch.fx.Node)]
+        if len(operands) != 2 or len(tensors) != 2:
+            raise _UnconvertibleError(
+                add,
+                "adds a constant or uses alpha= (only skip connections x + f(x) are certified)",
+            )
+        a, b = tensors
+        if a is b:
+            return _ResidualSpec([], mode, node, a)
+        if a in _ancestors(b):
+            source, end = a, b
+        elif b in _ancestors(a):
+            source, end = b, a
+        else:
+            raise _UnconvertibleError(
+                add,
+                "adds two tensors neither of which is computed from the other alone (only skip "
+                "connections x + f(x) have a certified bound)",
+            )
+        branch = self.chain(source, end)
+        self.sources[source] = self.sources.get(source, 0) + 1
+        return _ResidualSpec(branch, mode, node, source)
+
+    def unary_input(self, node: torch.fx.Node) -> torch.fx.Node:
+        if node.op == "call_module":
+            if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], torch.fx.Node):
+                raise _UnconvertibleError(node, "the module is called with several arguments")
+            return node.args[0]
+        if node.op in ("call_function", "call_method") and _function_module(node) is not None:
+            source = node.args[0]
+            others = [a for a in (*node.args[1:], *node.kwargs.values()) if _is_data(a)]
+            if isinstance(source, torch.fx.Node) and not others:
+                return source
+        raise _UnconvertibleError(node, _why_not(node))
+
+    def check_users(self) -> None:
+        for n in self.graph.nodes:
+            if n not in self.used:
+                continue
+            # dead code (a value computed and never used) does not count
+            users = [u for u in n.users if u in self.used or u.op == "output"]
+            expected = 1 + self.sources.get(n, 0)
+            if len(users) != expected:
+                names = ", ".join(repr(u.name) for u in users)
+                raise _UnconvertibleError(
+                    n,
+                    f"its value is used by {len(users)} operations ({names}) where the chain "
+                    f"with skip connections x + f(x) uses it {expected} time(s)",
+                )
+
+
+def _is_data(value: Any) -> bool:
+    """A node argument that carries data (not a shape query)."""
+    if isinstance(value, torch.fx.Node):
+        return not _is_helper(value)
+    if isinstance(value, (tuple, list)):
+        return any(_is_data(v) for v in value)
+    return False
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _is_add(node: torch.fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _ADD
+    return node.op == "call_method" and node.target in ("add", "__add__")
+
+
+def _halved(node: torch.fx.Node) -> torch.fx.Node | None:
+    """``s`` when ``node`` is ``s / 2``, ``s * 0.5`` or ``0.5 * s`` with ``s`` an addition."""
+    if node.kwargs or len(node.args) != 2:
+        return None
+    divide = (node.op == "call_function" and node.target in (operator.truediv, torch.div)) or (
+        node.op == "call_method" and node.target in ("div", "__truediv__")
+    )
+    multiply = (node.op == "call_function" and node.target in (operator.mul, torch.mul)) or (
+        node.op == "call_method" and node.target in ("mul", "__mul__")
+    )
+    a, b = node.args
+    candidates = []
+    if divide and b == 2:
+        candidates = [a]
+    elif multiply:
+        candidates = [x for x, y in ((a, b), (b, a)) if y == 0.5]
+    for s in candidates:
+        if isinstance(s, torch.fx.Node) and _is_add(s):
+            return s
+    return None
+
+
+def _why_not(node: torch.fx.Node) -> str:
+    target = node.target
+    name = str(getattr(target, "__name__", target))
+    if target in (torch.cat, torch.stack, torch.concat, torch.hstack, torch.vstack):
+        return "concatenates tensors (clipless has no certified concatenation)"
+    tensor_args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    if name in ("mul", "matmul", "bmm", "einsum", "__mul__", "__matmul__") and len(tensor_args) > 1:
+        return "multiplies two activations (not Lipschitz: no certified bound)"
+    if name in ("mul", "__mul__", "truediv", "div", "__truediv__"):
+        return "scales by a constant (no certified rule outside (x + f(x)) / 2)"
+    if name in ("sub", "__sub__", "add", "__add__", "iadd"):
+        return "arithmetic other than a skip connection x + f(x)"
+    return "no certified clipless equivalent for this operation"
+
+
+def convert(
+    model: torch.nn.Module, input_norm: float | None = None, *, strict: bool = True
+) -> tuple[torch.nn.Module, ConversionReport]:
+    """Convert a plain torch model into its clipless twin; return ``(converted, report)``.
+
+    The analogue of Opacus's ``ModuleValidator.fix`` (module docstring for the mapping). ``model``
+    is not modified: parameters are copied into new clipless layers. The result is a
+    :class:`clipless.nn.Sequential` whose first layer is an :class:`~clipless.nn.InputNorm`.
+
+    Args:
+        model: any :class:`torch.nn.Module`.
+        input_norm: ``max_norm`` of the leading ``InputNorm`` to insert (the certified input bound
+            ``X_0``: every sample is projected onto the L2 ball of that radius). Required when the
+            model does not already start with an ``InputNorm``; when it does, it must be ``None``
+            or equal to that ``max_norm``.
+        strict: raise :class:`TypeError` listing everything that could not be converted (as
+            :func:`clipless.nn.validate` does). With ``strict=False`` the report lists them and the
+            unconvertible modules are kept (deep-copied) in the returned model, which then does
+            not pass :func:`clipless.nn.validate`.
+
+    Raises:
+        TypeError: ``model`` is not a module, or (``strict=True``) something is unconvertible.
+        ValueError: ``input_norm`` is missing, invalid, or contradicts the model's ``InputNorm``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if input_norm is not None:
+        input_norm = _checks.positive_float("input_norm", input_norm)
+    converter = _Converter()
+    converted = converter.module(model, "")
+    if converted is None:  # the whole model was a Dropout or an Identity
+        converted = Sequential()
+    if not isinstance(converted, (Sequential, torch.nn.Sequential)):
+        converted = converter.sequential([("0", converted)])
+    leading = _leading(converted)
+    if isinstance(leading, InputNorm):
+        if input_norm is not None and input_norm != leading.max_norm:
+            raise ValueError(
+                f"input_norm={input_norm} contradicts the model's leading "
+                f"clipless.nn.InputNorm(max_norm={leading.max_norm}); omit input_norm"
+            )
+    else:
+        if input_norm is None:
+            raise ValueError(
+                "the model does not start with a clipless.nn.InputNorm, so convert needs "
+                "input_norm=X0: every input sample is projected onto the L2 ball of radius X0, "
+                "which makes X0 the certified input bound that clipless.bounds propagates. "
+                "Choose it from public knowledge of the data (e.g. sqrt(#features) for features "
+                "scaled to [-1, 1]); a radius below the data's norms shrinks those samples"
+            )
+        norm = InputNorm(input_norm)
+        converter.record(
+            "", "(none)", norm, "required by the bounds: certifies ||x|| <= X0", "inserted"
+        )
+        converter.entries.insert(0, converter.entries.pop())
+        items = [("input_norm", norm), *converted._modules.items()]
+        converted = converter.sequential(items)
+    converted.train(model.training)
+    report = ConversionReport(tuple(converter.entries))
+    if strict and report.unconvertible:
+        problems = report.unconvertible
+        count = len(problems)
+        noun = "module or operation has" if count == 1 else "modules or operations have"
+        raise TypeError(
+            f"{count} {noun} no certified clipless equivalent; convert(..., strict=False) returns "
+            "the partial conversion and its report:\n" + "\n".join(f"  - {e}" for e in problems)
+        )
+    return converted, report
+
+
+def _leading(model: torch.nn.Module) -> torch.nn.Module | None:
+    module: torch.nn.Module | None = model
+    while isinstance(module, torch.nn.Sequential):
+        module = module[0] if len(module) > 0 else None
+    return module

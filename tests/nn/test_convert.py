@@ -1,0 +1,374 @@
+"""clipless.nn.convert: torch model -> clipless twin and report (ModuleValidator.fix)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import clipless.nn as cnn
+from clipless import bounds
+
+
+def _inside_ball(shape: tuple[int, ...], radius: float, seed: int = 0) -> torch.Tensor:
+    """Samples of norm at most radius / 2 (well inside the InputNorm ball)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    norms = x.flatten(1).norm(dim=1).clamp_min(1e-12)
+    scale = torch.rand(shape[0], generator=torch.Generator().manual_seed(seed + 1)) * radius / 2
+    return x * (scale / norms).reshape(-1, *([1] * (len(shape) - 1)))
+
+
+class SmallCNN(nn.Module):
+    """torchvision-style: conv -> BN -> ReLU -> max-pool blocks, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, kernel_size=3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, kernel_size=3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=2, stride=2),
+        )
+        self.classifier = nn.Sequential(nn.Dropout(0.5), nn.Flatten(), nn.Linear(16 * 2 * 2, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, d_in: int = 8, width: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.fc1 = nn.Linear(width, width)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(width, width)
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h = h + self.fc2(self.act(self.fc1(h)))
+        return self.out(h)
+
+
+def _check_certifiable(model: nn.Module, input_shape: tuple[int, ...]) -> None:
+    cnn.validate(model)
+    rep = bounds.report(model, cnn.CrossEntropyLoss(), input_shape)
+    sens = rep.sensitivities()
+    assert set(sens) == {name for name, _ in model.named_parameters()}
+
+
+def test_small_cnn_converts_with_substitutions() -> None:
+    model = SmallCNN()
+    converted, report = cnn.convert(model, input_norm=5.0)
+    assert isinstance(converted, cnn.Sequential)
+    assert isinstance(converted[0], cnn.InputNorm)
+    assert converted[0].max_norm == 5.0
+    _check_certifiable(converted, (3, 8, 8))
+    assert report.ok
+    assert not report.exact
+    kinds = {(e.path, e.kind) for e in report.entries}
+    assert ("features.1", "substituted") in kinds  # BatchNorm2d
+    assert ("features.3", "substituted") in kinds  # MaxPool2d
+    assert ("classifier.0", "removed") in kinds  # Dropout
+    assert ("features.0", "twin") in kinds
+    by_path = {e.path: e for e in report.entries}
+    assert "GroupNorm" in str(by_path["features.1"].replacement)
+    assert "mix the samples" in by_path["features.1"].reason
+    assert "L2NormPool2d" in str(by_path["features.7"].replacement)
+    assert "bias" in by_path["features.4"].reason  # the conv bias note
+    assert by_path[""].kind == "inserted"
+    assert not any(isinstance(m, nn.Dropout) for m in converted.modules())
+    # the twins carry the original weights
+    conv = converted.get_submodule("features.0")
+    assert isinstance(conv, cnn.Conv2d)
+    assert torch.equal(conv.weight, model.features[0].weight)
+    assert conv.weight is not model.features[0].weight
+    out = converted(torch.randn(4, 3, 8, 8))
+    assert out.shape == (4, 10)
+
+
+def test_residual_mlp_custom_module_is_exact() -> None:
+    torch.manual_seed(0)
+    model = ResidualMLP().eval()
+    converted, report = cnn.convert(model, input_norm=3.0)
+    assert report.exact
+    residuals = [m for m in converted.modules() if isinstance(m, cnn.Residual)]
+    assert len(residuals) == 1 and residuals[0].mode == "add"
+    _check_certifiable(converted, (8,))
+    x = _inside_ball((32, 8), 3.0)
+    assert torch.equal(converted(x), model(x))
+    # outside the ball the InputNorm projects: the function differs (and is certified)
+    big = 100 * torch.randn(4, 8)
+    assert not torch.allclose(converted(big), model(big))
+
+
+def test_plain_sequential_is_exact_and_keeps_parameter_names() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 4), nn.Sigmoid()
+    )
+    converted, report = cnn.convert(model, input_norm=2.0)
+    assert report.exact
+    assert all(e.kind in ("twin", "inserted") for e in report.entries)
+    original = dict(model.named_parameters())
+    for name, param in converted.named_parameters():
+        assert torch.equal(param, original[name])
+    x = _inside_ball((16, 6), 2.0)
+    assert torch.equal(converted(x), model(x))
+    _check_certifiable(converted, (6,))
+
+
+class AveragedFunctional(nn.Module):
+    """Function calls instead of modules, and an averaged skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding="same")
+        self.block = nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular", bias=False)
+        self.head = nn.Linear(4 * 2 * 2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv(x))
+        h = (h + torch.tanh(self.block(h))) / 2
+        h = F.avg_pool2d(h, 2)
+        h = h.view(h.size(0), -1)
+        return self.head(h)
+
+
+def test_functional_forward_and_average_skip() -> None:
+    torch.manual_seed(2)
+    model = AveragedFunctional().eval()
+    converted, report = cnn.convert(model, input_norm=4.0)
+    assert report.exact, str(report)
+    residuals = [m for m in converted.modules() if isinstance(m, cnn.Residual)]
+    assert len(residuals) == 1 and residuals[0].mode == "average"
+    nodes = {e.node for e in report.entries if e.node is not None}
+    assert {"relu", "tanh", "avg_pool2d", "view"} <= nodes
+    x = _inside_ball((8, 1, 4, 4), 4.0)
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-6, atol=1e-6)
+    _check_certifiable(converted, (1, 4, 4))
+
+
+class Concat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.cat([self.a(x), self.b(x)], dim=1))
+
+
+def test_concatenation_is_reported_with_its_node() -> None:
+    with pytest.raises(TypeError, match="'cat'") as info:
+        cnn.convert(Concat(), input_norm=1.0)
+    assert "concatenat" in str(info.value)
+    converted, report = cnn.convert(Concat(), input_norm=1.0, strict=False)
+    (entry,) = report.unconvertible
+    assert entry.node == "cat"
+    assert entry.replacement is None
+    assert "Concat" in entry.original
+    assert not report.ok
+    with pytest.raises(TypeError):
+        cnn.validate(converted)
+    x = torch.randn(3, 4) / 10
+    assert converted(x).shape == (3, 2)  # the partial conversion still runs
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h * torch.sigmoid(h)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.fc(x)
+        return x
+
+
+class TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+class NestedSkips(nn.Module):
+    """h + (h + relu(h)), with a dead computation: nested Residual blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.mean()  # dead code
+        y = h + torch.relu(h)
+        return y + h
+
+
+@pytest.mark.parametrize(
+    ("model", "node", "words"),
+    [
+        (Gated(), "mul", "multiplies two activations"),
+        (TwoBranches(), "add", "neither of which"),
+    ],
+    ids=["product", "two-branches"],
+)
+def test_unconvertible_graphs(model: nn.Module, node: str, words: str) -> None:
+    _, report = cnn.convert(model, input_norm=1.0, strict=False)
+    (entry,) = report.unconvertible
+    assert entry.node == node
+    assert words in entry.reason
+
+
+def test_nested_skips() -> None:
+    model = NestedSkips()
+    converted, report = cnn.convert(model, input_norm=1.0)
+    assert report.exact
+    assert sum(isinstance(m, cnn.Residual) for m in converted.modules()) == 2
+    x = _inside_ball((6, 4), 1.0)
+    torch.testing.assert_close(converted(x), model(x), rtol=0, atol=1e-6)
+    _check_certifiable(converted, (4,))
+
+
+def test_data_dependent_control_flow() -> None:
+    _, report = cnn.convert(Branchy(), input_norm=1.0, strict=False)
+    (entry,) = report.unconvertible
+    assert "symbolic_trace failed" in entry.reason
+    assert "control flow" in entry.reason
+
+
+def test_every_unconvertible_module_listed_at_once() -> None:
+    model = nn.Sequential(
+        nn.Linear(4, 8),
+        nn.GELU(),
+        nn.Unflatten(1, (1, 8)),
+        nn.Conv1d(1, 2, 3),
+        nn.Flatten(),
+        nn.Linear(12, 2),
+    )
+    with pytest.raises(TypeError) as info:
+        cnn.convert(model, input_norm=1.0)
+    message = str(info.value)
+    assert "3 modules or operations" in message
+    for path in ("'1'", "'2'", "'3'"):
+        assert path in message
+    assert "GroupSort" in message  # the advice of clipless.nn.validate
+
+
+def test_conv_options() -> None:
+    _, report = cnn.convert(nn.Conv2d(4, 4, 3, groups=2), input_norm=1.0, strict=False)
+    assert "groups=2" in report.unconvertible[0].reason
+    _, report = cnn.convert(nn.Conv2d(1, 1, 3, dilation=2), input_norm=1.0, strict=False)
+    assert "dilation" in report.unconvertible[0].reason
+    _, report = cnn.convert(
+        nn.Conv2d(1, 1, 3, padding_mode="reflect"), input_norm=1.0, strict=False
+    )
+    assert "padding_mode" in report.unconvertible[0].reason
+    _, report = cnn.convert(nn.MaxPool2d(3, stride=2), input_norm=1.0, strict=False)
+    assert "stride" in report.unconvertible[0].reason
+    _, report = cnn.convert(nn.AvgPool2d(2, stride=1), input_norm=1.0, strict=False)
+    assert "stride" in report.unconvertible[0].reason
+    conv = nn.Conv2d(2, 3, (3, 5), stride=2, padding=(1, 2))
+    converted, report = cnn.convert(conv, input_norm=10.0)
+    assert report.exact
+    x = _inside_ball((2, 2, 9, 9), 10.0)
+    torch.testing.assert_close(converted(x), conv(x), rtol=1e-6, atol=1e-6)
+
+
+def test_norm_substitutions() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.LayerNorm(6), nn.Linear(6, 2))
+    converted, report = cnn.convert(model, input_norm=1.0)
+    norms = [m for m in converted.modules() if isinstance(m, cnn.GroupNorm)]
+    assert [(m.num_groups, m.num_channels) for m in norms] == [(1, 6), (1, 6)]
+    assert len(report.substitutions) == 2
+    _check_certifiable(converted, (4,))
+    _, report = cnn.convert(nn.BatchNorm2d(48), input_norm=1.0)
+    assert "GroupNorm(24, 48" in str(report.substitutions[0].replacement)
+
+
+def test_input_norm_argument() -> None:
+    model = nn.Sequential(nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="input_norm") as info:
+        cnn.convert(model)
+    assert "InputNorm" in str(info.value)
+    with pytest.raises(ValueError, match="input_norm"):
+        cnn.convert(model, input_norm=0.0)
+    already = nn.Sequential(cnn.InputNorm(2.0), nn.Linear(4, 2))
+    converted, report = cnn.convert(already)
+    assert isinstance(converted[0], cnn.InputNorm) and converted[0].max_norm == 2.0
+    assert not any(e.kind == "inserted" for e in report.entries)
+    assert sum(isinstance(m, cnn.InputNorm) for m in converted.modules()) == 1
+    cnn.convert(already, input_norm=2.0)
+    with pytest.raises(ValueError, match="contradicts"):
+        cnn.convert(already, input_norm=3.0)
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        cnn.convert("model", input_norm=1.0)  # type: ignore[arg-type]
+
+
+def test_original_untouched_and_report_frozen() -> None:
+    model = ResidualMLP()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    converted, report = cnn.convert(model, input_norm=1.0)
+    with torch.no_grad():
+        for p in converted.parameters():
+            p.add_(1.0)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.entries = ()  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.entries[0].reason = "x"  # type: ignore[misc]
+    assert "ConversionReport" in str(report)
+    assert converted.training == model.training
+
+
+class SharedActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 2)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc2(self.act(self.fc1(x))))
+
+
+def test_module_called_twice() -> None:
+    model = SharedActivation()
+    converted, report = cnn.convert(model, input_norm=1.0)
+    x = _inside_ball((5, 4), 1.0)
+    assert torch.equal(converted(x), model(x))
+    assert sum(e.path == "act" for e in report.entries) == 1
+    _check_certifiable(converted, (4,))
+
+
+def test_already_clipless_modules_are_kept() -> None:
+    model = nn.Sequential(cnn.Linear(4, 4), nn.ReLU(), cnn.GroupSort(2), nn.Linear(4, 2))
+    converted, report = cnn.convert(model, input_norm=1.0)
+    assert isinstance(converted[1], cnn.Linear)
+    assert isinstance(converted[3], cnn.GroupSort)
+    assert len(report.entries) == 3  # InputNorm inserted, ReLU and the torch Linear
+    _check_certifiable(converted, (4,))
