@@ -350,7 +350,10 @@ def test_augmult_keeps_each_samples_contribution_within_the_sensitivity() -> Non
         x, y = data.tensors[0][i : i + 1], data.tensors[1][i : i + 1]
         for augment, k in ((wild, 8), (lambda t: t, 4), (None, 1)):
             model.zero_grad()
-            value, logits, _ = training_loss(model, loss, x, y, augment=augment, augmult=k)
+            value, logits, _ = training_loss(
+                model, loss, x, y, augment=augment, augmult=k, optimizer=opt
+            )
+            opt._pending.clear()  # measured without stepping
             assert logits.shape[0] == k
             value.backward()
             for name, p in model.named_parameters():
@@ -365,7 +368,7 @@ def test_augmult_keeps_each_samples_contribution_within_the_sensitivity() -> Non
     training_loss(model, loss, x, y)[0].backward()
     single = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad()
-    training_loss(model, loss, x, y, augment=lambda t: t, augmult=5)[0].backward()
+    training_loss(model, loss, x, y, augment=lambda t: t, augmult=5, optimizer=opt)[0].backward()
     for a, p in zip(single, model.parameters(), strict=True):
         assert p.grad is not None
         torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-7)

@@ -307,10 +307,10 @@ def thresholds_for(
     """Per-module scaling thresholds ``T_k`` (module path -> value) for a scaling ``mode``.
 
     The threshold only trades bias against variance; it never enters the privacy argument
-    (:mod:`clipless.nn._scaled`). ``"bound"``: the certified bound on the norm factor propagated from
-    the input bound (Clipless DP-SGD, seed Algorithm 1 line 2); a module used several times gets the
-    largest of its uses' bounds. ``"per-sample"``: 0. ``"threshold"``: the given value for every
-    parametric module path. ``"batch-max"``: the batch maximum (unproven).
+    (:mod:`clipless.nn._scaled`). ``"bound"``: the certified bound on the norm factor propagated
+    from the input bound (Clipless DP-SGD, seed Algorithm 1 line 2); a module used several times
+    gets the largest of its uses' bounds. ``"per-sample"``: 0. ``"threshold"``: the given value
+    for every parametric module path. ``"batch-max"``: the batch maximum (unproven).
     """
     if mode not in SCALING_MODES:
         raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {mode!r}")

@@ -240,7 +240,7 @@ class DPOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------- parameters
     def _noised_parameters(self) -> dict[torch.nn.Parameter, str]:
         """Trainable parameters held by the optimizer, by name (the tensors that get noise)."""
-        by_param = {p: n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        by_param = {p: n for n, p in self.module.named_parameters()}
         names: dict[torch.nn.Parameter, str] = {}
         for group in self.param_groups:
             for p in group["params"]:

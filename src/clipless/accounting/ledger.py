@@ -238,6 +238,10 @@ class PrivacyLedger:
         """Epsilon spent so far at ``delta``."""
         return self._epsilon_of(self._groups(), _check_delta(delta))
 
+    def get_epsilon(self, delta: float) -> float:
+        """Opacus's name for :meth:`epsilon` (``engine.accountant.get_epsilon(delta)``)."""
+        return self.epsilon(delta)
+
     def delta(self, epsilon: float) -> float:
         """Delta spent so far at ``epsilon``."""
         acc = self._make_accountant()

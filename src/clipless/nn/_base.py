@@ -60,7 +60,7 @@ class ParametricLipschitzModule(LipschitzModule):
     """A layer with trainable parameters whose per-sample gradient norm is bounded analytically.
 
     Subclasses (``Linear``, ``Conv2d``) also honour :attr:`scaling_threshold`: when it is not
-    ``None``, the layer's forward routes through :mod:`clipless.nn._scaled` (the kernels next to the layers), which divides each
+    ``None``, the layer's forward routes through :mod:`clipless.nn._scaled`, which divides each
     sample's contribution to the parameter gradients by
     ``max(sample_norm_factor(x_i), scaling_threshold)``
     (DESIGN.md, "Gradient scaling"). The input gradient is never scaled.

@@ -1,0 +1,362 @@
+"""The optimizer enforces the contract its noise relies on (clipless.optim, clipless.mechanism).
+
+Each test of a formerly silent case measures one example's contribution (a batch of one) against
+the sensitivity the noise was calibrated to, or checks that the step is refused before anything
+is spent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import clipless
+from clipless import mechanism, nn
+from clipless.optim import PlanExhaustedError, PrivacyContractError
+from clipless.training import training_loss
+
+DIM = 5
+N = 200
+
+
+def _data(n: int = N) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, DIM, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def _model(clip: float | None = None, bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [
+        nn.InputNorm(2.0),
+        nn.Linear(DIM, 8, bias=bias),
+        nn.GroupSort(2),
+        nn.Linear(8, 2, bias=bias),
+    ]
+    if clip is not None:
+        layers.append(nn.LossGradientClip(clip))
+    return nn.Sequential(*layers)
+
+
+def _private(model: torch.nn.Module | None = None, **kw):
+    model = model if model is not None else _model()
+    opt = kw.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = clipless.PrivacyEngine(seed=0)
+    kw.setdefault("noise_multiplier", 1.0)
+    m, o, dl = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(kw.pop("dataset", _data()), batch_size=20),
+        loss=kw.pop("loss", nn.CrossEntropyLoss()),
+        **kw,
+    )
+    return engine, m, o, dl
+
+
+def _worst_ratio(m: torch.nn.Module, o, sens: dict[str, float]) -> float:
+    return max(
+        float(p.grad.norm()) / sens[name]
+        for name, p in m.named_parameters()
+        if p.grad is not None and name in sens
+    )
+
+
+def _one(i: int = 0, scale: float = 50.0) -> tuple[torch.Tensor, torch.Tensor]:
+    data = _data()
+    return data.tensors[0][i : i + 1] * scale, data.tensors[1][i : i + 1]
+
+
+BAD_LOSSES = {
+    "100x": lambda out, y: 100 * nn.CrossEntropyLoss(reduction="sum")(out, y),
+    "1000x torch mean": lambda out, y: 1000 * torch.nn.CrossEntropyLoss()(out, y),
+    "regulariser": lambda out, y: (
+        nn.CrossEntropyLoss(reduction="sum")(out, y) + 50 * (out**2).sum()
+    ),
+    "mse on a classifier": lambda out, y: torch.nn.MSELoss(reduction="sum")(
+        out, 100 * torch.nn.functional.one_hot(y, 2).float()
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_LOSSES))
+def test_no_loss_can_exceed_the_calibrated_sensitivity(name: str) -> None:
+    _, m, o, _ = _private()
+    sens = o.sensitivities()
+    worst = 0.0
+    for i in range(10):
+        x, y = _one(i)
+        o.zero_grad()
+        BAD_LOSSES[name](m(x), y).backward()
+        worst = max(worst, _worst_ratio(m, o, sens))
+        o._pending.clear()  # measured without stepping
+    assert worst <= 1.0
+    assert worst > 0.2  # the clip binds: the contribution is at the bound, not vacuous
+
+
+def test_the_certified_loss_is_untouched_by_the_guard() -> None:
+    """For the certified loss the clip is a no-op: the gradient equals the unguarded one."""
+    _, m, o, _ = _private()
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    guarded = [p.grad.clone() for p in m.parameters()]
+    o._pending.clear()
+    o.detach()  # remove the hooks: the same layers (thresholds still set), no guard
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    for a, p in zip(guarded, m.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=0, atol=0)
+
+
+def test_mean_reduced_loss_is_reported() -> None:
+    _, m, o, _ = _private()
+    x, y = _data().tensors[0][:32], _data().tensors[1][:32]
+    o.zero_grad()
+    with pytest.warns(RuntimeWarning, match="mean-reduced"):
+        torch.nn.CrossEntropyLoss()(m(x), y).backward()
+
+
+def test_steps_past_the_plan_are_refused_and_extend_re_accounts() -> None:
+    engine, m, o, dl = _private(
+        noise_multiplier=None, target_epsilon=1.0, target_delta=1e-5, steps=3
+    )
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    for _ in range(3):
+        o.zero_grad()
+        o.loss(m(x), y).backward()
+        o.step()
+    assert engine.steps_remaining == 0
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    with pytest.raises(PlanExhaustedError, match="extend"):
+        o.step()
+    assert engine.ledger.steps == 3
+    assert engine.get_epsilon(1e-5) <= 1.0
+    planned = engine.extend(steps=2, delta=1e-5)
+    assert planned is not None and planned > 1.0
+    for _ in range(2):
+        o.zero_grad()
+        o.loss(m(x), y).backward()
+        o.step()
+    assert engine.get_epsilon(1e-5) == pytest.approx(planned, rel=1e-9)
+
+
+def test_two_backwards_before_one_step_are_refused() -> None:
+    engine, m, o, _ = _private()
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.loss(m(x), y).backward()
+    with pytest.raises(PrivacyContractError, match="2 backward passes"):
+        o.step()
+    assert engine.ledger.steps == 0
+    # the same batch backpropagated twice through one forward
+    o.zero_grad()
+    out = m(x)
+    o.loss(out, y).backward(retain_graph=True)
+    o.loss(out, y).backward()
+    with pytest.raises(PrivacyContractError, match="2 backward passes"):
+        o.step()
+
+
+def test_gradients_from_outside_the_model_are_refused() -> None:
+    engine, m, o, _ = _private()
+    o.zero_grad()
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(PrivacyContractError, match="did not come through"):
+        o.step()
+    assert engine.ledger.steps == 0
+
+
+def test_parameter_added_after_make_private_is_refused() -> None:
+    _, m, o, _ = _private()
+    extra = torch.nn.Parameter(torch.zeros(3))
+    o.add_param_group({"params": [extra]})
+    with pytest.raises(PrivacyContractError, match="add_param_group"):
+        o.step()
+
+
+def test_input_shape_is_checked() -> None:
+    _, m, _, _ = _private()
+    with pytest.raises(ValueError, match="shape"):
+        m(torch.zeros(4, DIM + 1))
+
+
+def test_weights_changed_between_forward_and_backward_are_refused() -> None:
+    _, m, o, _ = _private()
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    out = m(x)
+    m[3].weight.data.mul_(100.0)
+    with pytest.raises(PrivacyContractError, match="changed between the forward"):
+        o.loss(out, y).backward()
+
+
+def test_noise_is_planned_at_the_weights_the_forward_used() -> None:
+    """Scaling a layer after backward and before step no longer changes another layer's noise."""
+    _, m, o, _ = _private(constraint=None)
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    planned = o.noise_stds()
+    used: list = []
+    o.add_noise = lambda plan=None: used.append(plan)  # type: ignore[method-assign]
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    with torch.no_grad():
+        m[3].weight.mul_(0.01)
+    o.step()
+    assert dict(used[0].stds) == planned
+
+
+def test_augmult_with_a_clip_layer_keeps_one_sample_within_the_sensitivity() -> None:
+    """Review finding 1: K copies each clipped to c used to contribute K c; now at most c."""
+    _, m, o, _ = _private(model=_model(clip=0.05))
+    sens = o.sensitivities()
+    g = torch.Generator().manual_seed(1)
+
+    def wild(t: torch.Tensor) -> torch.Tensor:
+        return 5.0 * t + 3.0 * torch.randn(t.shape, generator=g)
+
+    worst = 0.0
+    for i in range(8):
+        x, y = _one(i, scale=1.0)
+        o.zero_grad()
+        value, _, _ = training_loss(m, o.loss, x, y, augment=wild, augmult=8, optimizer=o)
+        value.backward()
+        worst = max(worst, _worst_ratio(m, o, sens))
+        o._pending.clear()
+    assert 0.3 < worst <= 1.0
+    with pytest.raises(ValueError, match="LossGradientClip"):
+        training_loss(m, o.loss, x, y, augment=wild, augmult=8)
+
+
+def test_batch_max_ledger_is_not_a_guarantee(tmp_path) -> None:
+    path = tmp_path / "ledger.json"
+    engine, m, o, _ = _private(scaling="batch-max", allow_unproven=True, ledger_path=path)
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()
+    saved = clipless.accounting.PrivacyLedger.from_json(path)
+    assert [e.proven for e in saved.entries] == [False]
+    assert not saved.guarantee(1e-5).is_dp_guarantee
+    assert not engine.guarantee(1e-5).is_dp_guarantee
+    assert "NOT a DP guarantee" in str(saved.guarantee(1e-5))
+
+
+def test_load_state_dict_never_rolls_the_ledger_back() -> None:
+    engine, m, o, _ = _private()
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()
+    early = engine.state_dict()
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()
+    with pytest.raises(ValueError, match="roll the accounting back"):
+        engine.load_state_dict(early)
+    assert engine.ledger.steps == 2
+
+
+def test_frozen_parameter_in_the_optimizer_does_not_miscalibrate_per_layer_noise() -> None:
+    """Review finding 11: D counts the noised tensors (the optimizer's trainable ones)."""
+    model = _model()
+    model[1].bias.requires_grad_(False)
+    engine, m, o, _ = _private(
+        model=model,
+        noise="per-layer",
+        noise_multiplier=None,
+        target_epsilon=1.0,
+        target_delta=1e-5,
+        steps=4,
+    )
+    assert o.config.num_tensors == 3
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    before = model[1].bias.detach().clone()
+    for _ in range(4):
+        o.zero_grad()
+        o.loss(m(x), y).backward()
+        o.step()
+    assert engine.get_epsilon(1e-5) <= 1.0
+    assert torch.equal(model[1].bias.detach(), before)  # frozen: never noised nor stepped
+
+
+def test_tied_weights_add_their_bounds_under_global_noise() -> None:
+    """Review finding 3: a module used twice sums its uses' bounds; it no longer crashes."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4, bias=False)
+    model = nn.Sequential(nn.InputNorm(1.0), shared, nn.GroupSort(2), shared, nn.Linear(4, 2))
+    data = TensorDataset(torch.randn(50, 4), torch.randint(0, 2, (50,)))
+    _, m, o, _ = _private(model=model, dataset=data)
+    report = o.bound_report()
+    uses = [lb.cotangent_bound for lb in report.layers if lb.path in ("1", "3")]
+    assert len(uses) == 2
+    margin = 1.0 + mechanism.ROUNDING_MARGIN["float32"]
+    sens = o.sensitivities()
+    assert sens["1.weight"] == pytest.approx(sum(uses) * margin, rel=1e-12)
+    plan = o.current_plan()
+    expected = math.sqrt(sens["1.weight"] ** 2 + sens["4.weight"] ** 2 + 0.0)
+    # global: the groups are {1.weight (both uses)} and {4.weight, 4.bias}
+    assert plan.stds["1.weight"] == pytest.approx(expected, rel=1e-9)
+    worst = 0.0
+    for i in range(20):
+        o.zero_grad()
+        o.loss(m(data.tensors[0][i : i + 1] * 10), data.tensors[1][i : i + 1]).backward()
+        worst = max(worst, _worst_ratio(m, o, sens))
+        o._pending.clear()
+    assert worst <= 1.0
+
+
+def test_bad_records_are_found_before_training() -> None:
+    data = _data()
+    x = data.tensors[0].clone()
+    x[7, 2] = float("nan")
+    with pytest.raises(ValueError, match="record 7"):
+        _private(dataset=TensorDataset(x, data.tensors[1]))
+    y = data.tensors[1].clone()
+    y[11] = 5
+    with pytest.raises(ValueError, match="record 11"):
+        _private(dataset=TensorDataset(data.tensors[0], y))
+
+
+def test_half_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="float32 or float64"):
+        _private(model=_model().to(torch.bfloat16))
+
+
+def test_opacus_names() -> None:
+    with pytest.raises(TypeError, match="max_grad_norm: there is no per-sample gradient clipping"):
+        _private(max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="secure_mode"):
+        clipless.PrivacyEngine(secure_mode=True)
+    with pytest.raises(TypeError, match="grad_sample_mode"):
+        _private(grad_sample_mode="hooks")
+    engine = clipless.PrivacyEngine(seed=0)
+    model = _model()
+    m, o, _ = engine.make_private_with_epsilon(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=20),
+        loss=nn.CrossEntropyLoss(),
+        target_epsilon=2.0,
+        target_delta=1e-5,
+        epochs=1,
+    )
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()
+    assert engine.accountant.get_epsilon(1e-5) == engine.get_epsilon(1e-5) > 0
+
+
+def test_empty_batch_still_takes_a_noisy_step() -> None:
+    engine, m, o, _ = _private()
+    o.zero_grad()
+    out = m(torch.zeros(0, DIM))
+    o.loss(out, torch.zeros(0, dtype=torch.long)).backward()
+    before = m[1].weight.detach().clone()
+    o.step()
+    assert engine.ledger.steps == 1
+    assert not torch.equal(before, m[1].weight.detach())
