@@ -119,7 +119,7 @@ def test_mean_reduced_loss_is_reported() -> None:
 
 
 def test_steps_past_the_plan_are_refused_and_extend_re_accounts() -> None:
-    engine, m, o, dl = _private(
+    engine, m, o, _dl = _private(
         noise_multiplier=None, target_epsilon=1.0, target_delta=1e-5, steps=3
     )
     x, y = _data().tensors[0][:20], _data().tensors[1][:20]
@@ -172,7 +172,7 @@ def test_gradients_from_outside_the_model_are_refused() -> None:
 
 
 def test_parameter_added_after_make_private_is_refused() -> None:
-    _, m, o, _ = _private()
+    _, _m, o, _ = _private()
     extra = torch.nn.Parameter(torch.zeros(3))
     o.add_param_group({"params": [extra]})
     with pytest.raises(PrivacyContractError, match="add_param_group"):
