@@ -216,6 +216,53 @@ def test_resume_without_checkpoint_starts_fresh_and_bad_path_fails(tmp_path: Pat
         )
 
 
+def test_a_new_run_never_overwrites_a_ledger_of_spent_steps(tmp_path: Path) -> None:
+    """A crash before the first checkpoint leaves a ledger and no checkpoint: neither a fresh run
+    nor ``resume=True`` may start over it (the earlier steps' privacy would be forgotten)."""
+    model, optimizer, loader, loss, engine, _ = _setup()
+    calls = {"n": 0}
+
+    def exploding(x: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:  # inside the first epoch, before any checkpoint
+            raise KeyboardInterrupt
+        return x
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(
+            model,
+            optimizer,
+            loader,
+            loss,
+            engine=engine,
+            epochs=2,
+            delta=DELTA,
+            checkpoint_dir=tmp_path,
+            augment=exploding,
+            progress=False,
+        )
+    assert not (tmp_path / CHECKPOINT_NAME).exists()
+    spent = PrivacyLedger.from_json(tmp_path / LEDGER_NAME).steps
+    assert spent == 2
+    before = (tmp_path / LEDGER_NAME).read_bytes()
+    for resume in (True, False):
+        model, optimizer, loader, loss, engine, _ = _setup()
+        with pytest.raises(FileExistsError, match="records 2 private steps"):
+            fit(
+                model,
+                optimizer,
+                loader,
+                loss,
+                engine=engine,
+                epochs=1,
+                delta=DELTA,
+                checkpoint_dir=tmp_path,
+                resume=resume,
+                progress=False,
+            )
+        assert (tmp_path / LEDGER_NAME).read_bytes() == before
+
+
 def test_crash_keeps_the_accounting(tmp_path: Path) -> None:
     """A crash mid-epoch writes the ledger; resume keeps the steps spent after the checkpoint."""
     model, optimizer, loader, loss, engine, _ = _setup()

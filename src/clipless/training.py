@@ -604,7 +604,10 @@ def fit(
     ``train_loss``, ``train_accuracy``, ``test_loss``, ``test_accuracy``, ``epsilon``, ``delta``,
     ``lr``, ``time_s``, ``complete``), a checkpoint is written to ``checkpoint_dir`` and
     ``on_epoch_end(record)`` is called (return ``True`` to stop). ``resume=True`` continues from
-    ``checkpoint_dir/checkpoint.pt`` if present (a path: from that checkpoint). ``metrics_path``
+    ``checkpoint_dir/checkpoint.pt`` if present (a path: from that checkpoint); with no checkpoint
+    it starts a new run, unless ``checkpoint_dir/ledger.json`` records steps already taken: then, as
+    for ``resume=False`` over such a ledger, :class:`FileExistsError` (a new run would forget
+    privacy already spent). ``metrics_path``
     (``.json``; a ``.csv`` of the history is written beside it) is rewritten every epoch.
     """
     _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult)
@@ -630,6 +633,8 @@ def fit(
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         optimizer.ledger_path = ckpt_dir / LEDGER_NAME  # type: ignore[attr-defined]
     resume_from = _resume_path(resume, ckpt_dir)
+    if resume_from is None and ckpt_dir is not None:
+        _refuse_orphan_ledger(ckpt_dir / LEDGER_NAME, resume)
     if resume_from is not None:
         state = load_checkpoint(resume_from)
         model.load_state_dict(state["model"])
@@ -816,6 +821,37 @@ def fit(
 
 def _fmt(value: Any, digits: int = 4) -> str:
     return "-" if value is None else f"{float(value):.{digits}f}"
+
+
+def _refuse_orphan_ledger(ledger_file: Path, resume: bool | PathLike) -> None:
+    """Refuse to start a fresh run over a ledger that records spent privacy.
+
+    A fresh run would overwrite ``ledger.json`` and forget the earlier run's steps (the privacy
+    they spent on the same data is not undone by losing their weights).
+    """
+    if not ledger_file.is_file():
+        return
+    from clipless.accounting import PrivacyLedger
+
+    try:
+        steps = PrivacyLedger.from_json(ledger_file).steps
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"checkpoint_dir holds {ledger_file}, which cannot be read ({exc}); it may record "
+            "privacy already spent: move it aside before starting a new run there"
+        ) from None
+    if steps == 0:
+        return
+    why = (
+        "resume=True but there is no checkpoint to resume from (the earlier run stopped before "
+        "its first checkpoint: its privacy is spent and its weights are lost)"
+        if resume
+        else "a new run (resume=False) would overwrite it"
+    )
+    raise FileExistsError(
+        f"{ledger_file} records {steps} private steps already taken; {why}. Move the folder "
+        "aside (its ledger is the record of that spending) or pass another checkpoint_dir"
+    )
 
 
 def _prefer_larger_ledger(engine_state: dict[str, Any], ledger_file: Path) -> dict[str, Any]:

@@ -1,0 +1,283 @@
+"""Adult income at epsilon 0.414, delta 1/n: clipless against Opacus DP-SGD in one harness.
+
+The thesis's tabular protocol (Table 5.4) on Adult: the fixed train/test split, the library's
+public per-record transform (:func:`clipless.data.load_adult`: numeric features scaled by public
+ranges, one-hot categories with ``'?'`` kept as a category; 108 features), delta = 1/n, Poisson
+sampling, the final epoch's test accuracy (no selection on the test set).
+
+* ``clipless``: a :mod:`clipless.models` MLP (or a linear model, ``hidden=()``), every setting of
+  the privacy mechanism a knob (``constraint``, ``scaling``, ``noise``, the output-cotangent clip
+  ``clip`` = :class:`clipless.nn.LossGradientClip`, ``temperature``, ``input_norm``, optimiser).
+  Accounting: PLD, calibrated to the target epsilon.
+* ``opacus``: Opacus 1.6 ``PrivacyEngine.make_private_with_epsilon`` (PRV accountant, Poisson
+  sampling, flat clipping) on a plain ``Linear-ReLU-Linear`` MLP 108-64-2 with biases, SGD; the
+  issue's reference setting is batch 1024, 30 epochs, lr 2, clip 1 (median 0.8504 over 5 seeds).
+* ``nonprivate``: the same plain MLP with Adam, the ceiling.
+
+Run ``python benchmarks/adult.py --method clipless --seeds 0 1 2 --set lr=0.01 clip=0.3`` (one
+setting) or ``python benchmarks/adult.py --levers`` (every row of the lever table in
+``benchmarks/RESULTS.md``, 3 seeds each, about 10 minutes on one core). Each run prints one JSON
+line; ``--levers`` prints a Markdown table at the end and writes ``benchmarks/out/adult.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import clipless
+from clipless import models, nn
+from clipless.data import load_dataset
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+EPSILON = 0.414
+
+CLIPLESS_DEFAULTS: dict[str, Any] = {
+    "hidden": (64,),
+    "input_norm": None,  # None: the CLI's public default for Adult, sqrt(13)
+    "bias": False,
+    "constraint": "orthogonal",
+    "max_norm": 1.0,
+    "scaling": "per-sample",
+    "noise": "global",
+    "temperature": 1.0,
+    "clip": None,  # LossGradientClip(c) after the last layer
+    "optimizer": "sgd",
+    "lr": 0.02,
+    "momentum": 0.9,
+    "batch": 128,
+    "epochs": 30,
+    "loss": "ce",
+    "margin": 1.0,
+}
+OPACUS_DEFAULTS: dict[str, Any] = {
+    "hidden": (64,),
+    "lr": 2.0,
+    "momentum": 0.0,
+    "max_grad_norm": 1.0,
+    "batch": 1024,
+    "epochs": 30,
+}
+
+# The lever table: each row changes the row it names (or the CLI defaults) by the keys given.
+LEVERS: list[tuple[str, str | None, dict[str, Any]]] = [
+    ("CLI defaults (before this issue)", None, {}),
+    (
+        "Adam 1e-2, batch 2048, T 0.1, clip 0.3",
+        None,
+        {"optimizer": "adam", "lr": 0.01, "batch": 2048, "temperature": 0.1, "clip": 0.3},
+    ),
+]
+
+
+def load() -> tuple[TensorDataset, TensorDataset]:
+    train, test, _ = load_dataset("adult", download=False)
+    return train, test
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, data: TensorDataset) -> float:
+    model.eval()
+    x, y = data.tensors
+    acc = float((model(x).argmax(1) == y).float().mean())
+    model.train()
+    return acc
+
+
+def clipless_model(cfg: dict[str, Any], input_dim: int) -> torch.nn.Module:
+    import math
+
+    radius = cfg["input_norm"] if cfg["input_norm"] is not None else math.sqrt(13.0)
+    hidden = tuple(cfg["hidden"])
+    if hidden:
+        model = models.mlp((input_dim,), hidden, 2, input_norm=radius, bias=cfg["bias"])
+    else:
+        model = nn.Sequential(nn.InputNorm(radius), nn.Linear(input_dim, 2, bias=cfg["bias"]))
+    if cfg["clip"] is not None:
+        model.append(nn.LossGradientClip(float(cfg["clip"])))
+    return model
+
+
+def clipless_loss(cfg: dict[str, Any]) -> torch.nn.Module:
+    if cfg["loss"] == "ce":
+        return nn.CrossEntropyLoss(temperature=cfg["temperature"])
+    if cfg["loss"] == "hinge":
+        return nn.MulticlassHingeLoss(margin=cfg["margin"])
+    raise ValueError(f"loss must be 'ce' or 'hinge'; got {cfg['loss']!r}")
+
+
+def run_clipless(
+    cfg: dict[str, Any], seed: int, train: TensorDataset, test: TensorDataset
+) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    n = len(train)
+    model = clipless_model(cfg, train.tensors[0].shape[1])
+    loss = clipless_loss(cfg)
+    if cfg["optimizer"] == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    engine = clipless.PrivacyEngine(accountant="pld", seed=seed)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(train, batch_size=cfg["batch"]),
+        loss=loss,
+        target_epsilon=cfg.get("epsilon", EPSILON),
+        target_delta=1.0 / n,
+        epochs=cfg["epochs"],
+        max_norm=cfg["max_norm"],
+        constraint=cfg["constraint"],
+        scaling=cfg["scaling"],
+        noise=cfg["noise"],
+    )
+    start = time.perf_counter()
+    for _ in range(cfg["epochs"]):
+        for x, y in loader:
+            opt.zero_grad()
+            loss(model(x), y).backward()
+            opt.step()
+    return {
+        "accuracy": accuracy(model, test),
+        "epsilon": engine.get_epsilon(1.0 / n),
+        "sigma": engine.config["noise_multiplier"],
+        "time_s": time.perf_counter() - start,
+    }
+
+
+def plain_mlp(hidden: tuple[int, ...], input_dim: int) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    width = input_dim
+    for h in hidden:
+        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+        width = h
+    layers.append(torch.nn.Linear(width, 2))
+    return torch.nn.Sequential(*layers)
+
+
+def run_opacus(
+    cfg: dict[str, Any], seed: int, train: TensorDataset, test: TensorDataset
+) -> dict[str, Any]:
+    from opacus import PrivacyEngine
+
+    torch.manual_seed(seed)
+    n = len(train)
+    model = plain_mlp(tuple(cfg["hidden"]), train.tensors[0].shape[1])
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    engine = PrivacyEngine(accountant="prv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = engine.make_private_with_epsilon(
+            module=model,
+            optimizer=opt,
+            data_loader=DataLoader(train, batch_size=cfg["batch"]),
+            target_epsilon=cfg.get("epsilon", EPSILON),
+            target_delta=1.0 / n,
+            epochs=cfg["epochs"],
+            max_grad_norm=cfg["max_grad_norm"],
+            poisson_sampling=True,
+        )
+    ce = torch.nn.CrossEntropyLoss()
+    start = time.perf_counter()
+    for _ in range(cfg["epochs"]):
+        for x, y in loader:
+            if len(y) == 0:
+                continue
+            opt.zero_grad()
+            ce(model(x), y).backward()
+            opt.step()
+    return {
+        "accuracy": accuracy(model, test),
+        "epsilon": engine.get_epsilon(1.0 / n),
+        "sigma": opt.noise_multiplier,
+        "time_s": time.perf_counter() - start,
+    }
+
+
+def run_nonprivate(
+    cfg: dict[str, Any], seed: int, train: TensorDataset, test: TensorDataset
+) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = plain_mlp(tuple(cfg["hidden"]), train.tensors[0].shape[1])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ce = torch.nn.CrossEntropyLoss()
+    loader = DataLoader(train, batch_size=256, shuffle=True)
+    for _ in range(cfg["epochs"]):
+        for x, y in loader:
+            opt.zero_grad()
+            ce(model(x), y).backward()
+            opt.step()
+    return {"accuracy": accuracy(model, test), "epsilon": float("inf")}
+
+
+RUNNERS = {"clipless": run_clipless, "opacus": run_opacus, "nonprivate": run_nonprivate}
+
+
+def parse_value(text: str) -> Any:
+    if text in ("None", "none"):
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    if "," in text or text == "()":
+        return tuple(int(v) for v in text.strip("()").split(",") if v)
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def run_setting(
+    method: str,
+    overrides: dict[str, Any],
+    seeds: list[int],
+    data: tuple[TensorDataset, TensorDataset],
+) -> dict[str, Any]:
+    base = OPACUS_DEFAULTS if method in ("opacus", "nonprivate") else CLIPLESS_DEFAULTS
+    unknown = set(overrides) - set(base) - {"epsilon"}
+    if unknown:
+        raise SystemExit(
+            f"--set: unknown key(s) {sorted(unknown)} for {method}; known: {sorted(base)}"
+        )
+    cfg = {**base, **overrides}
+    runs = [RUNNERS[method](cfg, s, *data) for s in seeds]
+    accs = [r["accuracy"] for r in runs]
+    return {
+        "method": method,
+        "overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()},
+        "seeds": seeds,
+        "accuracies": accs,
+        "median": statistics.median(accs),
+        "epsilon": runs[0]["epsilon"],
+        "time_s": statistics.median(r.get("time_s", 0.0) for r in runs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", choices=sorted(RUNNERS), default="clipless")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = parse_value(value)
+    data = load()
+    result = run_setting(args.method, overrides, args.seeds, data)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
