@@ -187,6 +187,33 @@ def test_loader_batches_reproducible_and_generator_reachable() -> None:
     assert l1.batch_sampler.generator is l1.poisson_sampler.generator
 
 
+def test_tensor_datasets_are_gathered_in_one_index_with_the_same_batches() -> None:
+    """A plain TensorDataset is fetched with one index per tensor (no per-sample loop); the batches
+    (empty ones included) are exactly those of the per-sample path with a user collate."""
+    data = _images(60)
+    fast = PoissonDataLoader(data, 0.05, steps=200, generator=_gen(3))
+    slow = PoissonDataLoader(
+        data,
+        0.05,
+        steps=200,
+        generator=_gen(3),
+        collate_fn=lambda b: torch.utils.data.default_collate(b),
+    )
+    assert hasattr(fast.dataset, "__getitems__") and not hasattr(slow.dataset, "__getitems__")
+    assert fast.dataset.tensors is data.tensors  # type: ignore[attr-defined]
+    sizes = []
+    for a, b in zip(fast, slow, strict=True):
+        assert isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 2
+        for ta, tb in zip(a, b, strict=True):
+            assert ta.shape == tb.shape and ta.dtype == tb.dtype and torch.equal(ta, tb)
+        sizes.append(len(a[1]))
+    assert 0 in sizes and max(sizes) >= 6  # empty batches and full ones both went through
+    again = PoissonDataLoader(fast.dataset, 0.5, collate_fn=lambda b: ("custom", len(b)))
+    assert not hasattr(again.dataset, "__getitems__")  # a custom collate sees samples again
+    assert next(iter(again))[0] == "custom"
+    assert hasattr(PoissonDataLoader.from_data_loader(fast).dataset, "__getitems__")
+
+
 # -------------------------------------------------------------------------------- attributes
 def test_attributes_and_default_steps() -> None:
     loader = PoissonDataLoader(_images(40), 0.3, generator=_gen(10))
