@@ -56,7 +56,9 @@ def test_help_documents_every_command(capsys: pytest.CaptureFixture[str]) -> Non
         (["train", "--momentum", "1.5"], "--momentum"),
         (["train", "--ema", "1"], "--ema"),
         (["train", "--dataset", "mnist-3d"], "--dataset"),
-        (["train", "--constraint", "none"], "--constraint"),
+        (["train", "--constraint", "spectral"], "--constraint"),
+        (["train", "--loss-clip", "-1"], "--loss-clip"),
+        (["train", "--model", "linear", "--hidden", "4", "--out", "{tmp}"], "--hidden"),
         (["train", "--batch-size", "100000", "--out", "{tmp}"], "--batch-size"),
         (["data", "fetch", "nope"], "name"),
         (["frobnicate"], "COMMAND"),
@@ -96,6 +98,29 @@ def test_train_runs_and_writes_everything(
     # resuming a finished run takes no further step and keeps the ledger
     assert main([*argv, "--resume"]) == 0
     assert PrivacyLedger.from_json(out / "ledger.json").to_dict() == ledger.to_dict()
+
+
+def test_train_linear_with_loss_clip_and_no_constraint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--model linear --constraint none --loss-clip c``: the sensitivity is ``c`` whatever the
+    weights (one layer), the run trains and reloads, and the options are saved with the run."""
+    out = tmp_path / "lin"
+    argv = ["train", "--dataset", "breast-cancer", "--model", "linear", "--constraint", "none"]
+    argv += ["--loss-clip", "0.3", "--bias", "--epochs", "2", "--out", str(out)]
+    argv += ["--no-progress", "--unsafe-seed", "1", "--quiet"]
+    assert main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["options"]["loss_clip"] == 0.3 and config["options"]["constraint"] == "none"
+    assert config["options"]["hidden"] == []
+    model = load_trained_model(out / "model.pt")
+    assert model(torch.zeros(3, 30)).shape == (3, 2)
+    assert main([*argv, "--resume"]) == 0  # same options: accepted
+    capsys.readouterr()
+    other = [a if a != "0.3" else "0.5" for a in argv]
+    assert main([*other, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--loss-clip (run: 0.3, given: 0.5)" in err, err
 
 
 def test_data_commands(
@@ -524,6 +549,17 @@ def test_convnet_builder(pool: str) -> None:
         models.convnet((1, 8, 8), (2, 2, 2, 2), 10)
     with pytest.raises(ValueError, match="channels, height, width"):
         models.convnet((64,), (4,), 10)
+
+
+def test_linear_model() -> None:
+    from clipless import models, nn
+
+    model = models.build("linear", (1, 4, 4), (), 3, input_norm=2.0, bias=True)
+    assert [type(m).__name__ for m in model] == ["InputNorm", "Flatten", "Linear"]
+    assert model(torch.randn(5, 1, 4, 4)).shape == (5, 3)
+    nn.validate(model)
+    with pytest.raises(ValueError, match="no hidden layers"):
+        models.build("linear", (8,), (4,), 2)
 
 
 # ------------------------------------------------------------------------------- defaults

@@ -360,3 +360,28 @@ def test_empty_batch_still_takes_a_noisy_step() -> None:
     o.step()
     assert engine.ledger.steps == 1
     assert not torch.equal(before, m[1].weight.detach())
+
+
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_unconstrained_weights_keep_the_sensitivity(clip: float | None) -> None:
+    """``constraint=None``: the noise follows the certified norms of the current (public) weights.
+
+    A later layer grown 40x multiplies the earlier layer's cotangent bound, and one example's
+    contribution stays within the sensitivity the step was planned with; the plan is made at the
+    weights of the forward pass, so the growth is seen before the noise is drawn.
+    """
+    _, m, o, _ = _private(_model(clip=clip), constraint=None)
+    before = o.sensitivities()
+    with torch.no_grad():
+        m[3].weight.mul_(40.0)  # public weights: what the optimizer would release anyway
+    worst = 0.0
+    for i in range(10):
+        x, y = _one(i)
+        o.zero_grad()
+        o.loss(m(x), y).backward()  # the forward re-plans at these weights
+        sens = o.sensitivities()
+        worst = max(worst, _worst_ratio(m, o, sens))
+        o._pending.clear()
+    assert sens["1.weight"] > 30 * before["1.weight"]  # the growth reached the bound
+    assert sens["3.weight"] == pytest.approx(before["3.weight"])  # last layer: L (or c) only
+    assert 0.05 < worst <= 1.0

@@ -50,6 +50,7 @@ RUN_OPTIONS = {
     "bias": "--bias",
     "input_norm": "--input-norm",
     "temperature": "--temperature",
+    "loss_clip": "--loss-clip",
     "epsilon": "--epsilon",
     "delta": "--delta",
     "accountant": "--accountant",
@@ -67,7 +68,10 @@ RUN_OPTIONS = {
     "seed": "--seed",
     "unsafe_seed": "--unsafe-seed",
 }
-DEFAULT_HIDDEN = {"mlp": (16, 16), "cnn": (16, 32)}
+DEFAULT_HIDDEN: dict[str, tuple[int, ...]] = {"linear": (), "mlp": (16, 16), "cnn": (16, 32)}
+# Run options added after a run folder format was in use: a saved run without them was trained
+# with these values (so resuming it reproduces it).
+_LEGACY_OPTIONS = {"loss_clip": None}
 DEVICES = "cpu, cuda, cuda:N, mps, auto"
 
 _EPILOG = """\
@@ -97,6 +101,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
 
 
@@ -273,11 +287,12 @@ def _add_train_parser(sub: Any) -> None:
     )
     priv.add_argument(
         "--constraint",
-        choices=("clip", "fix", "orthogonal"),
+        choices=("clip", "fix", "orthogonal", "none"),
         default="orthogonal",
         help="weight projection after each step (orthogonal: Bjorck steps then a certified "
-        "rescale, gradient-norm preserving; clip: rescale only above --max-norm; fix: always). "
-        "The Python API (PrivacyEngine.make_private) defaults to clip",
+        "rescale, gradient-norm preserving; clip: rescale only above --max-norm; fix: always; "
+        "none: no projection, the noise follows the certified norms of the current weights, "
+        "which are public). The Python API (PrivacyEngine.make_private) has the same default",
     )
     priv.add_argument(
         "--max-norm", type=_positive_float, default=1.0, help="per-layer Lipschitz bound C"
@@ -292,9 +307,10 @@ def _add_train_parser(sub: Any) -> None:
     tr = p.add_argument_group("model and training")
     tr.add_argument(
         "--model",
-        choices=("mlp", "cnn"),
+        choices=("linear", "mlp", "cnn"),
         default="mlp",
-        help="mlp, or cnn: a small Lipschitz ConvNet for image datasets (digits, fashion-mnist)",
+        help="linear (InputNorm -> Linear), mlp, or cnn: a small Lipschitz ConvNet for image "
+        "datasets (digits, fashion-mnist)",
     )
     tr.add_argument(
         "--hidden",
@@ -330,6 +346,14 @@ def _add_train_parser(sub: Any) -> None:
     )
     tr.add_argument(
         "--temperature", type=_positive_float, default=1.0, help="cross-entropy temperature"
+    )
+    tr.add_argument(
+        "--loss-clip",
+        type=_nonnegative_float,
+        default=None,
+        help="clip each sample's loss gradient (the logits' cotangent) to this norm "
+        "(clipless.nn.LossGradientClip after the model, Clipless DP-SGD section 3.1): the "
+        "sensitivity of every layer scales with it instead of the loss constant; 0: no clip",
     )
     tr.add_argument(
         "--ema",
@@ -571,7 +595,7 @@ def _adopt_saved_options(
     args: argparse.Namespace, saved: Mapping[str, Any], given: set[str], out: Path
 ) -> None:
     """Refuse a given run option that differs from the saved run; take the saved values."""
-    options = saved["options"]
+    options = {**_LEGACY_OPTIONS, **saved["options"]}
     differ = [
         f"{flag} (run: {_show(options[dest])}, given: {_show(getattr(args, dest))})"
         for dest, flag in RUN_OPTIONS.items()
@@ -751,7 +775,7 @@ def _run_train(args: argparse.Namespace) -> int:
     random.seed(args.seed)
     np.random.seed(args.seed)  # noqa: NPY002 - seed the legacy global state for third parties
     torch.manual_seed(args.seed)
-    model: torch.nn.Module = models.build(
+    built = models.build(
         args.model,
         info.input_shape,
         args.hidden,
@@ -760,7 +784,9 @@ def _run_train(args: argparse.Namespace) -> int:
         bool(args.bias),
         args.pool,
     )  # built again after seeding: the initial weights depend on --seed only
-    model.to(device)
+    if args.loss_clip:
+        built.append(nn.LossGradientClip(args.loss_clip))
+    model: torch.nn.Module = built.to(device)
     loss = nn.CrossEntropyLoss(temperature=args.temperature)
     if args.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(
@@ -792,7 +818,7 @@ def _run_train(args: argparse.Namespace) -> int:
         data_loader=poisson,
         loss=loss,
         max_norm=args.max_norm,
-        constraint=args.constraint,
+        constraint=None if args.constraint == "none" else args.constraint,
         scaling=args.scaling,
         noise=args.noise,
         neighbouring=args.neighbouring,
@@ -817,6 +843,7 @@ def _run_train(args: argparse.Namespace) -> int:
         "num_classes": info.num_classes,
         "input_norm": float(args.input_norm),
         "temperature": args.temperature,
+        "loss_clip": args.loss_clip or None,
         "lr": args.lr,
         "optimizer": args.optimizer,
         "momentum": args.momentum if args.optimizer == "sgd" else None,

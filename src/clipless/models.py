@@ -21,9 +21,9 @@ import torch
 
 from clipless import nn
 
-__all__ = ["MODEL_KINDS", "POOLS", "build", "convnet", "mlp"]
+__all__ = ["MODEL_KINDS", "POOLS", "build", "convnet", "linear", "mlp"]
 
-MODEL_KINDS = ("mlp", "cnn")
+MODEL_KINDS = ("linear", "mlp", "cnn")
 POOLS = ("l2", "avg")
 
 
@@ -54,6 +54,28 @@ def mlp(
     for h in hidden:
         layers += [nn.Linear(width, h, bias=bias), nn.GroupSort(2)]
         width = h
+    layers.append(nn.Linear(width, int(num_classes), bias=bias))
+    return nn.Sequential(*layers)
+
+
+def linear(
+    input_shape: Sequence[int],
+    num_classes: int,
+    input_norm: float = 1.0,
+    bias: bool = True,
+) -> nn.Sequential:
+    """``InputNorm(input_norm) [-> Flatten] -> Linear``: a linear model (logistic regression).
+
+    With one layer and per-sample gradient scaling no weight constraint is needed for privacy:
+    the layer's sensitivity is the loss constant (or the :class:`clipless.nn.LossGradientClip`
+    norm) whatever its weights. On Adult at epsilon 0.414 it matches the MLP
+    (``benchmarks/RESULTS.md``, Adult lever table). ``bias=True`` by default: the bias and the
+    weight share one sensitivity (their joint per-sample gradient is scaled together).
+    """
+    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm))]
+    if len(input_shape) > 1:
+        layers.append(nn.Flatten())
+    width = math.prod(int(s) for s in input_shape)
     layers.append(nn.Linear(width, int(num_classes), bias=bias))
     return nn.Sequential(*layers)
 
@@ -111,7 +133,12 @@ def build(
     bias: bool = False,
     pool: str = "l2",
 ) -> nn.Sequential:
-    """``mlp`` or ``cnn`` (:func:`convnet`, ``hidden`` = channels per convolution stage)."""
+    """``linear`` (``hidden`` must be empty), ``mlp`` or ``cnn`` (:func:`convnet`, ``hidden`` =
+    channels per convolution stage)."""
+    if kind == "linear":
+        if tuple(hidden):
+            raise ValueError(f"a linear model has no hidden layers; got hidden={tuple(hidden)!r}")
+        return linear(input_shape, num_classes, input_norm, bias)
     if kind == "mlp":
         return mlp(input_shape, hidden, num_classes, input_norm, bias)
     if kind == "cnn":

@@ -168,7 +168,7 @@ def _clone_structure(value: Any) -> Any:
     return value
 
 
-class _Gathered(tuple):  # type: ignore[type-arg]
+class _Gathered(tuple[torch.Tensor, ...]):
     """A batch of a :class:`TensorDataset` already gathered by one index per tensor."""
 
 
