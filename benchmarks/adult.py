@@ -69,6 +69,7 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     "margin": 1.0,
     "ema": None,  # decay of an EMA of the weights (evaluated instead of the last iterate)
     "schedule": "constant",  # or "cosine": lr * (1 + cos(pi t / T)) / 2
+    "freeze_first": False,  # a public random first layer, not trained (its weights never noised)
 }
 OPACUS_DEFAULTS: dict[str, Any] = {
     "dataset": "adult",
@@ -143,10 +144,17 @@ def run_clipless(
     model = clipless_model(cfg, train)
     epsilon, delta = privacy(cfg, n)
     loss = clipless_loss(cfg)
+    if cfg["freeze_first"]:
+        first = next(m for m in model if isinstance(m, nn.Linear))
+        with torch.no_grad():  # a random orthogonal map drawn from the public seed
+            torch.nn.init.orthogonal_(first.weight)
+        for p in first.parameters():
+            p.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     if cfg["optimizer"] == "adam":
-        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
+        opt: torch.optim.Optimizer = torch.optim.Adam(trainable, lr=cfg["lr"])
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+        opt = torch.optim.SGD(trainable, lr=cfg["lr"], momentum=cfg["momentum"])
     engine = clipless.PrivacyEngine(accountant="pld", seed=seed)
     model, opt, loader = engine.make_private(
         module=model,

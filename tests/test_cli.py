@@ -575,6 +575,18 @@ def test_train_defaults_match_the_api_except_where_documented() -> None:
     engine_init = inspect.signature(PrivacyEngine.__init__).parameters
     assert args.accountant == engine_init["accountant"].default
     assert args.unsafe_seed is None and engine_init["seed"].default is None  # secret noise
-    # --constraint deliberately defaults to orthogonal (docs/cli.md); the help says what the
-    # API's default is, whatever it is
-    assert args.constraint == "orthogonal"
+    # --constraint: the API's default, except for the linear model (one layer needs none)
+    assert args.constraint is None  # resolved once the model is known
+    assert make_private["constraint"].default == "orthogonal"
+
+
+def test_default_batch_size() -> None:
+    from clipless.cli import default_batch_size
+
+    assert [default_batch_size(n) for n in (50, 455, 1437, 32561, 60000)] == [
+        50,
+        128,
+        128,
+        2035,
+        2048,
+    ]

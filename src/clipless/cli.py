@@ -288,11 +288,12 @@ def _add_train_parser(sub: Any) -> None:
     priv.add_argument(
         "--constraint",
         choices=("clip", "fix", "orthogonal", "none"),
-        default="orthogonal",
+        default=None,
         help="weight projection after each step (orthogonal: Bjorck steps then a certified "
         "rescale, gradient-norm preserving; clip: rescale only above --max-norm; fix: always; "
         "none: no projection, the noise follows the certified norms of the current weights, "
-        "which are public). The Python API (PrivacyEngine.make_private) has the same default",
+        "which are public). Default: orthogonal (as PrivacyEngine.make_private), none for "
+        "--model linear (one layer's sensitivity does not depend on its weights)",
     )
     priv.add_argument(
         "--max-norm", type=_positive_float, default=1.0, help="per-layer Lipschitz bound C"
@@ -328,10 +329,20 @@ def _add_train_parser(sub: Any) -> None:
     )
     tr.add_argument("--epochs", type=_positive_int, default=30, help="epochs")
     tr.add_argument(
-        "--batch-size", type=_positive_int, default=128, help="expected (Poisson) batch size"
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        help="expected (Poisson) batch size (default: n/16 clamped to [128, 2048], at most n: "
+        "DP-SGD wants large batches; measured in benchmarks/RESULTS.md)",
     )
-    tr.add_argument("--lr", type=_positive_float, default=0.02, help="learning rate")
-    tr.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="optimizer")
+    tr.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate")
+    tr.add_argument(
+        "--optimizer",
+        choices=("sgd", "adam"),
+        default="adam",
+        help="optimizer (Adam is insensitive to the gradients' scale, which the temperature and "
+        "--loss-clip change)",
+    )
     tr.add_argument(
         "--momentum",
         type=_unit_interval,
@@ -345,15 +356,20 @@ def _add_train_parser(sub: Any) -> None:
         "convolutions stay bias-free)",
     )
     tr.add_argument(
-        "--temperature", type=_positive_float, default=1.0, help="cross-entropy temperature"
+        "--temperature",
+        type=_positive_float,
+        default=0.1,
+        help="cross-entropy temperature: logits / T (a Lipschitz model's logits are small; "
+        "T < 1 sharpens its softmax)",
     )
     tr.add_argument(
         "--loss-clip",
         type=_nonnegative_float,
-        default=None,
+        default=0.3,
         help="clip each sample's loss gradient (the logits' cotangent) to this norm "
         "(clipless.nn.LossGradientClip after the model, Clipless DP-SGD section 3.1): the "
-        "sensitivity of every layer scales with it instead of the loss constant; 0: no clip",
+        "sensitivity of every layer scales with it instead of the loss constant sqrt(2)/T, so "
+        "the noise shrinks with it while most samples keep their full signal; 0: no clip",
     )
     tr.add_argument(
         "--ema",
@@ -479,6 +495,15 @@ def load_trained_model(path: str | Path) -> Any:
     )
     model.load_state_dict(state["state_dict"])
     return model
+
+
+def default_batch_size(num_samples: int) -> int:
+    """``n / 16`` clamped to ``[128, 2048]`` and at most ``n``: the expected batch of a new run.
+
+    Larger batches divide the same noise among more samples; on Adult (n = 32,561) 2,048-4,096
+    beat 128 by 3 points at epsilon 0.414 (``benchmarks/RESULTS.md``).
+    """
+    return min(int(num_samples), max(128, min(2048, int(num_samples) // 16)))
 
 
 def _default_input_norm(dataset: str, input_shape: Sequence[int]) -> float:
@@ -722,6 +747,8 @@ def _run_train(args: argparse.Namespace) -> int:
         _adopt_saved_options(args, saved, given, out)
     if args.hidden is None:
         args.hidden = DEFAULT_HIDDEN[args.model]
+    if args.constraint is None:
+        args.constraint = "none" if args.model == "linear" else "orthogonal"
     device = _resolve_device(args.device)
 
     # 2. the data and what depends on it
@@ -730,6 +757,8 @@ def _run_train(args: argparse.Namespace) -> int:
     except DatasetNotFoundError as exc:
         print(f"clipless: error: {exc}", file=sys.stderr)
         return 1
+    if args.batch_size is None:
+        args.batch_size = default_batch_size(len(train))
     if args.batch_size > len(train):
         raise _ArgError(
             "--batch-size",

@@ -117,7 +117,7 @@ class PrivacyEngine:
         epochs: int | None = None,
         steps: int | None = None,
         max_norm: float = 1.0,
-        constraint: str | None = "clip",
+        constraint: str | None = "orthogonal",
         scaling: str = "per-sample",
         noise: str = "global",
         neighbouring: str = "add_remove",
@@ -140,7 +140,14 @@ class PrivacyEngine:
         smallest multiplier meeting the target is calibrated and the run is planned for that many
         steps: the optimizer refuses a step past the plan (``extend`` re-plans explicitly).
         ``max_norm`` is the layers' operator-norm constraint ``C`` (not the input radius, which
-        is the model's ``InputNorm(max_norm=...)``). ``neighbouring`` is ``"add_remove"``
+        is the model's ``InputNorm(max_norm=...)``). ``constraint`` is the projection after each
+        step (:mod:`clipless.constraints`): ``"orthogonal"`` (default, as in the CLI) keeps the
+        layers gradient-norm preserving, so that every layer's certified cotangent bound stays
+        close to the true cotangents (on Adult the mean per-sample gradient over its bound was the
+        same in every layer); ``"clip"`` is Lip-DP-SGD's weight clipping, ``"fix"`` always
+        rescales to ``C``; ``None`` projects nothing: the noise then follows the certified norms
+        of the current weights (public, so still DP), which suits a single-layer model, whose
+        sensitivity does not depend on its weights at all. ``neighbouring`` is ``"add_remove"``
         (default) or ``"replace_one"`` (doubles every sensitivity). With ``ledger_path`` the ledger
         is written (atomically) before every step's noise is drawn, so a crash never loses
         accounting. ``certify_every=k`` lets the projection carry a certified bound between exact

@@ -127,7 +127,7 @@ class PrivacyConfig:
     num_tensors: int
     noise: str = "global"
     scaling: str = "per-sample"
-    constraint: str | None = "clip"
+    constraint: str | None = "orthogonal"
     max_norm: float = 1.0
     neighbouring: str = "add_remove"
     accountant: str = "pld"
