@@ -13,10 +13,25 @@ owners and a few non-colluding servers, with no trusted curator.
   distributed comparison functions, :mod:`clipless.federated.dcf`).
 """
 
-from clipless.federated.ecdf import FederatedECDF, federated_ecdf, noise_parameter
+from typing import TYPE_CHECKING, Any
+
 from clipless.federated.noise import NodeNoise, SummedNoise
 from clipless.federated.prg import AesCtrRandom, prf_words, prg_words, random_seed
 from clipless.federated.ustat import NoiseDealer, ShareServer, Traffic, UStat, combine
+
+if TYPE_CHECKING:
+    from clipless.federated.ecdf import FederatedECDF, federated_ecdf, noise_parameter
+
+
+def __getattr__(name: str) -> Any:
+    # the release (which loads clipless.stats) is imported on first use, so that owner and
+    # server processes start quickly
+    if name in ("FederatedECDF", "federated_ecdf", "noise_parameter"):
+        from clipless.federated import ecdf
+
+        return getattr(ecdf, name)
+    raise AttributeError(f"module 'clipless.federated' has no attribute {name!r}")
+
 
 __all__ = [
     "AesCtrRandom",

@@ -35,16 +35,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import scipy.sparse as sp
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from numpy.typing import ArrayLike, NDArray
 
 from clipless.federated.prg import prg_bytes
 from clipless.federated.ustat import NoiseDealer, ShareServer, UStat, _unique_nodes, combine
-from clipless.stats.tree import NoiseKind
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
+
+    from clipless.stats.tree import NoiseKind
 
 __all__ = [
     "DcfKeys",

@@ -165,6 +165,65 @@ def path_nodes(
     return np.ascontiguousarray(levels), points[:, None] >> levels
 
 
+def assemble(
+    out: NDArray[np.int64],
+    g: Grid,
+    points: NDArray[np.int64],
+    whole: bool,
+    n_total: int,
+    noise: NoiseKind,
+    param: Fraction,
+    node_var: float,
+    delta: int,
+    epsilon: float | None,
+    rho: float | None,
+    neighbouring: Neighbouring,
+    smoothing: Smoothing | None,
+    consistency: bool,
+) -> tuple[NDArray[np.int64], NDArray[np.float64], TreeRelease | None, DPECDF | None]:
+    """The published sums -> ``(prefix counts, values, TreeRelease, DPECDF)`` (post-processing)."""
+    N = len(g)
+    L = tree_depth(N)
+    if whole:
+        offsets = np.concatenate([[0], np.cumsum([1 << (L - lev) for lev in range(L + 1)])])
+        nodes = [out[offsets[lev] : offsets[lev + 1]].copy() for lev in range(L + 1)]
+        for arr in nodes:
+            arr.setflags(write=False)
+        prefix = np.asarray(path_sums(nodes, N), dtype=np.int64)
+        prefix.setflags(write=False)
+        eps_out = float(epsilon) if noise == "laplace" and epsilon is not None else None
+        release = TreeRelease(
+            depth=L,
+            num_leaves=N,
+            node_counts=nodes,
+            prefix_counts=prefix,
+            noise=noise,
+            noise_param=param,
+            noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
+            node_variance=node_var,
+            sensitivity=delta,
+            neighbouring=neighbouring,
+            epsilon=eps_out,
+            rho=float(rho) if rho is not None else None,
+        )
+        F = from_release(
+            release,
+            g,
+            n=n_total if neighbouring == "replace_one" else None,
+            smoothing=smoothing,
+            consistency=consistency,
+        )
+        return prefix, np.asarray(F.values), release, F
+    counts = out
+    if neighbouring == "replace_one":
+        values = counts / float(n_total)
+    elif points[-1] == N - 1:  # the released total P_N normalises (add/remove)
+        values = counts / max(float(counts[-1]), 1.0)
+    else:
+        values = np.full(counts.size, np.nan)  # no public size: counts only
+    return counts, values, None, None
+
+
 def federated_ecdf(
     owner_values: Sequence[ArrayLike],
     grid: Grid | ArrayLike,
@@ -230,46 +289,22 @@ def federated_ecdf(
         out = ustat.publish(contributions, noise, param, noise_levels, noise_index, matrix)
 
     m_noise = ustat.servers if ustat.noise_sharing == "distributed" else 1
-    node_var = variance * m_noise
-    if whole:
-        offsets = np.concatenate([[0], np.cumsum([1 << (L - lev) for lev in range(L + 1)])])
-        nodes = [out[offsets[lev] : offsets[lev + 1]].copy() for lev in range(L + 1)]
-        for arr in nodes:
-            arr.setflags(write=False)
-        prefix = np.asarray(path_sums(nodes, N), dtype=np.int64)
-        prefix.setflags(write=False)
-        eps_out = float(epsilon) if noise == "laplace" and epsilon is not None else None
-        release = TreeRelease(
-            depth=L,
-            num_leaves=N,
-            node_counts=nodes,
-            prefix_counts=prefix,
-            noise=noise,
-            noise_param=param,
-            noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
-            node_variance=node_var,
-            sensitivity=delta,
-            neighbouring=neighbouring,
-            epsilon=eps_out,
-            rho=float(rho) if rho is not None else None,
-        )
-        F = from_release(
-            release,
-            g,
-            n=n_total if neighbouring == "replace_one" else None,
-            smoothing=smoothing,
-            consistency=consistency,
-        )
-        counts, values = prefix, np.asarray(F.values)
-    else:
-        release, F = None, None
-        counts = out
-        if neighbouring == "replace_one":
-            values = counts / float(n_total)
-        elif points[-1] == N - 1:  # the released total P_N normalises (add/remove)
-            values = counts / max(float(counts[-1]), 1.0)
-        else:
-            values = np.full(counts.size, np.nan)  # no public size: counts only
+    counts, values, release, F = assemble(
+        out,
+        g,
+        points,
+        whole,
+        n_total,
+        noise,
+        param,
+        variance * m_noise,
+        delta,
+        epsilon,
+        rho,
+        neighbouring,
+        smoothing,
+        consistency,
+    )
     return FederatedECDF(
         protocol=protocol,
         servers=ustat.servers,

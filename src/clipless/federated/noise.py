@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -32,8 +33,9 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
 from clipless.federated.prg import AesCtrRandom, _check_key, aes_ecb
-from clipless.stats.noise import discrete_gaussian, discrete_laplace
-from clipless.stats.tree import NoiseKind
+
+if TYPE_CHECKING:
+    from clipless.stats.tree import NoiseKind
 
 __all__ = ["NodeNoise", "SummedNoise", "node_ids", "num_nodes"]
 
@@ -91,6 +93,10 @@ class NodeNoise:
             raise ValueError("levels and index must have the same length")
         if lev.size and (lev.min() < 0 or idx.min() < 0):
             raise ValueError("node levels and indices must be non-negative")
+        # imported here: parties that never sample (owners, servers holding dealt shares) start
+        # without loading clipless.stats
+        from clipless.stats.noise import discrete_gaussian, discrete_laplace
+
         param = Fraction(param)
         sub = self._subkey(kind, param)
         blocks = np.stack([lev.astype("<u8"), idx.astype("<u8")], axis=1)

@@ -54,15 +54,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
 from clipless.federated.noise import NodeNoise, SummedNoise
 from clipless.federated.prg import SEED_BYTES, _check_key, prf_words, prg_words, random_seed
-from clipless.stats.tree import NoiseKind
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
+
+    from clipless.stats.tree import NoiseKind
 
 __all__ = [
     "Backend",
@@ -101,6 +104,8 @@ def linear_mod(matrix: sp.spmatrix | None, x: NDArray[np.uint64]) -> NDArray[np.
     """``matrix @ x`` in ``Z_2^64`` for a public integer sparse ``matrix`` (exact, wrapping)."""
     if matrix is None:
         return x
+    import scipy.sparse as sp
+
     coo = sp.coo_matrix(matrix)
     prod = coo.data.astype(np.int64).view(np.uint64) * x[coo.col]
     out = np.zeros(coo.shape[0], dtype=np.uint64)
