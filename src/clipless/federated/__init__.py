@@ -10,17 +10,21 @@ owners and a few non-colluding servers, with no trusted curator.
   node id (the same noise in every query); also accepted by :func:`clipless.stats.ecdf` as
   ``node_noise`` so the central and federated releases agree bit for bit.
 * :func:`federated_ecdf` -- the release, by ``"local"``, ``"shares"`` or ``"fss"`` (two-server
-  distributed comparison functions, :mod:`clipless.federated.dcf`).
+  distributed comparison functions, :mod:`clipless.federated.dcf`); :func:`federated_roc` --
+  the two class-conditional trees of a ROC curve, labels hidden.
+* :func:`clipless.federated.session.simulate` / ``clipless federated simulate`` -- every party
+  a separate process over TCP (HMAC-authenticated frames, timeouts, byte counters).
 """
 
 from typing import TYPE_CHECKING, Any
 
-from clipless.federated.noise import NodeNoise, SummedNoise
+from clipless.federated.noise import NodeNoise, SummedNoise, TaggedNoise
 from clipless.federated.prg import AesCtrRandom, prf_words, prg_words, random_seed
 from clipless.federated.ustat import NoiseDealer, ShareServer, Traffic, UStat, combine
 
 if TYPE_CHECKING:
     from clipless.federated.ecdf import FederatedECDF, federated_ecdf, noise_parameter
+    from clipless.federated.roc import federated_roc
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from clipless.federated import ecdf
 
         return getattr(ecdf, name)
+    if name == "federated_roc":
+        from clipless.federated import roc
+
+        return roc.federated_roc
     raise AttributeError(f"module 'clipless.federated' has no attribute {name!r}")
 
 
@@ -40,10 +48,12 @@ __all__ = [
     "NoiseDealer",
     "ShareServer",
     "SummedNoise",
+    "TaggedNoise",
     "Traffic",
     "UStat",
     "combine",
     "federated_ecdf",
+    "federated_roc",
     "noise_parameter",
     "prf_words",
     "prg_words",

@@ -37,7 +37,9 @@ from clipless.federated.prg import AesCtrRandom, _check_key, aes_ecb
 if TYPE_CHECKING:
     from clipless.stats.tree import NoiseKind
 
-__all__ = ["NodeNoise", "SummedNoise", "node_ids", "num_nodes"]
+__all__ = ["NodeNoise", "SummedNoise", "TaggedNoise", "node_ids", "num_nodes"]
+
+TAG_SHIFT = 32
 
 
 def num_nodes(depth: int) -> int:
@@ -134,6 +136,32 @@ class SummedNoise:
         for src in self.sources:
             total = total + src.nodes(kind, param, levels, index)
         return total
+
+    def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
+        levels, index = node_ids(depth)
+        return self.nodes(kind, param, levels, index)
+
+
+class TaggedNoise:
+    """The noise of tree number ``tag`` of a source: node ``(l, j)`` is the source's node
+    ``(l + tag * 2^32, j)``. Several trees released together (the two classes of a ROC curve)
+    thus get independent noise from one key (domain separation in the PRF input)."""
+
+    def __init__(self, source: NodeNoise | SummedNoise, tag: int) -> None:
+        if not 0 <= tag < (1 << 31):
+            raise ValueError(f"tag must be in [0, 2^31), got {tag}")
+        self.source = source
+        self.tag = tag
+
+    def nodes(
+        self,
+        kind: NoiseKind,
+        param: Fraction,
+        levels: NDArray[np.int64],
+        index: NDArray[np.int64],
+    ) -> NDArray[np.int64]:
+        lev = np.asarray(levels, dtype=np.int64) + (self.tag << TAG_SHIFT)
+        return self.source.nodes(kind, param, lev, index)
 
     def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
         levels, index = node_ids(depth)
