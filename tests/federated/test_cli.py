@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +51,31 @@ def test_simulate_subprocesses_fss(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert code == 0, out
     assert re.search(r"^total: \d+ bytes$", out, re.M)
+
+
+def test_init_writes_private_secrets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import stat
+
+    out = tmp_path / "run"
+    code = main([
+        "federated", "init", "--out", str(out), "--owners", "2", "--size", "4",
+        "--epsilon", "1", "--server-at", "10.0.0.1:7000", "--server-at", "10.0.0.2:7000",
+    ])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    session = json.loads((out / "session.json").read_text())
+    assert session["servers_at"] == [["10.0.0.1", 7000], ["10.0.0.2", 7000]]
+    names = sorted(p.name for p in (out / "secrets").iterdir())
+    assert names == [
+        "analyst-0.json", "dealer-0.json", "owner-0.json", "owner-1.json",
+        "server-0.json", "server-1.json",
+    ]  # fmt: skip
+    owner = json.loads((out / "secrets" / "owner-0.json").read_text())
+    assert set(owner["links"]) == {"server 0", "server 1"}  # only its own links
+    server = json.loads((out / "secrets" / "server-1.json").read_text())
+    assert server["links"]["owner 0"] == owner["links"]["server 1"]
+    mode = (out / "secrets" / "owner-0.json").stat().st_mode
+    assert stat.S_IMODE(mode) == 0o600
+    assert main(["federated", "init", "--out", str(tmp_path / "x"), "--owners", "2", "--size",
+                 "4", "--epsilon", "1", "--server-at", "nohost"]) == 2  # fmt: skip
+    assert "HOST:PORT" in capsys.readouterr().err

@@ -46,11 +46,42 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--noise-key", default=None, help="hex 16-byte node-noise key (reproducible)")
     s.add_argument("--spawn", choices=["subprocess", "fork"], default="subprocess")
     s.set_defaults(func=_simulate)
-    for name, what in (("serve", "a server"), ("owner", "a data owner"), ("dealer", "the dealer")):
+    i = sub.add_parser("init", help="write a session file and one secret file per party")
+    i.add_argument("--out", required=True, help="directory to create (session.json, secrets/)")
+    i.add_argument("--owners", type=int, required=True)
+    i.add_argument("--servers", type=int, default=2)
+    i.add_argument("--protocol", choices=["shares", "fss"], default="shares")
+    i.add_argument("--size", type=int, required=True, help="number of grid thresholds")
+    i.add_argument("--lower", type=float, default=0.0, help="grid lower bound (default 0)")
+    i.add_argument("--upper", type=float, default=1.0, help="grid upper bound (default 1)")
+    i.add_argument("--epsilon", type=float, required=True)
+    i.add_argument("--noise-sharing", choices=["dealer", "distributed"], default="dealer")
+    i.add_argument("--neighbouring", choices=["replace_one", "add_remove"], default="replace_one")
+    i.add_argument("--timeout", type=float, default=600.0)
+    i.add_argument(
+        "--n-values",
+        type=int,
+        default=None,
+        help="public total number of values (replace_one; default: one per owner)",
+    )
+    i.add_argument(
+        "--server-at",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="address of server j (repeat, in order)",
+    )
+    i.set_defaults(func=_init)
+    for name, what in (
+        ("serve", "a server"),
+        ("owner", "a data owner"),
+        ("dealer", "the dealer"),
+        ("analyst", "the analyst (prints the release)"),
+    ):
         q = sub.add_parser(name, help=f"run {what} from a session file")
         q.add_argument("session", help="public session JSON")
         q.add_argument("--secret", required=True, help="this party's secret JSON (link keys)")
-        if name != "dealer":
+        if name in ("serve", "owner"):
             q.add_argument("--index", type=int, required=True, help="party index")
         if name == "serve":
             q.add_argument("--host", default="127.0.0.1")
@@ -138,6 +169,51 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init(args: argparse.Namespace) -> int:
+    import os
+
+    from clipless.federated.session import make_session
+
+    addrs = []
+    for a in args.server_at:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            print(
+                f"clipless federated init: error: --server-at {a!r} is not HOST:PORT",
+                file=sys.stderr,
+            )
+            return 2
+        addrs.append([host, int(port)])
+    if len(addrs) != args.servers:
+        print(
+            f"clipless federated init: error: {args.servers} servers need {args.servers} "
+            f"--server-at, got {len(addrs)}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        sess, secrets_ = make_session(
+            args.protocol, args.owners, args.servers, args.size, args.epsilon,
+            noise_sharing=args.noise_sharing, lower=args.lower, upper=args.upper,
+            neighbouring=args.neighbouring, timeout=args.timeout, n_values=args.n_values,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"clipless federated init: error: {exc}", file=sys.stderr)
+        return 2
+    sess["servers_at"] = addrs
+    out = Path(args.out)
+    (out / "secrets").mkdir(parents=True, exist_ok=False)
+    (out / "session.json").write_text(json.dumps(sess, indent=1))
+    for name, sec in secrets_.items():
+        path = out / "secrets" / f"{name.replace(' ', '-')}.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(sec, fh)
+    print(f"wrote {out / 'session.json'} and {len(secrets_)} secret files in {out / 'secrets'}")
+    print("give each party ONLY its own secret file, over a confidential channel")
+    return 0
+
+
 def _party(args: argparse.Namespace) -> int:
     from clipless.federated import session as fs
     from clipless.federated.transport import FederatedError
@@ -158,8 +234,14 @@ def _party(args: argparse.Namespace) -> int:
                 print("clipless federated owner: error: --values must be numbers", file=sys.stderr)
                 return 2
             counter = fs.run_owner(sess, secret, args.index, vals)
-        else:
+        elif cmd == "dealer":
             counter = fs.run_dealer(sess, secret)
+        else:
+            out, counter = fs.run_analyst(sess, secret)
+            res = fs._finish(sess, out, dict(counter.sent), 0.0, "isotonic", True)
+            print("threshold  F")
+            for t, f in zip(res.ecdf.grid.thresholds.tolist(), res.values.tolist(), strict=True):
+                print(f"{t:9.4f}  {f:.4f}")
     except FederatedError as exc:
         print(json.dumps({"sent": {}, "error": [exc.code, str(exc), exc.party]}), flush=True)
         print(f"clipless federated {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
