@@ -360,13 +360,20 @@ def fss_publish(
         for srv, msg in zip(servers, dealer.messages(kind, param, flat_l, flat_i), strict=True):
             ustat.traffic.dealer += len(msg)
             srv.receive_noise(msg, flat_l, flat_i)
+    # every owner generates its own keys; in one process the generation is batched (one
+    # vectorised call: the keys are independent, so this is the same distribution) and the
+    # bytes are still counted per owner and server
+    counts = [int(lv.size) for lv in leaves]
+    pair = gen_dcf(np.concatenate(leaves), n_bits)
+    size = key_bytes(n_bits)
     received: list[list[bytes]] = [[], []]
-    for lv in leaves:  # each owner: one key per value, one message per server
-        k0, k1 = gen_dcf(lv, n_bits)
-        for j, key in enumerate((k0, k1)):
-            data = key.to_bytes()
-            ustat.traffic.owners += len(data)
-            received[j].append(data)
+    for j, key in enumerate(pair):
+        data = key.to_bytes()
+        start = 0
+        for c in counts:  # owner i's message to server j: its c keys
+            received[j].append(data[start : start + c * size])
+            ustat.traffic.owners += c * size
+            start += c * size
     for j, srv in enumerate(servers):
         keys = DcfKeys.from_bytes(b"".join(received[j]), j, n_bits)
         srv.add_plain(server_prefix_shares(keys, points))
