@@ -95,7 +95,7 @@ def test_killed_owner_is_named() -> None:
 
 def test_killed_server_is_named() -> None:
     with pytest.raises(PartyDroppedError, match="server 1") as info:
-        simulate("fss", _values(2), 2, 4, 1.0, timeout=0.8, kill_server=1)
+        simulate("fss", _values(2), 2, 4, 1.0, timeout=2.0, kill_server=1)
     assert info.value.party == "server 1"
 
 
