@@ -15,6 +15,7 @@ from clipless.federated.transport import (
     AuthenticationError,
     PartyDroppedError,
     PartyTimeoutError,
+    ProtocolError,
 )
 from clipless.stats import Grid, ecdf
 
@@ -109,6 +110,12 @@ def test_tampered_message_is_rejected() -> None:
     with pytest.raises(AuthenticationError, match=r"owner 2.*HMAC") as info:
         simulate("shares", _values(3), 2, 4, 1.0, timeout=3.0, faults={"owner 2": "tamper"})
     assert info.value.party == "owner 2"
+
+
+def test_malformed_share_is_rejected() -> None:
+    with pytest.raises(ProtocolError, match="malformed share from owner 1") as info:
+        simulate("shares", _values(2), 2, 4, 1.0, timeout=3.0, faults={"owner 1": "short"})
+    assert info.value.party == "owner 1"
 
 
 def test_session_bad_input() -> None:

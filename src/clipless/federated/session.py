@@ -154,6 +154,8 @@ def _send_one(
             bad[30] ^= 1
             sock.sendall(bytes(bad))
             counter.add(me, peer, len(bad))
+        elif fault == "short":  # test hook: a well-signed message of the wrong size
+            send_frame(sock, keys[party_name(peer)], sid, me, peer, mtype, payload[:-8], counter)
         elif fault == "die":  # test hook: crash half way through the message
             data = encode_frame(keys[party_name(peer)], sid, me, peer, mtype, payload)
             sock.sendall(data[: len(data) // 2])
@@ -346,14 +348,16 @@ def _server_output(
             try:
                 srv.receive_share(got[w].payload)
             except ValueError as exc:
-                raise ProtocolError(str(exc), w) from None
+                raise ProtocolError(f"malformed share from {w}: {exc}", w) from None
     param, _, _, lev, idx, matrix = _noise_setup(session)
     if session["noise_sharing"] == "dealer":
         levels, index_all = _all_nodes(session)
         try:
             srv.receive_noise(got["dealer 0"].payload, levels, index_all)
         except ValueError as exc:
-            raise ProtocolError(str(exc), "dealer 0") from None
+            raise ProtocolError(
+                f"malformed noise shares from dealer 0: {exc}", "dealer 0"
+            ) from None
     out = srv.output(session["noise"], param, lev, idx, matrix)
     return out.astype("<u8").tobytes()
 
@@ -519,8 +523,8 @@ def simulate(
 ) -> SimulationResult:
     """Run one release with every party a separate process on 127.0.0.1.
 
-    ``faults`` (tests): ``{"owner 2": "die" | "sleep" | "tamper"}``; ``kill_server``: SIGKILL
-    that server once every process has started. Raises the :class:`FederatedError` subclass
+    ``faults`` (tests): ``{"owner 2": "die" | "sleep" | "tamper" | "short"}``;
+    ``kill_server``: SIGKILL that server once every process has started. Raises the :class:`FederatedError` subclass
     naming the failing party (the analyst's, which carries what the servers saw).
     """
     if spawn not in ("fork", "subprocess"):
