@@ -524,8 +524,9 @@ def simulate(
     """Run one release with every party a separate process on 127.0.0.1.
 
     ``faults`` (tests): ``{"owner 2": "die" | "sleep" | "tamper" | "short"}``;
-    ``kill_server``: SIGKILL that server once every process has started. Raises the :class:`FederatedError` subclass
-    naming the failing party (the analyst's, which carries what the servers saw).
+    ``kill_server``: SIGKILL that server once every process has started. Raises the
+    :class:`FederatedError` subclass naming the failing party (the analyst's, which carries
+    what the servers saw).
     """
     if spawn not in ("fork", "subprocess"):
         raise ValueError(f"spawn must be 'fork' or 'subprocess', got {spawn!r}")
