@@ -60,6 +60,23 @@ def test_federated_roc_equals_central(protocol: str, servers: int, neighbouring:
         assert ustat.traffic.owners == 2 * 2 * s.size * (24 + 25 * 5)
 
 
+def test_federated_roc_gaussian_equals_central() -> None:
+    scores, labels = _data(2)
+    grid = Grid(0, 1, size=9)
+    fed, _ = federated_roc(
+        scores, labels, grid, None, protocol="fss", noise="gaussian", rho=0.3, noise_keys=[KEY]
+    )
+    s, y = np.concatenate(scores), np.concatenate(labels).astype(bool)
+    for c, curve in ((0, fed.negatives), (1, fed.positives)):
+        rel = release_counts(
+            grid.counts(s[y == bool(c)]), None, "add_remove", "gaussian", rho=0.15,
+            node_noise=TaggedNoise(NodeNoise(KEY), c),
+        )  # fmt: skip
+        ref = from_release(rel, grid, n=None, smoothing="isotonic")
+        assert curve.values.tobytes() == ref.values.tobytes()
+    assert fed.rho == 0.3 and fed.epsilon is None
+
+
 def test_federated_roc_noiseless_auc_matches_central() -> None:
     scores, labels = _data(1, owners=30)
     grid = Grid(-0.5, 1.5, size=64)

@@ -19,7 +19,7 @@ and ``epsilon`` per class under add/remove; each class normalises by its own rel
 The two trees use independent node noise from one key (:class:`~clipless.federated.TaggedNoise`,
 tags 0 and 1). With the same keyed noise, the result equals the central composition
 ``release_counts(..., node_noise=TaggedNoise(NodeNoise(K), c))`` + ``from_release`` bit for bit.
-Whole-grid release only (the curve needs every threshold).
+Whole-grid release only (the curve needs every threshold); in process only (no TCP runner).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from clipless.stats.ecdf import Smoothing, _as_grid
 from clipless.stats.grid import Grid, tree_depth
 from clipless.stats.noise import to_fraction
 from clipless.stats.roc import DPROC
-from clipless.stats.tree import Neighbouring
+from clipless.stats.tree import Neighbouring, NoiseKind
 
 __all__ = ["federated_roc", "prefix_dcf_keys", "prefix_dcf_shares"]
 
@@ -68,7 +68,7 @@ def federated_roc(
     owner_scores: Sequence[ArrayLike],
     owner_labels: Sequence[ArrayLike],
     grid: Grid | ArrayLike,
-    epsilon: float,
+    epsilon: float | None,
     *,
     protocol: Protocol = "shares",
     servers: int = 2,
@@ -77,8 +77,12 @@ def federated_roc(
     smoothing: Smoothing | None = "isotonic",
     consistency: bool = True,
     noise_keys: Sequence[bytes] | None = None,
+    noise: NoiseKind = "laplace",
+    rho: float | None = None,
 ) -> tuple[DPROC, UStat]:
-    """The ROC release of :func:`clipless.stats.roc` (Laplace noise), federated.
+    """The ROC release of :func:`clipless.stats.roc`, federated: ``epsilon``-DP with discrete
+    Laplace noise, or ``rho``-zCDP with ``noise="gaussian"`` (``epsilon=None``), split between
+    the classes as :func:`clipless.stats.roc` does.
 
     Returns the :class:`~clipless.stats.DPROC` and the :class:`UStat` (its ``traffic`` and
     ``noise_keys``).
@@ -96,8 +100,9 @@ def federated_roc(
     g = _as_grid(grid)
     N, L = len(g), tree_depth(len(g))
     parts = 2 if neighbouring == "replace_one" else 1
-    eps_class = float(to_fraction(epsilon, "epsilon")) / parts
-    param, variance, delta = noise_parameter(L, "add_remove", "laplace", eps_class, None)
+    eps_class = None if epsilon is None else float(to_fraction(epsilon, "epsilon")) / parts
+    rho_class = None if rho is None else float(to_fraction(rho, "rho")) / parts
+    param, variance, delta = noise_parameter(L, "add_remove", noise, eps_class, rho_class)
     leaves, labels = [], []
     for k, (sc, lb) in enumerate(zip(owner_scores, owner_labels, strict=True)):
         s = np.asarray(sc, dtype=np.float64).ravel()
@@ -117,20 +122,22 @@ def federated_roc(
     backend = "local" if protocol == "local" else "shares"
     ustat = UStat(backend, servers, noise_sharing, noise_keys)  # type: ignore[arg-type]
     if protocol == "fss":
-        out = _fss_roc(leaves, labels, points, ustat, param, noise_levels, noise_index, matrix)
+        out = _fss_roc(
+            leaves, labels, points, ustat, noise, param, noise_levels, noise_index, matrix
+        )
     else:
         contributions = [
             np.concatenate([prefix_indicators(lf[~y], points), prefix_indicators(lf[y], points)])
             for lf, y in zip(leaves, labels, strict=True)
         ]
-        out = ustat.publish(contributions, "laplace", param, noise_levels, noise_index, matrix)
+        out = ustat.publish(contributions, noise, param, noise_levels, noise_index, matrix)
     m_noise = ustat.servers if ustat.noise_sharing == "distributed" else 1
     half = out.size // 2
     curves = []
     for part in (out[:half], out[half:]):
         _, _, _, F = assemble(
-            part, g, points, True, 0, "laplace", param, variance * m_noise, delta,
-            eps_class, None, "add_remove", smoothing, consistency,
+            part, g, points, True, 0, noise, param, variance * m_noise, delta,
+            eps_class, rho_class, "add_remove", smoothing, consistency,
         )  # fmt: skip
         assert F is not None
         curves.append(F)
@@ -144,8 +151,8 @@ def federated_roc(
         tpr=tpr,
         negatives=neg,
         positives=pos,
-        epsilon=float(epsilon),
-        rho=None,
+        epsilon=None if epsilon is None else float(epsilon),
+        rho=None if rho is None else float(rho),
         neighbouring=neighbouring,
         smoothing=smoothing,
     )
@@ -157,6 +164,7 @@ def _fss_roc(
     labels: list[NDArray[np.bool_]],
     points: NDArray[np.int64],
     ustat: UStat,
+    noise: NoiseKind,
     param: object,
     noise_levels: NDArray[np.int64],
     noise_index: NDArray[np.int64],
@@ -181,9 +189,7 @@ def _fss_roc(
     if ustat.noise_sharing == "dealer":
         flat_l, flat_i = _unique_nodes(noise_levels, noise_index)
         dealer = NoiseDealer(ustat.noise_keys[0], 2)
-        for srv, msg in zip(
-            servers, dealer.messages("laplace", param, flat_l, flat_i), strict=True
-        ):
+        for srv, msg in zip(servers, dealer.messages(noise, param, flat_l, flat_i), strict=True):
             ustat.traffic.dealer += len(msg)
             srv.receive_noise(msg, flat_l, flat_i)
     received: list[list[list[bytes]]] = [[[], []], [[], []]]  # [server][class]
@@ -201,6 +207,6 @@ def _fss_roc(
             for c in (0, 1)
         ]
         srv.add_plain(np.concatenate(shares))
-    outs = [srv.output("laplace", param, noise_levels, noise_index, matrix) for srv in servers]
+    outs = [srv.output(noise, param, noise_levels, noise_index, matrix) for srv in servers]
     ustat.traffic.servers += sum(8 * o.size for o in outs)
     return combine(outs)
