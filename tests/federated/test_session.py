@@ -90,7 +90,7 @@ def test_distributed_noise_over_tcp_pointwise() -> None:
 
 def test_killed_owner_is_named() -> None:
     with pytest.raises(PartyDroppedError, match="owner 1") as info:
-        simulate("shares", _values(3), 2, 4, 1.0, timeout=3.0, faults={"owner 1": "die"})
+        simulate("shares", _values(3), 2, 4, 1.0, timeout=10.0, faults={"owner 1": "die"})
     assert info.value.party == "owner 1"
 
 
@@ -108,13 +108,13 @@ def test_slow_owner_times_out_named() -> None:
 
 def test_tampered_message_is_rejected() -> None:
     with pytest.raises(AuthenticationError, match=r"owner 2.*HMAC") as info:
-        simulate("shares", _values(3), 2, 4, 1.0, timeout=3.0, faults={"owner 2": "tamper"})
+        simulate("shares", _values(3), 2, 4, 1.0, timeout=10.0, faults={"owner 2": "tamper"})
     assert info.value.party == "owner 2"
 
 
 def test_malformed_share_is_rejected() -> None:
     with pytest.raises(ProtocolError, match="malformed share from owner 1") as info:
-        simulate("shares", _values(2), 2, 4, 1.0, timeout=3.0, faults={"owner 1": "short"})
+        simulate("shares", _values(2), 2, 4, 1.0, timeout=10.0, faults={"owner 1": "short"})
     assert info.value.party == "owner 1"
 
 

@@ -226,6 +226,9 @@ def _party(args: argparse.Namespace) -> int:
             listener = socket.create_server((args.host, args.port))
             host, port = listener.getsockname()[:2]
             print(f"listening {host}:{port}", flush=True)
+            # load the release code (clipless.stats, scipy) while the owners start, not after
+            import clipless.federated.ecdf  # noqa: F401
+
             counter = fs.run_server(sess, secret, args.index, listener)
         elif cmd == "owner":
             try:
