@@ -25,6 +25,18 @@ def test_simulate_prints_release_and_bytes(capsys: pytest.CaptureFixture[str]) -
     assert re.search(r"^wall time: [\d.]+ s$", out, re.M)
 
 
+def test_simulate_roc_prints_auc(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([
+        "federated", "simulate", "--owners", "6", "--protocol", "fss", "--size", "5",
+        "--epsilon", "2", "--spawn", "fork", "--timeout", "20", "--statistic", "roc",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "threshold  FPR     TPR" in out
+    assert re.search(r"^AUC: -?[\d.]+$", out, re.M)
+    assert re.search(r"^total: \d+ bytes$", out, re.M)
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

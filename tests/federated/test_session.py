@@ -125,3 +125,20 @@ def test_session_bad_input() -> None:
         make_session("fss", 2, 3, 4, 1.0)
     with pytest.raises(ValueError, match="servers"):
         make_session("shares", 2, 1, 4, 1.0)
+
+
+@pytest.mark.parametrize("protocol,servers", [("shares", 3), ("fss", 2)])
+def test_tcp_roc_equals_in_process(protocol: str, servers: int) -> None:
+    from clipless.federated import federated_roc
+
+    rng = np.random.default_rng(5)
+    labels = [[int(v)] for v in rng.integers(0, 2, 8)]
+    scores = [[float(rng.normal(0.3 + 0.4 * y[0], 0.2))] for y in labels]
+    res = simulate(protocol, scores, servers, 9, 1.0, timeout=20.0, noise_keys=[KEY],
+                   statistic="roc", owner_labels=labels)  # fmt: skip
+    ref, _ = federated_roc(scores, labels, Grid(0, 1, size=9), 1.0, protocol=protocol,  # type: ignore[arg-type]
+                           servers=servers, noise_keys=[KEY])  # fmt: skip
+    assert res.roc is not None
+    assert res.roc.fpr.tobytes() == ref.fpr.tobytes()
+    assert res.roc.tpr.tobytes() == ref.tpr.tobytes()
+    assert res.roc.auc() == ref.auc()

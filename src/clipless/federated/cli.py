@@ -45,6 +45,12 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic owner data")
     s.add_argument("--noise-key", default=None, help="hex 16-byte node-noise key (reproducible)")
     s.add_argument("--spawn", choices=["subprocess", "fork"], default="subprocess")
+    s.add_argument(
+        "--statistic",
+        choices=["ecdf", "roc"],
+        default="ecdf",
+        help="roc: owners hold a synthetic score and a 0/1 label; prints the ROC and its AUC",
+    )
     s.set_defaults(func=_simulate)
     i = sub.add_parser("init", help="write a session file and one secret file per party")
     i.add_argument("--out", required=True, help="directory to create (session.json, secrets/)")
@@ -58,6 +64,12 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     i.add_argument("--noise-sharing", choices=["dealer", "distributed"], default="dealer")
     i.add_argument("--neighbouring", choices=["replace_one", "add_remove"], default="replace_one")
     i.add_argument("--timeout", type=float, default=600.0)
+    i.add_argument(
+        "--statistic",
+        choices=["ecdf", "roc"],
+        default="ecdf",
+        help="roc: owners pass --labels with their --values",
+    )
     i.add_argument(
         "--n-values",
         type=int,
@@ -88,6 +100,7 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
             q.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
         if name == "owner":
             q.add_argument("--values", required=True, help="comma-separated values")
+            q.add_argument("--labels", default=None, help="comma-separated 0/1 labels (roc)")
         q.set_defaults(func=_party)
     p.set_defaults(func=_no_action(p))
     return p
@@ -133,7 +146,14 @@ def _simulate(args: argparse.Namespace) -> int:
     if problem:
         print(f"clipless federated simulate: error: {problem}", file=sys.stderr)
         return 2
-    values = np.random.default_rng(args.data_seed).beta(2.0, 5.0, size=args.owners)
+    gen = np.random.default_rng(args.data_seed)
+    labels = gen.integers(0, 2, size=args.owners)
+    if args.statistic == "roc":  # positives score higher: Beta(5, 2) against Beta(2, 5)
+        values = np.where(
+            labels == 1, gen.beta(5.0, 2.0, args.owners), gen.beta(2.0, 5.0, args.owners)
+        )
+    else:
+        values = gen.beta(2.0, 5.0, size=args.owners)
     keys = None
     if args.noise_key is not None:
         key = bytes.fromhex(args.noise_key)
@@ -150,18 +170,18 @@ def _simulate(args: argparse.Namespace) -> int:
             neighbouring=args.neighbouring,
             timeout=args.timeout,
             noise_keys=keys,
+            statistic=args.statistic,
+            owner_labels=[[int(y)] for y in labels] if args.statistic == "roc" else None,
         )
     except FederatedError as exc:
         print(f"clipless federated simulate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    thresholds = res.ecdf.grid.thresholds
     print(
-        f"released ECDF ({args.protocol}, {args.owners} owners, {args.servers} servers, "
-        f"noise {args.noise_sharing}, epsilon={args.epsilon:g}, {args.neighbouring}):"
+        f"released {args.statistic.upper()} ({args.protocol}, {args.owners} owners, "
+        f"{args.servers} servers, noise {args.noise_sharing}, epsilon={args.epsilon:g}, "
+        f"{args.neighbouring}):"
     )
-    print("threshold  F")
-    for t, f in zip(thresholds.tolist(), res.values.tolist(), strict=True):
-        print(f"{t:9.4f}  {f:.4f}")
+    _print_release(res)
     print(f"wall time: {res.wall_time:.3f} s")
     print(f"total: {res.total} bytes")
     for role, nbytes in sorted(res.by_role().items()):
@@ -196,6 +216,7 @@ def _init(args: argparse.Namespace) -> int:
             args.protocol, args.owners, args.servers, args.size, args.epsilon,
             noise_sharing=args.noise_sharing, lower=args.lower, upper=args.upper,
             neighbouring=args.neighbouring, timeout=args.timeout, n_values=args.n_values,
+            statistic=args.statistic,
         )  # fmt: skip
     except ValueError as exc:
         print(f"clipless federated init: error: {exc}", file=sys.stderr)
@@ -212,6 +233,20 @@ def _init(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'session.json'} and {len(secrets_)} secret files in {out / 'secrets'}")
     print("give each party ONLY its own secret file, over a confidential channel")
     return 0
+
+
+def _print_release(res: Any) -> None:
+    if res.roc is not None:
+        print("threshold  FPR     TPR")
+        for t, a, b in zip(
+            res.roc.thresholds.tolist(), res.roc.fpr.tolist(), res.roc.tpr.tolist(), strict=True
+        ):
+            print(f"{t:9.4f}  {a:.4f}  {b:.4f}")
+        print(f"AUC: {res.roc.auc():.4f}")
+        return
+    print("threshold  F")
+    for t, f in zip(res.ecdf.grid.thresholds.tolist(), res.values.tolist(), strict=True):
+        print(f"{t:9.4f}  {f:.4f}")
 
 
 def _party(args: argparse.Namespace) -> int:
@@ -236,15 +271,20 @@ def _party(args: argparse.Namespace) -> int:
             except ValueError:
                 print("clipless federated owner: error: --values must be numbers", file=sys.stderr)
                 return 2
-            counter = fs.run_owner(sess, secret, args.index, vals)
+            labels = None
+            if args.labels is not None:
+                try:
+                    labels = [int(v) for v in args.labels.split(",") if v.strip()]
+                except ValueError:
+                    print("clipless federated owner: error: --labels must be 0/1", file=sys.stderr)
+                    return 2
+            counter = fs.run_owner(sess, secret, args.index, vals, labels=labels)
         elif cmd == "dealer":
             counter = fs.run_dealer(sess, secret)
         else:
             out, counter = fs.run_analyst(sess, secret)
             res = fs._finish(sess, out, dict(counter.sent), 0.0, "isotonic", True)
-            print("threshold  F")
-            for t, f in zip(res.ecdf.grid.thresholds.tolist(), res.values.tolist(), strict=True):
-                print(f"{t:9.4f}  {f:.4f}")
+            _print_release(res)
     except FederatedError as exc:
         print(json.dumps({"sent": {}, "error": [exc.code, str(exc), exc.party]}), flush=True)
         print(f"clipless federated {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -327,6 +327,21 @@ def eval_dcf_all(keys: DcfKeys, chunk: int = 1 << 18) -> NDArray[np.uint64]:
     return out
 
 
+def prefix_dcf_keys(
+    leaves: NDArray[np.int64], beta: ArrayLike, n_bits: int, seed: bytes | None = None
+) -> tuple[DcfKeys, DcfKeys]:
+    """DCF pairs sharing ``t -> beta [leaf <= t]`` on ``t < 2^n`` (``n + 1``-bit keys)."""
+    alpha = (1 << n_bits) - np.asarray(leaves, dtype=np.int64)
+    return gen_dcf(alpha, n_bits + 1, beta=beta, seed=seed)
+
+
+def prefix_dcf_shares(keys: DcfKeys, points: NDArray[np.int64]) -> NDArray[np.uint64]:
+    """One server's share of ``sum_keys beta [leaf <= t]`` at every point ``t``."""
+    n_bits = keys.n_bits - 1
+    x = (1 << n_bits) - 1 - np.asarray(points, dtype=np.int64)
+    return eval_dcf(keys, x).sum(axis=0, dtype=np.uint64)
+
+
 def fss_publish(
     leaves: Sequence[NDArray[np.int64]],
     points: NDArray[np.int64],

@@ -19,7 +19,8 @@ and ``epsilon`` per class under add/remove; each class normalises by its own rel
 The two trees use independent node noise from one key (:class:`~clipless.federated.TaggedNoise`,
 tags 0 and 1). With the same keyed noise, the result equals the central composition
 ``release_counts(..., node_noise=TaggedNoise(NodeNoise(K), c))`` + ``from_release`` bit for bit.
-Whole-grid release only (the curve needs every threshold); in process only (no TCP runner).
+Whole-grid release only (the curve needs every threshold). Over TCP:
+:func:`clipless.federated.session.simulate` with ``statistic="roc"`` (same result, tested).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
-from clipless.federated.dcf import DcfKeys, eval_dcf, gen_dcf
+from clipless.federated.dcf import DcfKeys, prefix_dcf_keys, prefix_dcf_shares
 from clipless.federated.ecdf import (
     Protocol,
     assemble,
@@ -47,21 +48,6 @@ from clipless.stats.roc import DPROC
 from clipless.stats.tree import Neighbouring, NoiseKind
 
 __all__ = ["federated_roc", "prefix_dcf_keys", "prefix_dcf_shares"]
-
-
-def prefix_dcf_keys(
-    leaves: NDArray[np.int64], beta: ArrayLike, n_bits: int, seed: bytes | None = None
-) -> tuple[DcfKeys, DcfKeys]:
-    """DCF pairs sharing ``t -> beta [leaf <= t]`` on ``t < 2^n`` (``n + 1``-bit keys)."""
-    alpha = (1 << n_bits) - np.asarray(leaves, dtype=np.int64)
-    return gen_dcf(alpha, n_bits + 1, beta=beta, seed=seed)
-
-
-def prefix_dcf_shares(keys: DcfKeys, points: NDArray[np.int64]) -> NDArray[np.uint64]:
-    """One server's share of ``sum_keys beta [leaf <= t]`` at every point ``t``."""
-    n_bits = keys.n_bits - 1
-    x = (1 << n_bits) - 1 - np.asarray(points, dtype=np.int64)
-    return eval_dcf(keys, x).sum(axis=0, dtype=np.uint64)
 
 
 def federated_roc(

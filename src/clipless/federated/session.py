@@ -90,31 +90,56 @@ def _n_bits(session: dict[str, Any]) -> int:
     return domain_bits(int(session["grid"]["size"]))
 
 
+def _is_roc(session: dict[str, Any]) -> bool:
+    return session.get("statistic", "ecdf") == "roc"
+
+
+def _budget(session: dict[str, Any]) -> tuple[str, float | None, float | None]:
+    """``(neighbouring, epsilon, rho)`` of one tree: a ROC's classes are add/remove trees at
+    ``epsilon/2`` (replace-one) or ``epsilon`` (add/remove), as in :func:`clipless.stats.roc`."""
+    if not _is_roc(session):
+        return session["neighbouring"], session["epsilon"], session["rho"]
+    parts = 2 if session["neighbouring"] == "replace_one" else 1
+    eps, rho = session["epsilon"], session["rho"]
+    return (
+        "add_remove",
+        None if eps is None else float(eps) / parts,
+        None if rho is None else float(rho) / parts,
+    )
+
+
 def _noise_setup(
     session: dict[str, Any],
 ) -> tuple[Any, float, int, NDArray[np.int64], NDArray[np.int64], Any]:
     """``(param, node variance, sensitivity, noise levels, noise index, matrix)``."""
     from clipless.federated.ecdf import noise_parameter, path_nodes, tree_query
-    from clipless.federated.noise import node_ids
     from clipless.stats.grid import tree_depth
 
     size = int(session["grid"]["size"])
     depth = tree_depth(size)
-    param, var, delta = noise_parameter(
-        depth, session["neighbouring"], session["noise"], session["epsilon"], session["rho"]
-    )
+    nb, eps, rho = _budget(session)
+    param, var, delta = noise_parameter(depth, nb, session["noise"], eps, rho)  # type: ignore[arg-type]
     if session.get("points") is None:
-        lv, ix = node_ids(depth)
-        return param, var, delta, lv[:, None], ix[:, None], tree_query(size)
+        lv, ix = _all_nodes(session)
+        matrix = tree_query(size)
+        if _is_roc(session):
+            import scipy.sparse as sp
+
+            matrix = sp.block_diag([matrix, matrix], format="csr")
+        return param, var, delta, lv[:, None], ix[:, None], matrix
     lev, idx = path_nodes(_points(session), depth)
     return param, var, delta, lev, idx, None
 
 
 def _all_nodes(session: dict[str, Any]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-    from clipless.federated.noise import node_ids
-    from clipless.stats.grid import tree_depth
+    """Every node that carries noise (both class trees, tags 0 and 1, for a ROC)."""
+    from clipless.federated.noise import TAG_SHIFT, node_ids
 
-    return node_ids(tree_depth(int(session["grid"]["size"])))
+    depth = int(int(session["grid"]["size"]) - 1).bit_length()
+    lv, ix = node_ids(depth)
+    if _is_roc(session):
+        return np.concatenate([lv, lv + (1 << TAG_SHIFT)]), np.concatenate([ix, ix])
+    return lv, ix
 
 
 def _server_addr(session: dict[str, Any], j: int) -> tuple[str, int]:
@@ -173,8 +198,10 @@ def run_owner(
     index: int,
     values: Sequence[float],
     fault: str = "",
+    labels: Sequence[int] | None = None,
 ) -> Counter:
-    """Owner ``index``: send its share (or DCF key) of ``values`` to every server."""
+    """Owner ``index``: send its share (or DCF key) of ``values`` to every server (for a ROC
+    session, of both classes' counts, so that the labels stay hidden)."""
     from clipless.federated.ustat import owner_messages
 
     me: Party = ("owner", index)
@@ -192,7 +219,24 @@ def run_owner(
         np.int64
     )
     m = int(session["servers"])
-    if session["protocol"] == "fss":
+    if _is_roc(session):
+        y = np.asarray(labels if labels is not None else [], dtype=np.int64)
+        if y.shape != vals.shape or not np.all((y == 0) | (y == 1)):
+            raise ValueError(f"owner {index}: one 0/1 label per value is needed")
+        if session["protocol"] == "fss":
+            from clipless.federated.dcf import prefix_dcf_keys
+
+            pairs = [prefix_dcf_keys(leaves, (y == c).astype(np.int64), _n_bits(session))
+                     for c in (0, 1)]  # fmt: skip
+            msgs = [pairs[0][j].to_bytes() + pairs[1][j].to_bytes() for j in (0, 1)]
+            mtype = KEYS
+        else:
+            pts = _points(session)
+            u = np.concatenate([
+                np.searchsorted(np.sort(leaves[y == c]), pts, side="right") for c in (0, 1)
+            ]).astype(np.int64)  # fmt: skip
+            msgs, mtype = owner_messages(u, m), SHARE
+    elif session["protocol"] == "fss":
         from clipless.federated.dcf import gen_dcf
 
         pair = gen_dcf(leaves, _n_bits(session))
@@ -325,8 +369,12 @@ def _server_output(
     from clipless.federated.ustat import ShareServer
 
     pts = _points(session)
+    roc = _is_roc(session)
     noise_key = secret.get("noise_key") if session["noise_sharing"] == "distributed" else None
-    srv = ShareServer(index, m, pts.size, noise_key=bytes.fromhex(noise_key) if noise_key else None)
+    srv = ShareServer(
+        index, m, pts.size * (2 if roc else 1),
+        noise_key=bytes.fromhex(noise_key) if noise_key else None,
+    )  # fmt: skip
     owners = sorted((w for w in got if w.startswith("owner")), key=lambda w: int(w.split()[1]))
     if session["protocol"] == "fss":
         from clipless.federated.dcf import DcfKeys, server_prefix_shares
@@ -334,13 +382,31 @@ def _server_output(
         for w in owners:
             if got[w].mtype != KEYS:
                 raise ProtocolError(f"server {index}: {w} sent no DCF keys", w)
-        try:
-            keys = DcfKeys.from_bytes(
-                b"".join(got[w].payload for w in owners), index, _n_bits(session)
-            )
-        except ValueError as exc:
-            raise ProtocolError(f"server {index}: malformed DCF keys ({exc})") from None
-        srv.add_plain(server_prefix_shares(keys, pts))
+        if roc:
+            from clipless.federated.dcf import prefix_dcf_shares
+
+            parts: list[NDArray[np.uint64]] = []
+            for c in (0, 1):  # each owner's message: its class-0 keys, then its class-1 keys
+                halves = []
+                for w in owners:
+                    data = got[w].payload
+                    if len(data) % 2:
+                        raise ProtocolError(f"malformed DCF keys from {w}", w)
+                    halves.append(data[c * len(data) // 2 : (c + 1) * len(data) // 2])
+                try:
+                    keys = DcfKeys.from_bytes(b"".join(halves), index, _n_bits(session) + 1)
+                except ValueError as exc:
+                    raise ProtocolError(f"server {index}: malformed DCF keys ({exc})") from None
+                parts.append(prefix_dcf_shares(keys, pts))
+            srv.add_plain(np.concatenate(parts))
+        else:
+            try:
+                keys = DcfKeys.from_bytes(
+                    b"".join(got[w].payload for w in owners), index, _n_bits(session)
+                )
+            except ValueError as exc:
+                raise ProtocolError(f"server {index}: malformed DCF keys ({exc})") from None
+            srv.add_plain(server_prefix_shares(keys, pts))
     else:
         for w in owners:
             if got[w].mtype != SHARE:
@@ -409,6 +475,7 @@ class SimulationResult:
     points: NDArray[np.int64]
     wall_time: float
     sent: dict[str, int] = field(default_factory=dict)
+    roc: Any = None
 
     @property
     def total(self) -> int:
@@ -439,8 +506,15 @@ def make_session(
     timeout: float = 30.0,
     noise_keys: Sequence[bytes] | None = None,
     n_values: int | None = None,
+    statistic: str = "ecdf",
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """A fresh public session and every party's secret (link keys, noise keys)."""
+    """A fresh public session and every party's secret (link keys, noise keys).
+
+    ``statistic``: ``"ecdf"`` or ``"roc"`` (owners hold scores and 0/1 labels; whole grid)."""
+    if statistic not in ("ecdf", "roc"):
+        raise ValueError(f"statistic must be 'ecdf' or 'roc', got {statistic!r}")
+    if statistic == "roc" and points is not None:
+        raise ValueError("statistic='roc' releases the whole grid: points must be None")
     if protocol not in ("shares", "fss"):
         raise ValueError(f"protocol must be 'shares' or 'fss', got {protocol!r}")
     if protocol == "fss" and servers != 2:
@@ -455,6 +529,7 @@ def make_session(
 
     session = {
         "session": secrets.token_hex(16),
+        "statistic": statistic,
         "thresholds": Grid(lower, upper, size=size).thresholds.tolist(),
         "protocol": protocol,
         "servers": servers,
@@ -519,9 +594,13 @@ def simulate(
     kill_server: int | None = None,
     smoothing: str | None = "isotonic",
     consistency: bool = True,
+    owner_labels: Sequence[Sequence[int]] | None = None,
     **session_kwargs: Any,
 ) -> SimulationResult:
     """Run one release with every party a separate process on 127.0.0.1.
+
+    ``owner_labels`` (0/1, one per value) with ``statistic="roc"``: the ROC release of
+    :func:`clipless.federated.federated_roc` over TCP (result in :attr:`SimulationResult.roc`).
 
     ``faults`` (tests): ``{"owner 2": "die" | "sleep" | "tamper" | "short"}``;
     ``kill_server``: SIGKILL that server once every process has started. Raises the
@@ -573,10 +652,13 @@ def simulate(
                             i,
                             list(vals),
                             faults.get(f"owner {i}", ""),
+                            None if owner_labels is None else list(owner_labels[i]),
                         ),
                     )
             else:
-                _launch_subprocesses(session, secret, owner_values, Path(tmp), procs, kill_server)
+                _launch_subprocesses(
+                    session, secret, owner_values, Path(tmp), procs, kill_server, owner_labels
+                )
             analyst_error: FederatedError | None = None
             sent: dict[str, int] = {}
             try:
@@ -618,23 +700,37 @@ def _finish(
     param, var, delta, _, _, _ = _noise_setup(session)
     m_noise = int(session["servers"]) if session["noise_sharing"] == "distributed" else 1
     pts = _points(session)
-    counts, values, release, F = assemble(
-        out,
-        _grid(session),
-        pts,
-        session.get("points") is None,
-        int(session["n_values"]),
-        session["noise"],
-        param,
-        var * m_noise,
-        delta,
-        session["epsilon"],
-        session["rho"],
-        session["neighbouring"],
-        smoothing,  # type: ignore[arg-type]
-        consistency,
+    whole = session.get("points") is None
+    nb, eps, rho = _budget(session)
+    if not _is_roc(session):
+        counts, values, release, F = assemble(
+            out, _grid(session), pts, whole, int(session["n_values"]), session["noise"],
+            param, var * m_noise, delta, eps, rho, nb,  # type: ignore[arg-type]
+            smoothing, consistency,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return SimulationResult(F, release, counts, values, pts, wall, dict(sent))
+    from clipless.stats.roc import DPROC
+
+    half = out.size // 2
+    curves = []
+    for part in (out[:half], out[half:]):
+        _, _, _, Fc = assemble(
+            part, _grid(session), pts, True, 0, session["noise"], param, var * m_noise,
+            delta, eps, rho, "add_remove", smoothing, consistency,  # type: ignore[arg-type]
+        )  # fmt: skip
+        curves.append(Fc)
+    neg, pos = curves
+    assert neg is not None and pos is not None
+    fpr, tpr = 1.0 - np.asarray(neg.values), 1.0 - np.asarray(pos.values)
+    roc = DPROC(
+        thresholds=neg.grid.thresholds, fpr=fpr, tpr=tpr, negatives=neg, positives=pos,
+        epsilon=session["epsilon"], rho=session["rho"], neighbouring=session["neighbouring"],
+        smoothing=smoothing,  # type: ignore[arg-type]
+    )  # fmt: skip
+    counts = np.concatenate([neg.release.prefix_counts, pos.release.prefix_counts])
+    return SimulationResult(
+        None, None, counts, np.concatenate([neg.values, pos.values]), pts, wall, dict(sent), roc
     )
-    return SimulationResult(F, release, counts, values, pts, wall, dict(sent))
 
 
 def _collect(name: str, proc: Any, channel: Any, spawn: str, wait: float) -> dict[str, Any] | None:
@@ -677,6 +773,7 @@ def _launch_subprocesses(
     tmp: Path,
     procs: list[tuple[str, Any, Any]],
     kill_server: int | None,
+    owner_labels: Sequence[Sequence[int]] | None = None,
 ) -> None:
     """Start ``clipless federated serve/dealer/owner`` processes (servers first, on port 0)."""
     exe = [sys.executable, "-m", "clipless.federated.cli"]  # fast start: no torch, no scipy
@@ -739,6 +836,11 @@ def _launch_subprocesses(
                 secret_file(f"owner {i}"),
                 "--values",
                 ",".join(repr(float(v)) for v in vals),
+                *(
+                    []
+                    if owner_labels is None
+                    else ["--labels", ",".join(str(int(y)) for y in owner_labels[i])]
+                ),
             ],
             stdout=subprocess.PIPE,
             env=env,
