@@ -85,6 +85,7 @@ examples:
   clipless data fetch fashion-mnist                  (populate $CLIPLESS_DATA / ~/.cache/clipless)
   clipless ecdf --help
   clipless roc --help
+  clipless federated simulate --owners 20 --servers 2 --protocol fss --size 16 --epsilon 1
 
 Privacy: the reported epsilon is for the Poisson-subsampled Gaussian mechanism accounted by the
 chosen accountant, under the chosen neighbouring relation; training stops before any step that
@@ -441,6 +442,8 @@ def _add_stats_parsers(sub: Any) -> None:
         return
     stats_cli.add_ecdf_parser(sub)
     stats_cli.add_roc_parser(sub)
+    # federated DP-ECDF (issue 12): simulate / serve / owner / dealer
+    importlib.import_module("clipless.federated.cli").add_federated_parser(sub)
 
 
 def _unavailable(reason: str) -> Any:

@@ -43,7 +43,9 @@ top and makes the function a proper CDF.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -225,6 +227,7 @@ def ecdf(
     rng: random.Random | None = None,
     *,
     rho: float | None = None,
+    node_noise: Callable[[NoiseKind, Fraction, int], NDArray[np.int64]] | None = None,
 ) -> DPECDF:
     """Release a DP empirical CDF of ``values`` at the thresholds of a public ``grid``.
 
@@ -265,6 +268,9 @@ def ecdf(
         :class:`random.Random`; default a cryptographically secure source.
     rho:
         zCDP budget for Gaussian noise.
+    node_noise:
+        Optional keyed node-noise source replacing ``rng`` (see
+        :func:`~clipless.stats.tree.release_counts`; :class:`clipless.federated.NodeNoise`).
 
     >>> from clipless.stats import Grid, seeded_rng
     >>> F = ecdf([0.1, 0.4, 0.4, 0.9], Grid(0, 1, size=11), epsilon=1e9, rng=seeded_rng(0))
@@ -302,7 +308,9 @@ def ecdf(
             "used instead"
         )
 
-    release = release_counts(g.counts(data), epsilon, neighbouring, noise, rng, rho)
+    release = release_counts(
+        g.counts(data), epsilon, neighbouring, noise, rng, rho, node_noise=node_noise
+    )
     return from_release(
         release,
         g,

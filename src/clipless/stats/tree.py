@@ -74,7 +74,7 @@ carry data redundantly and an exact rank-``r`` projection finishes the fit.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
@@ -314,6 +314,8 @@ def release_counts(
     noise: NoiseKind = "laplace",
     rng: random.Random | None = None,
     rho: float | None = None,
+    *,
+    node_noise: Callable[[NoiseKind, Fraction, int], NDArray[np.int64]] | None = None,
 ) -> TreeRelease:
     """Release every prefix count of ``leaf_counts`` with the binary tree mechanism.
 
@@ -336,6 +338,11 @@ def release_counts(
         :class:`random.Random`; default :func:`~clipless.stats.noise.secure_rng`.
     rho:
         zCDP budget for Gaussian noise.
+    node_noise:
+        Optional keyed noise source ``(kind, exact parameter, depth) -> int64 noise of the
+        2^(L+1) - 1 nodes in level order`` replacing the draw from ``rng``, e.g.
+        :class:`clipless.federated.NodeNoise` (same exact samplers, node-indexed PRF streams):
+        the central release then equals the federated one bit for bit.
     """
     counts = _leaf_counts_array(leaf_counts)
     _check_neighbouring(neighbouring)
@@ -352,7 +359,11 @@ def release_counts(
             raise ValueError("epsilon is required for noise='laplace'")
         eps = to_fraction(epsilon, "epsilon")
         param = conservative_scale(Fraction(delta) / eps)
-        eta = discrete_laplace(param, num_nodes, gen)
+        eta = (
+            discrete_laplace(param, num_nodes, gen)
+            if node_noise is None
+            else _external_noise(node_noise, noise, param, L)
+        )
         variance = discrete_laplace_variance(param)
         scale = float(param)
         eps_out: float | None = float(epsilon)
@@ -366,7 +377,11 @@ def release_counts(
             raise ValueError("rho is required for noise='gaussian'")
         r = to_fraction(rho, "rho")
         param = Fraction(delta) / (2 * r)
-        eta = discrete_gaussian(None, num_nodes, gen, sigma2=param)
+        eta = (
+            discrete_gaussian(None, num_nodes, gen, sigma2=param)
+            if node_noise is None
+            else _external_noise(node_noise, noise, param, L)
+        )
         variance = discrete_gaussian_variance(param)
         scale = float(param) ** 0.5
         eps_out, rho_out = None, float(rho)
@@ -393,6 +408,20 @@ def release_counts(
         epsilon=eps_out,
         rho=rho_out,
     )
+
+
+def _external_noise(
+    node_noise: Callable[[NoiseKind, Fraction, int], NDArray[np.int64]],
+    noise: NoiseKind,
+    param: Fraction,
+    depth: int,
+) -> NDArray[np.int64]:
+    eta = np.asarray(node_noise(noise, param, depth))
+    if eta.shape != ((1 << (depth + 1)) - 1,) or not np.issubdtype(eta.dtype, np.integer):
+        raise ValueError(
+            f"node_noise must return {(1 << (depth + 1)) - 1} integers, got {eta.dtype} {eta.shape}"
+        )
+    return eta.astype(np.int64)
 
 
 @lru_cache(maxsize=64)

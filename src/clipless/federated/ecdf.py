@@ -1,0 +1,319 @@
+"""Federated DP-ECDF (thesis section 6.4): the central tree release, computed without a curator.
+
+Each owner holds some values; the thresholds ``tau_1 < ... < tau_N`` of a public
+:class:`~clipless.stats.Grid` are known to all. A query names the evaluation points:
+
+* ``thresholds=None`` (the whole grid): the servers obtain shares of every prefix count
+  ``C_1..C_N``, turn them locally into shares of the node values ``theta(c)`` of
+  :mod:`clipless.stats.tree` (a public integer linear map, exact in ``Z_2^64``), add their shares
+  of each node's noise, and publish. The result is the central
+  :class:`~clipless.stats.tree.TreeRelease` ``V = theta(c) + eta``, post-processed by
+  :func:`clipless.stats.ecdf.from_release` (consistency, smoothing) into the same
+  :class:`~clipless.stats.DPECDF` -- bit for bit, given the same keyed noise
+  (:class:`~clipless.federated.NodeNoise`).
+* ``thresholds=B`` (leaf indices): the thesis's pointwise evaluation (Eq. 6.4.1),
+  ``P_i = C_i + sum_l eta_{(l, i >> l)}`` for ``i in B``, equal to the central
+  ``release.prefix_counts[B]``. Because the node noise is a PRF of the node id, answering more
+  thresholds later reuses the same noise: every answer is a post-processing of one tree release
+  (thesis Theorem 6.3.1), so the budget is spent once.
+
+Protocols: ``"local"`` (trusted curator), ``"shares"`` (:class:`~clipless.federated.UStat`,
+owners send one share vector per query, thesis section 6.4.1, cost ``O(n |E|)``), ``"fss"``
+(:mod:`clipless.federated.dcf`: each owner sends one DCF key per server once, the servers
+evaluate any threshold locally, thesis section 6.4.2, cost ``O(n + m |E|)``; two servers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+import scipy.sparse as sp
+from numpy.typing import ArrayLike, NDArray
+
+from clipless.federated.noise import node_ids
+from clipless.federated.ustat import Backend, NoiseSharing, Traffic, UStat
+from clipless.stats.ecdf import DPECDF, Smoothing, _as_grid, from_release
+from clipless.stats.grid import Grid, tree_depth
+from clipless.stats.noise import (
+    conservative_scale,
+    discrete_gaussian_variance,
+    discrete_laplace_variance,
+    to_fraction,
+)
+from clipless.stats.tree import (
+    Neighbouring,
+    NoiseKind,
+    TreeRelease,
+    _suffix_columns,
+    path_sums,
+    tree_sensitivity,
+)
+
+__all__ = ["FederatedECDF", "Protocol", "federated_ecdf", "noise_parameter", "tree_query"]
+
+Protocol = Literal["local", "shares", "fss"]
+
+
+def noise_parameter(
+    depth: int,
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+    epsilon: float | None,
+    rho: float | None,
+) -> tuple[Fraction, float, int]:
+    """``(exact parameter, node variance, sensitivity)`` exactly as
+    :func:`clipless.stats.tree.release_counts` computes them (Laplace scale
+    ``Delta/epsilon`` rounded up by :func:`~clipless.stats.noise.conservative_scale`, or Gaussian
+    ``sigma^2 = Delta / (2 rho)``)."""
+    delta = tree_sensitivity(depth, neighbouring)
+    if noise == "laplace":
+        if rho is not None:
+            raise ValueError("rho is only for noise='gaussian'; give epsilon for Laplace noise")
+        if epsilon is None:
+            raise ValueError("epsilon is required for noise='laplace'")
+        param = conservative_scale(Fraction(delta) / to_fraction(epsilon, "epsilon"))
+        return param, discrete_laplace_variance(param), delta
+    if noise == "gaussian":
+        if epsilon is not None:
+            raise ValueError("noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None")
+        if rho is None:
+            raise ValueError("rho is required for noise='gaussian'")
+        param = Fraction(delta) / (2 * to_fraction(rho, "rho"))
+        return param, discrete_gaussian_variance(param), delta
+    raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+
+
+@lru_cache(maxsize=32)
+def tree_query(num_leaves: int) -> sp.csr_matrix:
+    """The public integer map from the prefix counts ``C`` to the node values ``theta(c)``:
+    ``theta @ D`` with ``c = D C`` (``c_0 = C_0``, ``c_i = C_i - C_{i-1}``)."""
+    depth = tree_depth(num_leaves)
+    diff = sp.diags(
+        [np.ones(num_leaves, dtype=np.int64), -np.ones(num_leaves - 1, dtype=np.int64)],
+        [0, -1],
+        shape=(num_leaves, num_leaves),
+        dtype=np.int64,
+        format="csr",
+    )
+    return (_suffix_columns(depth, num_leaves) @ diff).tocsr()
+
+
+@dataclass(frozen=True, eq=False)
+class FederatedECDF:
+    """The output of :func:`federated_ecdf`.
+
+    ``ecdf`` and ``release`` are set for a whole-grid query (``thresholds=None``);
+    ``prefix_counts`` always holds the released noisy counts at ``points`` (leaf indices) and
+    ``values`` the same divided by the public ``n`` (replace-one) or, for a whole-grid query,
+    the :class:`~clipless.stats.DPECDF`'s values. ``traffic``: payload bytes per role of the
+    in-process run (the TCP runner counts framed bytes on the wire instead).
+    """
+
+    protocol: Protocol
+    servers: int
+    noise_sharing: NoiseSharing
+    points: NDArray[np.int64] = field(repr=False)
+    prefix_counts: NDArray[np.int64] = field(repr=False)
+    values: NDArray[np.float64] = field(repr=False)
+    ecdf: DPECDF | None = field(repr=False)
+    release: TreeRelease | None = field(repr=False)
+    traffic: Traffic
+    noise_keys: list[bytes] = field(repr=False)
+
+
+def _points(thresholds: ArrayLike | None, num_leaves: int) -> NDArray[np.int64] | None:
+    if thresholds is None:
+        return None
+    pts = np.asarray(thresholds)
+    if pts.ndim != 1 or pts.size == 0 or not np.issubdtype(pts.dtype, np.integer):
+        raise ValueError("thresholds must be a non-empty 1-D array of grid indices (ints)")
+    if pts.min() < 0 or pts.max() >= num_leaves:
+        raise ValueError(f"thresholds must be grid indices in [0, {num_leaves}), got {pts}")
+    if np.any(np.diff(pts) <= 0):
+        raise ValueError("thresholds must be strictly increasing grid indices")
+    return pts.astype(np.int64)
+
+
+def owner_leaves(owner_values: Sequence[ArrayLike], grid: Grid) -> list[NDArray[np.int64]]:
+    """Each owner's leaf indices (values clamped to the grid, as in :meth:`Grid.leaf_index`)."""
+    if len(owner_values) == 0:
+        raise ValueError("owner_values must hold at least one owner")
+    out = []
+    for k, vals in enumerate(owner_values):
+        arr = np.asarray(vals, dtype=np.float64).ravel()
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"owner_values[{k}] must be finite")
+        out.append(grid.leaf_index(arr))
+    return out
+
+
+def prefix_indicators(leaves: NDArray[np.int64], points: NDArray[np.int64]) -> NDArray[np.int64]:
+    """``u[e] = #{own leaves <= points[e]}``: one owner's contribution to the prefix counts."""
+    return np.searchsorted(np.sort(leaves), points, side="right").astype(np.int64)
+
+
+def path_nodes(
+    points: NDArray[np.int64], depth: int
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Nodes ``(l, i >> l)``, ``l = 0..L``, on the path of each leaf: arrays ``(|points|, L+1)``."""
+    levels = np.broadcast_to(np.arange(depth + 1, dtype=np.int64), (points.size, depth + 1))
+    return np.ascontiguousarray(levels), points[:, None] >> levels
+
+
+def assemble(
+    out: NDArray[np.int64],
+    g: Grid,
+    points: NDArray[np.int64],
+    whole: bool,
+    n_total: int,
+    noise: NoiseKind,
+    param: Fraction,
+    node_var: float,
+    delta: int,
+    epsilon: float | None,
+    rho: float | None,
+    neighbouring: Neighbouring,
+    smoothing: Smoothing | None,
+    consistency: bool,
+) -> tuple[NDArray[np.int64], NDArray[np.float64], TreeRelease | None, DPECDF | None]:
+    """The published sums -> ``(prefix counts, values, TreeRelease, DPECDF)`` (post-processing)."""
+    N = len(g)
+    L = tree_depth(N)
+    if whole:
+        offsets = np.concatenate([[0], np.cumsum([1 << (L - lev) for lev in range(L + 1)])])
+        nodes = [out[offsets[lev] : offsets[lev + 1]].copy() for lev in range(L + 1)]
+        for arr in nodes:
+            arr.setflags(write=False)
+        prefix = np.asarray(path_sums(nodes, N), dtype=np.int64)
+        prefix.setflags(write=False)
+        eps_out = float(epsilon) if noise == "laplace" and epsilon is not None else None
+        release = TreeRelease(
+            depth=L,
+            num_leaves=N,
+            node_counts=nodes,
+            prefix_counts=prefix,
+            noise=noise,
+            noise_param=param,
+            noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
+            node_variance=node_var,
+            sensitivity=delta,
+            neighbouring=neighbouring,
+            epsilon=eps_out,
+            rho=float(rho) if rho is not None else None,
+        )
+        F = from_release(
+            release,
+            g,
+            n=n_total if neighbouring == "replace_one" else None,
+            smoothing=smoothing,
+            consistency=consistency,
+        )
+        return prefix, np.asarray(F.values), release, F
+    counts = out
+    if neighbouring == "replace_one":
+        values = counts / float(n_total)
+    elif points[-1] == N - 1:  # the released total P_N normalises (add/remove)
+        values = counts / max(float(counts[-1]), 1.0)
+    else:
+        values = np.full(counts.size, np.nan)  # no public size: counts only
+    return counts, values, None, None
+
+
+def federated_ecdf(
+    owner_values: Sequence[ArrayLike],
+    grid: Grid | ArrayLike,
+    epsilon: float | None,
+    *,
+    protocol: Protocol = "shares",
+    servers: int = 2,
+    noise_sharing: NoiseSharing = "dealer",
+    thresholds: ArrayLike | None = None,
+    neighbouring: Neighbouring = "replace_one",
+    noise: NoiseKind = "laplace",
+    rho: float | None = None,
+    smoothing: Smoothing | None = "isotonic",
+    consistency: bool = True,
+    noise_keys: Sequence[bytes] | None = None,
+) -> FederatedECDF:
+    """Release the DP-ECDF of the union of the owners' values, in process (see module doc).
+
+    ``owner_values[k]``: owner ``k``'s values. ``protocol``: ``"local"``, ``"shares"``
+    (``servers >= 2``) or ``"fss"`` (two servers). ``noise_sharing``: ``"dealer"`` or
+    ``"distributed"`` (:mod:`clipless.federated.ustat`). ``noise_keys``: the node-noise key(s)
+    (fresh when ``None``; give them to reproduce a release or to compare with the central one).
+    The guarantee is that of :func:`clipless.stats.ecdf` with the same arguments against the
+    coalitions listed for the chosen backend and noise option; with ``"distributed"`` the noise
+    variance is ``servers`` times larger (and :attr:`DPECDF.variance` says so).
+    """
+    if protocol not in ("local", "shares", "fss"):
+        raise ValueError(f"protocol must be 'local', 'shares' or 'fss', got {protocol!r}")
+    if neighbouring not in ("replace_one", "add_remove"):
+        raise ValueError(
+            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
+        )
+    if protocol == "fss" and servers != 2:
+        raise ValueError(f"protocol='fss' uses exactly 2 servers (a two-party DCF), got {servers}")
+    g = _as_grid(grid)
+    N = len(g)
+    L = tree_depth(N)
+    param, variance, delta = noise_parameter(L, neighbouring, noise, epsilon, rho)
+    pts = _points(thresholds, N)
+    whole = pts is None
+    points = np.arange(N, dtype=np.int64) if pts is None else pts
+    leaves = owner_leaves(owner_values, g)
+    n_total = int(sum(lv.size for lv in leaves))
+    if n_total == 0:
+        raise ValueError("the owners hold no values (an empty dataset has no ECDF)")
+
+    if whole:
+        matrix: sp.csr_matrix | None = tree_query(N)
+        lv, ix = node_ids(L)
+        noise_levels, noise_index = lv[:, None], ix[:, None]
+    else:
+        matrix = None
+        noise_levels, noise_index = path_nodes(points, L)
+
+    backend: Backend = "local" if protocol == "local" else "shares"
+    ustat = UStat(backend, servers, noise_sharing, noise_keys)
+    if protocol == "fss":
+        from clipless.federated.dcf import fss_publish
+
+        out = fss_publish(leaves, points, ustat, noise, param, noise_levels, noise_index, matrix)
+    else:
+        contributions = [prefix_indicators(lv_, points) for lv_ in leaves]
+        out = ustat.publish(contributions, noise, param, noise_levels, noise_index, matrix)
+
+    m_noise = ustat.servers if ustat.noise_sharing == "distributed" else 1
+    counts, values, release, F = assemble(
+        out,
+        g,
+        points,
+        whole,
+        n_total,
+        noise,
+        param,
+        variance * m_noise,
+        delta,
+        epsilon,
+        rho,
+        neighbouring,
+        smoothing,
+        consistency,
+    )
+    return FederatedECDF(
+        protocol=protocol,
+        servers=ustat.servers,
+        noise_sharing=ustat.noise_sharing,
+        points=points,
+        prefix_counts=counts,
+        values=values,
+        ecdf=F,
+        release=release,
+        traffic=ustat.traffic,
+        noise_keys=list(ustat.noise_keys),
+    )

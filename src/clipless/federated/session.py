@@ -1,0 +1,848 @@
+"""Owners, servers, a noise dealer and an analyst as separate processes over TCP.
+
+A *session* is a public JSON description (protocol, servers, owners, grid, budget, noise
+option, timeout, a 16-byte session id, the servers' addresses) plus, for each party, a secret
+JSON holding only its own link keys (32 bytes per link, HMAC-SHA256, see
+:mod:`clipless.federated.transport`) and, for the dealer or the ``"distributed"`` servers, its
+node-noise key. Message flow (one message per connection, each acknowledged):
+
+* owner ``i`` -> server ``j``: ``SHARE`` (a 16-byte seed, or the explicit share for the last
+  server) or ``KEYS`` (its DCF keys for server ``j``, ``protocol="fss"``);
+* dealer -> server ``j``: ``NOISE`` (a seed, or the explicit shares of all ``2N - 1`` node
+  noises for the last server), ``noise_sharing="dealer"`` only;
+* analyst -> server ``j``: ``REQUEST``; server -> analyst: ``RESULT`` (its ``8 d``-byte share of
+  the output) or ``ERROR`` (the named failure it saw).
+
+Each server waits, until ``timeout`` seconds have passed, for exactly one message from every
+owner (and the dealer); a missing, dropped, slow, tampered or malformed message ends the run
+with an error naming the party -- the release is never computed from partial or unverified
+input. :func:`simulate` launches everything on loopback (``spawn="subprocess"`` runs the
+``clipless federated serve/owner/dealer`` commands, ``spawn="fork"`` forks this process, which
+is faster and what the tests use) and returns the release with the byte counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from clipless.federated.transport import (
+    ACK,
+    ERROR,
+    ERRORS,
+    KEYS,
+    NOISE,
+    REQUEST,
+    RESULT,
+    SHARE,
+    Counter,
+    FederatedError,
+    Frame,
+    Party,
+    PartyDroppedError,
+    PartyTimeoutError,
+    ProtocolError,
+    connect,
+    party_name,
+    recv_frame,
+    send_frame,
+)
+
+__all__ = ["SimulationResult", "run_dealer", "run_owner", "run_server", "simulate"]
+
+
+# --------------------------------------------------------------------------------------------
+# session description
+# --------------------------------------------------------------------------------------------
+
+
+def _grid(session: dict[str, Any]) -> Any:
+    from clipless.stats.grid import Grid
+
+    return Grid.from_thresholds(np.asarray(session["thresholds"], dtype=np.float64))
+
+
+def _points(session: dict[str, Any]) -> NDArray[np.int64]:
+    size = int(session["grid"]["size"])
+    pts = session.get("points")
+    return np.arange(size, dtype=np.int64) if pts is None else np.asarray(pts, dtype=np.int64)
+
+
+def _n_bits(session: dict[str, Any]) -> int:
+    from clipless.federated.dcf import domain_bits
+
+    return domain_bits(int(session["grid"]["size"]))
+
+
+def _is_roc(session: dict[str, Any]) -> bool:
+    return session.get("statistic", "ecdf") == "roc"
+
+
+def _budget(session: dict[str, Any]) -> tuple[str, float | None, float | None]:
+    """``(neighbouring, epsilon, rho)`` of one tree: a ROC's classes are add/remove trees at
+    ``epsilon/2`` (replace-one) or ``epsilon`` (add/remove), as in :func:`clipless.stats.roc`."""
+    if not _is_roc(session):
+        return session["neighbouring"], session["epsilon"], session["rho"]
+    parts = 2 if session["neighbouring"] == "replace_one" else 1
+    eps, rho = session["epsilon"], session["rho"]
+    return (
+        "add_remove",
+        None if eps is None else float(eps) / parts,
+        None if rho is None else float(rho) / parts,
+    )
+
+
+def _noise_setup(
+    session: dict[str, Any],
+) -> tuple[Any, float, int, NDArray[np.int64], NDArray[np.int64], Any]:
+    """``(param, node variance, sensitivity, noise levels, noise index, matrix)``."""
+    from clipless.federated.ecdf import noise_parameter, path_nodes, tree_query
+    from clipless.stats.grid import tree_depth
+
+    size = int(session["grid"]["size"])
+    depth = tree_depth(size)
+    nb, eps, rho = _budget(session)
+    param, var, delta = noise_parameter(depth, nb, session["noise"], eps, rho)  # type: ignore[arg-type]
+    if session.get("points") is None:
+        lv, ix = _all_nodes(session)
+        matrix = tree_query(size)
+        if _is_roc(session):
+            import scipy.sparse as sp
+
+            matrix = sp.block_diag([matrix, matrix], format="csr")
+        return param, var, delta, lv[:, None], ix[:, None], matrix
+    lev, idx = path_nodes(_points(session), depth)
+    return param, var, delta, lev, idx, None
+
+
+def _all_nodes(session: dict[str, Any]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Every node that carries noise (both class trees, tags 0 and 1, for a ROC)."""
+    from clipless.federated.noise import TAG_SHIFT, node_ids
+
+    depth = int(int(session["grid"]["size"]) - 1).bit_length()
+    lv, ix = node_ids(depth)
+    if _is_roc(session):
+        return np.concatenate([lv, lv + (1 << TAG_SHIFT)]), np.concatenate([ix, ix])
+    return lv, ix
+
+
+def _server_addr(session: dict[str, Any], j: int) -> tuple[str, int]:
+    host, port = session["servers_at"][j]
+    return str(host), int(port)
+
+
+def _keys(secret: dict[str, Any]) -> dict[str, bytes]:
+    return {name: bytes.fromhex(h) for name, h in secret["links"].items()}
+
+
+# --------------------------------------------------------------------------------------------
+# parties
+# --------------------------------------------------------------------------------------------
+
+
+def _send_one(
+    session: dict[str, Any],
+    keys: dict[str, bytes],
+    me: Party,
+    j: int,
+    mtype: int,
+    payload: bytes,
+    counter: Counter,
+    deadline: float,
+    fault: str = "",
+) -> None:
+    """Connect to server ``j``, send one frame, wait for its ``ACK``."""
+    from clipless.federated.transport import encode_frame
+
+    peer: Party = ("server", j)
+    sid = bytes.fromhex(session["session"])
+    host, port = _server_addr(session, j)
+    with connect(host, port, peer, deadline) as sock:
+        if fault == "tamper":  # test hook: flip one payload bit after signing
+            bad = bytearray(encode_frame(keys[party_name(peer)], sid, me, peer, mtype, payload))
+            bad[30] ^= 1
+            sock.sendall(bytes(bad))
+            counter.add(me, peer, len(bad))
+        elif fault == "short":  # test hook: a well-signed message of the wrong size
+            send_frame(sock, keys[party_name(peer)], sid, me, peer, mtype, payload[:-8], counter)
+        elif fault == "die":  # test hook: crash half way through the message
+            data = encode_frame(keys[party_name(peer)], sid, me, peer, mtype, payload)
+            sock.sendall(data[: len(data) // 2])
+            os._exit(17)
+        else:
+            send_frame(sock, keys[party_name(peer)], sid, me, peer, mtype, payload, counter)
+        reply = recv_frame(sock, keys, sid, me, deadline, party_name(peer))
+        if reply.mtype != ACK:
+            raise ProtocolError(f"{party_name(peer)} did not acknowledge", party_name(peer))
+
+
+def run_owner(
+    session: dict[str, Any],
+    secret: dict[str, Any],
+    index: int,
+    values: Sequence[float],
+    fault: str = "",
+    labels: Sequence[int] | None = None,
+) -> Counter:
+    """Owner ``index``: send its share (or DCF key) of ``values`` to every server (for a ROC
+    session, of both classes' counts, so that the labels stay hidden)."""
+    from clipless.federated.ustat import owner_messages
+
+    me: Party = ("owner", index)
+    keys = _keys(secret)
+    counter = Counter()
+    deadline = time.monotonic() + float(session["timeout"])
+    if fault == "sleep":  # test hook: a slow owner
+        time.sleep(float(session["timeout"]) + 0.5)
+    thresholds = np.asarray(session["thresholds"], dtype=np.float64)
+    vals = np.asarray(values, dtype=np.float64)
+    if vals.ndim != 1 or not np.all(np.isfinite(vals)):
+        raise ValueError(f"owner {index}: values must be finite numbers")
+    # as Grid.leaf_index: the first threshold >= value, clamped to the grid
+    leaves = np.minimum(np.searchsorted(thresholds, vals, side="left"), thresholds.size - 1).astype(
+        np.int64
+    )
+    m = int(session["servers"])
+    if _is_roc(session):
+        y = np.asarray(labels if labels is not None else [], dtype=np.int64)
+        if y.shape != vals.shape or not np.all((y == 0) | (y == 1)):
+            raise ValueError(f"owner {index}: one 0/1 label per value is needed")
+        if session["protocol"] == "fss":
+            from clipless.federated.dcf import prefix_dcf_keys
+
+            pairs = [prefix_dcf_keys(leaves, (y == c).astype(np.int64), _n_bits(session))
+                     for c in (0, 1)]  # fmt: skip
+            msgs = [pairs[0][j].to_bytes() + pairs[1][j].to_bytes() for j in (0, 1)]
+            mtype = KEYS
+        else:
+            pts = _points(session)
+            u = np.concatenate([
+                np.searchsorted(np.sort(leaves[y == c]), pts, side="right") for c in (0, 1)
+            ]).astype(np.int64)  # fmt: skip
+            msgs, mtype = owner_messages(u, m), SHARE
+    elif session["protocol"] == "fss":
+        from clipless.federated.dcf import gen_dcf
+
+        pair = gen_dcf(leaves, _n_bits(session))
+        msgs, mtype = [pair[0].to_bytes(), pair[1].to_bytes()], KEYS
+    else:
+        pts = _points(session)
+        u = np.searchsorted(np.sort(leaves), pts, side="right").astype(np.int64)
+        msgs, mtype = owner_messages(u, m), SHARE
+    for j in range(m):
+        _send_one(session, keys, me, j, mtype, msgs[j], counter, deadline, fault)
+    return counter
+
+
+def run_dealer(session: dict[str, Any], secret: dict[str, Any]) -> Counter:
+    """The noise dealer: node-noise shares for every node of the tree, to every server."""
+    from clipless.federated.ustat import NoiseDealer
+
+    me: Party = ("dealer", 0)
+    keys = _keys(secret)
+    counter = Counter()
+    deadline = time.monotonic() + float(session["timeout"])
+    param = _noise_setup(session)[0]
+    levels, index = _all_nodes(session)
+    dealer = NoiseDealer(bytes.fromhex(secret["noise_key"]), int(session["servers"]))
+    msgs = dealer.messages(session["noise"], param, levels, index)
+    for j, msg in enumerate(msgs):
+        _send_one(session, keys, me, j, NOISE, msg, counter, deadline)
+    return counter
+
+
+def run_server(
+    session: dict[str, Any], secret: dict[str, Any], index: int, listener: socket.socket
+) -> Counter:
+    """Server ``index``: collect one message from every owner (and the dealer), answer the
+    analyst with its output share, or with the named error it saw."""
+    me: Party = ("server", index)
+    keys = _keys(secret)
+    sid = bytes.fromhex(session["session"])
+    counter = Counter()
+    m, n = int(session["servers"]), int(session["owners"])
+    dealer = session["noise_sharing"] == "dealer"
+    expected = {f"owner {i}" for i in range(n)} | ({"dealer 0"} if dealer else set())
+    got: dict[str, Frame] = {}
+    analyst: tuple[socket.socket, Frame] | None = None
+    error: FederatedError | None = None
+    deadline = time.monotonic() + float(session["timeout"])
+    while error is None and set(got) != expected:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(expected - set(got))
+            error = PartyTimeoutError(
+                f"server {index}: no message from {', '.join(missing)} within "
+                f"{session['timeout']} s (slow, crashed or never started)",
+                missing[0],
+            )
+            break
+        listener.settimeout(remaining)
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            frame = recv_frame(conn, keys, sid, me, deadline, "an unidentified peer")
+        except FederatedError as exc:
+            error = exc
+            conn.close()
+            break
+        who = party_name(frame.sender)
+        if frame.sender[0] == "analyst":
+            analyst = (conn, frame)
+            continue
+        if who in got or who not in expected:
+            error = ProtocolError(
+                f"server {index}: unexpected or duplicate message from {who}", who
+            )
+        else:
+            got[who] = frame
+            # the message is in and verified; a peer gone before the ACK changes nothing
+            with contextlib.suppress(FederatedError):
+                send_frame(conn, keys[who], sid, me, frame.sender, ACK, b"", counter)
+        conn.close()
+    output: bytes | None = None
+    if error is None:
+        try:
+            output = _server_output(session, secret, index, m, got)
+        except FederatedError as exc:
+            error = exc
+        except ValueError as exc:
+            error = ProtocolError(f"server {index}: invalid message ({exc})")
+    # answer the analyst (wait for it if it has not asked yet; late messages are turned away)
+    wait_until = time.monotonic() + float(session["timeout"])
+    while analyst is None and time.monotonic() < wait_until:
+        listener.settimeout(max(0.01, wait_until - time.monotonic()))
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            break
+        try:
+            frame = recv_frame(conn, keys, sid, me, time.monotonic() + 5.0, "a late peer")
+        except FederatedError:
+            conn.close()
+            continue
+        if frame.sender[0] == "analyst":
+            analyst = (conn, frame)
+        else:
+            conn.close()
+    if analyst is not None:
+        conn, frame = analyst
+        if frame.mtype == REQUEST:
+            key = keys[party_name(frame.sender)]
+            if error is None and output is not None:
+                send_frame(conn, key, sid, me, frame.sender, RESULT, output, counter)
+            else:
+                assert error is not None
+                body = (
+                    bytes([error.code])
+                    + json.dumps({"message": str(error), "party": error.party}).encode()
+                )
+                send_frame(conn, key, sid, me, frame.sender, ERROR, body, counter)
+        conn.close()
+    if error is not None:
+        raise error
+    return counter
+
+
+def _server_output(
+    session: dict[str, Any], secret: dict[str, Any], index: int, m: int, got: dict[str, Frame]
+) -> bytes:
+    from clipless.federated.ustat import ShareServer
+
+    pts = _points(session)
+    roc = _is_roc(session)
+    noise_key = secret.get("noise_key") if session["noise_sharing"] == "distributed" else None
+    srv = ShareServer(
+        index, m, pts.size * (2 if roc else 1),
+        noise_key=bytes.fromhex(noise_key) if noise_key else None,
+    )  # fmt: skip
+    owners = sorted((w for w in got if w.startswith("owner")), key=lambda w: int(w.split()[1]))
+    if session["protocol"] == "fss":
+        from clipless.federated.dcf import DcfKeys, server_prefix_shares
+
+        for w in owners:
+            if got[w].mtype != KEYS:
+                raise ProtocolError(f"server {index}: {w} sent no DCF keys", w)
+        if roc:
+            from clipless.federated.dcf import prefix_dcf_shares
+
+            parts: list[NDArray[np.uint64]] = []
+            for c in (0, 1):  # each owner's message: its class-0 keys, then its class-1 keys
+                halves = []
+                for w in owners:
+                    data = got[w].payload
+                    if len(data) % 2:
+                        raise ProtocolError(f"malformed DCF keys from {w}", w)
+                    halves.append(data[c * len(data) // 2 : (c + 1) * len(data) // 2])
+                try:
+                    keys = DcfKeys.from_bytes(b"".join(halves), index, _n_bits(session) + 1)
+                except ValueError as exc:
+                    raise ProtocolError(f"server {index}: malformed DCF keys ({exc})") from None
+                parts.append(prefix_dcf_shares(keys, pts))
+            srv.add_plain(np.concatenate(parts))
+        else:
+            try:
+                keys = DcfKeys.from_bytes(
+                    b"".join(got[w].payload for w in owners), index, _n_bits(session)
+                )
+            except ValueError as exc:
+                raise ProtocolError(f"server {index}: malformed DCF keys ({exc})") from None
+            srv.add_plain(server_prefix_shares(keys, pts))
+    else:
+        for w in owners:
+            if got[w].mtype != SHARE:
+                raise ProtocolError(f"server {index}: {w} sent no share", w)
+            try:
+                srv.receive_share(got[w].payload)
+            except ValueError as exc:
+                raise ProtocolError(f"malformed share from {w}: {exc}", w) from None
+    param, _, _, lev, idx, matrix = _noise_setup(session)
+    if session["noise_sharing"] == "dealer":
+        levels, index_all = _all_nodes(session)
+        try:
+            srv.receive_noise(got["dealer 0"].payload, levels, index_all)
+        except ValueError as exc:
+            raise ProtocolError(
+                f"malformed noise shares from dealer 0: {exc}", "dealer 0"
+            ) from None
+    out = srv.output(session["noise"], param, lev, idx, matrix)
+    return out.astype("<u8").tobytes()
+
+
+def run_analyst(
+    session: dict[str, Any], secret: dict[str, Any]
+) -> tuple[NDArray[np.int64], Counter]:
+    """Ask every server for its share; sum them (or raise the error a server reports)."""
+    from clipless.federated.ustat import combine
+
+    me: Party = ("analyst", 0)
+    keys = _keys(secret)
+    sid = bytes.fromhex(session["session"])
+    counter = Counter()
+    deadline = time.monotonic() + 2 * float(session["timeout"]) + 5.0
+    shares = []
+    for j in range(int(session["servers"])):
+        peer: Party = ("server", j)
+        host, port = _server_addr(session, j)
+        reach_by = min(deadline, time.monotonic() + float(session["timeout"]))
+        with connect(host, port, peer, reach_by) as sock:
+            send_frame(sock, keys[party_name(peer)], sid, me, peer, REQUEST, b"", counter)
+            frame = recv_frame(sock, keys, sid, me, deadline, party_name(peer))
+        if frame.mtype == ERROR:
+            info = json.loads(frame.payload[1:].decode())
+            cls = ERRORS.get(frame.payload[0], FederatedError)
+            raise cls(f"server {j} reports: {info['message']}", info["party"])
+        if frame.mtype != RESULT:
+            raise ProtocolError(f"server {j} sent no result", f"server {j}")
+        shares.append(np.frombuffer(frame.payload, dtype="<u8").astype(np.uint64))
+    if len({s.size for s in shares}) != 1:
+        raise ProtocolError("the servers' results have different lengths")
+    return combine(shares), counter
+
+
+# --------------------------------------------------------------------------------------------
+# simulation on loopback
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SimulationResult:
+    """The release and what it cost on the wire (whole frames, all links)."""
+
+    ecdf: Any
+    release: Any
+    prefix_counts: NDArray[np.int64]
+    values: NDArray[np.float64]
+    points: NDArray[np.int64]
+    wall_time: float
+    sent: dict[str, int] = field(default_factory=dict)
+    roc: Any = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+    def by_role(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for link, nbytes in self.sent.items():
+            role = link.split()[0]
+            out[role] = out.get(role, 0) + nbytes
+        return out
+
+
+def make_session(
+    protocol: str,
+    owners: int,
+    servers: int,
+    size: int,
+    epsilon: float | None,
+    *,
+    noise_sharing: str = "dealer",
+    lower: float = 0.0,
+    upper: float = 1.0,
+    points: Sequence[int] | None = None,
+    neighbouring: str = "replace_one",
+    noise: str = "laplace",
+    rho: float | None = None,
+    timeout: float = 30.0,
+    noise_keys: Sequence[bytes] | None = None,
+    n_values: int | None = None,
+    statistic: str = "ecdf",
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A fresh public session and every party's secret (link keys, noise keys).
+
+    ``statistic``: ``"ecdf"`` or ``"roc"`` (owners hold scores and 0/1 labels; whole grid)."""
+    if statistic not in ("ecdf", "roc"):
+        raise ValueError(f"statistic must be 'ecdf' or 'roc', got {statistic!r}")
+    if statistic == "roc" and points is not None:
+        raise ValueError("statistic='roc' releases the whole grid: points must be None")
+    if protocol not in ("shares", "fss"):
+        raise ValueError(f"protocol must be 'shares' or 'fss', got {protocol!r}")
+    if protocol == "fss" and servers != 2:
+        raise ValueError(f"protocol='fss' uses exactly 2 servers, got servers={servers}")
+    if servers < 2:
+        raise ValueError(f"servers must be >= 2, got {servers}")
+    if owners < 1:
+        raise ValueError(f"owners must be >= 1, got {owners}")
+    if noise_sharing not in ("dealer", "distributed"):
+        raise ValueError(f"noise_sharing must be 'dealer' or 'distributed', got {noise_sharing!r}")
+    from clipless.stats.grid import Grid
+
+    session = {
+        "session": secrets.token_hex(16),
+        "statistic": statistic,
+        "thresholds": Grid(lower, upper, size=size).thresholds.tolist(),
+        "protocol": protocol,
+        "servers": servers,
+        "owners": owners,
+        "noise_sharing": noise_sharing,
+        "grid": {"lower": lower, "upper": upper, "size": size},
+        "points": None if points is None else [int(p) for p in points],
+        "epsilon": epsilon,
+        "rho": rho,
+        "noise": noise,
+        "neighbouring": neighbouring,
+        "timeout": timeout,
+        "n_values": owners if n_values is None else n_values,
+        "servers_at": [],
+    }
+    parties = (
+        [f"owner {i}" for i in range(owners)]
+        + [f"server {j}" for j in range(servers)]
+        + ["analyst 0"]
+        + (["dealer 0"] if noise_sharing == "dealer" else [])
+    )
+    secret: dict[str, dict[str, Any]] = {p: {"links": {}} for p in parties}
+    for j in range(servers):
+        for p in parties:
+            if not p.startswith("server"):
+                k = secrets.token_hex(32)
+                secret[p]["links"][f"server {j}"] = k
+                secret[f"server {j}"]["links"][p] = k
+    need = servers if noise_sharing == "distributed" else 1
+    nk = [secrets.token_bytes(16) for _ in range(need)] if noise_keys is None else list(noise_keys)
+    if len(nk) != need:
+        raise ValueError(f"noise_keys must hold {need} key(s), got {len(nk)}")
+    if noise_sharing == "dealer":
+        secret["dealer 0"]["noise_key"] = nk[0].hex()
+    else:
+        for j in range(servers):
+            secret[f"server {j}"]["noise_key"] = nk[j].hex()
+    return session, secret
+
+
+def _child(target: Callable[..., Counter], args: tuple[Any, ...], conn: Any) -> None:
+    try:
+        counter = target(*args)
+        conn.send({"sent": dict(counter.sent), "error": None})
+    except FederatedError as exc:
+        conn.send({"sent": {}, "error": (exc.code, str(exc), exc.party)})
+    except Exception as exc:  # pragma: no cover - reported, never swallowed
+        conn.send({"sent": {}, "error": (0, f"{type(exc).__name__}: {exc}", "")})
+    finally:
+        conn.close()
+
+
+def simulate(
+    protocol: str,
+    owner_values: Sequence[Sequence[float]],
+    servers: int,
+    size: int,
+    epsilon: float | None,
+    *,
+    spawn: str = "fork",
+    faults: dict[str, str] | None = None,
+    kill_server: int | None = None,
+    smoothing: str | None = "isotonic",
+    consistency: bool = True,
+    owner_labels: Sequence[Sequence[int]] | None = None,
+    **session_kwargs: Any,
+) -> SimulationResult:
+    """Run one release with every party a separate process on 127.0.0.1.
+
+    ``owner_labels`` (0/1, one per value) with ``statistic="roc"``: the ROC release of
+    :func:`clipless.federated.federated_roc` over TCP (result in :attr:`SimulationResult.roc`).
+
+    ``faults`` (tests): ``{"owner 2": "die" | "sleep" | "tamper" | "short"}``;
+    ``kill_server``: SIGKILL that server once every process has started. Raises the
+    :class:`FederatedError` subclass naming the failing party (the analyst's, which carries
+    what the servers saw).
+    """
+    if spawn not in ("fork", "subprocess"):
+        raise ValueError(f"spawn must be 'fork' or 'subprocess', got {spawn!r}")
+    faults = faults or {}
+    n = len(owner_values)
+    n_values = sum(len(v) for v in owner_values)
+    session, secret = make_session(
+        protocol, n, servers, size, epsilon, n_values=n_values, **session_kwargs
+    )
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="clipless-fed-") as tmp:
+        procs: list[tuple[str, Any, Any]] = []
+        try:
+            if spawn == "fork":
+                ctx = multiprocessing.get_context("fork")
+
+                def launch(
+                    name: str, target: Callable[..., Counter], args: tuple[Any, ...]
+                ) -> None:
+                    parent, child = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_child, args=(target, args, child), daemon=True)
+                    proc.start()
+                    child.close()
+                    procs.append((name, proc, parent))
+
+                for j in range(servers):
+                    # one listener at a time, closed here once forked: no other process holds it
+                    lst = socket.create_server(("127.0.0.1", 0))
+                    session["servers_at"].append(["127.0.0.1", lst.getsockname()[1]])
+                    launch(f"server {j}", run_server, (session, secret[f"server {j}"], j, lst))
+                    lst.close()
+                if kill_server is not None:
+                    procs[kill_server][1].kill()
+                    procs[kill_server][1].join()
+                if session["noise_sharing"] == "dealer":
+                    launch("dealer 0", run_dealer, (session, secret["dealer 0"]))
+                for i, vals in enumerate(owner_values):
+                    launch(
+                        f"owner {i}",
+                        run_owner,
+                        (
+                            session,
+                            secret[f"owner {i}"],
+                            i,
+                            list(vals),
+                            faults.get(f"owner {i}", ""),
+                            None if owner_labels is None else list(owner_labels[i]),
+                        ),
+                    )
+            else:
+                _launch_subprocesses(
+                    session, secret, owner_values, Path(tmp), procs, kill_server, owner_labels
+                )
+            analyst_error: FederatedError | None = None
+            sent: dict[str, int] = {}
+            try:
+                out, counter = run_analyst(session, secret["analyst 0"])
+                sent.update(counter.sent)
+            except FederatedError as exc:
+                analyst_error = exc
+            party_errors: list[FederatedError] = []
+            grace = 0.5 if analyst_error is not None else float(session["timeout"]) + 10.0
+            for name, proc, channel in procs:
+                report = _collect(name, proc, channel, spawn, grace)
+                if report is None:
+                    continue
+                sent.update(report["sent"])
+                if report["error"] is not None:
+                    code, message, party = report["error"]
+                    party_errors.append(ERRORS.get(code, FederatedError)(message, party))
+            if analyst_error is not None:
+                raise analyst_error
+            if party_errors:
+                raise party_errors[0]
+        finally:
+            for _, proc, _ in procs:
+                _stop(proc)
+    wall = time.perf_counter() - start
+    return _finish(session, out, sent, wall, smoothing, consistency)
+
+
+def _finish(
+    session: dict[str, Any],
+    out: NDArray[np.int64],
+    sent: dict[str, int],
+    wall: float,
+    smoothing: str | None,
+    consistency: bool,
+) -> SimulationResult:
+    from clipless.federated.ecdf import assemble
+
+    param, var, delta, _, _, _ = _noise_setup(session)
+    m_noise = int(session["servers"]) if session["noise_sharing"] == "distributed" else 1
+    pts = _points(session)
+    whole = session.get("points") is None
+    nb, eps, rho = _budget(session)
+    if not _is_roc(session):
+        counts, values, release, F = assemble(
+            out, _grid(session), pts, whole, int(session["n_values"]), session["noise"],
+            param, var * m_noise, delta, eps, rho, nb,  # type: ignore[arg-type]
+            smoothing, consistency,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return SimulationResult(F, release, counts, values, pts, wall, dict(sent))
+    from clipless.stats.roc import DPROC
+
+    half = out.size // 2
+    curves = []
+    for part in (out[:half], out[half:]):
+        _, _, _, Fc = assemble(
+            part, _grid(session), pts, True, 0, session["noise"], param, var * m_noise,
+            delta, eps, rho, "add_remove", smoothing, consistency,  # type: ignore[arg-type]
+        )  # fmt: skip
+        curves.append(Fc)
+    neg, pos = curves
+    assert neg is not None and pos is not None
+    fpr, tpr = 1.0 - np.asarray(neg.values), 1.0 - np.asarray(pos.values)
+    roc = DPROC(
+        thresholds=neg.grid.thresholds, fpr=fpr, tpr=tpr, negatives=neg, positives=pos,
+        epsilon=session["epsilon"], rho=session["rho"], neighbouring=session["neighbouring"],
+        smoothing=smoothing,  # type: ignore[arg-type]
+    )  # fmt: skip
+    counts = np.concatenate([neg.release.prefix_counts, pos.release.prefix_counts])
+    return SimulationResult(
+        None, None, counts, np.concatenate([neg.values, pos.values]), pts, wall, dict(sent), roc
+    )
+
+
+def _collect(name: str, proc: Any, channel: Any, spawn: str, wait: float) -> dict[str, Any] | None:
+    if spawn == "fork":
+        if channel.poll(wait):
+            try:
+                return dict(channel.recv())
+            except EOFError:
+                pass
+        proc.join(1.0)
+        if proc.exitcode not in (0, None) and proc.exitcode != -signal.SIGKILL:
+            return {"sent": {}, "error": (3, f"{name} crashed (exit code {proc.exitcode})", name)}
+        return None
+    try:
+        stdout, _ = proc.communicate(timeout=wait)
+    except subprocess.TimeoutExpired:
+        return {"sent": {}, "error": (2, f"{name} did not finish in time", name)}
+    for line in reversed(stdout.decode(errors="replace").splitlines()):
+        if line.startswith("{"):
+            return dict(json.loads(line))
+    if proc.returncode not in (0, -signal.SIGKILL):
+        return {"sent": {}, "error": (3, f"{name} crashed (exit code {proc.returncode})", name)}
+    return None
+
+
+def _stop(proc: Any) -> None:
+    if isinstance(proc, subprocess.Popen):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    elif proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+def _launch_subprocesses(
+    session: dict[str, Any],
+    secret: dict[str, dict[str, Any]],
+    owner_values: Sequence[Sequence[float]],
+    tmp: Path,
+    procs: list[tuple[str, Any, Any]],
+    kill_server: int | None,
+    owner_labels: Sequence[Sequence[int]] | None = None,
+) -> None:
+    """Start ``clipless federated serve/dealer/owner`` processes (servers first, on port 0)."""
+    exe = [sys.executable, "-m", "clipless.federated.cli"]  # fast start: no torch, no scipy
+    env = dict(os.environ)
+
+    def secret_file(name: str) -> str:
+        path = tmp / f"{name.replace(' ', '-')}.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(secret[name], fh)
+        return str(path)
+
+    pub = tmp / "session.json"
+    pub.write_text(json.dumps(session))
+    for j in range(int(session["servers"])):
+        proc = subprocess.Popen(
+            [
+                *exe,
+                "serve",
+                str(pub),
+                "--index",
+                str(j),
+                "--secret",
+                secret_file(f"server {j}"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        procs.append((f"server {j}", proc, None))
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        if not line.startswith("listening "):
+            raise PartyDroppedError(f"server {j} failed to start", f"server {j}")
+        host, port = line.split()[1].rsplit(":", 1)
+        session["servers_at"].append([host, int(port)])
+    pub.write_text(json.dumps(session))
+    if kill_server is not None:
+        procs[kill_server][1].kill()
+        procs[kill_server][1].wait()
+    if session["noise_sharing"] == "dealer":
+        proc = subprocess.Popen(
+            [*exe, "dealer", str(pub), "--secret", secret_file("dealer 0")],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        procs.append(("dealer 0", proc, None))
+    for i, vals in enumerate(owner_values):
+        proc = subprocess.Popen(
+            [
+                *exe,
+                "owner",
+                str(pub),
+                "--index",
+                str(i),
+                "--secret",
+                secret_file(f"owner {i}"),
+                "--values",
+                ",".join(repr(float(v)) for v in vals),
+                *(
+                    []
+                    if owner_labels is None
+                    else ["--labels", ",".join(str(int(y)) for y in owner_labels[i])]
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        procs.append((f"owner {i}", proc, None))

@@ -1,0 +1,93 @@
+"""``clipless federated simulate``: output lines, bad arguments, the subprocess path."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from clipless.cli import main
+
+
+def test_simulate_prints_release_and_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([
+        "federated", "simulate", "--owners", "4", "--servers", "3", "--protocol", "shares",
+        "--size", "5", "--epsilon", "2", "--spawn", "fork", "--timeout", "20",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("\n") >= 5 + 5
+    total = int(re.search(r"^total: (\d+) bytes$", out, re.M).group(1))  # type: ignore[union-attr]
+    roles = {m[0]: int(m[1]) for m in re.findall(r"^  (\w+): (\d+) bytes$", out, re.M)}
+    assert set(roles) == {"owner", "server", "dealer", "analyst"}
+    assert sum(roles.values()) == total
+    assert re.search(r"^wall time: [\d.]+ s$", out, re.M)
+
+
+def test_simulate_roc_prints_auc(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([
+        "federated", "simulate", "--owners", "6", "--protocol", "fss", "--size", "5",
+        "--epsilon", "2", "--spawn", "fork", "--timeout", "20", "--statistic", "roc",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "threshold  FPR     TPR" in out
+    assert re.search(r"^AUC: -?[\d.]+$", out, re.M)
+    assert re.search(r"^total: \d+ bytes$", out, re.M)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--servers", "1"], "--servers must be >= 2"),
+        (["--protocol", "fss", "--servers", "3"], "exactly 2 servers"),
+        (["--epsilon", "0"], "--epsilon must be > 0"),
+        (["--noise-key", "abc"], "--noise-key"),
+    ],
+)
+def test_simulate_bad_arguments(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["federated", "simulate", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_simulate_subprocesses_fss(capsys: pytest.CaptureFixture[str]) -> None:
+    # the real command path: every party a `python -m clipless.federated.cli` process
+    code = main([
+        "federated", "simulate", "--owners", "3", "--protocol", "fss", "--size", "4",
+        "--epsilon", "1", "--timeout", "60",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"^total: \d+ bytes$", out, re.M)
+
+
+def test_init_writes_private_secrets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import stat
+
+    out = tmp_path / "run"
+    code = main([
+        "federated", "init", "--out", str(out), "--owners", "2", "--size", "4",
+        "--epsilon", "1", "--server-at", "10.0.0.1:7000", "--server-at", "10.0.0.2:7000",
+    ])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    session = json.loads((out / "session.json").read_text())
+    assert session["servers_at"] == [["10.0.0.1", 7000], ["10.0.0.2", 7000]]
+    names = sorted(p.name for p in (out / "secrets").iterdir())
+    assert names == [
+        "analyst-0.json", "dealer-0.json", "owner-0.json", "owner-1.json",
+        "server-0.json", "server-1.json",
+    ]  # fmt: skip
+    owner = json.loads((out / "secrets" / "owner-0.json").read_text())
+    assert set(owner["links"]) == {"server 0", "server 1"}  # only its own links
+    server = json.loads((out / "secrets" / "server-1.json").read_text())
+    assert server["links"]["owner 0"] == owner["links"]["server 1"]
+    mode = (out / "secrets" / "owner-0.json").stat().st_mode
+    assert stat.S_IMODE(mode) == 0o600
+    assert main(["federated", "init", "--out", str(tmp_path / "x"), "--owners", "2", "--size",
+                 "4", "--epsilon", "1", "--server-at", "nohost"]) == 2  # fmt: skip
+    assert "HOST:PORT" in capsys.readouterr().err

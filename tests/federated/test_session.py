@@ -1,0 +1,144 @@
+"""Parties as separate processes over TCP loopback: the release, the bytes, the failures."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from clipless.federated import NodeNoise, federated_ecdf
+from clipless.federated.dcf import domain_bits, key_bytes
+from clipless.federated.session import make_session, simulate
+from clipless.federated.transport import (
+    TAG_BYTES,
+    AuthenticationError,
+    PartyDroppedError,
+    PartyTimeoutError,
+    ProtocolError,
+)
+from clipless.stats import Grid, ecdf
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork start method")
+
+KEY = bytes([9]) * 16
+FRAME = 23 + TAG_BYTES  # header + HMAC tag around every payload
+
+
+def _values(n: int, seed: int = 0) -> list[list[float]]:
+    return [[float(v)] for v in np.random.default_rng(seed).uniform(0, 1, n)]
+
+
+@pytest.mark.parametrize("protocol,servers", [("shares", 3), ("fss", 2)])
+def test_tcp_release_equals_central_and_bytes_match_formula(protocol: str, servers: int) -> None:
+    owners, size = _values(6), 10
+    res = simulate(protocol, owners, servers, size, 0.8, timeout=20.0, noise_keys=[KEY])
+    central = ecdf(np.concatenate(owners), Grid(0, 1, size=size), 0.8, node_noise=NodeNoise(KEY))
+    assert res.ecdf is not None
+    assert res.ecdf.values.tobytes() == central.values.tobytes()
+    fed = federated_ecdf(
+        owners,
+        Grid(0, 1, size=size),
+        0.8,
+        protocol=protocol,  # type: ignore[arg-type]
+        servers=servers,
+        noise_keys=[KEY],
+    )
+    assert res.prefix_counts.tolist() == fed.prefix_counts.tolist()
+    # bytes on the wire, exactly: every payload is framed (23-byte header + 32-byte tag)
+    n, m, nodes = len(owners), servers, 2 * 16 - 1
+    if protocol == "shares":
+        owner_bytes = n * ((m - 1) * (FRAME + 16) + FRAME + 8 * size)
+    else:
+        owner_bytes = n * m * (FRAME + key_bytes(domain_bits(size)))
+    dealer_bytes = (m - 1) * (FRAME + 16) + FRAME + 8 * nodes
+    server_bytes = m * ((n + 1) * FRAME + FRAME + 8 * nodes)  # ACKs + one result each
+    roles = res.by_role()
+    assert roles == {
+        "owner": owner_bytes,
+        "dealer": dealer_bytes,
+        "server": server_bytes,
+        "analyst": m * FRAME,
+    }
+    assert res.total == sum(roles.values())
+
+
+def test_distributed_noise_over_tcp_pointwise() -> None:
+    owners = _values(4, 1)
+    res = simulate(
+        "shares",
+        owners,
+        2,
+        8,
+        1.0,
+        timeout=20.0,
+        noise_sharing="distributed",
+        points=[1, 5, 7],
+        noise_keys=[KEY, bytes(16)],
+    )
+    fed = federated_ecdf(
+        owners,
+        Grid(0, 1, size=8),
+        1.0,
+        noise_sharing="distributed",
+        thresholds=[1, 5, 7],
+        noise_keys=[KEY, bytes(16)],
+    )
+    assert res.prefix_counts.tolist() == fed.prefix_counts.tolist()
+    assert "dealer" not in res.by_role()
+
+
+def test_killed_owner_is_named() -> None:
+    with pytest.raises(PartyDroppedError, match="owner 1") as info:
+        simulate("shares", _values(3), 2, 4, 1.0, timeout=10.0, faults={"owner 1": "die"})
+    assert info.value.party == "owner 1"
+
+
+def test_killed_server_is_named() -> None:
+    with pytest.raises(PartyDroppedError, match="server 1") as info:
+        simulate("fss", _values(2), 2, 4, 1.0, timeout=2.0, kill_server=1)
+    assert info.value.party == "server 1"
+
+
+def test_slow_owner_times_out_named() -> None:
+    with pytest.raises(PartyTimeoutError, match="owner 0") as info:
+        simulate("shares", _values(2), 2, 4, 1.0, timeout=1.0, faults={"owner 0": "sleep"})
+    assert info.value.party == "owner 0"
+
+
+def test_tampered_message_is_rejected() -> None:
+    with pytest.raises(AuthenticationError, match=r"owner 2.*HMAC") as info:
+        simulate("shares", _values(3), 2, 4, 1.0, timeout=10.0, faults={"owner 2": "tamper"})
+    assert info.value.party == "owner 2"
+
+
+def test_malformed_share_is_rejected() -> None:
+    with pytest.raises(ProtocolError, match="malformed share from owner 1") as info:
+        simulate("shares", _values(2), 2, 4, 1.0, timeout=10.0, faults={"owner 1": "short"})
+    assert info.value.party == "owner 1"
+
+
+def test_session_bad_input() -> None:
+    with pytest.raises(ValueError, match="protocol"):
+        make_session("flower", 2, 2, 4, 1.0)
+    with pytest.raises(ValueError, match="2 servers"):
+        make_session("fss", 2, 3, 4, 1.0)
+    with pytest.raises(ValueError, match="servers"):
+        make_session("shares", 2, 1, 4, 1.0)
+
+
+@pytest.mark.parametrize("protocol,servers", [("shares", 3), ("fss", 2)])
+def test_tcp_roc_equals_in_process(protocol: str, servers: int) -> None:
+    from clipless.federated import federated_roc
+
+    rng = np.random.default_rng(5)
+    labels = [[int(v)] for v in rng.integers(0, 2, 8)]
+    scores = [[float(rng.normal(0.3 + 0.4 * y[0], 0.2))] for y in labels]
+    res = simulate(protocol, scores, servers, 9, 1.0, timeout=20.0, noise_keys=[KEY],
+                   statistic="roc", owner_labels=labels)  # fmt: skip
+    ref, _ = federated_roc(scores, labels, Grid(0, 1, size=9), 1.0, protocol=protocol,  # type: ignore[arg-type]
+                           servers=servers, noise_keys=[KEY])  # fmt: skip
+    assert res.roc is not None
+    assert res.roc.fpr.tobytes() == ref.fpr.tobytes()
+    assert res.roc.tpr.tobytes() == ref.tpr.tobytes()
+    assert res.roc.auc() == ref.auc()
