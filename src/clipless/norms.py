@@ -188,19 +188,26 @@ class _Estimate(NamedTuple):
     vector: object
 
 
-def _top_eigenvalue_estimate(gram: torch.Tensor, v0: object = None) -> _Estimate | None:
-    """``lambda_max`` of a symmetric float64 CPU matrix by ARPACK (Lanczos; steering only).
+def _top_eigenvalue_estimate(gram: object, v0: object = None) -> _Estimate | None:
+    """``lambda_max`` of a symmetric float64 matrix by ARPACK (Lanczos; steering only).
 
-    An *estimate*: it only chooses the level ``c^2`` that :func:`_cholesky_norm` then proves with
-    a Cholesky factorisation. ``None`` when ARPACK does not converge or the matrix is tiny.
+    ``gram`` is a NumPy array of which only the upper triangle is read (BLAS ``dsymv``). An
+    *estimate*: it only chooses the level ``c^2`` that :func:`_cholesky_norm` then proves with a
+    Cholesky factorisation. ``None`` when ARPACK does not converge or the matrix is tiny.
     """
     import numpy as np
-    from scipy.sparse.linalg import ArpackError, eigsh
+    from scipy.linalg import blas
+    from scipy.sparse.linalg import ArpackError, LinearOperator, eigsh
 
+    assert isinstance(gram, np.ndarray)
     n = int(gram.shape[0])
     if n < 3:
         return None
-    a = gram.numpy()
+
+    def matvec(x: np.ndarray) -> np.ndarray:
+        return blas.dsymv(1.0, gram, np.ascontiguousarray(x).reshape(-1), lower=0)
+
+    a = LinearOperator((n, n), matvec=matvec, dtype=np.float64)
     if isinstance(v0, np.ndarray) and v0.shape == (n,) and np.all(np.isfinite(v0)) and v0.any():
         start = v0
     else:  # a fixed pseudo-random start: the same matrix always gets the same bound
@@ -232,8 +239,9 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     ``sqrt(#entries) 2^-1074`` in Frobenius norm (added to the result). Let ``W`` be ``k x n``,
     ``k >= n`` (the transpose otherwise; same norm).
 
-    1. ``G~ = fl(W^T W) = W^T W + E1`` with ``|E1| <= gamma_k |W|^T |W|`` entrywise (any order of
-       the inner products, conventional BLAS), so ``||E1|| <= ||E1||_F <= gamma_k ||W||_F^2``.
+    1. ``G~ = fl(W^T W) = W^T W + E1`` (BLAS ``dsyrk``, upper triangle; the factorisation reads
+       no other entry) with ``|E1| <= gamma_k |W|^T |W|`` entrywise (any order of the inner
+       products, conventional BLAS), so ``||E1|| <= ||E1||_F <= gamma_k ||W||_F^2``.
     2. ``B = fl(c^2 I - G~)`` rounds only the diagonal: ``B = c^2 I - G~ + E2`` with ``E2``
        diagonal, ``|E2_ii| <= u |B_ii|``.
     3. Cholesky of ``B`` runs to completion (``info = 0``): by Higham, *Accuracy and Stability of
@@ -260,6 +268,9 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     """
     if w.device.type != "cpu" or w.is_complex():
         return None
+    import numpy as np
+    from scipy.linalg import blas, lapack
+
     if w.shape[0] < w.shape[1]:
         w = w.mT
     k, n = int(w.shape[0]), int(w.shape[1])
@@ -271,7 +282,10 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     w = torch.ldexp(w, torch.tensor(e, dtype=torch.int32))
     # Underflow of entries when scaling down, and of the result when scaling back (subnormal).
     underflow = (math.sqrt(w.numel()) + 1.0) * 2.0**-1074
-    gram = w.mT @ w
+    # W^T W by BLAS dsyrk (upper triangle only: half the work of a general product). The
+    # k x n row-major W is the column-major n x k matrix W^T, so no copy is made.
+    wt = np.asarray(w.numpy()).T
+    gram = blas.dsyrk(1.0, wt, trans=0, lower=0)
     estimate = _top_eigenvalue_estimate(gram, v0)
     if estimate is None:
         return None
@@ -282,16 +296,18 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     if gamma_n >= 0.5 or gamma_k >= 0.5:
         return None
     absolute = 8.0 * (k + n + 2) * n * _TINY
+    grow_n = 1.0 + (n + 4) * 2.0 * UNIT_ROUNDOFF
     for lift in _CHOLESKY_MARGINS:
         c2 = max(estimate.value, 0.0) * (1.0 + lift) + absolute
-        b = -gram
-        b.diagonal().add_(c2)
-        _, info = torch.linalg.cholesky_ex(b, check_errors=False)
+        b = np.negative(gram, order="F")
+        b[np.diag_indices(n)] += c2
+        _, info = lapack.dpotrf(b, lower=0, clean=0, overwrite_a=1)
         if int(info) != 0:
             continue
-        grow_n = 1.0 + (n + 4) * 2.0 * UNIT_ROUNDOFF
-        trace = float(b.diagonal().sum().item()) * grow_n
-        bmax = float(b.diagonal().abs().max().item()) * grow_n
+        # dpotrf overwrote the upper triangle (diagonal included): recompute B's diagonal.
+        b_diag = c2 - np.diagonal(gram)
+        trace = float(math.fsum(b_diag.tolist())) * grow_n
+        bmax = float(np.abs(b_diag).max()) * grow_n
         tau = (
             gamma_n / (1.0 - gamma_n) * max(trace, 0.0)
             + UNIT_ROUNDOFF * bmax
