@@ -103,3 +103,31 @@ def test_rescale_keeps_the_weight_direction(dtype: torch.dtype) -> None:
     torch.testing.assert_close(after, before * scale, rtol=1e-6, atol=0.0)
     assert _exact(after) <= bound <= 1.0
     assert bound >= 1.0 - 1e-5
+
+
+def test_forward_snapshot_reuses_the_certified_copy() -> None:
+    """The optimizer's per-forward weight snapshot is the bound cache's copy (no extra clone),
+    and a write through ``.data`` after the forward is still refused at backward."""
+    torch.manual_seed(0)
+    model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(6, 8), cnn.GroupSort(2), cnn.Linear(8, 3))
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    loss = cnn.CrossEntropyLoss()
+    model, opt, _ = clipless.PrivacyEngine(seed=0).make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=loader,
+        loss=loss,
+        noise_multiplier=1.0,
+    )
+    out = model(x[:16])
+    layers = [m for m in model.modules() if isinstance(m, cnn.Linear)]
+    loss(out, y[:16]).backward()
+    opt.step()
+    out = model(x[16:32])
+    layers[1].weight.data.add_(1.0)
+    with pytest.raises(clipless.optim.PrivacyContractError, match="changed between the forward"):
+        loss(out, y[16:32]).backward()
+    snapshot = opt._snapshot(layers[0].weight)
+    assert snapshot is layers[0].__dict__["_bound_cache"][0]
+    assert torch.equal(snapshot, layers[0].weight.detach())

@@ -231,6 +231,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self._current: _Pass | None = None
         self._mean_warning_given = False
         self._last_cotangent_norm = 0.0
+        self._weight_owner: dict[torch.nn.Parameter, ParametricLipschitzModule] = {}
+        for layer in module.modules():
+            weight = layer._parameters.get("weight")
+            if isinstance(layer, ParametricLipschitzModule) and weight is not None:
+                self._weight_owner.setdefault(weight, layer)
         self._hooks = [
             module.register_forward_pre_hook(_Hook(self, "_before_forward")),
             module.register_forward_hook(_Hook(self, "_after_forward")),
@@ -328,10 +333,28 @@ class DPOptimizer(torch.optim.Optimizer):
         params = tuple(self._names)
         self._current = _Pass(
             plan=plan,
-            weights=tuple(p.detach().clone() for p in params),
+            weights=tuple(self._snapshot(p) for p in params),
             params=params,
             owner=self,
         )
+
+    def _snapshot(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """A copy of ``p`` as this forward uses it, for the check in :meth:`_on_backward`.
+
+        A layer weight reuses the copy its bound cache holds (``_bound_cache``,
+        :meth:`ParametricLipschitzModule._cached_bound`): the bound report that planned this
+        forward has just compared it bitwise with the weight (or replaced it by a fresh copy),
+        and the cache only ever *replaces* that tensor, never writes into it. This saves one
+        clone of every weight per forward (~1.5 ms for the 1.9 M-parameter MLP on one CPU
+        core). Other parameters (biases) are cloned.
+        """
+        owner = self._weight_owner.get(p)
+        cached = owner.__dict__.get("_bound_cache") if owner is not None else None
+        if cached is not None:
+            ref = cached[0]
+            if ref.shape == p.shape and ref.dtype == p.dtype and ref.device == p.device:
+                return ref  # type: ignore[no-any-return]
+        return p.detach().clone()
 
     def _after_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], output: Any
