@@ -353,7 +353,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if cached is not None:
             ref = cached[0]
             if ref.shape == p.shape and ref.dtype == p.dtype and ref.device == p.device:
-                return ref  # type: ignore[no-any-return]
+                return ref
         return p.detach().clone()
 
     def _after_forward(
