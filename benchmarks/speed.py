@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
+    try:  # the Cholesky certificate runs in SciPy's BLAS: give it the same number of threads
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=args.threads)
+    except ImportError:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
     configs = args.configs or ["nonprivate", "clipless-ps", "clipless-bound"]
     if args.configs is None and importlib.util.find_spec("opacus") is not None:
         configs += ["opacus", "opacus-ghost"]

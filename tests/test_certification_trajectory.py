@@ -131,3 +131,49 @@ def test_forward_snapshot_reuses_the_certified_copy() -> None:
     snapshot = opt._snapshot(layers[0].weight)
     assert snapshot is layers[0].__dict__["_bound_cache"][0]
     assert torch.equal(snapshot, layers[0].weight.detach())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_certification_and_steps_on_cuda() -> None:
+    """Off the CPU, ``auto`` certifies with eigh / Gram iteration on the device; a private step
+    keeps every tensor (noise included) on the device and its bounds certified."""
+    gen = torch.Generator().manual_seed(4)
+    mat = torch.randn(200, 150, generator=gen).cuda()
+    exact = _exact(mat.cpu())
+    from clipless.norms import dense_norm
+
+    assert exact <= dense_norm(mat) <= exact * 1.01
+    layers = _train_on("cuda")
+    for layer in layers:
+        assert layer.weight.device.type == "cuda"
+        assert _exact(layer.weight.cpu()) <= layer.lipschitz() <= 1.0
+
+
+def _train_on(device: str) -> list[cnn.Linear]:
+    torch.manual_seed(0)
+    model = cnn.Sequential(
+        cnn.InputNorm(1.0), cnn.Linear(20, 96), cnn.GroupSort(2), cnn.Linear(96, 3)
+    ).to(device)
+    x = torch.randn(128, 20, device=device)
+    y = torch.randint(0, 3, (128,), device=device)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    loss = cnn.CrossEntropyLoss()
+    model, opt, _ = clipless.PrivacyEngine(seed=0).make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=loader,
+        loss=loss,
+        noise_multiplier=1.0,
+    )
+    for step in range(3):
+        idx = torch.arange(32, device=device) + 32 * step
+        opt.zero_grad()
+        loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+    return [m for m in model.modules() if isinstance(m, cnn.Linear)]
+
+
+def test_train_on_cpu_helper() -> None:
+    """The device-generic helper of the CUDA test also runs (and stays certified) on the CPU."""
+    for layer in _train_on("cpu"):
+        assert _exact(layer.weight) <= layer.lipschitz() <= 1.0
