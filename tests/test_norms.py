@@ -173,6 +173,18 @@ def test_cholesky_norm_is_certified_and_tight_on_adversarial_matrices(dtype: tor
         assert dense_norm(mat, method="cholesky") == result[0]
 
 
+@pytest.mark.parametrize("exponent", [-1060, -1000, 1000])
+def test_cholesky_norm_at_extreme_scales(exponent: int) -> None:
+    """Entries near the subnormal range (scaling up, or down with underflow) and near overflow."""
+    base = _with_singular_values(120, 90, torch.linspace(1.0, 0.1, 90), 31)
+    mat = base * 2.0 ** (exponent // 2) * 2.0 ** (exponent - exponent // 2)
+    back = mat * 2.0 ** (-(exponent // 2)) * 2.0 ** (-(exponent - exponent // 2))
+    exact = exact_norm(back) * 2.0**exponent  # scaling a float64 matrix up is exact
+    result = norms._cholesky_norm(mat)
+    assert result is not None
+    assert exact <= result[0] <= exact * (1 + 1e-5) + 2.0**-1000
+
+
 def test_cholesky_norm_rejects_a_level_below_the_norm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimate only steers: below the truth the factorisation fails, or what it certifies
     (with the rounding terms) is still above the exact norm."""
