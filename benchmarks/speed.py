@@ -59,6 +59,36 @@ def snapshot_cost(model: torch.nn.Module, n: int = 20) -> dict[str, float]:
     return {"clone_s": statistics.median(clones), "equal_s": statistics.median(checks)}
 
 
+def certification_costs(reps: int = 5) -> dict[str, dict[str, float]]:
+    """Median seconds and tightness of one certification of the MLP's two wide layers, per method.
+
+    Weights: orthogonal plus a DP-sized perturbation (relative spectral size ~0.3, as one noisy
+    step at the benchmark's learning rate), float32 as in training; methods of
+    :func:`clipless.norms.dense_norm` interleaved; tightness = bound / exact SVD norm - 1.
+    """
+    from clipless.norms import dense_norm
+
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, dict[str, float]] = {}
+    for rows, cols in ((1024, 784), (1024, 1024)):
+        q, _ = torch.linalg.qr(torch.randn(rows, cols, generator=gen, dtype=torch.float64))
+        w = (q + 0.3 * torch.randn(rows, cols, generator=gen, dtype=torch.float64) / 64).float()
+        exact = float(torch.linalg.matrix_norm(w.double(), ord=2))
+        times: dict[str, list[float]] = {}
+        bounds: dict[str, float] = {}
+        for _ in range(reps):
+            for method in ("svd", "eigh", "cholesky"):
+                t0 = time.perf_counter()
+                bounds[method] = dense_norm(w, method=method)  # type: ignore[arg-type]
+                times.setdefault(method, []).append(time.perf_counter() - t0)
+        for method, ts_ in times.items():
+            out[f"{rows}x{cols}/{method}"] = {
+                "median_s": statistics.median(ts_),
+                "tightness": bounds[method] / exact - 1.0,
+            }
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(ts.MODELS), choices=ts.MODELS)
@@ -76,6 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--profile-batch", type=int, default=256)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument(
+        "--certification-only",
+        action="store_true",
+        help="only time one certification of the MLP's wide layers per dense_norm method",
+    )
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -86,6 +121,12 @@ def main(argv: list[str] | None = None) -> None:
         threadpool_limits(limits=args.threads)
     except ImportError:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
+    certify = certification_costs()
+    print("# one certification of a wide MLP layer (median ms; bound / exact - 1):")
+    for key, v in certify.items():
+        print(f"  {key:22s} {1000 * v['median_s']:8.1f} ms   {v['tightness']:.2e}", flush=True)
+    if args.certification_only:
+        return
     configs = args.configs or ["nonprivate", "clipless-ps", "clipless-bound"]
     if args.configs is None and importlib.util.find_spec("opacus") is not None:
         configs += ["opacus", "opacus-ghost"]
@@ -159,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     env["loadavg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"environment": env, "args": vars(args) | {"out": str(args.out)}}
-    payload |= {"results": results, "profiles": profiles}
+    payload |= {"results": results, "profiles": profiles, "certification": certify}
     args.out.write_text(json.dumps(payload, indent=1, default=str))
     print()
     ts.print_tables(results)
