@@ -225,6 +225,8 @@ class DPOptimizer(torch.optim.Optimizer):
             generator = torch.Generator(device=device)
             generator.manual_seed(secrets.randbits(63))
         self.generator = generator
+        #: Set by :func:`clipless.distributed.make_data_parallel` (None: one process).
+        self.data_parallel: Any = None
         self._multiplicity = 1
         self._pending: list[_Pass] = []
         self._released: dict[torch.nn.Parameter, tuple[int, int]] = {}
@@ -455,12 +457,23 @@ class DPOptimizer(torch.optim.Optimizer):
     def add_noise(self, plan: NoisePlan | None = None) -> None:
         """Add the plan's noise to every noised gradient and divide by the expected batch size."""
         plan = plan if plan is not None else self.current_plan(self._multiplicity)
+        parallel = self.data_parallel
+        stds = dict(plan.stds)
+        if parallel is not None:  # clipless.distributed: sum the ranks' gradients first
+            for p in self._names:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            parallel.reduce([p.grad for p in self._names if p.grad is not None])
+            stds = parallel.largest(stds)  # replicas agree; if not, the safe (largest) noise
         for p, name in self._names.items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if parallel is not None and not parallel.adds_noise:
+                p.grad.div_(plan.expected_batch_size)
+                continue
             noise = torch.normal(
                 0.0,
-                plan.stds[name],
+                stds[name],
                 size=tuple(p.shape),
                 generator=self.generator,
                 device=self.generator.device,
@@ -468,6 +481,8 @@ class DPOptimizer(torch.optim.Optimizer):
             )
             p.grad.add_(noise.to(p.grad.device))
             p.grad.div_(plan.expected_batch_size)
+        if parallel is not None:  # every rank steps with the noisy gradient of the noising rank
+            parallel.broadcast([p.grad for p in self._names if p.grad is not None])
 
     def _plan_for_step(self) -> NoisePlan:
         """The plan of the one private gradient the step releases (or refuse it)."""
@@ -514,7 +529,8 @@ class DPOptimizer(torch.optim.Optimizer):
             self.ledger.record(
                 plan.accounting_noise_multiplier, plan.sample_rate, proven=plan.proven
             )
-            if self.ledger_path is not None:
+            writes = self.data_parallel is None or self.data_parallel.writes_ledger
+            if self.ledger_path is not None and writes:
                 self.ledger.to_json(self.ledger_path)
             self.add_noise(plan)
         finally:
