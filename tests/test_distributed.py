@@ -19,7 +19,9 @@ from clipless import nn as cnn
 STEPS = 4
 
 
-def _run(parallel: bool, ledger_path: Path | None = None) -> tuple[dict[str, Any], float, int]:
+def _run(
+    parallel: bool, ledger_path: Path | None = None, seed: int | None = 7
+) -> tuple[dict[str, Any], float, int]:
     torch.manual_seed(0)
     model = cnn.Sequential(
         cnn.InputNorm(1.0), cnn.Linear(10, 16), cnn.GroupSort(2), cnn.Linear(16, 3)
@@ -29,7 +31,7 @@ def _run(parallel: bool, ledger_path: Path | None = None) -> tuple[dict[str, Any
     y = torch.randint(0, 3, (256,), generator=gen)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
     loss = cnn.CrossEntropyLoss()
-    engine = clipless.PrivacyEngine(seed=7)
+    engine = clipless.PrivacyEngine(seed=seed)
     model, opt, loader = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
@@ -39,7 +41,7 @@ def _run(parallel: bool, ledger_path: Path | None = None) -> tuple[dict[str, Any
         ledger_path=ledger_path,
     )
     if parallel:
-        distributed.make_data_parallel(opt)
+        distributed.make_data_parallel(opt, loader)
     rows = 0
     for step, (xb, yb) in enumerate(loader):
         if step == STEPS:
@@ -63,6 +65,19 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         ledger = Path(out) / f"ledger{rank}.json"
         state, eps, rows = _run(True, ledger_path=ledger)
         torch.save({"state": state, "epsilon": eps, "rows": rows}, Path(out) / f"rank{rank}.pt")
+        # Unseeded engines: every rank's sampler starts from its own CSPRNG state; the loader
+        # handed to make_data_parallel is synchronised, so the replicas still agree.
+        state, eps, rows = _run(True, seed=None)
+        torch.save({"state": state, "rows": rows}, Path(out) / f"unseeded{rank}.pt")
+        # A loader that was not synchronised is caught by shard().
+        gen = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(int(torch.randint(5, 50, (1,), generator=gen)), 3, generator=gen)
+        try:
+            distributed.shard(x)
+            caught = False
+        except clipless.optim.PrivacyContractError:
+            caught = True
+        torch.save(caught, Path(out) / f"caught{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -89,6 +104,10 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
     assert ranks[0]["epsilon"] == ranks[1]["epsilon"] == single_eps
     assert (tmp_path / "ledger0.json").exists()
     assert not (tmp_path / "ledger1.json").exists()  # only rank 0 writes the ledger
+    unseeded = [torch.load(tmp_path / f"unseeded{r}.pt") for r in range(2)]
+    for key in single_state:
+        assert torch.equal(unseeded[0]["state"][key], unseeded[1]["state"][key]), key
+    assert all(torch.load(tmp_path / f"caught{r}.pt") for r in range(2))
 
 
 def test_make_data_parallel_needs_an_initialised_group() -> None:
@@ -97,14 +116,16 @@ def test_make_data_parallel_needs_an_initialised_group() -> None:
     torch.manual_seed(0)
     model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(4, 3))
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
-    _, opt, _ = clipless.PrivacyEngine(seed=0).make_private(
+    _, opt, loader = clipless.PrivacyEngine(seed=0).make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=torch.utils.data.DataLoader(data, batch_size=4),
         loss=cnn.CrossEntropyLoss(),
         noise_multiplier=1.0,
     )
+    with pytest.raises(TypeError, match="Poisson loader"):
+        distributed.make_data_parallel(opt, [])
     with pytest.raises(RuntimeError, match="init_process_group"):
-        distributed.make_data_parallel(opt)
+        distributed.make_data_parallel(opt, loader)
     with pytest.raises(TypeError, match="DPOptimizer"):
-        distributed.make_data_parallel(torch.optim.SGD(model.parameters(), lr=0.1))  # type: ignore[arg-type]
+        distributed.make_data_parallel(torch.optim.SGD(model.parameters(), lr=0.1), loader)  # type: ignore[arg-type]

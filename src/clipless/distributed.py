@@ -1,11 +1,12 @@
 """Data-parallel private training over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
 Every rank holds the same model and a :class:`clipless.optim.DPOptimizer` built the same way
-(same engine arguments, same seed for the sampler); :func:`make_data_parallel` turns it into one
-replica of a data-parallel run. One step:
+(same engine arguments); :func:`make_data_parallel` turns it into one replica of a data-parallel
+run. One step:
 
-1. Every rank draws the *same* Poisson batch (the sampler seeded identically on every rank) and
-   runs forward and backward on its share of it (:func:`shard`: rows ``rank::world``).
+1. Every rank draws the *same* Poisson batch (:func:`make_data_parallel` gives every rank's
+   sampler rank 0's generator state) and runs forward and backward on its share of it
+   (:func:`shard`: rows ``rank::world``, after checking that the ranks' batches agree).
 2. In :meth:`DPOptimizer.step`, the ranks' gradient sums are all-reduced (``SUM``): the result is
    the gradient sum of the whole batch, exactly what one process would compute up to the order of
    floating-point additions.
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from clipless.optim import DPOptimizer
+from clipless.optim import DPOptimizer, PrivacyContractError
 
 __all__ = ["DataParallel", "make_data_parallel", "shard"]
 
@@ -91,20 +92,35 @@ class DataParallel:
             dist.broadcast(t, src=src, group=self.group)
 
 
-def make_data_parallel(optimizer: DPOptimizer, group: Any = None) -> DPOptimizer:
+def make_data_parallel(optimizer: DPOptimizer, data_loader: Any, group: Any = None) -> DPOptimizer:
     """Make ``optimizer`` one replica of a data-parallel private run (module docstring).
 
-    Broadcasts rank 0's parameters so that every replica starts from the same weights, and
-    returns the optimizer (the same object).
+    ``data_loader`` is the Poisson loader ``make_private`` returned on this rank. Its sampler's
+    generator state is replaced by rank 0's (broadcast), so that every rank draws the *same*
+    Poisson batches: with independent draws, one example could land in several ranks' shards and
+    contribute more than once (the sensitivity would not hold). Rank 0's state comes from the OS
+    CSPRNG unless the engine was seeded. Rank 0's parameters are broadcast too, so every replica
+    starts from the same weights. Returns the optimizer (the same object).
     """
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError(
             f"optimizer must be a clipless DPOptimizer (from PrivacyEngine.make_private); got "
             f"{type(optimizer).__name__}"
         )
+    sampler = getattr(data_loader, "batch_sampler", None)
+    generator = getattr(sampler, "generator", None)
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            "data_loader must be the Poisson loader returned by make_private (its batch sampler's "
+            "generator is synchronised across ranks)"
+        )
     params = list(optimizer.module.parameters())
     parallel = DataParallel(group, params[0].device if params else "cpu")
     with torch.no_grad():
+        state = generator.get_state()
+        buffer = state.to(parallel.device)
+        parallel.broadcast([buffer])
+        generator.set_state(buffer.cpu())
         parallel.broadcast([p.data for p in params])
     optimizer.data_parallel = parallel
     optimizer.refresh()  # the bounds of the broadcast weights
@@ -112,7 +128,30 @@ def make_data_parallel(optimizer: DPOptimizer, group: Any = None) -> DPOptimizer
 
 
 def shard(*tensors: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, ...]:
-    """This rank's share (rows ``rank::world``) of a batch drawn identically on every rank."""
+    """This rank's share (rows ``rank::world``) of a batch drawn identically on every rank.
+
+    Checks (one small all-reduce) that every rank holds a batch of the same size and the same
+    float64 checksum, and raises :class:`clipless.optim.PrivacyContractError` otherwise (the
+    batches were not drawn identically, e.g. the loader was not given to
+    :func:`make_data_parallel`).
+    """
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
+    if not tensors:
+        return ()
+    device = tensors[0].device
+    stats = [float(tensors[0].shape[0])]
+    for t in tensors:
+        flat = t.detach().reshape(t.shape[0], -1).to(torch.float64)
+        weights = torch.arange(1, flat.shape[0] + 1, dtype=torch.float64, device=flat.device)
+        stats.append(float((flat.sum(dim=1) * weights).sum()) if flat.numel() else 0.0)
+    mine = torch.tensor(stats, dtype=torch.float64, device=device)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(low, high):
+        raise PrivacyContractError(
+            "the ranks hold different batches: every rank must draw the same Poisson batch "
+            "(pass make_private's loader to make_data_parallel) before taking its shard"
+        )
     return tuple(t[rank::world] for t in tensors)
