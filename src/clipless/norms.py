@@ -213,7 +213,8 @@ def _top_eigenvalue_estimate(gram: object, v0: object = None) -> _Estimate | Non
     else:  # a fixed pseudo-random start: the same matrix always gets the same bound
         start = np.random.default_rng(0x5EED + n).standard_normal(n)
     try:
-        vals, vecs = eigsh(a, k=1, which="LA", tol=1e-6, v0=start, maxiter=20 * n)
+        # A bounded number of restarts (typically 1-4 are needed): eigh takes over otherwise.
+        vals, vecs = eigsh(a, k=1, which="LA", tol=1e-6, v0=start, maxiter=200)
     except (ArpackError, ValueError):
         return None
     value = float(vals[0])
