@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck format demo data bench clean
+.PHONY: test lint typecheck format demo data bench bench-speed clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ data: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/clipless train --dataset breast-cancer --epsilon 1.0 --delta 1e-5 --epochs 30 --out runs/demo
+
+# Step time and memory against batch size, clipless vs non-private (and Opacus when installed
+# through the bench extra); a few minutes on two cores. Results: benchmarks/out/speed.json.
+bench-speed: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/speed.py
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -113,7 +113,7 @@ def _matrices() -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("method", ["svd", "eigh", "gram", "auto"])
+@pytest.mark.parametrize("method", ["svd", "eigh", "gram", "cholesky", "auto"])
 @pytest.mark.parametrize(("name", "mat"), _matrices(), ids=[n for n, _ in _matrices()])
 def test_dense_norm_is_certified_and_within_one_percent(
     method: str, name: str, mat: torch.Tensor
@@ -136,10 +136,92 @@ def test_dense_norm_large_matrix_gram_path() -> None:
 
 def test_dense_norm_auto_switches_to_gram(monkeypatch: pytest.MonkeyPatch) -> None:
     mat = torch.randn(90, 70, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    assert dense_norm(mat) == dense_norm(mat, method="eigh")  # min dim 70 > 64
+    assert dense_norm(mat) == dense_norm(mat, method="cholesky")  # min dim 70 > 64, CPU
     assert dense_norm(mat[:, :40]) == dense_norm(mat[:, :40], method="svd")
+    monkeypatch.setattr(norms, "_CHOLESKY_MAX_DIM", 50)
+    assert dense_norm(mat) == dense_norm(mat, method="eigh")
     monkeypatch.setattr(norms, "_SVD_MAX_DIM", 50)
     assert dense_norm(mat) == dense_norm(mat, method="gram") != dense_norm(mat, method="svd")
+
+
+def _adversarial(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """Near-degenerate top singular values, huge condition numbers, rank deficiency, scales."""
+    n = 160
+    top = torch.ones(n)
+    top[1:] = 1.0 - torch.logspace(-15, -1, n - 1)  # gaps from 1e-15 up
+    cond = torch.logspace(0, -15, n)
+    return [
+        (name, (m * scale).to(dtype))
+        for name, m, scale in [
+            ("clustered top", _with_singular_values(200, n, top, 11), 1.0),
+            ("cond 1e15", _with_singular_values(n, 200, cond, 12), 1.0),
+            ("all equal", _with_singular_values(n, n, torch.ones(n), 13), 3.0),
+            ("rank 1", _with_singular_values(n, 120, torch.eye(120)[0], 14), 1.0),
+            ("clustered, 2^-60", _with_singular_values(200, n, top, 15), 2.0**-60),
+            ("clustered, 2^60", _with_singular_values(200, n, top, 16), 2.0**60),
+        ]
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cholesky_norm_is_certified_and_tight_on_adversarial_matrices(dtype: torch.dtype) -> None:
+    for name, mat in _adversarial(dtype):
+        exact = exact_norm(mat)
+        result = norms._cholesky_norm(mat.double())
+        assert result is not None, name  # the certificate itself succeeded (no fallback)
+        assert exact <= result[0] <= exact * (1 + 5e-6), (name, result[0] / exact - 1)
+        assert dense_norm(mat, method="cholesky") == result[0]
+
+
+@pytest.mark.parametrize("exponent", [-1060, -1000, 1000])
+def test_cholesky_norm_at_extreme_scales(exponent: int) -> None:
+    """Entries near the subnormal range (scaling up, or down with underflow) and near overflow."""
+    base = _with_singular_values(120, 90, torch.linspace(1.0, 0.1, 90), 31)
+    mat = base * 2.0 ** (exponent // 2) * 2.0 ** (exponent - exponent // 2)
+    back = mat * 2.0 ** (-(exponent // 2)) * 2.0 ** (-(exponent - exponent // 2))
+    exact = exact_norm(back) * 2.0**exponent  # scaling a float64 matrix up is exact
+    result = norms._cholesky_norm(mat)
+    assert result is not None
+    assert exact <= result[0] <= exact * (1 + 1e-5) + 2.0**-1000
+
+
+def test_cholesky_norm_rejects_a_level_below_the_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimate only steers: below the truth the factorisation fails, or what it certifies
+    (with the rounding terms) is still above the exact norm."""
+    mat = _with_singular_values(150, 120, 1.0 - torch.linspace(0, 0.5, 120), 21)
+    exact = exact_norm(mat)
+    e = -math.frexp(float(mat.abs().max()))[1] + 1  # _cholesky_norm works on 2^e W
+    lam = exact**2 * 4.0**e
+    monkeypatch.setattr(norms, "_CHOLESKY_MARGINS", (0.0,))
+    for rel in (1e-1, 1e-4, 1e-8, 1e-11, 1e-13, 1e-15, 0.0):
+        est = norms._Estimate(lam * (1 - rel), None)
+        monkeypatch.setattr(norms, "_top_eigenvalue_estimate", lambda g, v0=None, e=est: e)
+        result = norms._cholesky_norm(mat)
+        if rel >= 1e-8:
+            assert result is None, rel  # c^2 I - W^T W is clearly indefinite
+        if result is not None:
+            assert result[0] >= exact, rel
+    # A level far above the truth is certified as such: the bound never depends on the estimate.
+    high = norms._Estimate(lam * 2.25, None)
+    monkeypatch.setattr(norms, "_top_eigenvalue_estimate", lambda g, v0=None: high)
+    result = norms._cholesky_norm(mat)
+    assert result is not None
+    assert result[0] == pytest.approx(1.5 * exact, rel=1e-6)
+    # No estimate (ARPACK failed): dense_norm falls back to the eigh certificate.
+    monkeypatch.setattr(norms, "_top_eigenvalue_estimate", lambda g, v0=None: None)
+    assert dense_norm(mat, method="cholesky") == dense_norm(mat, method="eigh")
+
+
+def test_cholesky_norm_retries_with_a_larger_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    mat = _with_singular_values(100, 80, torch.linspace(2.0, 1.0, 80), 22)
+    exact = exact_norm(mat)
+    e = -math.frexp(float(mat.abs().max()))[1] + 1
+    # The first two lifts fail, 1e-2 passes.
+    low = norms._Estimate(exact**2 * 4.0**e * (1 - 1e-3), None)
+    monkeypatch.setattr(norms, "_top_eigenvalue_estimate", lambda g, v0=None: low)
+    result = norms._cholesky_norm(mat)
+    assert result is not None
+    assert exact <= result[0] <= exact * 1.006
 
 
 def test_gram_iteration_converges_and_bounds_each_matrix() -> None:

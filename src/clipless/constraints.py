@@ -52,9 +52,10 @@ Modes (one mechanism with three parameters, DESIGN.md "One mechanism, many modes
 ||E_mat||_2 <= sqrt(k_eff) ||E||_F``, proof in :func:`clipless.norms.conv_multiplicity`).
 The residual ``||W' - s W||_F`` is computed in float64 and inflated to cover float64 rounding
 (:func:`_fro_upper`). The scale is chosen as ``s = C' / (ub + slack)``, with ``C'`` equal to
-``C`` less a ``NUMERIC_MARGIN`` for the float64 arithmetic. ``slack`` is first a measured
-estimate of the rounding error per unit scale, then a larger one, then the a-priori bound
-``|fl(s w) - s w| <= (u + 2^-52) |s w|`` (plus the subnormal spacing), which always passes.
+``C`` less a ``NUMERIC_MARGIN`` for the float64 arithmetic. ``slack`` is first 3/4 of the
+a-priori bound ``|fl(s w) - s w| <= (u + 2^-52) |s w|`` (typical rounding errors are about half
+of it), then twice the rounding error that candidate measured, then the a-priori bound itself
+(plus the subnormal spacing), which always passes.
 Each candidate is *verified* with the inequality above before it is written. If none verifies
 (never observed), the rounded weight is recertified exactly. So the returned bound is certified
 for the weights actually stored.
@@ -300,7 +301,7 @@ def _lower_bound(layer: _Layer, state: ProjectionState) -> float:
         or tuple(v.shape) != shape
         or v.dtype != w.dtype
         or v.device != w.device
-        or not bool(torch.isfinite(v).all())
+        or not norms.all_finite(v)
         or float(torch.linalg.vector_norm(v)) == 0.0
     )
     if cold:
@@ -381,29 +382,31 @@ def _rescale(layer: _Layer, ub: float, max_norm: float, m: float) -> tuple[float
     target = max_norm / (1.0 + 4.0 * NUMERIC_MARGIN)
 
     def certify(scale: float) -> tuple[float, torch.Tensor]:
-        candidate = (w64 * scale).to(weight.dtype)
-        if not bool(torch.isfinite(candidate).all()):
+        scaled = w64 * scale
+        candidate = scaled.to(weight.dtype)
+        if not norms.all_finite(candidate):
             return math.inf, candidate
         # ||fl(sW) - sW||_F: float64 residual (one rounding in s*W, one in the difference).
-        resid = _fro_upper(candidate.to(torch.float64) - w64 * scale) + _EPS64 * scale * fro
+        resid = _fro_upper(candidate.to(torch.float64) - scaled) + _EPS64 * scale * fro
         return inflate(scale * ub + m * resid), candidate
 
-    # Slack per unit scale: measured (twice, growing), then the a-priori rounding bound.
+    # Slack per unit scale: first 3/4 of the a-priori rounding bound (typical rounding errors
+    # are about half of it, so one candidate usually verifies), then what that candidate
+    # measured, grown, then the a-priori bound itself.
     apriori = m * ((u + 2.0 * _EPS64) * fro) * 1.01
-    scale = target / ub
+    subnormal = m * math.sqrt(n) * sub  # absolute rounding error of subnormal entries
+    scale = max(target - subnormal, 0.0) / (ub + 0.75 * apriori)
     bound, candidate = certify(scale)
-    measured = max(0.0, bound / (1.0 + NUMERIC_MARGIN) / scale - ub)
-    slacks = [1.25 * measured, 2.0 * measured + 0.5 * apriori, apriori]
-    for slack in [0.0, *slacks]:
-        if slack > 0.0:
-            subnormal = m * math.sqrt(n) * sub  # absolute rounding error of subnormal entries
+    measured = max(0.0, bound / (1.0 + NUMERIC_MARGIN) / scale - ub) if scale > 0 else apriori
+    for slack in [None, 2.0 * measured + 0.5 * apriori, apriori]:
+        if slack is not None:
             scale = max(target - subnormal, 0.0) / (ub + slack)
             bound, candidate = certify(scale)
         if bound <= max_norm:
             weight.copy_(candidate)
             return bound, scale
     # Unreachable in exact analysis; stay certified anyway by recertifying the stored weight.
-    if not bool(torch.isfinite(candidate).all()):
+    if not norms.all_finite(candidate):
         raise ValueError(f"rescaling the weight by {scale:g} overflows its dtype {weight.dtype}")
     weight.copy_(candidate)
     bound = float(layer.lipschitz())
@@ -422,7 +425,7 @@ def _project_layer(
     bjorck_iters: int,
 ) -> float:
     weight = layer.weight
-    if not bool(torch.isfinite(weight).all()):
+    if not norms.all_finite(weight):
         raise ValueError(
             f"the weight of layer {path or '<root>'!r} is not finite (NaN or inf); lower the "
             "learning rate or check the inputs"

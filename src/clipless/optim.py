@@ -225,12 +225,19 @@ class DPOptimizer(torch.optim.Optimizer):
             generator = torch.Generator(device=device)
             generator.manual_seed(secrets.randbits(63))
         self.generator = generator
+        #: Set by :func:`clipless.distributed.make_data_parallel` (None: one process).
+        self.data_parallel: Any = None
         self._multiplicity = 1
         self._pending: list[_Pass] = []
         self._released: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self._current: _Pass | None = None
         self._mean_warning_given = False
         self._last_cotangent_norm = 0.0
+        self._weight_owner: dict[torch.nn.Parameter, ParametricLipschitzModule] = {}
+        for layer in module.modules():
+            weight = layer._parameters.get("weight")
+            if isinstance(layer, ParametricLipschitzModule) and weight is not None:
+                self._weight_owner.setdefault(weight, layer)
         self._hooks = [
             module.register_forward_pre_hook(_Hook(self, "_before_forward")),
             module.register_forward_hook(_Hook(self, "_after_forward")),
@@ -328,10 +335,28 @@ class DPOptimizer(torch.optim.Optimizer):
         params = tuple(self._names)
         self._current = _Pass(
             plan=plan,
-            weights=tuple(p.detach().clone() for p in params),
+            weights=tuple(self._snapshot(p) for p in params),
             params=params,
             owner=self,
         )
+
+    def _snapshot(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """A copy of ``p`` as this forward uses it, for the check in :meth:`_on_backward`.
+
+        A layer weight reuses the copy its bound cache holds (``_bound_cache``,
+        :meth:`ParametricLipschitzModule._cached_bound`): the bound report that planned this
+        forward has just compared it bitwise with the weight (or replaced it by a fresh copy),
+        and the cache only ever *replaces* that tensor, never writes into it. This saves one
+        clone of every weight per forward (~1.5 ms for the 1.9 M-parameter MLP on one CPU
+        core). Other parameters (biases) are cloned.
+        """
+        owner = self._weight_owner.get(p)
+        cached = owner.__dict__.get("_bound_cache") if owner is not None else None
+        if cached is not None:
+            ref = cached[0]
+            if ref.shape == p.shape and ref.dtype == p.dtype and ref.device == p.device:
+                return ref
+        return p.detach().clone()
 
     def _after_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], output: Any
@@ -432,12 +457,23 @@ class DPOptimizer(torch.optim.Optimizer):
     def add_noise(self, plan: NoisePlan | None = None) -> None:
         """Add the plan's noise to every noised gradient and divide by the expected batch size."""
         plan = plan if plan is not None else self.current_plan(self._multiplicity)
+        parallel = self.data_parallel
+        stds = dict(plan.stds)
+        if parallel is not None:  # clipless.distributed: sum the ranks' gradients first
+            for p in self._names:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            parallel.reduce([p.grad for p in self._names if p.grad is not None])
+            stds = parallel.largest(stds)  # replicas agree; if not, the safe (largest) noise
         for p, name in self._names.items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if parallel is not None and not parallel.adds_noise:
+                p.grad.div_(plan.expected_batch_size)
+                continue
             noise = torch.normal(
                 0.0,
-                plan.stds[name],
+                stds[name],
                 size=tuple(p.shape),
                 generator=self.generator,
                 device=self.generator.device,
@@ -445,6 +481,8 @@ class DPOptimizer(torch.optim.Optimizer):
             )
             p.grad.add_(noise.to(p.grad.device))
             p.grad.div_(plan.expected_batch_size)
+        if parallel is not None:  # every rank steps with the noisy gradient of the noising rank
+            parallel.broadcast([p.grad for p in self._names if p.grad is not None])
 
     def _plan_for_step(self) -> NoisePlan:
         """The plan of the one private gradient the step releases (or refuse it)."""
@@ -491,7 +529,8 @@ class DPOptimizer(torch.optim.Optimizer):
             self.ledger.record(
                 plan.accounting_noise_multiplier, plan.sample_rate, proven=plan.proven
             )
-            if self.ledger_path is not None:
+            writes = self.data_parallel is None or self.data_parallel.writes_ledger
+            if self.ledger_path is not None and writes:
                 self.ledger.to_json(self.ledger_path)
             self.add_noise(plan)
         finally:

@@ -21,7 +21,8 @@ class Linear(ParametricLipschitzModule):
     Certified constants (thesis Table 5.1 "Dense", eq. 5.2.3; Clipless DP-SGD seed, Algorithm 1):
 
     * input-Lipschitz constant: the spectral norm ``||W||_2``, certified by
-      :func:`clipless.norms.dense_norm` (exact SVD for small matrices, Gram iteration otherwise);
+      :func:`clipless.norms.dense_norm` (exact SVD for small matrices, a Cholesky certificate of
+      ``c^2 I - W^T W`` for mid-size ones on the CPU, Gram iteration for the largest);
     * output bound: ``||W x + b|| <= ||W||_2 X + ||b||``;
     * per-sample parameter gradients, for a cotangent ``dy`` with ``||dy|| <= G``:
       ``grad_W = dy x^T`` has ``||grad_W||_F = ||dy|| ||x|| <= G X`` and ``grad_b = dy`` has norm

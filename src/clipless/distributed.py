@@ -1,0 +1,157 @@
+"""Data-parallel private training over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+Every rank holds the same model and a :class:`clipless.optim.DPOptimizer` built the same way
+(same engine arguments); :func:`make_data_parallel` turns it into one replica of a data-parallel
+run. One step:
+
+1. Every rank draws the *same* Poisson batch (:func:`make_data_parallel` gives every rank's
+   sampler rank 0's generator state) and runs forward and backward on its share of it
+   (:func:`shard`: rows ``rank::world``, after checking that the ranks' batches agree).
+2. In :meth:`DPOptimizer.step`, the ranks' gradient sums are all-reduced (``SUM``): the result is
+   the gradient sum of the whole batch, exactly what one process would compute up to the order of
+   floating-point additions.
+3. **Noise is added once**, by rank 0, with the plan's standard deviations (the largest over the
+   ranks, which plan identical ones unless a replica was edited), and rank 0's noisy
+   gradient is broadcast to every rank. The released quantity is therefore the same Gaussian
+   mechanism as in one process (one draw of ``N(0, std^2)`` per coordinate on the full sum), so
+   the privacy argument and the accounting of :mod:`clipless.mechanism` are unchanged. (Adding
+   ``1/sqrt(world)`` of the variance on every rank would also be correct but needs independent
+   streams on every rank; one noising rank is simpler to audit.)
+4. Every rank takes the same inner step and the same projection (deterministic, same inputs), so
+   the replicas stay bitwise identical; the broadcast guarantees identical gradients even if the
+   reduction were not bitwise reproducible across ranks.
+5. Every rank records the step in its in-memory ledger (so ``epsilon`` reads the same
+   everywhere); only rank 0 writes ``ledger_path``.
+
+The noise generator of rank 0 is the optimizer's own (seeded from the OS CSPRNG unless the engine
+was given a seed); the other ranks never draw noise.
+
+Launch with ``torchrun --nproc-per-node N script.py`` (one machine) or, on several machines,
+``torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT
+script.py`` on each; the script calls ``torch.distributed.init_process_group("gloo")`` (or
+``"nccl"``) before building the engine. ``tests/test_distributed.py`` runs two processes on
+loopback and compares with one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from clipless.optim import DPOptimizer, PrivacyContractError
+
+__all__ = ["DataParallel", "make_data_parallel", "shard"]
+
+
+class DataParallel:
+    """The collective operations a :class:`DPOptimizer` uses in data-parallel mode."""
+
+    def __init__(self, group: Any = None, device: torch.device | str = "cpu") -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
+            )
+        self.group = group
+        self.device = torch.device(device)  # of the small tensors exchanged (NCCL needs CUDA)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    @property
+    def adds_noise(self) -> bool:
+        """Only rank 0 draws the noise (module docstring, step 3)."""
+        return self.rank == 0
+
+    @property
+    def writes_ledger(self) -> bool:
+        return self.rank == 0
+
+    def reduce(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum every tensor over the ranks, in place (same order on every rank)."""
+        for t in tensors:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+
+    def largest(self, values: dict[str, float]) -> dict[str, float]:
+        """The largest value of every key over the ranks (same keys, same order everywhere).
+
+        The noise standard deviations: replicas plan identical ones (identical weights), and if a
+        replica was changed behind the optimizer's back, the largest planned noise still covers
+        every rank's samples (each rank's sensitivity is at most its own plan's).
+        """
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return dict(zip(values, (float(v) for v in t.tolist()), strict=True))
+
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy rank 0's tensors to every rank, in place."""
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for t in tensors:
+            dist.broadcast(t, src=src, group=self.group)
+
+
+def make_data_parallel(optimizer: DPOptimizer, data_loader: Any, group: Any = None) -> DPOptimizer:
+    """Make ``optimizer`` one replica of a data-parallel private run (module docstring).
+
+    ``data_loader`` is the Poisson loader ``make_private`` returned on this rank. Its sampler's
+    generator state is replaced by rank 0's (broadcast), so that every rank draws the *same*
+    Poisson batches: with independent draws, one example could land in several ranks' shards and
+    contribute more than once (the sensitivity would not hold). Rank 0's state comes from the OS
+    CSPRNG unless the engine was seeded. Rank 0's parameters are broadcast too, so every replica
+    starts from the same weights. Returns the optimizer (the same object).
+    """
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError(
+            f"optimizer must be a clipless DPOptimizer (from PrivacyEngine.make_private); got "
+            f"{type(optimizer).__name__}"
+        )
+    sampler = getattr(data_loader, "batch_sampler", None)
+    generator = getattr(sampler, "generator", None)
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            "data_loader must be the Poisson loader returned by make_private (its batch sampler's "
+            "generator is synchronised across ranks)"
+        )
+    params = list(optimizer.module.parameters())
+    parallel = DataParallel(group, params[0].device if params else "cpu")
+    with torch.no_grad():
+        state = generator.get_state()
+        buffer = state.to(parallel.device)
+        parallel.broadcast([buffer])
+        generator.set_state(buffer.cpu())
+        parallel.broadcast([p.data for p in params])
+    optimizer.data_parallel = parallel
+    optimizer.refresh()  # the bounds of the broadcast weights
+    return optimizer
+
+
+def shard(*tensors: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, ...]:
+    """This rank's share (rows ``rank::world``) of a batch drawn identically on every rank.
+
+    Checks (one small all-reduce) that every rank holds a batch of the same size and the same
+    float64 checksum, and raises :class:`clipless.optim.PrivacyContractError` otherwise (the
+    batches were not drawn identically, e.g. the loader was not given to
+    :func:`make_data_parallel`).
+    """
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    if not tensors:
+        return ()
+    device = tensors[0].device
+    stats = [float(tensors[0].shape[0])]
+    for t in tensors:
+        flat = t.detach().reshape(t.shape[0], -1).to(torch.float64)
+        weights = torch.arange(1, flat.shape[0] + 1, dtype=torch.float64, device=flat.device)
+        stats.append(float((flat.sum(dim=1) * weights).sum()) if flat.numel() else 0.0)
+    mine = torch.tensor(stats, dtype=torch.float64, device=device)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(low, high):
+        raise PrivacyContractError(
+            "the ranks hold different batches: every rank must draw the same Poisson batch "
+            "(pass make_private's loader to make_data_parallel) before taking its shard"
+        )
+    return tuple(t[rank::world] for t in tensors)

@@ -1,0 +1,131 @@
+"""Data-parallel private training (clipless.distributed): two gloo processes on loopback against
+one process with the same seeds (same batches, same noise drawn once by rank 0)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import clipless
+from clipless import distributed
+from clipless import nn as cnn
+
+STEPS = 4
+
+
+def _run(
+    parallel: bool, ledger_path: Path | None = None, seed: int | None = 7
+) -> tuple[dict[str, Any], float, int]:
+    torch.manual_seed(0)
+    model = cnn.Sequential(
+        cnn.InputNorm(1.0), cnn.Linear(10, 16), cnn.GroupSort(2), cnn.Linear(16, 3)
+    )
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 10, generator=gen)
+    y = torch.randint(0, 3, (256,), generator=gen)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    loss = cnn.CrossEntropyLoss()
+    engine = clipless.PrivacyEngine(seed=seed)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=loader,
+        loss=loss,
+        noise_multiplier=1.0,
+        ledger_path=ledger_path,
+    )
+    if parallel:
+        distributed.make_data_parallel(opt, loader)
+    rows = 0
+    for step, (xb, yb) in enumerate(loader):
+        if step == STEPS:
+            break
+        if parallel:
+            xb, yb = distributed.shard(xb, yb)
+        rows += int(xb.shape[0])
+        opt.zero_grad()
+        loss(model(xb), yb).backward()
+        opt.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, engine.get_epsilon(1e-5), rows
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        ledger = Path(out) / f"ledger{rank}.json"
+        state, eps, rows = _run(True, ledger_path=ledger)
+        torch.save({"state": state, "epsilon": eps, "rows": rows}, Path(out) / f"rank{rank}.pt")
+        # Unseeded engines: every rank's sampler starts from its own CSPRNG state; the loader
+        # handed to make_data_parallel is synchronised, so the replicas still agree.
+        state, eps, rows = _run(True, seed=None)
+        torch.save({"state": state, "rows": rows}, Path(out) / f"unseeded{rank}.pt")
+        # A loader that was not synchronised is caught by shard().
+        gen = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(int(torch.randint(5, 50, (1,), generator=gen)), 3, generator=gen)
+        try:
+            distributed.shard(x)
+            caught = False
+        except clipless.optim.PrivacyContractError:
+            caught = True
+        torch.save(caught, Path(out) / f"caught{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow  # two spawned processes: ~10 s idle, ~30 s on the loaded shared machine
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_two_processes_match_one_process(tmp_path: Path) -> None:
+    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    single_state, single_eps, single_rows = _run(False)
+    # Replicas are bitwise identical (rank 0's noisy gradient is broadcast).
+    for key in single_state:
+        assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key
+    # Same batches (split in two), same noise: equal to one process up to summation order.
+    assert ranks[0]["rows"] + ranks[1]["rows"] == single_rows
+    for key, value in single_state.items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-5, atol=1e-6)
+    assert ranks[0]["epsilon"] == ranks[1]["epsilon"] == single_eps
+    assert (tmp_path / "ledger0.json").exists()
+    assert not (tmp_path / "ledger1.json").exists()  # only rank 0 writes the ledger
+    unseeded = [torch.load(tmp_path / f"unseeded{r}.pt") for r in range(2)]
+    for key in single_state:
+        assert torch.equal(unseeded[0]["state"][key], unseeded[1]["state"][key]), key
+    assert all(torch.load(tmp_path / f"caught{r}.pt") for r in range(2))
+
+
+def test_make_data_parallel_needs_an_initialised_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    torch.manual_seed(0)
+    model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(4, 3))
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    _, opt, loader = clipless.PrivacyEngine(seed=0).make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=4),
+        loss=cnn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+    )
+    with pytest.raises(TypeError, match="Poisson loader"):
+        distributed.make_data_parallel(opt, [])
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        distributed.make_data_parallel(opt, loader)
+    with pytest.raises(TypeError, match="DPOptimizer"):
+        distributed.make_data_parallel(torch.optim.SGD(model.parameters(), lr=0.1), loader)  # type: ignore[arg-type]
