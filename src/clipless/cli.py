@@ -2,7 +2,8 @@
 
 ``clipless train``  trains a Lipschitz MLP or ConvNet with clipless DP-SGD on a registered dataset,
 ``clipless data``   lists datasets and fetches them into the cache (``DATA.md``),
-``clipless ecdf`` / ``clipless roc`` release DP statistics (:mod:`clipless.stats`).
+``clipless ecdf`` / ``clipless roc`` release DP statistics (:mod:`clipless.stats`),
+``clipless audit``  attacks one private training step (:mod:`clipless.audit`).
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (the message names the
 argument), 1 when the run fails (for instance a dataset that is not available offline).
@@ -199,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_data_parser(sub)
     _add_stats_parsers(sub)
+    _add_audit_parser(sub)
     return parser
 
 
@@ -401,6 +403,13 @@ def _add_stats_parsers(sub: Any) -> None:
         return
     stats_cli.add_ecdf_parser(sub)
     stats_cli.add_roc_parser(sub)
+
+
+def _add_audit_parser(sub: Any) -> None:
+    """``audit`` comes from :mod:`clipless.audit.cli` (privacy audit of a training step)."""
+    from clipless.audit.cli import add_audit_parser
+
+    add_audit_parser(sub)
 
 
 def _unavailable(reason: str) -> Any:

@@ -59,7 +59,31 @@ __all__ = [
     "DPOptimizer",
     "PlanExhaustedError",
     "PrivacyContractError",
+    "draw_noise",
 ]
+
+
+def draw_noise(
+    plan: NoisePlan,
+    name: str,
+    shape: tuple[int, ...],
+    generator: torch.Generator,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Gaussian noise of the plan's standard deviation for the noised tensor ``name``.
+
+    ``shape`` is the tensor's shape, or a batch of independent draws ``(n, *shape)`` (the
+    privacy audit, :mod:`clipless.audit`, releases thousands of steps at once through this
+    function). Drawn on ``generator``'s device.
+    """
+    return torch.normal(
+        0.0,
+        plan.stds[name],
+        size=shape,
+        generator=generator,
+        device=generator.device,
+        dtype=dtype,
+    )
 
 
 class PrivacyContractError(RuntimeError):
@@ -435,14 +459,7 @@ class DPOptimizer(torch.optim.Optimizer):
         for p, name in self._names.items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            noise = torch.normal(
-                0.0,
-                plan.stds[name],
-                size=tuple(p.shape),
-                generator=self.generator,
-                device=self.generator.device,
-                dtype=p.grad.dtype,
-            )
+            noise = draw_noise(plan, name, tuple(p.shape), self.generator, p.grad.dtype)
             p.grad.add_(noise.to(p.grad.device))
             p.grad.div_(plan.expected_batch_size)
 
