@@ -4,18 +4,36 @@
   worst-case canary (Jagielski et al. 2020; Nasr et al. 2021) -> an empirical epsilon lower bound
   with Clopper-Pearson confidence, to set against the claimed epsilon.
 * :func:`epsilon_lower_bound`, :func:`clopper_pearson`: the statistics behind it.
+* :func:`audit_ecdf`: exact privacy loss of the ECDF tree release over every neighbouring pair of
+  a small domain; :func:`audit_sampler`: sampled audit of the exact discrete samplers.
 """
 
 from __future__ import annotations
 
 from clipless.audit.bounds import ThresholdTest, clopper_pearson, epsilon_lower_bound
+from clipless.audit.statistics import (
+    EcdfAudit,
+    PrivacyLossDistribution,
+    SamplerAudit,
+    audit_ecdf,
+    audit_sampler,
+    gaussian_renyi_divergence,
+    laplace_privacy_loss,
+)
 from clipless.audit.step import AUDIT_MODES, StepAudit, audit_step
 
 __all__ = [
     "AUDIT_MODES",
+    "EcdfAudit",
+    "PrivacyLossDistribution",
+    "SamplerAudit",
     "StepAudit",
     "ThresholdTest",
+    "audit_ecdf",
+    "audit_sampler",
     "audit_step",
     "clopper_pearson",
     "epsilon_lower_bound",
+    "gaussian_renyi_divergence",
+    "laplace_privacy_loss",
 ]
