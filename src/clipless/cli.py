@@ -690,7 +690,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     import clipless
     from clipless import models, nn
-    from clipless._io import atomic_write
+    from clipless._io import atomic_write, atomic_write_with
     from clipless.data import DatasetNotFoundError, load_dataset
     from clipless.engine import PrivacyEngine
     from clipless.sampling import poisson_loader
@@ -909,25 +909,24 @@ def _run_train(args: argparse.Namespace) -> int:
     metrics["config"] = {**metrics["config"], **run_config}
     write_metrics(metrics, out / "metrics.json")
     evaluated = result.ema_model if result.ema_model is not None else model
-    torch.save(
-        {
-            "format": MODEL_FORMAT,
-            "architecture": {
-                "kind": args.model,
-                "input_shape": list(info.input_shape),
-                "hidden": list(args.hidden),
-                "num_classes": info.num_classes,
-                "input_norm": float(args.input_norm),
-                "bias": bool(args.bias),
-                "pool": args.pool,
-            },
-            "state_dict": {k: v.detach().cpu() for k, v in evaluated.state_dict().items()},
-            "dataset": info.name,
-            "epsilon": result.epsilon,
-            "delta": result.delta,
+    model_file: dict[str, Any] = {
+        "format": MODEL_FORMAT,
+        "architecture": {
+            "kind": args.model,
+            "input_shape": list(info.input_shape),
+            "hidden": list(args.hidden),
+            "num_classes": info.num_classes,
+            "input_norm": float(args.input_norm),
+            "bias": bool(args.bias),
+            "pool": args.pool,
         },
-        out / "model.pt",
-    )
+        "state_dict": {k: v.detach().cpu() for k, v in evaluated.state_dict().items()},
+        "dataset": info.name,
+        "epsilon": result.epsilon,
+        "delta": result.delta,
+    }
+    # atomically: a run killed while saving keeps its previous model.pt (or none), never a torn one
+    atomic_write_with(out / "model.pt", lambda handle: torch.save(model_file, handle))
     plot_training(result, out / "training.png")
     final = result.final
     elapsed = time.perf_counter() - started
