@@ -572,6 +572,32 @@ def _read_run_config(out: Path) -> dict[str, Any]:
     return saved
 
 
+def _check_resumable(out: Path) -> None:
+    """Refuse (one line, no traceback) a run whose checkpoint or ledger cannot be read."""
+    from clipless.accounting import PrivacyLedger
+    from clipless.training import CHECKPOINT_NAME, LEDGER_NAME, load_checkpoint
+
+    try:
+        load_checkpoint(out / CHECKPOINT_NAME)
+    except Exception as exc:  # torch.load raises many kinds on a damaged file
+        raise _ArgError(
+            "--resume",
+            f"{out / CHECKPOINT_NAME} cannot be read ({type(exc).__name__}): the run cannot be "
+            "continued (--force starts over and keeps the old run aside)",
+        ) from None
+    ledger = out / LEDGER_NAME
+    if ledger.exists():
+        try:
+            PrivacyLedger.from_json(ledger)
+        except (OSError, ValueError) as exc:
+            raise _ArgError(
+                "--resume",
+                f"{ledger} is damaged ({' '.join(str(exc).split())[:200]}): the privacy spent by "
+                "this run is unknown, so it is not continued (--force starts over and keeps the "
+                "old run aside)",
+            ) from None
+
+
 def _comparable(value: Any) -> Any:
     return list(value) if isinstance(value, tuple | list) else value
 
@@ -704,6 +730,7 @@ def _run_train(args: argparse.Namespace) -> int:
     saved: dict[str, Any] | None = None
     if args.resume:
         saved = _read_run_config(out)
+        _check_resumable(out)
         _adopt_saved_options(args, saved, given, out)
     if args.hidden is None:
         args.hidden = DEFAULT_HIDDEN[args.model]
@@ -1001,6 +1028,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _ArgError as exc:  # one line on stderr: the option, what is wrong, what is accepted
         print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # disk full, permissions...: one line, exit 1 (the run failed)
+        print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # python -m clipless.cli (python -m clipless is the same)
