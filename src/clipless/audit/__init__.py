@@ -6,11 +6,19 @@
 * :func:`epsilon_lower_bound`, :func:`clopper_pearson`: the statistics behind it.
 * :func:`audit_ecdf`: exact privacy loss of the ECDF tree release over every neighbouring pair of
   a small domain; :func:`audit_sampler`: sampled audit of the exact discrete samplers.
+* :func:`audit_one_run`: one private training run with canaries (Steinke, Nasr and Jagielski
+  2023) and :func:`one_run_epsilon_lower_bound`, its statistics.
 """
 
 from __future__ import annotations
 
 from clipless.audit.bounds import ThresholdTest, clopper_pearson, epsilon_lower_bound
+from clipless.audit.one_run import (
+    OneRunAudit,
+    audit_one_run,
+    one_run_epsilon_lower_bound,
+    one_run_p_value,
+)
 from clipless.audit.statistics import (
     EcdfAudit,
     PrivacyLossDistribution,
@@ -25,15 +33,19 @@ from clipless.audit.step import AUDIT_MODES, StepAudit, audit_step
 __all__ = [
     "AUDIT_MODES",
     "EcdfAudit",
+    "OneRunAudit",
     "PrivacyLossDistribution",
     "SamplerAudit",
     "StepAudit",
     "ThresholdTest",
     "audit_ecdf",
+    "audit_one_run",
     "audit_sampler",
     "audit_step",
     "clopper_pearson",
     "epsilon_lower_bound",
     "gaussian_renyi_divergence",
     "laplace_privacy_loss",
+    "one_run_epsilon_lower_bound",
+    "one_run_p_value",
 ]
