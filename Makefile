@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck format demo data bench bench-speed clean
+.PHONY: test test-slow lint typecheck format demo data bench bench-speed clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ format: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
+
+# The long tests: random SIGKILLs of training runs, reproductions (minutes).
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow -p no:cacheprovider
 
 # Populates the dataset cache ($$CLIPLESS_DATA or ~/.cache/clipless) for the benchmarks (DATA.md).
 data: $(STAMP)

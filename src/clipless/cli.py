@@ -2,7 +2,8 @@
 
 ``clipless train``  trains a Lipschitz MLP or ConvNet with clipless DP-SGD on a registered dataset,
 ``clipless data``   lists datasets and fetches them into the cache (``DATA.md``),
-``clipless ecdf`` / ``clipless roc`` release DP statistics (:mod:`clipless.stats`).
+``clipless ecdf`` / ``clipless roc`` release DP statistics (:mod:`clipless.stats`),
+``clipless audit``  attacks one private training step (:mod:`clipless.audit`).
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (the message names the
 argument), 1 when the run fails (for instance a dataset that is not available offline).
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_data_parser(sub)
     _add_stats_parsers(sub)
+    _add_audit_parser(sub)
     return parser
 
 
@@ -446,6 +448,13 @@ def _add_stats_parsers(sub: Any) -> None:
     importlib.import_module("clipless.federated.cli").add_federated_parser(sub)
 
 
+def _add_audit_parser(sub: Any) -> None:
+    """``audit`` comes from :mod:`clipless.audit.cli` (privacy audit of a training step)."""
+    from clipless.audit.cli import add_audit_parser
+
+    add_audit_parser(sub)
+
+
 def _unavailable(reason: str) -> Any:
     def run(args: argparse.Namespace) -> int:
         print(f"clipless: error: {reason}", file=sys.stderr)
@@ -615,6 +624,32 @@ def _read_run_config(out: Path) -> dict[str, Any]:
     return saved
 
 
+def _check_resumable(out: Path) -> None:
+    """Refuse (one line, no traceback) a run whose checkpoint or ledger cannot be read."""
+    from clipless.accounting import PrivacyLedger
+    from clipless.training import CHECKPOINT_NAME, LEDGER_NAME, load_checkpoint
+
+    try:
+        load_checkpoint(out / CHECKPOINT_NAME)
+    except Exception as exc:  # torch.load raises many kinds on a damaged file
+        raise _ArgError(
+            "--resume",
+            f"{out / CHECKPOINT_NAME} cannot be read ({type(exc).__name__}): the run cannot be "
+            "continued (--force starts over and keeps the old run aside)",
+        ) from None
+    ledger = out / LEDGER_NAME
+    if ledger.exists():
+        try:
+            PrivacyLedger.from_json(ledger)
+        except (OSError, ValueError) as exc:
+            raise _ArgError(
+                "--resume",
+                f"{ledger} is damaged ({' '.join(str(exc).split())[:200]}): the privacy spent by "
+                "this run is unknown, so it is not continued (--force starts over and keeps the "
+                "old run aside)",
+            ) from None
+
+
 def _comparable(value: Any) -> Any:
     return list(value) if isinstance(value, tuple | list) else value
 
@@ -733,7 +768,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     import clipless
     from clipless import models, nn
-    from clipless._io import atomic_write
+    from clipless._io import atomic_write, atomic_write_with
     from clipless.data import DatasetNotFoundError, load_dataset
     from clipless.engine import PrivacyEngine
     from clipless.sampling import poisson_loader
@@ -747,6 +782,7 @@ def _run_train(args: argparse.Namespace) -> int:
     saved: dict[str, Any] | None = None
     if args.resume:
         saved = _read_run_config(out)
+        _check_resumable(out)
         _adopt_saved_options(args, saved, given, out)
     if args.hidden is None:
         args.hidden = DEFAULT_HIDDEN[args.model]
@@ -959,25 +995,24 @@ def _run_train(args: argparse.Namespace) -> int:
     metrics["config"] = {**metrics["config"], **run_config}
     write_metrics(metrics, out / "metrics.json")
     evaluated = result.ema_model if result.ema_model is not None else model
-    torch.save(
-        {
-            "format": MODEL_FORMAT,
-            "architecture": {
-                "kind": args.model,
-                "input_shape": list(info.input_shape),
-                "hidden": list(args.hidden),
-                "num_classes": info.num_classes,
-                "input_norm": float(args.input_norm),
-                "bias": bool(args.bias),
-                "pool": args.pool,
-            },
-            "state_dict": {k: v.detach().cpu() for k, v in evaluated.state_dict().items()},
-            "dataset": info.name,
-            "epsilon": result.epsilon,
-            "delta": result.delta,
+    model_file: dict[str, Any] = {
+        "format": MODEL_FORMAT,
+        "architecture": {
+            "kind": args.model,
+            "input_shape": list(info.input_shape),
+            "hidden": list(args.hidden),
+            "num_classes": info.num_classes,
+            "input_norm": float(args.input_norm),
+            "bias": bool(args.bias),
+            "pool": args.pool,
         },
-        out / "model.pt",
-    )
+        "state_dict": {k: v.detach().cpu() for k, v in evaluated.state_dict().items()},
+        "dataset": info.name,
+        "epsilon": result.epsilon,
+        "delta": result.delta,
+    }
+    # atomically: a run killed while saving keeps its previous model.pt (or none), never a torn one
+    atomic_write_with(out / "model.pt", lambda handle: torch.save(model_file, handle))
     plot_training(result, out / "training.png")
     final = result.final
     elapsed = time.perf_counter() - started
@@ -1052,6 +1087,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _ArgError as exc:  # one line on stderr: the option, what is wrong, what is accepted
         print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # disk full, permissions...: one line, exit 1 (the run failed)
+        print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # python -m clipless.cli (python -m clipless is the same)

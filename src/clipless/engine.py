@@ -522,16 +522,18 @@ def _sampler_generator(loader: DataLoader[Any] | None) -> torch.Generator | None
     return gen if isinstance(gen, torch.Generator) else None
 
 
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    return value
+
+
 def _total_steps(epochs: int | None, steps: int | None, q: float) -> int:
     if steps is not None:
-        if steps <= 0:
-            raise ValueError(f"steps must be a positive integer; got {steps}")
-        return int(steps)
+        return _positive_int("steps", steps)
     if epochs is None:
         raise ValueError("epochs (or steps) is required with target_epsilon")
-    if epochs <= 0:
-        raise ValueError(f"epochs must be a positive integer; got {epochs}")
-    return int(epochs) * max(1, round(1.0 / q))
+    return _positive_int("epochs", epochs) * max(1, round(1.0 / q))
 
 
 def _infer_input_shape(loader: DataLoader[Any]) -> tuple[int, ...]:

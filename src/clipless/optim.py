@@ -59,7 +59,35 @@ __all__ = [
     "DPOptimizer",
     "PlanExhaustedError",
     "PrivacyContractError",
+    "draw_noise",
 ]
+
+
+def draw_noise(
+    plan: NoisePlan,
+    name: str,
+    shape: tuple[int, ...],
+    generator: torch.Generator,
+    dtype: torch.dtype,
+    std: float | None = None,
+) -> torch.Tensor:
+    """Gaussian noise of the plan's standard deviation for the noised tensor ``name``.
+
+    ``shape`` is the tensor's shape, or a batch of independent draws ``(n, *shape)`` (the
+    privacy audit, :mod:`clipless.audit`, releases thousands of steps at once through this
+    function). Drawn on ``generator``'s device. ``std`` replaces the plan's only where the
+    caller holds a larger one (data-parallel replicas agree on the largest, never a smaller one).
+    """
+    if std is not None and std < plan.stds[name]:
+        raise ValueError(f"std {std} for {name} is below the plan's {plan.stds[name]}")
+    return torch.normal(
+        0.0,
+        plan.stds[name] if std is None else std,
+        size=shape,
+        generator=generator,
+        device=generator.device,
+        dtype=dtype,
+    )
 
 
 class PrivacyContractError(RuntimeError):
@@ -471,13 +499,8 @@ class DPOptimizer(torch.optim.Optimizer):
             if parallel is not None and not parallel.adds_noise:
                 p.grad.div_(plan.expected_batch_size)
                 continue
-            noise = torch.normal(
-                0.0,
-                stds[name],
-                size=tuple(p.shape),
-                generator=self.generator,
-                device=self.generator.device,
-                dtype=p.grad.dtype,
+            noise = draw_noise(
+                plan, name, tuple(p.shape), self.generator, p.grad.dtype, std=stds[name]
             )
             p.grad.add_(noise.to(p.grad.device))
             p.grad.div_(plan.expected_batch_size)

@@ -391,7 +391,7 @@ def plot_training(
     fig.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, format="png")
+    atomic_write_with(target, lambda handle: fig.savefig(handle, format="png"))
     return target
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import math
 import sys
 from collections.abc import Sequence
@@ -242,8 +243,22 @@ def _labels(cells: list[str], arg: str) -> NDArray[np.int64]:
 
 
 def _save(fig: Any, path: Path) -> None:
+    """Write the figure atomically (a killed run leaves the old file or the new one)."""
+    from clipless._io import atomic_write_with
+
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write_with(path, lambda handle: fig.savefig(handle, format="png", dpi=120))
+
+
+def _write_csv(path: Path, header: list[str], rows: Any) -> None:
+    """Write a CSV atomically (temporary file, fsync, rename: never a torn release)."""
+    from clipless._io import atomic_write
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\r\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    atomic_write(path, buffer.getvalue())
 
 
 def _guarantee(eps: float, nb: str) -> str:
@@ -284,11 +299,14 @@ def _ecdf(args: argparse.Namespace) -> int:
     values = _numbers(cells, "--column")
     out = _out_dir(args.out)
     released = ecdf(values, grid, eps, nb, smoothing, rng=rng)
-    with (out / "ecdf.csv").open("w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["threshold", "value"])
-        for t, v in zip(grid.thresholds.tolist(), released.values.tolist(), strict=True):
-            writer.writerow([repr(t), repr(v)])
+    _write_csv(
+        out / "ecdf.csv",
+        ["threshold", "value"],
+        (
+            [repr(t), repr(v)]
+            for t, v in zip(grid.thresholds.tolist(), released.values.tolist(), strict=True)
+        ),
+    )
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
     released.plot(ax=ax)
@@ -313,13 +331,16 @@ def _roc(args: argparse.Namespace) -> int:
     labels = _labels(label_cells, "--label")
     out = _out_dir(args.out)
     curve = roc(scores, labels, grid, eps, nb, smoothing, rng)
-    with (out / "roc.csv").open("w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["threshold", "fpr", "tpr"])
-        for t, f, p in zip(
-            grid.thresholds.tolist(), curve.fpr.tolist(), curve.tpr.tolist(), strict=True
-        ):
-            writer.writerow([repr(t), repr(f), repr(p)])
+    _write_csv(
+        out / "roc.csv",
+        ["threshold", "fpr", "tpr"],
+        (
+            [repr(t), repr(f), repr(p)]
+            for t, f, p in zip(
+                grid.thresholds.tolist(), curve.fpr.tolist(), curve.tpr.tolist(), strict=True
+            )
+        ),
+    )
     fig = Figure(figsize=(5, 5))
     ax = fig.add_subplot()
     curve.plot(ax=ax)

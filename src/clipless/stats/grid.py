@@ -92,6 +92,8 @@ class Grid:
                 raise TypeError(f"size must be an int, got {type(size).__name__}")
             if size < 1:
                 raise ValueError(f"size must be >= 1, got {size}")
+            if size > 10**8:
+                raise ValueError(f"size must be at most 10**8 thresholds, got {size}")
             if size == 1:
                 if hi != lo:
                     raise ValueError("size=1 needs lower == upper")

@@ -65,6 +65,9 @@ __all__ = [
 RealLike = int | float | Fraction | np.integer | np.floating
 
 _FAST_LIMIT = 1 << 62
+# one call draws at most this many samples (8 GiB of int64): a named error instead of numpy's
+# MemoryError for an absurd size
+_MAX_SAMPLES = 1 << 30
 _INT64_MAX = (1 << 63) - 1
 # below this many samples the scalar exact path is faster than numpy's per-call overhead
 _SMALL_BATCH = 48
@@ -148,6 +151,10 @@ def _size_tuple(size: int | tuple[int, ...]) -> tuple[int, ...]:
         raise TypeError(f"size must be an int or a tuple of ints, got {size!r}")
     if any(s < 0 for s in shape):
         raise ValueError(f"size must be non-negative, got {size!r}")
+    if math.prod(shape) > _MAX_SAMPLES:
+        raise ValueError(
+            f"size {size!r} asks for {math.prod(shape)} samples; at most {_MAX_SAMPLES} per call"
+        )
     return shape
 
 

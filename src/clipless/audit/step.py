@@ -1,0 +1,341 @@
+"""Mechanism-level audit of a DP training step: attack the released noisy update.
+
+Jagielski, Ullman and Oprea 2020 ("Auditing differentially private machine learning"), Nasr,
+Song, Thakurta, Papernot and Carlini 2021 ("Adversary instantiation"): the strongest adversary of
+DP-SGD sees every released noisy gradient and knows everything but whether one canary record is in
+the data. This audit instantiates that adversary for one step (or ``steps`` steps at fixed weights)
+of the library's own mechanism and returns an empirical lower bound on epsilon to set against the
+claimed one.
+
+**Setup (add/remove-one, white box).** A small Lipschitz MLP (``InputNorm -> Linear -> GroupSort``
+x2 ``-> Linear``, square orthogonal layers, so that every layer preserves norms and the canary can
+reach every layer's sensitivity) is made private by :class:`clipless.PrivacyEngine` with sample
+rate ``q = 1`` (every record in every batch: the step is a plain Gaussian mechanism, and the audit
+tests what the library controls, the sensitivities and the noise; amplification by subsampling is
+``dp_accounting``'s theorem). ``D`` is ``m`` copies of a record of small input norm; ``D'`` adds
+the **canary**: an input of maximal norm (the ``InputNorm`` radius) whose direction maximises the
+model's logit margin, labelled with the class the model finds least likely, so that its loss
+gradient at the logits approaches the loss constant ``L`` and its contribution to every layer
+approaches the certified bound ``G_k``. Under ``scaling="batch-max"`` the same canary raises the
+batch maximum of every layer's input norm and so shrinks every other record's contribution: the
+sum moves by about ``m`` times the sensitivity the noise was calibrated to.
+
+**What runs through the library.** The clean sums on ``D`` and ``D'`` are one forward and backward
+pass each through the private model (the optimizer's hooks: the frozen
+:class:`~clipless.mechanism.NoisePlan`, the scaled kernels, the cotangent clip at the output); the
+plan is the one :meth:`clipless.optim.DPOptimizer.step` would use; the noise is drawn by
+:func:`clipless.optim.draw_noise` from the plan's standard deviations with the optimizer's
+generator, in batches of independent draws; the release is ``(sum + noise) / (q N)``. Only the
+repetition is vectorised (the sums are computed once: the weights do not change within the audit).
+
+**Test.** The released updates are projected on the most distinguishing direction, the
+likelihood-ratio direction of the two Gaussians, ``Sigma^-1 (mu' - mu)`` (per-coordinate noise
+variances of the plan), summed over the ``steps`` steps, and :func:`clipless.audit.bounds.
+epsilon_lower_bound` turns the two score samples into a Clopper-Pearson lower bound. The claim is
+``PrivacyConfig.epsilon(delta, steps)`` (PLD accountant).
+
+``sensitivity_ratio`` is the exact (noise-free) part of the audit: the Mahalanobis distance between
+the two clean releases times the effective noise multiplier, i.e. the canary's contribution
+relative to the sensitivity the noise was calibrated for; a sound mechanism has it ``<= 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from torch.utils.data import DataLoader, TensorDataset
+
+from clipless.audit.bounds import ThresholdTest, epsilon_lower_bound
+
+__all__ = ["AUDIT_MODES", "StepAudit", "audit_step"]
+
+AUDIT_MODES: tuple[str, ...] = ("per-sample", "bound", "threshold", "batch-max")
+_DIM = 8
+_CLASSES = 2
+
+
+@dataclass(frozen=True)
+class StepAudit:
+    """Result of :func:`audit_step` (see the module docstring).
+
+    ``claimed_epsilon`` is what the accountant reports for ``steps`` steps at ``delta``;
+    ``proven`` is ``False`` for ``batch-max``, whose claim is invalid. ``test`` holds the lower
+    bound (``test.epsilon``) and the threshold test behind it. ``scores_without`` and
+    ``scores_with`` are the projected releases on ``D`` and ``D'`` (for plots).
+    """
+
+    mode: str
+    noise: str
+    steps: int
+    trials: int
+    delta: float
+    noise_multiplier: float
+    claimed_epsilon: float
+    proven: bool
+    sensitivity_ratio: float
+    test: ThresholdTest
+    scores_without: NDArray[np.float64] = field(repr=False)
+    scores_with: NDArray[np.float64] = field(repr=False)
+
+    @property
+    def epsilon_lower_bound(self) -> float:
+        """The empirical lower bound (with probability ``test.confidence``)."""
+        return self.test.epsilon
+
+    @property
+    def confidence(self) -> float:
+        return self.test.confidence
+
+    def lines(self) -> list[str]:
+        """Human-readable report (what ``clipless audit`` prints)."""
+        claim = "a DP guarantee" if self.proven else "NOT a guarantee: batch-max has no DP proof"
+        verdict = (
+            "above the claim: the claimed epsilon is false"
+            if self.epsilon_lower_bound > self.claimed_epsilon
+            else "below the claim (consistent with it)"
+        )
+        return [
+            f"mechanism: scaling={self.mode}, noise={self.noise}, sigma={self.noise_multiplier:g},"
+            f" q=1, {self.steps} step(s), add/remove one canary; {self.trials} releases per "
+            f"neighbouring dataset; canary contribution / calibrated sensitivity = "
+            f"{self.sensitivity_ratio:.4g}",
+            f"claimed epsilon: {self.claimed_epsilon:.4f} (delta {self.delta:g}, PLD accountant; "
+            f"{claim})",
+            f"empirical lower bound: {self.epsilon_lower_bound:.4f} ({100 * self.confidence:g}% "
+            f"confidence, Clopper-Pearson; TPR {self.test.tpr:.4g} >= {self.test.tpr_lower:.4g}, "
+            f"FPR {self.test.fpr:.4g} <= {self.test.fpr_upper:.4g} on "
+            f"{self.test.evaluation_trials} held-out releases each) -- {verdict}",
+        ]
+
+    def plot(self, path: str | Path) -> Path:
+        """Histograms of the two score distributions and the selected threshold (PNG)."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.4, 3.6), dpi=110)
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        both = np.concatenate([self.scores_without, self.scores_with])
+        bins = np.linspace(float(both.min()), float(both.max()), 80).tolist()
+        ax.hist(self.scores_without, bins=bins, alpha=0.6, density=True, label="D (no canary)")
+        ax.hist(self.scores_with, bins=bins, alpha=0.6, density=True, label="D' (with canary)")
+        ax.axvline(self.test.threshold, color="k", linestyle="--", label="threshold")
+        ax.set_xlabel("release projected on the most distinguishing direction")
+        ax.set_ylabel("density")
+        ax.set_title(
+            f"{self.mode}: claimed eps {self.claimed_epsilon:.2f}, "
+            f"lower bound {self.epsilon_lower_bound:.2f}",
+            fontsize=10,
+        )
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+        return out
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return value
+
+
+def _check_open_unit(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise ValueError(f"{name} must be a number in (0, 1); got {value!r}")
+    return float(value)
+
+
+def _model(radius: float) -> torch.nn.Module:
+    from clipless import nn
+
+    return nn.Sequential(
+        nn.InputNorm(radius),
+        nn.Linear(_DIM, _DIM, bias=False),
+        nn.GroupSort(2),
+        nn.Linear(_DIM, _DIM, bias=False),
+        nn.GroupSort(2),
+        nn.Linear(_DIM, _CLASSES, bias=False),
+    )
+
+
+def _canary(model: torch.nn.Module, radius: float, gen: torch.Generator) -> tuple[Any, Any]:
+    """A maximal-norm input maximising the logit margin, with the least likely label.
+
+    Random search over the sphere of radius ``radius`` followed by projected gradient ascent on
+    the margin (the network is piecewise linear, so the margin is maximised on the sphere).
+    """
+    model.eval()
+    x = torch.randn(4096, _DIM, generator=gen, dtype=torch.float64)
+    x = radius * x / x.norm(dim=1, keepdim=True)
+    with torch.no_grad():
+        z = model(x)
+        margin = (z.max(dim=1).values - z.min(dim=1).values).double()
+    best = x[int(margin.argmax())].clone().requires_grad_(True)
+    for _ in range(200):
+        z = model(best.unsqueeze(0))[0]
+        gap = z.max() - z.min()
+        (grad,) = torch.autograd.grad(gap, best)
+        with torch.no_grad():
+            best += 0.05 * radius * grad / grad.norm().clamp_min(1e-12)
+            best *= radius / best.norm()
+    with torch.no_grad():
+        x_c = best.detach().unsqueeze(0)
+        y_c = model(x_c).argmin(dim=1)
+    model.train()
+    return x_c, y_c
+
+
+def _clean_sum(
+    opt: Any, model: torch.nn.Module, loss: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """One forward and backward pass through the private model; the plan and the summed gradient.
+
+    The plan is the one :meth:`DPOptimizer.step` would use for this backward pass
+    (``_plan_for_step`` refuses anything but exactly one backward pass); the step itself is not
+    taken (no noise is drawn, nothing is recorded: the audit data is synthetic).
+    """
+    opt.zero_grad()
+    model.train()
+    loss(model(x), y).backward()
+    plan = opt._plan_for_step()
+    opt._pending = []
+    sums = {name: p.grad.detach().clone() for p, name in opt._names.items()}
+    opt.zero_grad()
+    return plan, sums
+
+
+def audit_step(
+    mode: str = "per-sample",
+    *,
+    noise: str = "global",
+    noise_multiplier: float = 2.0,
+    trials: int = 20000,
+    steps: int = 1,
+    delta: float = 1e-5,
+    confidence: float = 0.95,
+    records: int = 32,
+    radius: float = 10.0,
+    allow_unproven: bool = False,
+    seed: int | None = None,
+) -> StepAudit:
+    """Audit one private training step (or ``steps`` steps at fixed weights): module docstring.
+
+    ``mode`` is the scaling mode (``per-sample``, ``bound``, ``threshold`` with every ``T_k =
+    radius / 2``, or ``batch-max``, which needs ``allow_unproven=True``); ``noise`` the noise
+    allocation; ``trials`` the number of releases simulated on each neighbouring dataset;
+    ``records`` the size of ``D``; ``radius`` the ``InputNorm`` radius. ``seed`` makes the model,
+    the canary and the noise reproducible (default: fresh randomness).
+    """
+    import clipless
+    from clipless import nn
+    from clipless.optim import draw_noise
+
+    if mode not in AUDIT_MODES:
+        raise ValueError(f"mode must be one of {AUDIT_MODES}; got {mode!r}")
+    if mode == "batch-max" and not allow_unproven:
+        raise ValueError(
+            "mode 'batch-max' is not differentially private; pass allow_unproven=True to audit it "
+            "(the audit shows that its claimed epsilon is false)"
+        )
+    _check_int("trials", trials, 20)
+    _check_int("steps", steps, 1)
+    _check_int("records", records, 1)
+    delta = _check_open_unit("delta", delta)
+    confidence = _check_open_unit("confidence", confidence)
+    for name, value in (("noise_multiplier", noise_multiplier), ("radius", radius)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name} must be a number; got {type(value).__name__}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be an integer >= 0 or None; got {seed!r}")
+
+    gen = torch.Generator()
+    gen.manual_seed(seed if seed is not None else int(torch.seed()) % (1 << 62))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(0, 1 << 62, (1,), generator=gen)))
+        model = _model(float(radius)).double()
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    # D: `records` copies of one small-norm record (their batch maximum is small).
+    small = torch.randn(1, _DIM, generator=gen, dtype=torch.float64)
+    small = 0.05 * radius * small / small.norm()
+    x0 = small.repeat(records, 1)
+    y0 = torch.zeros(records, dtype=torch.long)
+    thresholds = None
+    if mode == "threshold":
+        thresholds = {path: radius / 2.0 for path in ("1", "3", "5")}
+    engine = clipless.PrivacyEngine(seed=seed)
+    model, opt, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(x0, y0), batch_size=records),
+        loss=loss,
+        noise_multiplier=float(noise_multiplier),
+        sample_rate=1.0,
+        constraint="orthogonal",
+        scaling=mode,
+        noise=noise,
+        thresholds=thresholds,
+        allow_unproven=allow_unproven,
+    )
+    x_c, y_c = _canary(model, float(radius), gen)
+    plan0, sums0 = _clean_sum(opt, model, loss, x0, y0)
+    plan1, sums1 = _clean_sum(
+        opt, model, loss, torch.cat([x0, x_c.to(x0.dtype)]), torch.cat([y0, y_c])
+    )
+    if dict(plan0.stds) != dict(plan1.stds):  # the weights did not move: one plan
+        raise RuntimeError("the noise plan changed between the two passes")
+    plan = plan0
+    scale = float(plan.expected_batch_size)
+    names = list(plan.names)
+    means0 = {n: sums0[n] / scale for n in names}
+    diff = {n: (sums1[n] - sums0[n]) / scale for n in names}
+    var = {n: (plan.stds[n] / scale) ** 2 for n in names}
+    w = {n: diff[n] / var[n] for n in names}
+    mahalanobis = math.sqrt(sum(float((diff[n] * w[n]).sum()) for n in names))
+    sensitivity_ratio = mahalanobis * float(plan.effective_noise_multiplier)
+
+    shapes = {n: tuple(sums0[n].shape) for n in names}
+    dtype = sums0[names[0]].dtype
+
+    def scores(sums: Mapping[str, torch.Tensor]) -> NDArray[np.float64]:
+        out = np.zeros(trials, dtype=np.float64)
+        block = max(1, 8192 // steps)
+        for start in range(0, trials, block):
+            k = min(block, trials - start)
+            total = torch.zeros(k, dtype=torch.float64)
+            for n in names:
+                noise_draws = draw_noise(plan, n, (k * steps, *shapes[n]), opt.generator, dtype)
+                released = (sums[n] + noise_draws) / plan.expected_batch_size
+                centred = (released - means0[n]).reshape(k, steps, -1)
+                total += (centred * w[n].reshape(1, 1, -1)).sum(dim=(1, 2)).double()
+            out[start : start + k] = total.numpy()
+        return out
+
+    s0 = scores(sums0)
+    s1 = scores(sums1)
+    test = epsilon_lower_bound(s0, s1, delta, confidence)
+    claimed = engine.privacy_config.epsilon(delta, steps=steps)
+    return StepAudit(
+        mode=mode,
+        noise=noise,
+        steps=steps,
+        trials=trials,
+        delta=delta,
+        noise_multiplier=float(noise_multiplier),
+        claimed_epsilon=float(claimed),
+        proven=bool(plan.proven),
+        sensitivity_ratio=sensitivity_ratio,
+        test=test,
+        scores_without=s0,
+        scores_with=s1,
+    )

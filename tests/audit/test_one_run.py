@@ -1,0 +1,84 @@
+"""One-run audit (Steinke, Nasr and Jagielski 2023): the p-value, its inversion, a training run."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import MappingProxyType
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from clipless import mechanism
+from clipless.audit.one_run import audit_one_run, one_run_epsilon_lower_bound, one_run_p_value
+
+
+def test_p_value_without_delta_is_the_binomial_tail() -> None:
+    q = 1 / (1 + math.exp(-0.7))
+    assert one_run_p_value(500, 60, 41, 0.7, 0.0) == pytest.approx(stats.binom.sf(40, 60, q))
+    # delta adds 2 m delta max_i P[v-i <= Bin < v] / i (brute force over i)
+    pmf = stats.binom.pmf(np.arange(41), 60, q)
+    worst = max(pmf[41 - i : 41].sum() / i for i in range(1, 42))
+    expected = stats.binom.sf(40, 60, q) + 2 * 500 * 1e-4 * worst
+    assert one_run_p_value(500, 60, 41, 0.7, 1e-4) == pytest.approx(expected)
+
+
+def test_lower_bound_inverts_the_p_value() -> None:
+    # all r guesses right, delta = 0: the bound solves q^r = beta exactly
+    r, beta = 50, 0.05
+    q = beta ** (1 / r)
+    exact = math.log(q / (1 - q))
+    assert one_run_epsilon_lower_bound(1000, r, r, 0.0, 0.95) == pytest.approx(exact, rel=1e-9)
+    assert one_run_epsilon_lower_bound(1000, 100, 50, 1e-5) == 0.0  # chance level: nothing
+    # more correct guesses, larger bound; delta only lowers it
+    values = [one_run_epsilon_lower_bound(1000, 100, v, 1e-5) for v in (60, 70, 80, 90)]
+    assert values == sorted(values) and values[0] < values[-1]
+    assert one_run_epsilon_lower_bound(1000, 100, 90, 1e-3) < values[-1]
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="v <= r <= m"):
+        one_run_p_value(10, 20, 5, 1.0, 0.0)
+    with pytest.raises(ValueError, match="epsilon"):
+        one_run_p_value(10, 5, 5, math.nan, 0.0)
+    with pytest.raises(ValueError, match="guesses"):
+        audit_one_run(np.zeros((10, 2)), np.zeros(10, dtype=int), canaries=10, guesses=11)
+
+
+def _data(n: int = 100, d: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, d))
+    return x, (x @ rng.normal(size=d) > 0).astype(int)
+
+
+def test_a_private_run_stays_below_its_claim() -> None:
+    x, y = _data()
+    result = audit_one_run(x, y, canaries=100, guesses=40, epsilon=1.0, epochs=8, batch_size=50)
+    assert result.claimed_epsilon <= 1.0
+    assert result.epsilon_lower_bound < result.claimed_epsilon
+
+
+@pytest.mark.slow
+def test_a_training_pipeline_without_noise_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = mechanism.plan_step
+
+    def broken(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        stds = MappingProxyType({k: v * 1e-3 for k, v in plan.stds.items()})
+        return dataclasses.replace(plan, stds=stds)
+
+    monkeypatch.setattr(mechanism, "plan_step", broken)
+    x, y = _data()
+    result = audit_one_run(
+        x,
+        y,
+        canaries=200,
+        guesses=40,
+        epsilon=1.0,
+        epochs=60,
+        batch_size=50,
+        hidden=(64, 64),
+        lr=0.2,
+    )
+    assert result.epsilon_lower_bound > result.claimed_epsilon
