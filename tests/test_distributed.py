@@ -88,7 +88,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow  # two spawned processes: ~10 s idle, ~30 s on the loaded shared machine
+# two spawned processes on loopback (~10 s idle, ~40 s on a loaded 2-core machine): in make test,
+# as the data-parallel guarantee is part of the contract
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_processes_match_one_process(tmp_path: Path) -> None:
     torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
