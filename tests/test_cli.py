@@ -165,7 +165,7 @@ def test_build_mlp_starts_with_input_norm_for_images() -> None:
 
 # ------------------------------------------------------------------------ run folders (safety)
 RUN = ["train", "--dataset", "breast-cancer", "--epsilon", "1.0", "--delta", "1e-5"]
-RUN += ["--epochs", "1", "--no-progress", "--quiet", "--unsafe-seed", "5"]
+RUN += ["--model", "mlp", "--epochs", "1", "--no-progress", "--quiet", "--unsafe-seed", "5"]
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -580,6 +580,7 @@ def test_train_defaults_match_the_api_except_where_documented() -> None:
     assert args.unsafe_seed is None and engine_init["seed"].default is None  # secret noise
     # --constraint: the API's default, except for the linear model (one layer needs none)
     assert args.constraint is None  # resolved once the model is known
+    assert args.model is None and args.bias is None  # linear with a bias (docs/cli.md)
     assert make_private["constraint"].default == "orthogonal"
 
 
