@@ -91,3 +91,29 @@ def test_bad_elements():
     assert c.time == 0
     c.update(True)
     assert c.time == 1
+
+
+def test_factorization_counter_matches_offline_and_variance():
+    from clipless.stats.counting import factorization_coefficients, factorization_sensitivity
+
+    T = 20
+    c = ContinualCounter(None, T, "gaussian", rng=seeded_rng(4), rho=0.5, mechanism="factorization")
+    stream = np.random.default_rng(1).integers(0, 2, T)
+    out = np.array([c.update(int(x)) for x in stream])
+    coef = factorization_coefficients(T)
+    L = np.array([[coef[i - j] if i >= j else 0.0 for j in range(T)] for i in range(T)])
+    # s_hat = A x + L z with the counter's own draws z
+    np.testing.assert_allclose(out, np.cumsum(stream) + L @ c._z, atol=1e-9)
+    assert c.noise_param == pytest.approx(factorization_sensitivity(T, "add_remove"))
+    # Monte Carlo variance at the last step: sigma^2 S(T)
+    last = []
+    for seed in range(300):
+        cc = ContinualCounter(
+            None, T, "gaussian", rng=seeded_rng(seed), rho=0.5, mechanism="factorization"
+        )
+        last.append([cc.update(0) for _ in range(T)][-1])
+    assert np.var(last) == pytest.approx(cc.variance, rel=0.2)
+    with pytest.raises(ValueError, match="needs noise='gaussian'"):
+        ContinualCounter(1.0, 8, mechanism="factorization")
+    with pytest.raises(ValueError, match="'binary' or 'factorization'"):
+        ContinualCounter(1.0, 8, mechanism="k-ary")

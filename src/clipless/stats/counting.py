@@ -1,0 +1,579 @@
+r"""Counting mechanisms for all prefix counts, as one choice (``mechanism=``).
+
+Every mechanism here releases, from the integer leaf counts ``c_1..c_N`` of a public grid, an
+estimate of every prefix count ``C_i = c_1 + ... + c_i``. The DP part is one noisy vector; the
+estimate is post-processing of it. Three mechanisms:
+
+* ``"binary"``: the thesis's binary tree (signed-node release, :mod:`clipless.stats.tree`).
+* ``"k-ary"``: the full ``k``-ary tree of counts with least-squares consistency (Hay, Rastogi,
+  Miklau, Suciu, PVLDB 2010; Qardaji, Yang, Li, "Understanding hierarchical methods for
+  differentially private histograms", PVLDB 2013, who show the branching factor matters and
+  that ``k`` near 16 is best for range queries; Honaker, "Efficient use of differentially
+  private binary trees", 2015, for the subtraction view). Pure DP or zCDP, exact discrete noise.
+* ``"factorization"``: the square-root factorisation of the prefix-sum matrix ``A = L L``
+  (Fichtenberger, Henzinger, Upadhyay, ICML 2023; Henzinger, Upadhyay, Upadhyay, SODA 2023),
+  Gaussian noise, zCDP.
+
+**k-ary tree (proof).** Pad the leaves to ``k^h`` (``h = ceil(log_k N) >= 1``) with empty
+leaves. Node ``(l, j)`` (level ``l = 0..h``, level 0 = leaves, level ``h`` = the root) counts
+the values in leaves ``j k^l .. (j+1) k^l - 1``. One value lies in exactly one node per level,
+so adding or removing one value changes exactly ``h + 1`` node counts by 1 (the root
+included); moving one value from leaf ``a`` to leaf ``b`` changes at most two nodes per level
+below the root, by 1 each, and never the root: ``2h``. Under ``replace_one`` the root *is* the
+public size ``n`` and is not released with noise (it is known exactly). So the noisy vector has
+L1 sensitivity ``Delta = h + 1`` (add/remove) or ``2h`` (replace-one) and squared L2
+sensitivity ``Delta`` (entries ``+-1``): discrete Laplace of scale ``Delta / epsilon`` on every
+noisy node is ``epsilon``-DP, discrete Gaussian with ``sigma^2 = Delta / (2 rho)`` is
+``rho``-zCDP (Canonne, Kamath, Steinke 2020, Theorem 14). ``tests/stats/test_counting.py``
+verifies both constants exhaustively (every leaf, every pair of leaves) for small ``N`` and
+``k``, and that they are attained.
+
+**Consistency (least squares).** With independent noise of variance ``v_l`` at level ``l``
+(``v_h = 0`` when the root is the public ``n``), the best linear unbiased estimate of the leaf
+counts from all noisy nodes is computed in ``O(k^h)`` by two passes (Hay et al. 2010, section
+4, generalised to ``k`` children and per-level variances as in Cormode, Procopiuc, Srivastava,
+Shen, Yu, ICDE 2012, section 4): upward, ``z_v`` is the inverse-variance average of the node's
+own measurement and the sum of its children's ``z``, with variance ``t_l = 1 / (1/v_l + 1/(k
+t_{l-1}))``; downward, each child gets ``z_c + (x_v - sum_c' z_c') / k``. The prefix estimates
+are the cumulative sums of the estimated leaves (the least-squares estimate of any linear
+function is that function of the least-squares estimate); this is how "subtraction" (Honaker
+2015) enters: every node, also the right siblings, contributes. The test compares with dense
+weighted least squares.
+
+**Exact per-threshold variance.** The tree is symmetric, so the covariance of two estimated
+leaves depends only on the level ``l`` of their lowest common ancestor: ``kappa_l``. Running the
+two passes on the measurement vector ``v_0 e_(leaf 0)`` returns ``Cov(xhat_0, xhat_j)`` for
+every ``j`` (for the least-squares estimate ``xhat = G y``, ``Cov(xhat) = (M^T S^-1 M)^-1 =
+G S S^-1 M (M^T S^-1 M)^-1`` and ``M^T S^-1 (v_0 e_leaf0) = e_0``). Then
+``Var(Chat_i) = kappa_0 Q_0 + sum_{l >= 1} kappa_l (Q_l - Q_{l-1})`` with ``Q_l = floor(i /
+k^l) k^(2l) + (i mod k^l)^2`` the number of ordered pairs of the first ``i`` leaves that share
+their level-``l`` ancestor. :func:`kary_prefix_variance` returns it; the test checks it against
+the dense covariance.
+
+**Factorisation (proof).** ``A`` (lower-triangular ones, ``N x N``) equals ``L L`` with ``L``
+the lower-triangular Toeplitz matrix of ``c_k = binom(2k, k) / 4^k`` (the series of
+``(1 - t)^(-1/2)``; ``c_0 = 1``, ``c_k = c_(k-1) (2k - 1) / (2k)``, computed in ``O(N)``). The
+mechanism releases ``L x + z`` with ``z ~ N(0, sigma^2 I)`` and estimates the prefix counts by
+``L (L x + z) = A x + L z`` (products by FFT, ``O(N log N)``). Changing one leaf count by 1
+moves ``L x`` by a column of ``L``, whose squared norm is at most ``S(N) = sum_{k<N} c_k^2``
+(column 0): add/remove sensitivity ``S(N)``. Moving a value from leaf ``a`` to ``b > a`` moves
+it by ``L (e_b - e_a)``; its squared norm ``f(a, d)`` (``d = b - a``) does not increase with
+``a``: ``f(a, d) - f(a + 1, d) = (c_(N-a-1) - c_(N-a-d-1))^2 >= 0``, so the replace-one
+sensitivity is ``max_d f(0, d) = max_d [S(N) + S(N - d) - 2 sum_(j < N-d) c_j c_(j+d)]``,
+evaluated for all ``d`` at once by FFT. Both are computed in float64 and then increased by a
+relative margin of ``1e-6`` (far above the rounding error of the recurrence, ``<= 2 N u``, and
+of the FFT, ``O(log N) u``, for ``N <= 2^26``), so they are upper bounds. The Gaussian mechanism
+with ``sigma^2 = Delta_2^2 / (2 rho)`` is ``rho``-zCDP (Bun and Steinke 2016, Proposition 1.6).
+Per-threshold variance: ``Var(Chat_i) = sigma^2 S(i)``; its average is close to the lower bound
+for any factorisation (the factorisation norm of ``A`` lies within ``0.701 .. 0.846`` of
+``1 + ln(N) / pi``, Henzinger, Kalinin, Upadhyay 2025). Under ``replace_one`` the public total
+is used: the estimate is conditioned on ``C_N = n`` (Gaussian conditioning, post-processing).
+
+**Noise caveat (factorisation only).** ``L x`` is not integer, so the exact discrete Gaussian
+of Canonne, Kamath and Steinke does not apply; the noise is numpy's floating-point normal
+generator seeded from 256 bits of the given source. Floating-point Gaussian samplers are subject
+to the known precision attacks on their low-order bits (Jin, McMurtry, Rubinstein, Ohrimenko,
+IEEE S&P 2022), exactly like the noise of DP-SGD in every training library. ``"binary"`` and
+``"k-ary"`` use exact integer samplers.
+
+**Which one.** ``docs/statistics.md`` and ``benchmarks/RESULTS.md`` (issue 14) give the
+measurements behind :func:`default_mechanism`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+import scipy.signal
+from numpy.typing import ArrayLike, NDArray
+
+from clipless.stats.grid import tree_depth
+from clipless.stats.noise import (
+    conservative_scale,
+    discrete_gaussian,
+    discrete_gaussian_variance,
+    discrete_laplace,
+    discrete_laplace_variance,
+    resolve_rng,
+    to_fraction,
+)
+from clipless.stats.tree import (
+    Neighbouring,
+    NoiseKind,
+    TreeRelease,
+    _check_neighbouring,
+    _leaf_counts_array,
+    release_counts,
+)
+
+__all__ = [
+    "MECHANISMS",
+    "CountRelease",
+    "Mechanism",
+    "best_branching",
+    "default_mechanism",
+    "factorization_coefficients",
+    "factorization_sensitivity",
+    "kary_consistent_leaves",
+    "kary_depth",
+    "kary_node_counts",
+    "kary_prefix_variance",
+    "kary_sensitivity",
+    "release_prefix_counts",
+]
+
+Mechanism = Literal["binary", "k-ary", "factorization"]
+MECHANISMS: tuple[str, ...] = ("binary", "k-ary", "factorization")
+
+_FACT_MARGIN = 1e-6
+_FACT_MAX_N = 1 << 26
+
+
+def _check_mechanism(mechanism: str) -> None:
+    if mechanism not in MECHANISMS:
+        raise ValueError(
+            f"mechanism must be one of {', '.join(repr(m) for m in MECHANISMS)}, got {mechanism!r}"
+        )
+
+
+def default_mechanism(noise: NoiseKind) -> Mechanism:
+    """The default per privacy model, chosen from the measurements in ``benchmarks/RESULTS.md``
+    (issue 14): ``"k-ary"`` for both. Under pure DP it is the only sub-binary choice; under zCDP
+    the factorisation is ~10-20% better in variance but its noise is floating-point, so the
+    exact-noise ``"k-ary"`` tree stays the default and ``"factorization"`` is opt-in."""
+    if noise not in ("laplace", "gaussian"):
+        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    return "k-ary"
+
+
+# --------------------------------------------------------------------------------------------
+# k-ary tree
+# --------------------------------------------------------------------------------------------
+
+
+def _check_branching(k: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"branching must be an int >= 2, got {type(k).__name__}")
+    if k < 2:
+        raise ValueError(f"branching must be >= 2, got {k}")
+    return int(k)
+
+
+def kary_depth(num_leaves: int, branching: int) -> int:
+    """``h = ceil(log_k N)``, at least 1 (computed with integers).
+
+    >>> kary_depth(4096, 8), kary_depth(4097, 8), kary_depth(1, 4)
+    (4, 5, 1)
+    """
+    k = _check_branching(branching)
+    if num_leaves < 1:
+        raise ValueError(f"num_leaves must be >= 1, got {num_leaves}")
+    h, size = 1, k
+    while size < num_leaves:
+        h += 1
+        size *= k
+    return h
+
+
+def kary_sensitivity(depth: int, neighbouring: Neighbouring) -> int:
+    """L1 (= squared L2) sensitivity of the noisy nodes: ``h + 1`` (add/remove, root included)
+    or ``2 h`` (replace-one, the root is the public ``n`` and gets no noise). Module docstring.
+    """
+    _check_neighbouring(neighbouring)
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    return depth + 1 if neighbouring == "add_remove" else 2 * depth
+
+
+def kary_node_counts(leaf_counts: ArrayLike, branching: int) -> list[NDArray[np.int64]]:
+    """Node counts of the padded ``k``-ary tree: one array per level ``l = 0..h`` (level 0 =
+    the ``k^h`` leaves, level ``h`` = the root, length 1). Linear (negative counts allowed, as
+    the sensitivity test uses)."""
+    arr = np.asarray(leaf_counts, dtype=np.int64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError("leaf_counts must be a non-empty one-dimensional array")
+    k = _check_branching(branching)
+    h = kary_depth(arr.size, k)
+    cur = np.zeros(k**h, dtype=np.int64)
+    cur[: arr.size] = arr
+    out = [cur]
+    for _ in range(h):
+        cur = cur.reshape(-1, k).sum(axis=1)
+        out.append(cur)
+    return out
+
+
+def _upward_variances(level_var: list[float], k: int) -> list[float]:
+    t = [float(level_var[0])]
+    for lev in range(1, len(level_var)):
+        v = float(level_var[lev])
+        t.append(0.0 if v == 0.0 else 1.0 / (1.0 / v + 1.0 / (k * t[-1])))
+    return t
+
+
+def kary_consistent_leaves(
+    node_values: list[NDArray[np.float64]] | list[NDArray[np.int64]],
+    branching: int,
+    level_variances: list[float],
+) -> NDArray[np.float64]:
+    """Least-squares leaf estimates from noisy ``k``-ary node values (two passes, module doc).
+
+    ``level_variances[l]`` is the noise variance at level ``l``; ``0`` means known exactly
+    (only the root may be exact). Returns the ``k^h`` estimated leaves (padding included).
+    Post-processing.
+    """
+    k = _check_branching(branching)
+    h = len(node_values) - 1
+    if len(level_variances) != h + 1:
+        raise ValueError("level_variances needs one entry per level")
+    if any(v == 0.0 for v in level_variances[:-1]):
+        raise ValueError("only the root may have variance 0")
+    t = _upward_variances(list(level_variances), k)
+    z: list[NDArray[np.float64]] = [np.asarray(node_values[0], dtype=np.float64)]
+    for lev in range(1, h + 1):
+        s = z[-1].reshape(-1, k).sum(axis=1)
+        y = np.asarray(node_values[lev], dtype=np.float64)
+        v = float(level_variances[lev])
+        if v == 0.0:
+            z.append(y)
+        else:
+            w_own = 1.0 / v
+            w_kids = 1.0 / (k * t[lev - 1])
+            z.append((w_own * y + w_kids * s) / (w_own + w_kids))
+    x = z[h]
+    for lev in range(h, 0, -1):
+        kids = z[lev - 1]
+        resid = x - kids.reshape(-1, k).sum(axis=1)
+        x = kids + np.repeat(resid / k, k)
+    return x
+
+
+@lru_cache(maxsize=256)
+def _kary_kappa(h: int, k: int, level_var: tuple[float, ...]) -> NDArray[np.float64]:
+    """``kappa_l``: covariance of two estimated leaves whose common ancestor is at level ``l``.
+
+    The two passes run on ``v_0 e_(leaf 0)`` (module docstring) in ``O(h)``: upward only the
+    path of leaf 0 is non-zero (``zp[l]``); downward a node off that path gets only its
+    parent's residual share ``1/k``, so a sibling of the path at level ``l - 1`` gets
+    ``(xp[l] - zp[l-1]) / k`` and each leaf below it ``k^-(l-1)`` of that.
+    (:func:`kary_consistent_leaves` on the full vector gives the same; the test checks it.)
+    """
+    t = _upward_variances(list(level_var), k)
+    zp = [float(level_var[0])]
+    for lev in range(1, h + 1):
+        v = float(level_var[lev])
+        if v == 0.0:
+            zp.append(0.0)
+        else:
+            w_own, w_kids = 1.0 / v, 1.0 / (k * t[lev - 1])
+            zp.append(w_kids * zp[-1] / (w_own + w_kids))
+    xp = [0.0] * (h + 1)
+    xp[h] = zp[h]
+    kappa = np.zeros(h + 1)
+    for lev in range(h, 0, -1):
+        share = (xp[lev] - zp[lev - 1]) / k
+        xp[lev - 1] = zp[lev - 1] + share
+        kappa[lev] = share / float(k ** (lev - 1))
+    kappa[0] = xp[0]
+    return kappa
+
+
+def kary_prefix_variance(
+    num_leaves: int, branching: int, level_variances: list[float]
+) -> NDArray[np.float64]:
+    """Exact variance of every least-squares prefix estimate ``Chat_1..Chat_N`` (module doc)."""
+    k = _check_branching(branching)
+    h = len(level_variances) - 1
+    if k**h < num_leaves:
+        raise ValueError(f"{h} levels of branching {k} hold fewer than {num_leaves} leaves")
+    kappa = _kary_kappa(h, k, tuple(float(v) for v in level_variances))
+    i = np.arange(1, num_leaves + 1, dtype=np.float64)
+    q_prev = i.copy()
+    var = kappa[0] * q_prev
+    for lev in range(1, h + 1):
+        block = float(k**lev)
+        q = np.floor(i / block) * block * block + np.mod(i, block) ** 2
+        var = var + kappa[lev] * (q - q_prev)
+        q_prev = q
+    return np.maximum(var, 0.0)
+
+
+@lru_cache(maxsize=4096)
+def _kary_score(num_leaves: int, k: int, neighbouring: Neighbouring, noise: NoiseKind) -> float:
+    """Mean prefix variance at unit budget (epsilon = 1 or rho = 1/2) for branching ``k``."""
+    h = kary_depth(num_leaves, k)
+    delta = kary_sensitivity(h, neighbouring)
+    node_var = 2.0 * delta**2 if noise == "laplace" else float(delta)
+    lv = [node_var] * (h + 1)
+    if neighbouring == "replace_one":
+        lv[-1] = 0.0
+    return float(np.mean(kary_prefix_variance(num_leaves, k, lv)))
+
+
+def best_branching(num_leaves: int, neighbouring: Neighbouring, noise: NoiseKind) -> int:
+    """The ``k`` in ``2..32`` with the smallest exact mean prefix variance for ``N`` leaves.
+
+    Exact (:func:`kary_prefix_variance`), so it accounts for padding to ``k^h`` and for the
+    root being exact under replace-one. The budget only scales the variance, so it does not
+    enter. Qardaji et al. (2013) find ``k`` near 16 for range queries; for prefix counts with
+    consistency the measured optimum is similar (``docs/statistics.md``).
+    """
+    return min(range(2, 33), key=lambda k: (_kary_score(num_leaves, k, neighbouring, noise), k))
+
+
+# --------------------------------------------------------------------------------------------
+# factorisation
+# --------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16)
+def factorization_coefficients(num_leaves: int) -> NDArray[np.float64]:
+    """``c_k = binom(2k, k) / 4^k``, ``k < N``, by the recurrence ``c_k = c_(k-1)(2k-1)/(2k)``.
+
+    >>> factorization_coefficients(4).tolist()
+    [1.0, 0.5, 0.375, 0.3125]
+    """
+    if num_leaves < 1:
+        raise ValueError(f"num_leaves must be >= 1, got {num_leaves}")
+    k = np.arange(1, num_leaves, dtype=np.float64)
+    ratios = (2.0 * k - 1.0) / (2.0 * k)
+    out = np.concatenate([[1.0], np.cumprod(ratios)])
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=16)
+def factorization_sensitivity(num_leaves: int, neighbouring: Neighbouring) -> float:
+    """Certified upper bound on the squared L2 sensitivity of ``L x`` (module docstring)."""
+    _check_neighbouring(neighbouring)
+    if num_leaves > _FACT_MAX_N:
+        raise ValueError(f"the factorisation is implemented for N <= 2^26, got {num_leaves}")
+    c = factorization_coefficients(num_leaves)
+    sq = c * c
+    total = math.fsum(sq.tolist())
+    if neighbouring == "add_remove" or num_leaves == 1:
+        return total * (1.0 + _FACT_MARGIN)
+    # f(0, d) = S(N) + S(N - d) - 2 sum_{j < N-d} c_j c_{j+d}, d = 1..N-1
+    n = num_leaves
+    auto = scipy.signal.fftconvolve(c, c[::-1])[n - 1 :]  # auto[d] = sum_j c_j c_{j+d}
+    cums = np.concatenate([[0.0], np.cumsum(sq)])  # cums[m] = S(m)
+    d = np.arange(1, n)
+    f = total + cums[n - d] - 2.0 * auto[d]
+    return float(np.max(f)) * (1.0 + _FACT_MARGIN)
+
+
+def _lower_toeplitz_apply(c: NDArray[np.float64], x: NDArray[np.float64]) -> NDArray[np.float64]:
+    return np.asarray(scipy.signal.fftconvolve(c, x)[: x.size], dtype=np.float64)
+
+
+def _gaussian_floats(sigma: float, size: int, rng: random.Random) -> NDArray[np.float64]:
+    seed = int.from_bytes(rng.randbytes(32), "little")
+    return np.random.Generator(np.random.PCG64(seed)).normal(0.0, sigma, size)
+
+
+# --------------------------------------------------------------------------------------------
+# the common release
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class CountRelease:
+    """Output of :func:`release_prefix_counts` for ``"k-ary"`` and ``"factorization"``.
+
+    Attributes
+    ----------
+    mechanism:
+        ``"k-ary"`` or ``"factorization"``.
+    num_leaves:
+        ``N``.
+    prefix_counts:
+        The (least-squares / factorised) estimates of the ``N`` prefix counts, float64.
+    variance:
+        Exact per-threshold variance of :attr:`prefix_counts` (given the noise parameters).
+    noisy:
+        The DP vector itself (node values for ``k``-ary, concatenated by level; ``L x + z`` for
+        the factorisation).
+    noise, noise_param, noise_scale, node_variance:
+        ``"laplace"``/``"gaussian"``; exact scale ``b`` or ``sigma^2``; ``b`` or ``sigma``;
+        variance of one noise draw.
+    sensitivity:
+        L1 sensitivity (Laplace) or squared L2 sensitivity (Gaussian) of the noisy vector.
+    branching:
+        ``k`` (``None`` for the factorisation).
+    neighbouring, epsilon, rho:
+        The guarantee.
+    """
+
+    mechanism: str
+    num_leaves: int
+    prefix_counts: NDArray[np.float64] = field(repr=False)
+    variance: NDArray[np.float64] = field(repr=False)
+    noisy: NDArray[np.float64] = field(repr=False)
+    noise: NoiseKind
+    noise_param: Fraction | float
+    noise_scale: float
+    node_variance: float
+    sensitivity: float
+    branching: int | None
+    neighbouring: Neighbouring
+    epsilon: float | None
+    rho: float | None
+
+    @property
+    def depth(self) -> int:
+        """Binary depth ``ceil(log2 N)`` (used by the thesis's l1/l2 smoothing graph)."""
+        return tree_depth(self.num_leaves)
+
+
+def _budget(
+    noise: str, epsilon: float | None, rho: float | None
+) -> tuple[Fraction, float | None, float | None]:
+    if noise == "laplace":
+        if rho is not None:
+            raise ValueError("rho is only for noise='gaussian'; give epsilon for Laplace noise")
+        if epsilon is None:
+            raise ValueError("epsilon is required for noise='laplace'")
+        return to_fraction(epsilon, "epsilon"), float(epsilon), None
+    if noise == "gaussian":
+        if epsilon is not None:
+            raise ValueError(
+                "noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None and rho"
+            )
+        if rho is None:
+            raise ValueError("rho is required for noise='gaussian'")
+        return to_fraction(rho, "rho"), None, float(rho)
+    raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+
+
+def release_prefix_counts(
+    leaf_counts: ArrayLike,
+    epsilon: float | None,
+    neighbouring: Neighbouring = "replace_one",
+    noise: NoiseKind = "laplace",
+    rng: random.Random | None = None,
+    rho: float | None = None,
+    *,
+    mechanism: Mechanism = "binary",
+    branching: int | None = None,
+) -> TreeRelease | CountRelease:
+    """Release every prefix count of ``leaf_counts`` with the chosen counting ``mechanism``.
+
+    ``"binary"`` returns :func:`~clipless.stats.tree.release_counts`'s :class:`TreeRelease`;
+    ``"k-ary"`` and ``"factorization"`` return a :class:`CountRelease` (module docstring for
+    the proofs). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` in ``2..32``
+    with the smallest exact mean variance for this ``N`` (:func:`best_branching`).
+    Under ``replace_one`` the size ``n = sum(leaf_counts)`` is public and used exactly.
+    """
+    _check_mechanism(mechanism)
+    _check_neighbouring(neighbouring)
+    if mechanism == "binary":
+        if branching is not None:
+            raise ValueError("branching is only for mechanism='k-ary'")
+        return release_counts(leaf_counts, epsilon, neighbouring, noise, rng, rho)
+    counts = _leaf_counts_array(leaf_counts)
+    budget, eps_out, rho_out = _budget(noise, epsilon, rho)
+    gen = resolve_rng(rng)
+    N = int(counts.size)
+    if mechanism == "k-ary":
+        k = best_branching(N, neighbouring, noise) if branching is None else branching
+        k = _check_branching(k)
+        h = kary_depth(N, k)
+        delta = kary_sensitivity(h, neighbouring)
+        true_nodes = kary_node_counts(counts, k)
+        noisy_levels = true_nodes if neighbouring == "add_remove" else true_nodes[:-1]
+        num_noisy = sum(a.size for a in noisy_levels)
+        param: Fraction
+        if noise == "laplace":
+            param = conservative_scale(Fraction(delta) / budget)
+            eta = discrete_laplace(param, num_noisy, gen)
+            node_var = discrete_laplace_variance(param)
+            scale = float(param)
+        else:
+            param = Fraction(delta) / (2 * budget)
+            eta = discrete_gaussian(None, num_noisy, gen, sigma2=param)
+            node_var = discrete_gaussian_variance(param)
+            scale = float(param) ** 0.5
+        values: list[NDArray[np.float64]] = []
+        pos = 0
+        for arr in noisy_levels:
+            values.append((arr + eta[pos : pos + arr.size]).astype(np.float64))
+            pos += arr.size
+        # every noisy level has the same variance: the estimate depends only on the ratios
+        unit_var = [1.0] * (h + 1)
+        if neighbouring == "replace_one":
+            values.append(true_nodes[-1].astype(np.float64))  # the public n, exact
+            unit_var[-1] = 0.0
+        leaves = kary_consistent_leaves(values, k, unit_var)
+        prefix = np.cumsum(leaves[:N])
+        variance = node_var * kary_prefix_variance(N, k, unit_var)
+        noisy_vec = np.concatenate(values[: len(noisy_levels)])
+        for a in (prefix, variance, noisy_vec):
+            a.setflags(write=False)
+        return CountRelease(
+            mechanism="k-ary",
+            num_leaves=N,
+            prefix_counts=prefix,
+            variance=variance,
+            noisy=noisy_vec,
+            noise=noise,
+            noise_param=param,
+            noise_scale=scale,
+            node_variance=node_var,
+            sensitivity=float(delta),
+            branching=k,
+            neighbouring=neighbouring,
+            epsilon=eps_out,
+            rho=rho_out,
+        )
+    # factorisation
+    if branching is not None:
+        raise ValueError("branching is only for mechanism='k-ary'")
+    if noise != "gaussian":
+        raise ValueError(
+            "mechanism='factorization' needs noise='gaussian' (zCDP): its L1 sensitivity grows "
+            "like sqrt(N), so under pure DP use 'k-ary'"
+        )
+    sens2 = factorization_sensitivity(N, neighbouring)
+    sigma2 = sens2 / (2.0 * float(budget))
+    # sigma^2 rounded up so that the float noise scale is never below the certified value
+    sigma = math.nextafter(math.sqrt(sigma2), math.inf)
+    c = np.asarray(factorization_coefficients(N))
+    x = counts.astype(np.float64)
+    noisy_vec = _lower_toeplitz_apply(c, x) + _gaussian_floats(sigma, N, gen)
+    prefix = _lower_toeplitz_apply(c, noisy_vec)
+    cums = np.cumsum(c * c)
+    variance = sigma**2 * cums
+    if neighbouring == "replace_one":
+        # condition on C_N = n (public): Cov(Chat_i, Chat_N) = sigma^2 sum_j c_(i-j) c_(N-1-j)
+        n_pub = float(counts.sum())
+        cov_n = sigma**2 * scipy.signal.fftconvolve(c, c[::-1])[:N]
+        var_n = float(variance[-1])
+        prefix = prefix - cov_n / var_n * (prefix[-1] - n_pub)
+        variance = variance - cov_n**2 / var_n
+        prefix[-1] = n_pub
+        variance[-1] = 0.0
+        variance = np.maximum(variance, 0.0)
+    for a in (prefix, variance, noisy_vec):
+        a.setflags(write=False)
+    return CountRelease(
+        mechanism="factorization",
+        num_leaves=N,
+        prefix_counts=prefix,
+        variance=variance,
+        noisy=noisy_vec,
+        noise="gaussian",
+        noise_param=sigma**2,
+        noise_scale=sigma,
+        node_variance=sigma**2,
+        sensitivity=sens2,
+        branching=None,
+        neighbouring=neighbouring,
+        epsilon=None,
+        rho=rho_out,
+    )

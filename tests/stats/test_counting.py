@@ -1,0 +1,264 @@
+"""Tests for the counting mechanisms: exhaustive sensitivity, exact least squares, variances."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from clipless.stats import seeded_rng
+from clipless.stats.counting import (
+    _kary_kappa,
+    default_mechanism,
+    factorization_coefficients,
+    factorization_sensitivity,
+    kary_consistent_leaves,
+    kary_depth,
+    kary_node_counts,
+    kary_prefix_variance,
+    kary_sensitivity,
+    release_prefix_counts,
+)
+from clipless.stats.tree import TreeRelease
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("N", [1, 2, 3, 5, 8, 9, 16, 17, 27, 30])
+def test_kary_exhaustive_sensitivity(k, N):
+    """Every add/remove and replace-one change of the noisy node vector, enumerated."""
+    h = kary_depth(N, k)
+    base = np.random.default_rng(N * k).integers(0, 3, N)
+    before = np.concatenate(kary_node_counts(base, k))
+    cols = []
+    for a in range(N):
+        counts = base.copy()
+        counts[a] += 1
+        nodes = kary_node_counts(counts, k)
+        assert nodes[0][:N].tolist() == counts.tolist()
+        cols.append(np.concatenate(nodes) - before)
+    cols_arr = np.stack(cols)
+    # add/remove: all levels released (root included)
+    add = int(np.abs(cols_arr).sum(axis=1).max())
+    assert add == kary_sensitivity(h, "add_remove") == h + 1
+    assert int((cols_arr**2).sum(axis=1).max()) == h + 1
+    # replace-one: the root (last entry) is the public n, not released
+    diffs = (cols_arr[None, :, :-1] - cols_arr[:, None, :-1]).reshape(N * N, -1)
+    assert np.all(cols_arr[:, -1] == 1)
+    rep = int(np.abs(diffs).sum(axis=1).max())
+    assert rep <= kary_sensitivity(h, "replace_one") == 2 * h
+    assert int((diffs**2).sum(axis=1).max()) == rep
+    if k**h == N and N > 1:  # attained on a full tree: first and last leaf
+        assert rep == 2 * h
+
+
+def _dense_blue(k, N, level_var, y):
+    """Weighted least squares with an exact root (null-space elimination), dense."""
+    h = kary_depth(N, k)
+    P = k**h
+    rows, lv = [], []
+    for lev in range(h + 1):
+        for j in range(P // k**lev):
+            r = np.zeros(P)
+            r[j * k**lev : (j + 1) * k**lev] = 1
+            rows.append(r)
+            lv.append(lev)
+    M = np.array(rows)
+    w = np.array([level_var[lev] for lev in lv])
+    noisy = w > 0
+    Mn, yn, W = M[noisy], y[noisy], np.diag(1 / w[noisy])
+    if noisy.all():
+        G = np.linalg.solve(Mn.T @ W @ Mn, Mn.T @ W)
+        return G @ y, G @ np.diag(w) @ G.T
+    # exact constraint: sum(x) = y_root; x = x0 + B u with B an orthonormal basis of 1^perp
+    one = np.ones(P) / np.sqrt(P)
+    B = np.linalg.svd(np.eye(P) - np.outer(one, one))[0][:, : P - 1]
+    x0 = one * y[-1] / np.sqrt(P)
+    MB = Mn @ B
+    H = np.linalg.solve(MB.T @ W @ MB, MB.T @ W)
+    est = x0 + B @ (H @ (yn - Mn @ x0))
+    cov = B @ H @ np.diag(w[noisy]) @ H.T @ B.T
+    return est, cov
+
+
+@pytest.mark.parametrize(
+    ("k", "N", "root_known"),
+    [(2, 8, False), (2, 5, True), (3, 7, True), (4, 16, False), (4, 13, True), (5, 20, False)],
+)
+def test_kary_least_squares_and_variance_match_dense(k, N, root_known):
+    h = kary_depth(N, k)
+    P = k**h
+    level_var = [1.0 + 0.3 * lev for lev in range(h + 1)]
+    if root_known:
+        level_var[-1] = 0.0
+    y = np.random.default_rng(0).normal(size=sum(P // k**lev for lev in range(h + 1))) * 3
+    levels, pos = [], 0
+    for lev in range(h + 1):
+        levels.append(y[pos : pos + P // k**lev])
+        pos += P // k**lev
+    est, cov = _dense_blue(k, N, level_var, y)
+    np.testing.assert_allclose(kary_consistent_leaves(levels, k, level_var), est, atol=1e-9)
+    A = np.tril(np.ones((N, P)))
+    np.testing.assert_allclose(
+        kary_prefix_variance(N, k, level_var), np.diag(A @ cov @ A.T), rtol=1e-9, atol=1e-9
+    )
+    # the O(h) kappa recursion equals the full two passes on v_0 e_0
+    unit = [np.zeros(P // k**lev) for lev in range(h + 1)]
+    unit[0][0] = level_var[0]
+    full = kary_consistent_leaves(unit, k, level_var)
+    idx = [0] + [k ** (lev - 1) for lev in range(1, h + 1)]
+    np.testing.assert_allclose(_kary_kappa(h, k, tuple(level_var)), full[idx], atol=1e-12)
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 7, 16, 33, 64])
+def test_factorization_square_root_and_exhaustive_sensitivity(N):
+    c = factorization_coefficients(N)
+    L = np.array([[c[i - j] if i >= j else 0.0 for j in range(N)] for i in range(N)])
+    np.testing.assert_allclose(L @ L, np.tril(np.ones((N, N))), atol=1e-12)
+    add = float((L**2).sum(axis=0).max())
+    rep = max(
+        (float(np.sum((L[:, b] - L[:, a]) ** 2)) for a, b in itertools.permutations(range(N), 2)),
+        default=0.0,
+    )
+    s_add = factorization_sensitivity(N, "add_remove")
+    s_rep = factorization_sensitivity(N, "replace_one")
+    assert add <= s_add <= add * (1 + 2e-6)
+    if N > 1:
+        assert rep <= s_rep <= rep * (1 + 2e-6)
+
+
+def test_factorization_coefficients_exact():
+    from fractions import Fraction
+    from math import comb
+
+    c = factorization_coefficients(40)
+    exact = [float(Fraction(comb(2 * k, k), 4**k)) for k in range(40)]
+    np.testing.assert_allclose(c, exact, rtol=1e-14)
+
+
+def test_factorization_variance_and_conditioning_match_dense():
+    N = 40
+    c = factorization_coefficients(N)
+    L = np.array([[c[i - j] if i >= j else 0.0 for j in range(N)] for i in range(N)])
+    counts = np.random.default_rng(1).integers(0, 5, N)
+    rel = release_prefix_counts(
+        counts, None, "add_remove", "gaussian", seeded_rng(0), rho=0.5, mechanism="factorization"
+    )
+    s2 = rel.noise_scale**2
+    np.testing.assert_allclose(rel.variance, s2 * np.diag(L @ L.T), rtol=1e-12)
+    np.testing.assert_allclose(s2, factorization_sensitivity(N, "add_remove"), rtol=1e-12)
+    rep = release_prefix_counts(
+        counts, None, "replace_one", "gaussian", seeded_rng(0), rho=0.5, mechanism="factorization"
+    )
+    cov = rep.noise_scale**2 * L @ L.T
+    cond = cov - np.outer(cov[:, -1], cov[:, -1]) / cov[-1, -1]
+    np.testing.assert_allclose(rep.variance, np.maximum(np.diag(cond), 0), atol=1e-9)
+    assert rep.prefix_counts[-1] == counts.sum()
+
+
+@pytest.mark.parametrize("mechanism", ["k-ary", "factorization"])
+@pytest.mark.parametrize("neighbouring", ["add_remove", "replace_one"])
+def test_release_unbiased_with_the_stated_variance(mechanism, neighbouring):
+    """Monte Carlo: mean error ~ 0 and per-threshold variance ~ the exact one (within 15%)."""
+    N = 50
+    counts = np.random.default_rng(2).integers(0, 6, N)
+    rng = seeded_rng(3)
+    noise = "gaussian" if mechanism == "factorization" else "laplace"
+    eps = None if noise == "gaussian" else 1.0
+    rho = 0.5 if noise == "gaussian" else None
+    errs = []
+    for _ in range(400):
+        rel = release_prefix_counts(
+            counts, eps, neighbouring, noise, rng, rho, mechanism=mechanism, branching=None
+        )
+        errs.append(rel.prefix_counts - np.cumsum(counts))
+    e = np.array(errs)
+    var = rel.variance
+    assert abs(e.mean()) < 4 * np.sqrt(var.mean() / e.size) + 1e-9
+    np.testing.assert_allclose(e.var(axis=0).mean(), var.mean(), rtol=0.15)
+
+
+def test_kary_release_noise_free_is_exact_and_binary_passes_through():
+    counts = np.array([3, 0, 2, 5, 1, 1, 0, 4, 2])
+    rel = release_prefix_counts(
+        counts, 1e9, "add_remove", rng=seeded_rng(0), mechanism="k-ary", branching=3
+    )
+    np.testing.assert_allclose(rel.prefix_counts, np.cumsum(counts), atol=1e-6)
+    assert rel.branching == 3 and rel.sensitivity == 3
+    binary = release_prefix_counts(counts, 1.0, rng=seeded_rng(0), mechanism="binary")
+    assert isinstance(binary, TreeRelease)
+
+
+def test_bad_input_messages():
+    with pytest.raises(ValueError, match="mechanism must be one of"):
+        release_prefix_counts([1, 2], 1.0, mechanism="ternary")
+    with pytest.raises(ValueError, match="needs noise='gaussian'"):
+        release_prefix_counts([1, 2], 1.0, mechanism="factorization")
+    with pytest.raises(ValueError, match="branching must be >= 2"):
+        release_prefix_counts([1, 2], 1.0, mechanism="k-ary", branching=1)
+    with pytest.raises(ValueError, match="only for mechanism='k-ary'"):
+        release_prefix_counts([1, 2], 1.0, mechanism="binary", branching=4)
+    assert default_mechanism("laplace") == "k-ary"
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "noise"),
+    [("k-ary", "laplace"), ("k-ary", "gaussian"), ("factorization", "gaussian")],
+)
+@pytest.mark.parametrize("neighbouring", ["replace_one", "add_remove"])
+def test_ecdf_and_roc_accept_every_mechanism(mechanism, noise, neighbouring):
+    from clipless.stats import Grid, ecdf, nonprivate_roc, roc
+
+    values = np.random.default_rng(0).normal(size=300)
+    grid = Grid(-3, 3, size=40)
+    eps, rho = (1e8, None) if noise == "laplace" else (None, 1e14)
+    F = ecdf(
+        values,
+        grid,
+        eps,
+        neighbouring,
+        None,
+        noise,
+        rng=seeded_rng(1),
+        rho=rho,
+        mechanism=mechanism,
+    )
+    exact = np.cumsum(grid.counts(values)) / values.size
+    np.testing.assert_allclose(F.values, exact, atol=1e-4)
+    assert F.release.mechanism == mechanism
+    for sm in ("isotonic", "l2"):
+        G = ecdf(
+            values,
+            grid,
+            eps,
+            neighbouring,
+            sm,
+            noise,
+            rng=seeded_rng(1),
+            rho=rho,
+            mechanism=mechanism,
+        )
+        assert np.all(np.diff(G.values) >= -1e-12)
+    labels = (values + np.random.default_rng(1).normal(size=300) > 0).astype(int)
+    curve = roc(
+        values,
+        labels,
+        grid,
+        eps,
+        neighbouring,
+        None,
+        seeded_rng(2),
+        noise=noise,
+        rho=rho,
+        mechanism=mechanism,
+    )
+    fpr, tpr = nonprivate_roc(values, labels, grid)
+    np.testing.assert_allclose(curve.fpr, fpr[1:-1], atol=1e-4)
+    np.testing.assert_allclose(curve.tpr, tpr[1:-1], atol=1e-4)
+
+
+def test_ecdf_mechanism_errors():
+    from clipless.stats import ecdf
+
+    with pytest.raises(ValueError, match="consistency=False"):
+        ecdf([1.0, 2.0], [1.0, 2.0], 1.0, consistency=False, mechanism="k-ary")
+    with pytest.raises(ValueError, match="mechanism must be one of"):
+        ecdf([1.0, 2.0], [1.0, 2.0], 1.0, mechanism="tree")
