@@ -50,6 +50,57 @@ def test_kary_exhaustive_sensitivity(k, N):
         assert rep == 2 * h
 
 
+@pytest.mark.parametrize("noise", ["laplace", "gaussian"])
+@pytest.mark.parametrize("neighbouring", ["add_remove", "replace_one"])
+@pytest.mark.parametrize(("k", "N"), [(2, 16), (3, 20), (4, 64), (8, 64), (16, 40)])
+def test_kary_privacy_loss_with_level_shares_exhaustive(k, N, neighbouring, noise):
+    """The release's own per-level scales: max over all neighbours of the privacy loss
+    (sum |change| / b_l for Laplace, sum change^2 / (2 sigma_l^2) for Gaussian), in exact
+    rationals, is at most the budget."""
+    from fractions import Fraction
+
+    counts = np.random.default_rng(0).integers(0, 3, N)
+    eps, rho = (Fraction(7, 10), None) if noise == "laplace" else (None, Fraction(3, 10))
+    rel = release_prefix_counts(
+        counts, eps, neighbouring, noise, seeded_rng(0), rho, mechanism="k-ary", branching=k
+    )
+    params = rel.noise_param
+    assert sum(rel.shares) == 1 and rel.shares[0] > 0
+    h = kary_depth(N, k)
+    level_of = np.concatenate([np.full(k ** (h - lev), lev) for lev in range(h + 1)])
+    base = np.concatenate(kary_node_counts(counts, k))
+    cols = []
+    for a in range(N):
+        c2 = counts.copy()
+        c2[a] += 1
+        cols.append(np.concatenate(kary_node_counts(c2, k)) - base)
+    diffs = (
+        cols
+        if neighbouring == "add_remove"
+        else [cols[b] - cols[a] for a in range(N) for b in range(N) if a != b]
+    )
+    worst = Fraction(0)
+    for d in diffs:
+        loss = Fraction(0)
+        for idx in np.flatnonzero(d):
+            lev = int(level_of[idx])
+            if lev == h and neighbouring == "replace_one":
+                raise AssertionError("the root cannot change under replace-one")
+            p = params[lev]
+            if p is None:  # the level is not released: its change is not observable
+                continue
+            loss += (
+                Fraction(abs(int(d[idx]))) / p
+                if noise == "laplace"
+                else Fraction(int(d[idx]) ** 2) / (2 * p)
+            )
+        worst = max(worst, loss)
+    budget = eps if noise == "laplace" else rho
+    assert worst <= budget
+    if neighbouring == "add_remove" or k**h == N:  # attained
+        assert worst >= budget * Fraction(99, 100)
+
+
 def _dense_blue(k, N, level_var, y):
     """Weighted least squares with an exact root (null-space elimination), dense."""
     h = kary_depth(N, k)
