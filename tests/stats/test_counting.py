@@ -7,9 +7,11 @@ import pytest
 
 from clipless.stats import seeded_rng
 from clipless.stats.counting import (
+    _estimator_coefficients,
     _kary_kappa,
     default_mechanism,
     factorization_coefficients,
+    factorization_integer_coefficients,
     factorization_sensitivity,
     kary_consistent_leaves,
     kary_depth,
@@ -159,21 +161,47 @@ def test_kary_least_squares_and_variance_match_dense(k, N, root_known):
     np.testing.assert_allclose(_kary_kappa(h, k, tuple(level_var)), full[idx], atol=1e-12)
 
 
-@pytest.mark.parametrize("N", [1, 2, 3, 7, 16, 33, 64])
+def _toeplitz(c):
+    n = len(c)
+    return np.array([[c[i - j] if i >= j else 0 for j in range(n)] for i in range(n)])
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 7, 16, 33, 64, 100])
 def test_factorization_square_root_and_exhaustive_sensitivity(N):
     c = factorization_coefficients(N)
-    L = np.array([[c[i - j] if i >= j else 0.0 for j in range(N)] for i in range(N)])
-    np.testing.assert_allclose(L @ L, np.tril(np.ones((N, N))), atol=1e-12)
-    add = float((L**2).sum(axis=0).max())
+    np.testing.assert_allclose(_toeplitz(c) @ _toeplitz(c), np.tril(np.ones((N, N))), atol=1e-12)
+    ct = factorization_integer_coefficients(N)
+    Lt = _toeplitz([int(v) for v in ct]).astype(object)  # exact Python integers
+    cols = [Lt[:, a] for a in range(N)]
+    add = max(int(np.dot(col, col)) for col in cols)
     rep = max(
-        (float(np.sum((L[:, b] - L[:, a]) ** 2)) for a, b in itertools.permutations(range(N), 2)),
-        default=0.0,
+        (
+            int(np.dot(cols[b] - cols[a], cols[b] - cols[a]))
+            for a, b in itertools.permutations(range(N), 2)
+        ),
+        default=0,
     )
-    s_add = factorization_sensitivity(N, "add_remove")
-    s_rep = factorization_sensitivity(N, "replace_one")
-    assert add <= s_add <= add * (1 + 2e-6)
+    assert factorization_sensitivity(N, "add_remove") == add
     if N > 1:
-        assert rep <= s_rep <= rep * (1 + 2e-6)
+        assert factorization_sensitivity(N, "replace_one") == rep
+    # the estimator inverts the factor: (A Lt^-1) Lt = A
+    g = _estimator_coefficients(N)
+    np.testing.assert_allclose(
+        _toeplitz(g) @ _toeplitz(ct.astype(float)), np.tril(np.ones((N, N))), atol=1e-9
+    )
+
+
+@pytest.mark.parametrize("n_exp", [5, 12, 14])
+def test_exact_convolve_matches_integer_reference(n_exp):
+    from clipless.stats.counting import exact_convolve
+
+    rng = np.random.default_rng(n_exp)
+    N = 1 << n_exp
+    ct = factorization_integer_coefficients(N)
+    x = rng.poisson(3.0, N).astype(np.int64)
+    x[rng.integers(0, N)] = 10**6  # a heavy leaf
+    ref = np.convolve(ct, x)[:N]  # exact int64 (direct)
+    np.testing.assert_array_equal(exact_convolve(ct, x, N), ref)
 
 
 def test_factorization_coefficients_exact():
@@ -187,21 +215,24 @@ def test_factorization_coefficients_exact():
 
 def test_factorization_variance_and_conditioning_match_dense():
     N = 40
-    c = factorization_coefficients(N)
-    L = np.array([[c[i - j] if i >= j else 0.0 for j in range(N)] for i in range(N)])
     counts = np.random.default_rng(1).integers(0, 5, N)
     rel = release_prefix_counts(
         counts, None, "add_remove", "gaussian", seeded_rng(0), rho=0.5, mechanism="factorization"
     )
-    s2 = rel.noise_scale**2
-    np.testing.assert_allclose(rel.variance, s2 * np.diag(L @ L.T), rtol=1e-12)
-    np.testing.assert_allclose(s2, factorization_sensitivity(N, "add_remove"), rtol=1e-12)
+    G = _toeplitz(_estimator_coefficients(N))
+    v = rel.node_variance
+    np.testing.assert_allclose(rel.variance, v * np.diag(G @ G.T), rtol=1e-9)
+    assert float(rel.noise_param) >= factorization_sensitivity(N, "add_remove") / (2 * 0.5)
+    # the release is exactly A Lt^-1 (Lt x + Z): recover Z as an integer vector
+    ct = factorization_integer_coefficients(N)
+    z = rel.noisy - _toeplitz(ct) @ counts
+    np.testing.assert_array_equal(z, np.round(z))
     rep = release_prefix_counts(
         counts, None, "replace_one", "gaussian", seeded_rng(0), rho=0.5, mechanism="factorization"
     )
-    cov = rep.noise_scale**2 * L @ L.T
+    cov = rep.node_variance * G @ G.T
     cond = cov - np.outer(cov[:, -1], cov[:, -1]) / cov[-1, -1]
-    np.testing.assert_allclose(rep.variance, np.maximum(np.diag(cond), 0), atol=1e-9)
+    np.testing.assert_allclose(rep.variance, np.maximum(np.diag(cond), 0), rtol=1e-6, atol=1e-6)
     assert rep.prefix_counts[-1] == counts.sum()
 
 
@@ -248,6 +279,7 @@ def test_bad_input_messages():
     with pytest.raises(ValueError, match="only for mechanism='k-ary'"):
         release_prefix_counts([1, 2], 1.0, mechanism="binary", branching=4)
     assert default_mechanism("laplace") == "k-ary"
+    assert default_mechanism("gaussian") == "factorization"
 
 
 @pytest.mark.parametrize(

@@ -28,18 +28,17 @@ adaptively chosen streams are not covered by that theorem. Each released value h
 ``(L+1) Var(eta)``.
 
 **Factorisation** (``mechanism="factorization"``, Gaussian noise only; Fichtenberger,
-Henzinger, Upadhyay, ICML 2023; Henzinger, Upadhyay, Upadhyay, SODA 2023). The square root
-``L`` of the ``T x T`` prefix-sum matrix (:mod:`clipless.stats.counting`) is lower triangular,
-so its release ``s_hat_t = s_t + sum_{j <= t} c_(t-j) z_j`` only needs the noise drawn so far:
-it is a streaming mechanism. One element changed by at most ``bound`` moves ``L x`` by at most
-``bound`` times a column of ``L``: squared L2 sensitivity ``bound^2 S(T)`` with ``S(T) =
-sum_{k<T} c_k^2`` (certified upper bound,
-:func:`~clipless.stats.counting.factorization_sensitivity`), so ``z ~ N(0, sigma^2)`` with
-``sigma^2 = bound^2 S(T) / (2 rho)`` is ``rho``-zCDP for a stream fixed in advance. Variance
-``sigma^2 S(t)`` at step ``t``, where ``S(t)`` grows like ``ln(t) / pi``. The noise
-is floating point (see :mod:`clipless.stats.counting`); each step costs ``O(t)`` (``O(T^2)``
-over the stream; fine for ``T`` up to ~``10^5``). The k-ary tree is not offered here: its gain
-comes from least squares over the whole tree, which a stream cannot wait for.
+Henzinger, Upadhyay, ICML 2023; Henzinger, Upadhyay, Upadhyay, SODA 2023). The integer square
+root factor ``Lt`` of :mod:`clipless.stats.counting` is lower triangular, so its release ``w_t =
+(Lt x)_t + Z_t`` and the estimate ``s_hat_t = (A Lt^-1 w)_t`` only need the stream so far: a
+streaming mechanism. One element changed by at most ``bound`` moves ``Lt x`` by at most
+``bound`` times a column of ``Lt``: squared L2 sensitivity ``bound^2 St(T)``
+(:func:`~clipless.stats.counting.factorization_sensitivity`, an exact integer), so discrete
+Gaussian ``Z`` with ``sigma^2 >= bound^2 St(T) / (2 rho)`` is ``rho``-zCDP for a stream fixed
+in advance (CKS 2020). Variance at step ``t``: ``Var(Z) sum_(k <= t) g_k^2``, growing like
+``ln(t) / pi`` (the binary mechanism's grows like ``log2(T)``). Each step costs ``O(t)``
+(``O(T^2)`` over the stream; fine for ``T`` up to ~``10^5``). The k-ary tree is not offered
+here: its gain comes from least squares over the whole tree, which a stream cannot wait for.
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from clipless.stats.counting import (
-    _gaussian_floats,
-    factorization_coefficients,
+    _estimator_coefficients,
+    factorization_integer_coefficients,
     factorization_sensitivity,
 )
 from clipless.stats.grid import tree_depth
@@ -151,13 +150,16 @@ class ContinualCounter:
         if mechanism == "factorization":
             s_t = factorization_sensitivity(self.horizon, "add_remove")
             assert self.rho is not None  # checked above for noise='gaussian'
-            sigma2 = self.bound**2 * s_t / (2.0 * self.rho)
-            self._sigma = math.nextafter(math.sqrt(sigma2), math.inf)
-            self._coef = np.asarray(factorization_coefficients(self.horizon))
-            self._z = _gaussian_floats(self._sigma, self.horizon, self._rng)
+            sigma2 = conservative_scale(
+                Fraction(self.bound**2 * s_t) / (2 * to_fraction(self.rho, "rho"))
+            )
+            self._coef = np.asarray(factorization_integer_coefficients(self.horizon))
+            self._g = np.asarray(_estimator_coefficients(self.horizon))
+            self._stream: list[int] = []
+            self._noisy: list[int] = []
             self.sensitivity = self.bound * math.sqrt(s_t)
-            self.noise_param = self._sigma**2
-            self.node_variance = self._sigma**2
+            self.noise_param = sigma2
+            self.node_variance = discrete_gaussian_variance(sigma2)
 
     @property
     def time(self) -> int:
@@ -176,7 +178,7 @@ class ContinualCounter:
         """Variance of each released count: ``(L+1) Var(eta)`` (binary); for the
         factorisation the largest one, ``sigma^2 S(T)`` (step ``t`` has ``sigma^2 S(t)``)."""
         if self.mechanism == "factorization":
-            return float(self._sigma**2 * np.sum(self._coef**2))
+            return float(self.node_variance * np.sum(self._g**2))
         return (self.depth + 1) * self.node_variance
 
     def _draw(self, k: int) -> NDArray[np.int64]:
@@ -211,8 +213,11 @@ class ContinualCounter:
             t = self._time
             self._time += 1
             self._sum += int(x)
-            noise = float(np.dot(self._coef[t::-1], self._z[: t + 1]))
-            value = self._sum + noise
+            self._stream.append(int(x))
+            # w_t = (Lt x)_t + Z_t, exact integers; the estimate is (A Lt^-1 w)_t
+            lt_x = int(np.dot(self._coef[t::-1], np.asarray(self._stream, dtype=np.int64)))
+            self._noisy.append(lt_x + int(self._draw(1)[0]))
+            value = float(np.dot(self._g[t::-1], np.asarray(self._noisy, dtype=np.float64)))
             self._fact_released.append(value)
             return value
         leaf = self._time

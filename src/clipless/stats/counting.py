@@ -12,7 +12,7 @@ estimate is post-processing of it. Three mechanisms:
   private binary trees", 2015, for the subtraction view). Pure DP or zCDP, exact discrete noise.
 * ``"factorization"``: the square-root factorisation of the prefix-sum matrix ``A = L L``
   (Fichtenberger, Henzinger, Upadhyay, ICML 2023; Henzinger, Upadhyay, Upadhyay, SODA 2023),
-  Gaussian noise, zCDP.
+  exact discrete Gaussian noise on an integer version of the factor, zCDP.
 
 **k-ary tree (proof).** Pad the leaves to ``k^h`` (``h = ceil(log_k N) >= 1``) with empty
 leaves. Node ``(l, j)`` (level ``l = 0..h``, level 0 = leaves, level ``h`` = the root) counts
@@ -56,29 +56,29 @@ the dense covariance.
 
 **Factorisation (proof).** ``A`` (lower-triangular ones, ``N x N``) equals ``L L`` with ``L``
 the lower-triangular Toeplitz matrix of ``c_k = binom(2k, k) / 4^k`` (the series of
-``(1 - t)^(-1/2)``; ``c_0 = 1``, ``c_k = c_(k-1) (2k - 1) / (2k)``, computed in ``O(N)``). The
-mechanism releases ``L x + z`` with ``z ~ N(0, sigma^2 I)`` and estimates the prefix counts by
-``L (L x + z) = A x + L z`` (products by FFT, ``O(N log N)``). Changing one leaf count by 1
-moves ``L x`` by a column of ``L``, whose squared norm is at most ``S(N) = sum_{k<N} c_k^2``
-(column 0): add/remove sensitivity ``S(N)``. Moving a value from leaf ``a`` to ``b > a`` moves
-it by ``L (e_b - e_a)``; its squared norm ``f(a, d)`` (``d = b - a``) does not increase with
-``a``: ``f(a, d) - f(a + 1, d) = (c_(N-a-1) - c_(N-a-d-1))^2 >= 0``, so the replace-one
-sensitivity is ``max_d f(0, d) = max_d [S(N) + S(N - d) - 2 sum_(j < N-d) c_j c_(j+d)]``,
-evaluated for all ``d`` at once by FFT. Both are computed in float64 and then increased by a
-relative margin of ``1e-6`` (far above the rounding error of the recurrence, ``<= 2 N u``, and
-of the FFT, ``O(log N) u``, for ``N <= 2^26``), so they are upper bounds. The Gaussian mechanism
-with ``sigma^2 = Delta_2^2 / (2 rho)`` is ``rho``-zCDP (Bun and Steinke 2016, Proposition 1.6).
-Per-threshold variance: ``Var(Chat_i) = sigma^2 S(i)``; its average is close to the lower bound
-for any factorisation (the factorisation norm of ``A`` lies within ``0.701 .. 0.846`` of
-``1 + ln(N) / pi``, Henzinger, Kalinin, Upadhyay 2025). Under ``replace_one`` the public total
-is used: the estimate is conditioned on ``C_N = n`` (Gaussian conditioning, post-processing).
-
-**Noise caveat (factorisation only).** ``L x`` is not integer, so the exact discrete Gaussian
-of Canonne, Kamath and Steinke does not apply; the noise is numpy's floating-point normal
-generator seeded from 256 bits of the given source. Floating-point Gaussian samplers are subject
-to the known precision attacks on their low-order bits (Jin, McMurtry, Rubinstein, Ohrimenko,
-IEEE S&P 2022), exactly like the noise of DP-SGD in every training library. ``"binary"`` and
-``"k-ary"`` use exact integer samplers.
+``(1 - t)^(-1/2)``; ``c_0 = 1``, ``c_k = c_(k-1) (2k - 1) / (2k)``, computed in ``O(N)``). To
+keep the noise *exact* (integer query, discrete Gaussian) the mechanism uses the integer
+factor ``Lt`` with coefficients ``ct_k = round(2^20 c_k)`` (positive, non-increasing), releases
+``w = Lt x + Z`` with ``Z`` i.i.d. discrete Gaussian (Canonne, Kamath, Steinke 2020), and
+estimates the prefix counts by ``A Lt^-1 w = A x + A Lt^-1 Z`` (unbiased; ``A Lt^-1`` is
+Toeplitz with coefficients ``g ~ c / 2^20``, computed by Newton's iteration on power series;
+all products by FFT, ``O(N log N)``). ``Lt x`` is computed exactly in integers
+(:func:`exact_convolve`: float FFTs on limbs small enough that a rigorous error bound is below
+1/4, then rounded). *Sensitivity.* Changing one leaf count by 1 moves ``Lt x`` by a column of
+``Lt``, squared norm at most ``St(N) = sum_(k<N) ct_k^2`` (column 0): the add/remove
+sensitivity. Moving a value from leaf ``a`` to ``b = a + d`` moves it by ``Lt (e_b - e_a)``,
+squared norm ``f(a, d)``; ``f(a, d) - f(a + 1, d) = (ct_(N-a-1) - ct_(N-a-d-1))^2 >= 0`` (the
+only terms that leave the window), so the replace-one sensitivity is ``max_d f(0, d) = max_d
+[St(N) + St(N - d) - 2 sum_(j < N-d) ct_j ct_(j+d)]``, all ``d`` at once by an exact integer
+autocorrelation. Both are exact integers (tested against brute force). ``Z`` with ``sigma^2 >=
+Delta_2^2 / (2 rho)`` (rational, rounded up) is ``rho``-zCDP (CKS 2020, Theorem 14).
+*Error.* ``Var(Chat_i) = Var(Z_1) sum_(k <= i) g_k^2 ~ (Delta_2^2 / 2 rho) S(i+1) / 4^20``, i.e.
+``S(N) S(i+1) / (2 rho)`` with ``S(m) = sum_(k<m) c_k^2 ~ 1 + ln(m) / pi``: the average is close
+to the lower bound for any factorisation (the factorisation norm of ``A`` lies within
+``0.701 .. 0.846`` of ``1 + ln(N) / pi``, Henzinger, Kalinin, Upadhyay 2025; Fichtenberger,
+Henzinger, Upadhyay 2023). Under ``replace_one`` the public total is used: the estimate is
+conditioned on ``C_N = n`` (Gaussian conditioning, post-processing). Pure DP is not offered:
+the L1 norm of a column grows like ``sqrt(N)``.
 
 **Which one.** ``docs/statistics.md`` and ``benchmarks/RESULTS.md`` (issue 14) give the
 measurements behind :func:`default_mechanism`.
@@ -122,7 +122,9 @@ __all__ = [
     "Mechanism",
     "best_branching",
     "default_mechanism",
+    "exact_convolve",
     "factorization_coefficients",
+    "factorization_integer_coefficients",
     "factorization_sensitivity",
     "kary_consistent_leaves",
     "kary_depth",
@@ -136,8 +138,7 @@ __all__ = [
 Mechanism = Literal["binary", "k-ary", "factorization"]
 MECHANISMS: tuple[str, ...] = ("binary", "k-ary", "factorization")
 
-_FACT_MARGIN = 1e-6
-_FACT_MAX_N = 1 << 26
+_FACT_MAX_N = 1 << 22
 
 
 def _check_mechanism(mechanism: str) -> None:
@@ -148,13 +149,12 @@ def _check_mechanism(mechanism: str) -> None:
 
 
 def default_mechanism(noise: NoiseKind) -> Mechanism:
-    """The default per privacy model, chosen from the measurements in ``benchmarks/RESULTS.md``
-    (issue 14): ``"k-ary"`` for both. Under pure DP it is the only sub-binary choice; under zCDP
-    the factorisation is ~10-20% better in variance but its noise is floating-point, so the
-    exact-noise ``"k-ary"`` tree stays the default and ``"factorization"`` is opt-in."""
+    """The most accurate mechanism per privacy model, from the measurements in
+    ``benchmarks/RESULTS.md`` (issue 14): ``"k-ary"`` (with optimised level shares) for pure DP,
+    ``"factorization"`` for zCDP (about 2-3x lower variance than the k-ary tree there)."""
     if noise not in ("laplace", "gaussian"):
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
-    return "k-ary"
+    return "k-ary" if noise == "laplace" else "factorization"
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,33 +459,148 @@ def factorization_coefficients(num_leaves: int) -> NDArray[np.float64]:
     return out
 
 
+_FFT_K = 21  # Higham (2002), Theorem 24.2: each FFT errs by <= log2(M) * ~7u (relative, 2-norm)
+
+
+def _fft_error_bound(m: int, a_l1: float, b_l2: float) -> float:
+    """Upper bound on ``|fl(a * b) - a * b|_inf`` for the FFT convolution of length ``m``.
+
+    Three FFTs of length ``M = 2^ceil(log2 m)`` (forward, forward, inverse) each with relative
+    2-norm error ``<= log2(M) eta``, ``eta ~ 7u`` (Higham, "Accuracy and Stability of Numerical
+    Algorithms", 2nd ed., section 24.1, Theorem 24.2), on vectors whose exact product has 2-norm
+    ``<= ||a||_1 ||b||_2``; ``_FFT_K log2(M) + 2`` units cover the three transforms, the
+    pointwise product and its rounding with a factor ~3 to spare. Used with a further factor 2
+    below (``0.25`` instead of ``0.5``).
+    """
+    log_m = max(1, (m - 1).bit_length())
+    return (_FFT_K * log_m + 2) * 2.0**-53 * a_l1 * b_l2
+
+
+def _limbs(a: NDArray[np.int64], bits: int) -> list[NDArray[np.int64]]:
+    out = []
+    rest = a.copy()
+    mask = (1 << bits) - 1
+    while np.any(rest):
+        out.append(rest & mask)
+        rest = rest >> bits
+    return out or [np.zeros_like(a)]
+
+
+def exact_convolve(a: ArrayLike, b: ArrayLike, size: int) -> NDArray[np.int64]:
+    """The first ``size`` entries of the convolution of two non-negative int64 vectors, exactly.
+
+    Small inputs: :func:`numpy.convolve` (integer arithmetic). Large ones: both vectors are cut
+    into ``bits``-bit limbs so small that every limb product's FFT error bound
+    (:func:`_fft_error_bound`) is below ``1/4``; each limb product is then the rounding of its
+    float FFT convolution, exactly, and the limbs recombine in int64. The result must fit in
+    int64: ``max(a) * sum(b) < 2^62`` is checked. ``O(N log N)`` per limb pair.
+    """
+    x = np.asarray(a, dtype=np.int64)
+    y = np.asarray(b, dtype=np.int64)
+    if np.any(x < 0) or np.any(y < 0):
+        raise ValueError("exact_convolve needs non-negative integers")
+    if (
+        float(x.max(initial=0)) * float(y.sum()) >= 2.0**62
+        or float(y.max(initial=0)) * float(x.sum()) >= 2.0**62
+    ):
+        raise OverflowError("the convolution does not fit in int64")
+    if x.size * y.size <= 1 << 22:
+        return np.convolve(x, y)[:size].astype(np.int64)
+    m = x.size + y.size - 1
+    bits = 31
+    while bits > 1:
+        xl, yl = _limbs(x, bits), _limbs(y, bits)
+        worst = max(
+            min(
+                _fft_error_bound(
+                    m, float(p.sum()), float(np.sqrt(np.sum(q.astype(np.float64) ** 2)))
+                ),
+                _fft_error_bound(
+                    m, float(q.sum()), float(np.sqrt(np.sum(p.astype(np.float64) ** 2)))
+                ),
+            )
+            for p in xl
+            for q in yl
+        )
+        if worst < 0.25:
+            break
+        bits -= 1
+    else:  # pragma: no cover - only for astronomically large inputs
+        return np.convolve(x, y)[:size].astype(np.int64)
+    out = np.zeros(size, dtype=np.int64)
+    for i, p in enumerate(xl):
+        for j, q in enumerate(yl):
+            if not (np.any(p) and np.any(q)):
+                continue
+            f = scipy.signal.fftconvolve(p.astype(np.float64), q.astype(np.float64))[:size]
+            r = np.rint(f)
+            if np.max(np.abs(f - r), initial=0.0) >= 0.25:  # pragma: no cover - contradicts bound
+                raise ArithmeticError("FFT error above its certified bound")
+            out += r.astype(np.int64) << (bits * (i + j))
+    return out
+
+
+_FACT_BITS = 20
+
+
 @lru_cache(maxsize=16)
-def factorization_sensitivity(num_leaves: int, neighbouring: Neighbouring) -> float:
-    """Certified upper bound on the squared L2 sensitivity of ``L x`` (module docstring)."""
-    _check_neighbouring(neighbouring)
+def factorization_integer_coefficients(num_leaves: int) -> NDArray[np.int64]:
+    """``ct_k = round(2^20 c_k)``: the integer Toeplitz factor actually used (module doc).
+
+    Positive and non-increasing (rounding is monotone and ``c`` decreases), which the
+    replace-one sensitivity argument needs; checked here.
+    """
     if num_leaves > _FACT_MAX_N:
-        raise ValueError(f"the factorisation is implemented for N <= 2^26, got {num_leaves}")
+        raise ValueError(f"the factorisation is implemented for N <= 2^22, got {num_leaves}")
     c = factorization_coefficients(num_leaves)
-    sq = c * c
-    total = math.fsum(sq.tolist())
+    out = np.rint(c * float(1 << _FACT_BITS)).astype(np.int64)
+    if out[-1] < 1 or np.any(np.diff(out) > 0):  # pragma: no cover - impossible for N <= 2^22
+        raise AssertionError("integer factor coefficients must be positive, non-increasing")
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=16)
+def factorization_sensitivity(num_leaves: int, neighbouring: Neighbouring) -> int:
+    """Squared L2 sensitivity of ``Lt x`` (``Lt``: lower-triangular Toeplitz of
+    :func:`factorization_integer_coefficients`): an exact integer for add/remove (``St(N) =
+    sum_k ct_k^2``) and for replace-one (``max_d [St(N) + St(N-d) - 2 sum_j ct_j ct_(j+d)]``,
+    module docstring; the autocorrelation by :func:`exact_convolve`)."""
+    _check_neighbouring(neighbouring)
+    ct = factorization_integer_coefficients(num_leaves)
+    sq = ct * ct  # <= 2^40 each; N <= 2^22 keeps every sum below 2^62
+    cums = np.concatenate([[0], np.cumsum(sq)])
+    total = int(cums[-1])
     if neighbouring == "add_remove" or num_leaves == 1:
-        return total * (1.0 + _FACT_MARGIN)
-    # f(0, d) = S(N) + S(N - d) - 2 sum_{j < N-d} c_j c_{j+d}, d = 1..N-1
+        return total
     n = num_leaves
-    auto = scipy.signal.fftconvolve(c, c[::-1])[n - 1 :]  # auto[d] = sum_j c_j c_{j+d}
-    cums = np.concatenate([[0.0], np.cumsum(sq)])  # cums[m] = S(m)
+    auto = exact_convolve(ct, ct[::-1], 2 * n - 1)[n - 1 :]  # auto[d] = sum_j ct_j ct_(j+d)
     d = np.arange(1, n)
-    f = total + cums[n - d] - 2.0 * auto[d]
-    return float(np.max(f)) * (1.0 + _FACT_MARGIN)
+    f = total + cums[n - d] - 2 * auto[d]
+    return int(np.max(f))
 
 
 def _lower_toeplitz_apply(c: NDArray[np.float64], x: NDArray[np.float64]) -> NDArray[np.float64]:
     return np.asarray(scipy.signal.fftconvolve(c, x)[: x.size], dtype=np.float64)
 
 
-def _gaussian_floats(sigma: float, size: int, rng: random.Random) -> NDArray[np.float64]:
-    seed = int.from_bytes(rng.randbytes(32), "little")
-    return np.random.Generator(np.random.PCG64(seed)).normal(0.0, sigma, size)
+@lru_cache(maxsize=16)
+def _estimator_coefficients(num_leaves: int) -> NDArray[np.float64]:
+    """``g``: the Toeplitz coefficients of ``A Lt^-1`` (the series of ``1 / ((1 - t) Ct(t))``),
+    by Newton's iteration ``g <- g (2 - h g)`` with FFT products, ``O(N log N)``; float64
+    (post-processing only). ``g ~ c / 2^20``."""
+    ct = factorization_integer_coefficients(num_leaves).astype(np.float64)
+    h = np.concatenate([[ct[0]], np.diff(ct)])  # (1 - t) Ct(t)
+    g = np.array([1.0 / h[0]])
+    m = 1
+    while m < num_leaves:
+        m = min(2 * m, num_leaves)
+        hg = scipy.signal.fftconvolve(h[:m], g)[:m]
+        corr = -hg
+        corr[0] += 2.0
+        g = scipy.signal.fftconvolve(g, corr)[:m]
+    g.setflags(write=False)
+    return g
 
 
 # --------------------------------------------------------------------------------------------
@@ -669,25 +784,27 @@ def release_prefix_counts(
             "like sqrt(N), so under pure DP use 'k-ary'"
         )
     sens2 = factorization_sensitivity(N, neighbouring)
-    sigma2 = sens2 / (2.0 * float(budget))
-    # sigma^2 rounded up so that the float noise scale is never below the certified value
-    sigma = math.nextafter(math.sqrt(sigma2), math.inf)
-    c = np.asarray(factorization_coefficients(N))
-    x = counts.astype(np.float64)
-    noisy_vec = _lower_toeplitz_apply(c, x) + _gaussian_floats(sigma, N, gen)
-    prefix = _lower_toeplitz_apply(c, noisy_vec)
-    cums = np.cumsum(c * c)
-    variance = sigma**2 * cums
+    sigma2 = conservative_scale(Fraction(sens2) / (2 * budget))
+    ct = factorization_integer_coefficients(N)
+    if float(counts.sum()) * float(ct[0]) >= 2.0**61:
+        raise ValueError("too many values for the factorisation's int64 arithmetic (n < 2^41)")
+    z = discrete_gaussian(None, N, gen, sigma2=sigma2)
+    noisy_int = exact_convolve(ct, counts, N) + z  # Lt x + Z: the only DP step
+    noisy_vec = noisy_int.astype(np.float64)
+    g = _estimator_coefficients(N)
+    prefix = _lower_toeplitz_apply(g, noisy_vec)  # A Lt^-1 (Lt x + Z) = A x + A Lt^-1 Z
+    node_var = discrete_gaussian_variance(sigma2)
+    variance = node_var * np.cumsum(g * g)
     if neighbouring == "replace_one":
-        # condition on C_N = n (public): Cov(Chat_i, Chat_N) = sigma^2 sum_j c_(i-j) c_(N-1-j)
+        # condition on C_N = n (public): Cov(Chat_i, Chat_N) = var sum_j g_(i-j) g_(N-1-j)
         n_pub = float(counts.sum())
-        cov_n = sigma**2 * scipy.signal.fftconvolve(c, c[::-1])[:N]
+        cov_n = node_var * scipy.signal.fftconvolve(g, g[::-1])[:N]
         var_n = float(variance[-1])
-        prefix = prefix - cov_n / var_n * (prefix[-1] - n_pub)
-        variance = variance - cov_n**2 / var_n
+        if var_n > 0:
+            prefix = prefix - cov_n / var_n * (prefix[-1] - n_pub)
+            variance = np.maximum(variance - cov_n**2 / var_n, 0.0)
         prefix[-1] = n_pub
         variance[-1] = 0.0
-        variance = np.maximum(variance, 0.0)
     for a in (prefix, variance, noisy_vec):
         a.setflags(write=False)
     return CountRelease(
@@ -697,10 +814,10 @@ def release_prefix_counts(
         variance=variance,
         noisy=noisy_vec,
         noise="gaussian",
-        noise_param=sigma**2,
-        noise_scale=sigma,
-        node_variance=sigma**2,
-        sensitivity=sens2,
+        noise_param=sigma2,
+        noise_scale=float(sigma2) ** 0.5,
+        node_variance=node_var,
+        sensitivity=float(sens2),
         branching=None,
         neighbouring=neighbouring,
         epsilon=None,
