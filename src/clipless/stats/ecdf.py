@@ -226,7 +226,7 @@ def ecdf(
     rng: random.Random | None = None,
     *,
     rho: float | None = None,
-    mechanism: Mechanism = "binary",
+    mechanism: Mechanism = "auto",
     branching: int | None = None,
 ) -> DPECDF:
     """Release a DP empirical CDF of ``values`` at the thresholds of a public ``grid``.
@@ -269,11 +269,13 @@ def ecdf(
     rho:
         zCDP budget for Gaussian noise.
     mechanism:
-        The counting mechanism (:mod:`clipless.stats.counting`): ``"binary"`` (the thesis's
-        tree, the default, so that existing results reproduce), ``"k-ary"`` (consistent
-        ``k``-ary tree, exact noise; 1.5-3x lower error, recommended for pure DP and zCDP) or
-        ``"factorization"`` (square-root factorisation, ``noise="gaussian"`` only,
-        floating-point noise). ``docs/statistics.md`` says which to choose.
+        The counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default): the most
+        accurate measured one for the noise, ``"k-ary"`` for Laplace (pure DP),
+        ``"factorization"`` for Gaussian (zCDP). ``"binary"``: the thesis's tree (reproduces
+        the thesis; with ``consistency=False`` its plain estimator). ``"k-ary"``: consistent
+        ``k``-ary tree with optimised level budgets. ``"factorization"``: square-root
+        factorisation (Gaussian only). All use exact discrete noise. ``docs/statistics.md``
+        says which to choose.
     branching:
         ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size).
 
@@ -313,10 +315,13 @@ def ecdf(
             "used instead"
         )
 
+    if mechanism == "auto" and consistency is False:
+        mechanism = "binary"  # the thesis's plain estimator exists for the binary tree only
     if mechanism != "binary" and not consistency:
         raise ValueError(
             "consistency=False (the thesis's plain estimator) exists only for "
-            "mechanism='binary'; the k-ary and factorisation estimates are least squares"
+            "mechanism='binary'; the k-ary and factorisation estimates are least squares "
+            "(pass mechanism='binary' to reproduce the thesis)"
         )
     release = release_prefix_counts(
         g.counts(data),
@@ -438,7 +443,16 @@ def release_accuracy(
         for consistency in (False, True):
             for sm in smoothing:
                 rng.setstate(state)  # same noise for every variant: paired comparison
-                F = ecdf(data, g, epsilon, neighbouring, sm, consistency=consistency, rng=rng)
+                F = ecdf(
+                    data,
+                    g,
+                    epsilon,
+                    neighbouring,
+                    sm,
+                    consistency=consistency,
+                    rng=rng,
+                    mechanism="binary",
+                )
                 last = F
                 name = ("consistent" if consistency else "plain") + (f"+{sm}" if sm else "")
                 results.setdefault(name, []).append(float(np.mean((F.values - exact) ** 2)))

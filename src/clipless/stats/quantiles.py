@@ -72,7 +72,7 @@ def quantiles(
     *,
     noise: NoiseKind = "laplace",
     rho: float | None = None,
-    mechanism: Mechanism = "k-ary",
+    mechanism: Mechanism = "auto",
     branching: int | None = None,
     smoothing: Smoothing | None = "isotonic",
     rng: random.Random | None = None,

@@ -202,7 +202,7 @@ def roc(
     noise: NoiseKind = "laplace",
     rho: float | None = None,
     consistency: bool = True,
-    mechanism: Mechanism = "binary",
+    mechanism: Mechanism = "auto",
     branching: int | None = None,
 ) -> DPROC:
     """Release a DP ROC curve of a classifier's ``scores`` against binary ``labels``.
@@ -256,6 +256,8 @@ def roc(
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
     if not isinstance(consistency, bool):
         raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
+    if mechanism == "auto" and consistency is False:
+        mechanism = "binary"  # the thesis's plain estimator exists for the binary tree only
     if mechanism != "binary" and not consistency:
         raise ValueError("consistency=False exists only for mechanism='binary'")
     gen = resolve_rng(rng)
