@@ -16,6 +16,7 @@ from clipless.stats.counting import (
     kary_consistent_leaves,
     kary_depth,
     kary_node_counts,
+    kary_prefix_covariance_with_last,
     kary_prefix_variance,
     kary_sensitivity,
     release_prefix_counts,
@@ -152,6 +153,12 @@ def test_kary_least_squares_and_variance_match_dense(k, N, root_known):
     A = np.tril(np.ones((N, P)))
     np.testing.assert_allclose(
         kary_prefix_variance(N, k, level_var), np.diag(A @ cov @ A.T), rtol=1e-9, atol=1e-9
+    )
+    np.testing.assert_allclose(
+        kary_prefix_covariance_with_last(N, k, level_var),
+        (A @ cov @ A.T)[:, -1],
+        rtol=1e-9,
+        atol=1e-9,
     )
     # the O(h) kappa recursion equals the full two passes on v_0 e_0
     unit = [np.zeros(P // k**lev) for lev in range(h + 1)]
