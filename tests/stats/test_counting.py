@@ -352,3 +352,23 @@ def test_ecdf_mechanism_errors():
         ecdf([1.0, 2.0], [1.0, 2.0], 1.0, consistency=False, mechanism="k-ary")
     with pytest.raises(ValueError, match="mechanism must be one of"):
         ecdf([1.0, 2.0], [1.0, 2.0], 1.0, mechanism="tree")
+
+
+@pytest.mark.parametrize("mechanism", ["k-ary", "factorization"])
+@pytest.mark.parametrize("neighbouring", ["replace_one", "add_remove"])
+def test_isotonic_never_increases_the_error(mechanism, neighbouring):
+    """Unweighted projection onto monotone CDFs in [0, 1]: for every draw, smoothed error <= raw."""
+    from clipless.stats import Grid, ecdf
+
+    values = np.random.default_rng(0).integers(1, 65, 300).astype(float)
+    grid = Grid(1, 64, size=64)
+    exact = np.cumsum(grid.counts(values)) / values.size
+    noise = "gaussian" if mechanism == "factorization" else "laplace"
+    eps, rho = (None, 2.0) if noise == "gaussian" else (3.0, None)
+    for seed in range(30):
+        kw = dict(rng=seeded_rng(seed), rho=rho, mechanism=mechanism)
+        raw = ecdf(values, grid, eps, neighbouring, None, noise, **kw)
+        kw["rng"] = seeded_rng(seed)
+        iso = ecdf(values, grid, eps, neighbouring, "isotonic", noise, **kw)
+        np.testing.assert_array_equal(raw.counts, iso.counts)  # same noise draw
+        assert np.sum((iso.values - exact) ** 2) <= np.sum((raw.values - exact) ** 2) + 1e-12

@@ -383,7 +383,14 @@ def from_release(
         out = raw
     elif smoothing == "isotonic":
         weights = None
+        # binary tree: inverse-variance weights (its variances vary ~2x along the grid). k-ary /
+        # factorisation: unweighted, i.e. the Euclidean projection onto the closed convex set
+        # {non-decreasing, within [0, 1]}, which contains the true CDF; a projection onto a
+        # convex set is non-expansive, so smoothing never increases the squared error of any
+        # release (every noise draw), the guarantee issue 14 asks for.
         top = float(np.max(variance)) if consistency else 0.0
+        if isinstance(release, CountRelease):
+            top = 0.0
         if top > 0:
             # inverse-variance weights, bounded so that a (near) noiseless leaf cannot overflow
             weights = top / np.maximum(variance, top * 1e-12)
