@@ -165,12 +165,14 @@ def run_pure(
     odp = {b: OpenDPTree(N, b, nb, "laplace", eps) for b in odp_bs}
     for rep in range(repeats):
         for mech in ("binary", "k-ary"):
+            state = rng.getstate()  # the smoothed release below reuses this noise: paired
             t0 = time.perf_counter()
             F = ecdf(values, grid, eps, nb, None, rng=rng, mechanism=mech)  # type: ignore[arg-type]
             add(mech, "time", time.perf_counter() - t0)
             m, mx = _cdf_errors(F.values, exact)
             add(mech, "mse", m)
             add(mech, "max", mx)
+            rng.setstate(state)
             sm = ecdf(values, grid, eps, nb, "isotonic", rng=rng, mechanism=mech)  # type: ignore[arg-type]
             add(mech, "mse_iso", _cdf_errors(sm.values, exact)[0])
         t0 = time.perf_counter()
