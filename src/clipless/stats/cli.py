@@ -77,9 +77,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--mechanism",
         default="auto",
         help="counting mechanism: auto (default = k-ary, the most accurate measured one for "
-        "pure epsilon-DP: 1.5-4x lower error than the thesis's binary tree and below OpenDP's "
-        "best b-ary tree), k-ary, or binary (the thesis's tree, to reproduce it). "
-        "factorization needs zCDP, which the command line does not offer",
+        "pure epsilon-DP: 2-15x lower CDF error than the thesis's binary tree and 0.3-0.8x "
+        "that of OpenDP's best b-ary tree, benchmarks/RESULTS.md), k-ary, or binary (the "
+        "thesis's tree, to reproduce it). factorization needs zCDP, which the command line "
+        "does not offer",
     )
     p.add_argument(
         "--branching",
