@@ -3,10 +3,11 @@
 :func:`ecdf` releases ``F(tau_i) = #{x <= tau_i} / n`` at every threshold of a public
 :class:`~clipless.stats.grid.Grid` with a counting mechanism of :mod:`clipless.stats.counting`
 (``mechanism="auto"``: the consistent k-ary tree under pure DP, the square-root factorisation
-under zCDP; ``"binary"``: the thesis's binary tree of :mod:`clipless.stats.tree`, Theorem 6.3.1
-for replace-one, Lemma 6.3.1 / Theorem 6.3.2 for add/remove), exact discrete noise (Canonne, Kamath, Steinke 2020), optional least-squares
-consistency (Hay et al. 2010) and optional monotone smoothing (thesis section 6.3.2, in
-:mod:`clipless.stats.smoothing`). Everything after the noisy node values is post-processing.
+under zCDP; ``"binary"``: the thesis's binary tree of :mod:`clipless.stats.tree`, Theorem
+6.3.1 for replace-one, Lemma 6.3.1 / Theorem 6.3.2 for add/remove), exact discrete noise
+(Canonne, Kamath, Steinke 2020), least-squares consistency (Hay et al. 2010) and optional
+monotone smoothing (thesis section 6.3.2, in :mod:`clipless.stats.smoothing`). Everything
+after the noisy vector is post-processing.
 
 **Clamping.** A value below ``tau_1`` counts as ``tau_1`` and a value above ``tau_N`` as
 ``tau_N``: the release is the ECDF of the clamped data, so ``F(tau_N) = 1`` before noise.
@@ -24,8 +25,8 @@ numerator's (shared tree nodes) and cancels near the top of the curve. Measured 
 exactly 1.
 
 **Which release is most accurate.** :func:`release_accuracy` measures it for the binary tree
-(the k-ary tree and the factorisation are 2-15x better still, ``docs/statistics.md``). On the thesis's
-``X_pois(1)`` data (section 6.6.2, ``N = 2^15``, ``L = 15``, ``epsilon = 1``, 20 releases, mean
+(the k-ary tree and the factorisation are 2-15x better still, ``docs/statistics.md``). On the
+thesis's ``X_pois(1)`` data (section 6.6.2, ``N = 2^15``, ``L = 15``, ``epsilon = 1``, 20 releases, mean
 squared error of ``F`` over the thresholds):
 
 =============  ===========================  ====================================
