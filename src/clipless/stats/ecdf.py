@@ -26,8 +26,8 @@ exactly 1.
 
 **Which release is most accurate.** :func:`release_accuracy` measures it for the binary tree
 (the k-ary tree and the factorisation are 2-15x better still, ``docs/statistics.md``). On the
-thesis's ``X_pois(1)`` data (section 6.6.2, ``N = 2^15``, ``L = 15``, ``epsilon = 1``, 20 releases, mean
-squared error of ``F`` over the thresholds):
+thesis's ``X_pois(1)`` data (section 6.6.2, ``N = 2^15``, ``L = 15``, ``epsilon = 1``, 20
+releases, mean squared error of ``F`` over the thresholds):
 
 =============  ===========================  ====================================
 neighbouring   plain thesis release          ``consistency=True`` (least squares)
