@@ -193,3 +193,43 @@ def test_cli_and_api_share_the_smoothing_and_neighbouring_defaults():
         defaults = inspect.signature(api).parameters
         assert parser.get_default("smoothing") == defaults["smoothing"].default == "isotonic"
         assert parser.get_default("neighbouring") == defaults["neighbouring"].default
+
+
+def test_ecdf_mechanism_and_quantile_options(
+    income: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "q"
+    base = [
+        "ecdf", str(income), "--column", "income", "--lower", "0", "--upper", "100",
+        "--size", "101", "--epsilon", HUGE, "--seed", "1", "--out", str(out),
+    ]  # fmt: skip
+    assert run([*base, "--quantiles", "0.1,0.9", "--mechanism", "k-ary", "--branching", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "mechanism=k-ary (k=4)" in printed and "q0.1=10 q0.9=90" in printed
+    header, table = read_csv(out / "quantiles.csv")
+    assert header == ["level", "quantile"]
+    np.testing.assert_allclose(table, [[0.1, 10], [0.9, 90]])
+    assert run([*base, "--mechanism", "binary"]) == 0
+    assert "mechanism=binary" in capsys.readouterr().out
+    assert run([*base, "--mechanism", "factorization"]) == 2
+    assert "--mechanism" in capsys.readouterr().err
+    assert run([*base, "--quantiles", "0.5,1.5"]) == 2
+    assert "--quantiles" in capsys.readouterr().err
+    assert run([*base, "--mechanism", "binary", "--branching", "4"]) == 2
+
+
+def test_cli_and_api_share_the_mechanism_default():
+    import argparse
+    import inspect
+
+    from clipless.stats import ecdf, roc
+    from clipless.stats.cli import add_ecdf_parser, add_roc_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    for add, api in ((add_ecdf_parser, ecdf), (add_roc_parser, roc)):
+        parser = add(sub)
+        assert (
+            parser.get_default("mechanism")
+            == inspect.signature(api).parameters["mechanism"].default
+            == "auto"
+        )

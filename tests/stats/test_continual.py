@@ -91,3 +91,39 @@ def test_bad_elements():
     assert c.time == 0
     c.update(True)
     assert c.time == 1
+
+
+def test_factorization_counter_matches_offline_and_variance():
+    from clipless.stats.counting import (
+        _estimator_coefficients,
+        factorization_integer_coefficients,
+        factorization_sensitivity,
+    )
+
+    T = 20
+    c = ContinualCounter(None, T, "gaussian", rng=seeded_rng(4), rho=0.5, mechanism="factorization")
+    stream = np.random.default_rng(1).integers(0, 2, T)
+    out = np.array([c.update(int(x)) for x in stream])
+
+    def toeplitz(v):
+        return np.array([[v[i - j] if i >= j else 0 for j in range(T)] for i in range(T)])
+
+    Lt = toeplitz(factorization_integer_coefficients(T))
+    G = toeplitz(_estimator_coefficients(T))
+    noisy = np.array(c._noisy)
+    z = noisy - Lt @ stream  # integer discrete Gaussian draws
+    np.testing.assert_array_equal(z, np.round(z))
+    np.testing.assert_allclose(out, G @ noisy, rtol=1e-12, atol=1e-6)
+    np.testing.assert_allclose(G @ Lt, np.tril(np.ones((T, T))), atol=1e-9)
+    assert float(c.noise_param) >= factorization_sensitivity(T, "add_remove")
+    last = []
+    for seed in range(300):
+        cc = ContinualCounter(
+            None, T, "gaussian", rng=seeded_rng(seed), rho=0.5, mechanism="factorization"
+        )
+        last.append([cc.update(0) for _ in range(T)][-1])
+    assert np.var(last) == pytest.approx(cc.variance, rel=0.2)
+    with pytest.raises(ValueError, match="needs noise='gaussian'"):
+        ContinualCounter(1.0, 8, mechanism="factorization")
+    with pytest.raises(ValueError, match="'binary' or 'factorization'"):
+        ContinualCounter(1.0, 8, mechanism="k-ary")

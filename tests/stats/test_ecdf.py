@@ -31,7 +31,15 @@ def test_huge_epsilon_is_exact(neighbouring, consistency):
 
 def test_gaussian_noise_release():
     data = np.arange(100.0)
-    F = ecdf(data, Grid(0, 99, size=100), None, noise="gaussian", rho=1e12, rng=seeded_rng(0))
+    F = ecdf(
+        data,
+        Grid(0, 99, size=100),
+        None,
+        noise="gaussian",
+        rho=1e12,
+        rng=seeded_rng(0),
+        mechanism="binary",
+    )
     np.testing.assert_allclose(F.values, np.arange(1, 101) / 100)
     assert F.rho == 1e12 and F.epsilon is None
 
@@ -212,7 +220,15 @@ def test_smoothing_interface_contract(monkeypatch):
     F = ecdf(data, grid, 1.0, smoothing="isotonic", consistency=False, rng=seeded_rng(0))
     np.testing.assert_allclose(calls["isotonic"][0], F.counts / 50)
     assert calls["isotonic"][1] is None
-    F = ecdf(data, grid, 1.0, smoothing="isotonic", consistency=True, rng=seeded_rng(0))
+    F = ecdf(
+        data,
+        grid,
+        1.0,
+        smoothing="isotonic",
+        consistency=True,
+        rng=seeded_rng(0),
+        mechanism="binary",
+    )
     np.testing.assert_allclose(calls["isotonic"][1], F.variance.max() / F.variance)
     F = ecdf(data, grid, 1.0, "add_remove", smoothing="l1", consistency=False, rng=seeded_rng(0))
     release, n, norm = calls["smooth_tree"]

@@ -64,8 +64,8 @@ def test_epsilon_split_noise_scales() -> None:
         grid = Grid(-4, 5, size=size)
         L = grid.depth
         ar = tree_sensitivity(L, "add_remove")
-        r1 = roc(s, y, grid, 0.5, "replace_one", rng=seeded_rng(0))
-        r2 = roc(s, y, grid, 0.5, "add_remove", rng=seeded_rng(0))
+        r1 = roc(s, y, grid, 0.5, "replace_one", rng=seeded_rng(0), mechanism="binary")
+        r2 = roc(s, y, grid, 0.5, "add_remove", rng=seeded_rng(0), mechanism="binary")
         for part in (r1.negatives, r1.positives):
             assert part.release.noise_scale == pytest.approx(2 * ar / 0.5)
             assert part.epsilon == 0.25 and part.neighbouring == "add_remove"

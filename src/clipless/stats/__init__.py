@@ -8,6 +8,8 @@ exact discrete noise, quantiles by inversion, continual counting.
   (least squares, Hay et al. 2010).
 * :func:`discrete_laplace`, :func:`discrete_gaussian` -- exact samplers (Canonne, Kamath,
   Steinke 2020) from :func:`secure_rng` (default) or :func:`seeded_rng` (tests).
+* :func:`release_prefix_counts` / :class:`CountRelease` -- the counting mechanism as a choice
+  (``mechanism="binary" | "k-ary" | "factorization"``, :mod:`clipless.stats.counting`).
 * :class:`ContinualCounter` -- running counts of a stream (Theorem 6.3.2).
 * :func:`isotonic`, :func:`smooth_tree`, :func:`smooth_counts` -- monotone smoothing
   (pool-adjacent-violators; the thesis's problem 6.3.6 in L1 or L2).
@@ -17,6 +19,7 @@ exact discrete noise, quantiles by inversion, continual counting.
 
 from clipless.stats.calibration import HLResult, hosmer_lemeshow, nonprivate_hosmer_lemeshow
 from clipless.stats.continual import ContinualCounter, HorizonExceededError
+from clipless.stats.counting import CountRelease, release_prefix_counts
 from clipless.stats.ecdf import DPECDF, ecdf, poisson_dataset, release_accuracy
 from clipless.stats.grid import Grid, tree_depth
 from clipless.stats.noise import (
@@ -46,6 +49,7 @@ __all__ = [
     "DPECDF",
     "DPROC",
     "ContinualCounter",
+    "CountRelease",
     "Grid",
     "HLResult",
     "HorizonExceededError",
@@ -69,6 +73,7 @@ __all__ = [
     "prefix_variance",
     "release_accuracy",
     "release_counts",
+    "release_prefix_counts",
     "roc",
     "secure_rng",
     "seeded_rng",

@@ -321,6 +321,7 @@ def hosmer_lemeshow(
             neighbouring,
             n=n_public,
             rng=gen,
+            mechanism="binary",  # Algorithm 10's split is stated for the thesis's tree
         )
         inner = np.asarray(released.quantile(np.arange(1, Q) / Q), dtype=np.float64)
     else:

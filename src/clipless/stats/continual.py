@@ -26,16 +26,35 @@ Both ``neighbouring`` notions (``"add_remove"``: an element is present or replac
 they share this sensitivity. The guarantee is for a stream fixed in advance (as Theorem 6.3.2);
 adaptively chosen streams are not covered by that theorem. Each released value has variance
 ``(L+1) Var(eta)``.
+
+**Factorisation** (``mechanism="factorization"``, Gaussian noise only; Fichtenberger,
+Henzinger, Upadhyay, ICML 2023; Henzinger, Upadhyay, Upadhyay, SODA 2023). The integer square
+root factor ``Lt`` of :mod:`clipless.stats.counting` is lower triangular, so its release ``w_t =
+(Lt x)_t + Z_t`` and the estimate ``s_hat_t = (A Lt^-1 w)_t`` only need the stream so far: a
+streaming mechanism. One element changed by at most ``bound`` moves ``Lt x`` by at most
+``bound`` times a column of ``Lt``: squared L2 sensitivity ``bound^2 St(T)``
+(:func:`~clipless.stats.counting.factorization_sensitivity`, an exact integer), so discrete
+Gaussian ``Z`` with ``sigma^2 >= bound^2 St(T) / (2 rho)`` is ``rho``-zCDP for a stream fixed
+in advance (CKS 2020). Variance at step ``t``: ``Var(Z) sum_(k <= t) g_k^2``, growing like
+``ln(t) / pi`` (the binary mechanism's grows like ``log2(T)``). Each step costs ``O(t)``
+(``O(T^2)`` over the stream; fine for ``T`` up to ~``10^5``). The k-ary tree is not offered
+here: its gain comes from least squares over the whole tree, which a stream cannot wait for.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from fractions import Fraction
 
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless.stats.counting import (
+    _estimator_coefficients,
+    factorization_integer_coefficients,
+    factorization_sensitivity,
+)
 from clipless.stats.grid import tree_depth
 from clipless.stats.noise import (
     conservative_scale,
@@ -74,6 +93,7 @@ class ContinualCounter:
         *,
         rho: float | None = None,
         bound: int = 1,
+        mechanism: str = "binary",
     ) -> None:
         if isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)):
             raise TypeError(f"horizon must be an int, got {type(horizon).__name__}")
@@ -85,6 +105,13 @@ class ContinualCounter:
             raise ValueError(
                 f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
             )
+        if mechanism not in ("binary", "factorization"):
+            raise ValueError(
+                f"mechanism must be 'binary' or 'factorization' for a stream, got {mechanism!r}"
+            )
+        if mechanism == "factorization" and noise != "gaussian":
+            raise ValueError("mechanism='factorization' needs noise='gaussian' (and rho)")
+        self.mechanism = mechanism
         self._rng = resolve_rng(rng)
         self.horizon = int(horizon)
         self.bound = int(bound)
@@ -98,7 +125,7 @@ class ContinualCounter:
                 raise ValueError("noise='laplace' needs epsilon (and no rho)")
             self.epsilon: float | None = float(epsilon)
             self.rho: float | None = None
-            self.noise_param = conservative_scale(
+            self.noise_param: Fraction | float = conservative_scale(
                 Fraction(self.bound * nodes) / to_fraction(epsilon, "epsilon")
             )
             self.node_variance = discrete_laplace_variance(self.noise_param)
@@ -110,7 +137,7 @@ class ContinualCounter:
             self.node_variance = discrete_gaussian_variance(self.noise_param)
         else:
             raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
-        self.sensitivity = nodes * self.bound
+        self.sensitivity: float = nodes * self.bound
         # noise of the current node at each level: nodes are visited left to right, so only
         # the current root-to-leaf path is ever needed again (memory O(L))
         self._path = [0] * (self.depth + 1)
@@ -119,6 +146,20 @@ class ContinualCounter:
         self._time = 0
         self._sum = 0
         self._released: list[int] = []
+        self._fact_released: list[float] = []
+        if mechanism == "factorization":
+            s_t = factorization_sensitivity(self.horizon, "add_remove")
+            assert self.rho is not None  # checked above for noise='gaussian'
+            sigma2 = conservative_scale(
+                Fraction(self.bound**2 * s_t) / (2 * to_fraction(self.rho, "rho"))
+            )
+            self._coef = np.asarray(factorization_integer_coefficients(self.horizon))
+            self._g = np.asarray(_estimator_coefficients(self.horizon))
+            self._stream: list[int] = []
+            self._noisy: list[int] = []
+            self.sensitivity = self.bound * math.sqrt(s_t)
+            self.noise_param = sigma2
+            self.node_variance = discrete_gaussian_variance(sigma2)
 
     @property
     def time(self) -> int:
@@ -126,13 +167,18 @@ class ContinualCounter:
         return self._time
 
     @property
-    def released(self) -> NDArray[np.int64]:
-        """All released running counts so far."""
+    def released(self) -> NDArray[np.int64] | NDArray[np.float64]:
+        """All released running counts so far (floats for the factorisation)."""
+        if self.mechanism == "factorization":
+            return np.array(self._fact_released, dtype=np.float64)
         return np.array(self._released, dtype=np.int64)
 
     @property
     def variance(self) -> float:
-        """Variance of each released count: ``(L+1) Var(eta)``."""
+        """Variance of each released count: ``(L+1) Var(eta)`` (binary); for the
+        factorisation the largest one, ``sigma^2 S(T)`` (step ``t`` has ``sigma^2 S(t)``)."""
+        if self.mechanism == "factorization":
+            return float(self.node_variance * np.sum(self._g**2))
         return (self.depth + 1) * self.node_variance
 
     def _draw(self, k: int) -> NDArray[np.int64]:
@@ -149,8 +195,9 @@ class ContinualCounter:
         self._pool_pos += k
         return out
 
-    def update(self, x: int) -> int:
-        """Feed one element ``x in {0, ..., bound}``; return the released running count."""
+    def update(self, x: int) -> int | float:
+        """Feed one element ``x in {0, ..., bound}``; return the released running count
+        (an int for ``"binary"``, a float for ``"factorization"``)."""
         if isinstance(x, bool):
             x = int(x)
         if not isinstance(x, (int, np.integer)):
@@ -162,6 +209,17 @@ class ContinualCounter:
                 f"the counter's horizon of {self.horizon} elements is exhausted; its privacy "
                 "analysis covers no more"
             )
+        if self.mechanism == "factorization":
+            t = self._time
+            self._time += 1
+            self._sum += int(x)
+            self._stream.append(int(x))
+            # w_t = (Lt x)_t + Z_t, exact integers; the estimate is (A Lt^-1 w)_t
+            lt_x = int(np.dot(self._coef[t::-1], np.asarray(self._stream, dtype=np.int64)))
+            self._noisy.append(lt_x + int(self._draw(1)[0]))
+            value = float(np.dot(self._g[t::-1], np.asarray(self._noisy, dtype=np.float64)))
+            self._fact_released.append(value)
+            return value
         leaf = self._time
         new_levels = [lev for lev in range(self.depth + 1) if leaf % (1 << lev) == 0]
         fresh = self._draw(len(new_levels))

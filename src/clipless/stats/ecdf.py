@@ -1,11 +1,13 @@
 """Differentially private empirical cumulative distribution functions (thesis chapter 6).
 
 :func:`ecdf` releases ``F(tau_i) = #{x <= tau_i} / n`` at every threshold of a public
-:class:`~clipless.stats.grid.Grid` with the binary tree mechanism of
-:mod:`clipless.stats.tree` (thesis Theorem 6.3.1 for replace-one, Lemma 6.3.1 / Theorem 6.3.2
-for add/remove), exact discrete noise (Canonne, Kamath, Steinke 2020), optional least-squares
-consistency (Hay et al. 2010) and optional monotone smoothing (thesis section 6.3.2, in
-:mod:`clipless.stats.smoothing`). Everything after the noisy node values is post-processing.
+:class:`~clipless.stats.grid.Grid` with a counting mechanism of :mod:`clipless.stats.counting`
+(``mechanism="auto"``: the consistent k-ary tree under pure DP, the square-root factorisation
+under zCDP; ``"binary"``: the thesis's binary tree of :mod:`clipless.stats.tree`, Theorem
+6.3.1 for replace-one, Lemma 6.3.1 / Theorem 6.3.2 for add/remove), exact discrete noise
+(Canonne, Kamath, Steinke 2020), least-squares consistency (Hay et al. 2010) and optional
+monotone smoothing (thesis section 6.3.2, in :mod:`clipless.stats.smoothing`). Everything
+after the noisy vector is post-processing.
 
 **Clamping.** A value below ``tau_1`` counts as ``tau_1`` and a value above ``tau_N`` as
 ``tau_N``: the release is the ECDF of the clamped data, so ``F(tau_N) = 1`` before noise.
@@ -22,9 +24,10 @@ numerator's (shared tree nodes) and cancels near the top of the curve. Measured 
 ``n_hat = max(P_N, 1)`` (the plain or the consistent ``P_N``), and the released ``F(tau_N)`` is
 exactly 1.
 
-**Which release is most accurate.** :func:`release_accuracy` measures it. On the thesis's
-``X_pois(1)`` data (section 6.6.2, ``N = 2^15``, ``L = 15``, ``epsilon = 1``, 20 releases, mean
-squared error of ``F`` over the thresholds):
+**Which release is most accurate.** :func:`release_accuracy` measures it for the binary tree
+(the k-ary tree and the factorisation are 2-15x better still, ``docs/statistics.md``). On the
+thesis's ``X_pois(1)`` data (section 6.6.2, ``N = 2^15``, ``L = 15``, ``epsilon = 1``, 20
+releases, mean squared error of ``F`` over the thresholds):
 
 =============  ===========================  ====================================
 neighbouring   plain thesis release          ``consistency=True`` (least squares)
@@ -51,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from clipless.stats.counting import CountRelease, Mechanism, release_prefix_counts
 from clipless.stats.grid import Grid
 from clipless.stats.noise import seeded_rng, to_fraction
 from clipless.stats.smoothing import isotonic, smooth_counts, smooth_tree
@@ -115,7 +119,8 @@ class DPECDF:
     variance:
         Exact per-threshold variance of :attr:`counts` (the noise is public knowledge).
     release:
-        The underlying :class:`~clipless.stats.tree.TreeRelease`.
+        The underlying :class:`~clipless.stats.tree.TreeRelease` (``mechanism="binary"``) or
+        :class:`~clipless.stats.counting.CountRelease` (``"k-ary"``, ``"factorization"``).
     """
 
     grid: Grid
@@ -130,7 +135,7 @@ class DPECDF:
     smoothing: Smoothing | None
     consistency: bool
     variance: NDArray[np.float64] = field(repr=False)
-    release: TreeRelease = field(repr=False)
+    release: TreeRelease | CountRelease = field(repr=False)
 
     def evaluate(self, t: ArrayLike) -> Any:
         """The released step function: ``F`` at the largest threshold ``<= t``; 0 below ``tau_1``.
@@ -227,6 +232,8 @@ def ecdf(
     rng: random.Random | None = None,
     *,
     rho: float | None = None,
+    mechanism: Mechanism = "auto",
+    branching: int | None = None,
     node_noise: Callable[[NoiseKind, Fraction, int], NDArray[np.int64]] | None = None,
 ) -> DPECDF:
     """Release a DP empirical CDF of ``values`` at the thresholds of a public ``grid``.
@@ -268,9 +275,21 @@ def ecdf(
         :class:`random.Random`; default a cryptographically secure source.
     rho:
         zCDP budget for Gaussian noise.
+    mechanism:
+        The counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default): the most
+        accurate measured one for the noise, ``"k-ary"`` for Laplace (pure DP),
+        ``"factorization"`` for Gaussian (zCDP). ``"binary"``: the thesis's tree (reproduces
+        the thesis; with ``consistency=False`` its plain estimator). ``"k-ary"``: consistent
+        ``k``-ary tree with optimised level budgets. ``"factorization"``: square-root
+        factorisation (Gaussian only). All use exact discrete noise. ``docs/statistics.md``
+        says which to choose.
+    branching:
+        ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size).
     node_noise:
         Optional keyed node-noise source replacing ``rng`` (see
         :func:`~clipless.stats.tree.release_counts`; :class:`clipless.federated.NodeNoise`).
+        The federated release computes the binary tree, so with ``node_noise`` the mechanism
+        is ``"binary"`` (``"auto"`` resolves to it; another choice is refused).
 
     >>> from clipless.stats import Grid, seeded_rng
     >>> F = ecdf([0.1, 0.4, 0.4, 0.9], Grid(0, 1, size=11), epsilon=1e9, rng=seeded_rng(0))
@@ -308,9 +327,37 @@ def ecdf(
             "used instead"
         )
 
-    release = release_counts(
-        g.counts(data), epsilon, neighbouring, noise, rng, rho, node_noise=node_noise
-    )
+    if node_noise is not None:
+        if mechanism not in ("auto", "binary"):
+            raise ValueError(
+                f"node_noise (the federated release) computes the binary tree; mechanism must be "
+                f"'auto' or 'binary' with it, got {mechanism!r}"
+            )
+        mechanism = "binary"
+    if mechanism == "auto" and consistency is False:
+        mechanism = "binary"  # the thesis's plain estimator exists for the binary tree only
+    if mechanism != "binary" and not consistency:
+        raise ValueError(
+            "consistency=False (the thesis's plain estimator) exists only for "
+            "mechanism='binary'; the k-ary and factorisation estimates are least squares "
+            "(pass mechanism='binary' to reproduce the thesis)"
+        )
+    release: TreeRelease | CountRelease
+    if node_noise is not None:
+        release = release_counts(
+            g.counts(data), epsilon, neighbouring, noise, rng, rho, node_noise=node_noise
+        )
+    else:
+        release = release_prefix_counts(
+            g.counts(data),
+            epsilon,
+            neighbouring,
+            noise,
+            rng,
+            rho,
+            mechanism=mechanism,
+            branching=branching,
+        )
     return from_release(
         release,
         g,
@@ -328,7 +375,7 @@ def poisson_dataset(lam: float, size: int = 1 << 15, seed: int = 0) -> NDArray[n
 
 
 def from_release(
-    release: TreeRelease,
+    release: TreeRelease | CountRelease,
     grid: Grid,
     *,
     n: int | None,
@@ -341,11 +388,16 @@ def from_release(
     ``max(P_N, 1)`` (add/remove, where the size is private). Used by :func:`ecdf` and by
     :func:`clipless.stats.roc` for each class.
     """
-    if consistency:
+    if isinstance(release, CountRelease):
+        counts = np.array(release.prefix_counts, dtype=np.float64)
+        variance = np.array(release.variance, dtype=np.float64)
+        consistency = True  # least squares by construction
+    elif consistency:
         counts = np.array(consistent_prefix_sums(release), dtype=np.float64)
+        variance = np.array(prefix_variance(release, consistent=True), dtype=np.float64)
     else:
         counts = release.prefix_counts.astype(np.float64)
-    variance = np.array(prefix_variance(release, consistent=consistency), dtype=np.float64)
+        variance = np.array(prefix_variance(release, consistent=False), dtype=np.float64)
     if n is not None:
         norm, n_private = float(n), False
     else:
@@ -356,7 +408,14 @@ def from_release(
         out = raw
     elif smoothing == "isotonic":
         weights = None
+        # binary tree: inverse-variance weights (its variances vary ~2x along the grid). k-ary /
+        # factorisation: unweighted, i.e. the Euclidean projection onto the closed convex set
+        # {non-decreasing, within [0, 1]}, which contains the true CDF; a projection onto a
+        # convex set is non-expansive, so smoothing never increases the squared error of any
+        # release (every noise draw), the guarantee issue 14 asks for.
         top = float(np.max(variance)) if consistency else 0.0
+        if isinstance(release, CountRelease):
+            top = 0.0
         if top > 0:
             # inverse-variance weights, bounded so that a (near) noiseless leaf cannot overflow
             weights = top / np.maximum(variance, top * 1e-12)
@@ -365,8 +424,10 @@ def from_release(
         # Problem 6.3.6 applied to the least-squares prefix counts (smoothing after consistency:
         # both are post-processing; measured the most accurate combination, RESULTS.md).
         out = np.asarray(smooth_counts(counts, norm, smoothing, depth=release.depth).values)
-    else:
+    elif isinstance(release, TreeRelease):
         out = np.asarray(smooth_tree(release, norm, smoothing))
+    else:  # pragma: no cover - CountRelease always sets consistency
+        raise AssertionError("unreachable")
     out = np.array(out, dtype=np.float64)
     for arr in (out, counts, variance):
         arr.setflags(write=False)
@@ -414,13 +475,23 @@ def release_accuracy(
         for consistency in (False, True):
             for sm in smoothing:
                 rng.setstate(state)  # same noise for every variant: paired comparison
-                F = ecdf(data, g, epsilon, neighbouring, sm, consistency=consistency, rng=rng)
+                F = ecdf(
+                    data,
+                    g,
+                    epsilon,
+                    neighbouring,
+                    sm,
+                    consistency=consistency,
+                    rng=rng,
+                    mechanism="binary",
+                )
                 last = F
                 name = ("consistent" if consistency else "plain") + (f"+{sm}" if sm else "")
                 results.setdefault(name, []).append(float(np.mean((F.values - exact) ** 2)))
     out = {k: float(np.mean(v)) for k, v in results.items()}
     if neighbouring == "replace_one" and last is not None:
         rel = last.release
+        assert isinstance(rel, TreeRelease)  # release_accuracy uses the binary tree
         out["plain_exact"] = float(np.mean(prefix_variance(rel, False))) / data.size**2
         out["consistent_exact"] = float(np.mean(prefix_variance(rel, True))) / data.size**2
     return out

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from clipless.stats.counting import CountRelease, Mechanism, release_prefix_counts
 from clipless.stats.ecdf import DPECDF, Smoothing, from_release
 from clipless.stats.grid import Grid
 from clipless.stats.noise import resolve_rng, to_fraction
@@ -58,7 +59,6 @@ from clipless.stats.tree import (
     Neighbouring,
     NoiseKind,
     TreeRelease,
-    release_counts,
 )
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ def _as_grid(grid: Grid | ArrayLike) -> Grid:
 
 
 def _class_ecdf(
-    release: TreeRelease, grid: Grid, smoothing: Smoothing | None, consistency: bool
+    release: TreeRelease | CountRelease, grid: Grid, smoothing: Smoothing | None, consistency: bool
 ) -> DPECDF:
     """Normalise one class's release by its own released total (the add/remove branch of
     :func:`~clipless.stats.ecdf.ecdf`) and smooth it. Post-processing only."""
@@ -202,6 +202,8 @@ def roc(
     noise: NoiseKind = "laplace",
     rho: float | None = None,
     consistency: bool = True,
+    mechanism: Mechanism = "auto",
+    branching: int | None = None,
 ) -> DPROC:
     """Release a DP ROC curve of a classifier's ``scores`` against binary ``labels``.
 
@@ -234,6 +236,15 @@ def roc(
     consistency:
         Least-squares consistent prefix counts per class (about half the variance; the
         default, as in :func:`~clipless.stats.ecdf.ecdf`; combines with every smoothing).
+    mechanism, branching:
+        The counting mechanism per class (:mod:`clipless.stats.counting`), as in
+        :func:`~clipless.stats.ecdf.ecdf`. Each class is released under its add/remove
+        calibration. The derivation above carries over because, for every mechanism, a
+        within-class replacement moves that class's noisy vector by at most twice the
+        add/remove sensitivity: ``k``-ary, at most ``2h`` nodes by 1 against ``h + 1``
+        (L1 and squared L2); factorisation, ``||L e_b - L e_a||^2 <= 2 S(N)`` because the
+        columns of ``L`` are non-negative (``<L e_a, L e_b> >= 0``). A class switch moves
+        each class by one add/remove step, paid by the ``epsilon/2`` (``rho/2``) per class.
     """
     s, pos = _scores_labels(scores, labels)
     g = _as_grid(grid)
@@ -245,6 +256,10 @@ def roc(
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
     if not isinstance(consistency, bool):
         raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
+    if mechanism == "auto" and consistency is False:
+        mechanism = "binary"  # the thesis's plain estimator exists for the binary tree only
+    if mechanism != "binary" and not consistency:
+        raise ValueError("consistency=False exists only for mechanism='binary'")
     gen = resolve_rng(rng)
     parts = 2 if neighbouring == "replace_one" else 1
     # halving a float is exact, so the per-class budgets compose to exactly epsilon (or rho)
@@ -268,7 +283,16 @@ def roc(
     curves = []
     for cls in (False, True):
         counts = g.counts(s[pos == cls])
-        rel = release_counts(counts, eps_class, "add_remove", noise, gen, rho_class)
+        rel = release_prefix_counts(
+            counts,
+            eps_class,
+            "add_remove",
+            noise,
+            gen,
+            rho_class,
+            mechanism=mechanism,
+            branching=branching,
+        )
         curves.append(_class_ecdf(rel, g, smoothing, consistency))
     neg, posc = curves
     fpr = 1.0 - np.asarray(neg.values)

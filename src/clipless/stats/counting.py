@@ -1,0 +1,865 @@
+r"""Counting mechanisms for all prefix counts, as one choice (``mechanism=``).
+
+Every mechanism here releases, from the integer leaf counts ``c_1..c_N`` of a public grid, an
+estimate of every prefix count ``C_i = c_1 + ... + c_i``. The DP part is one noisy vector; the
+estimate is post-processing of it. Three mechanisms:
+
+* ``"binary"``: the thesis's binary tree (signed-node release, :mod:`clipless.stats.tree`).
+* ``"k-ary"``: the full ``k``-ary tree of counts with least-squares consistency (Hay, Rastogi,
+  Miklau, Suciu, PVLDB 2010; Qardaji, Yang, Li, "Understanding hierarchical methods for
+  differentially private histograms", PVLDB 2013, who show the branching factor matters and
+  that ``k`` near 16 is best for range queries; Honaker, "Efficient use of differentially
+  private binary trees", 2015, for the subtraction view). Pure DP or zCDP, exact discrete noise.
+* ``"factorization"``: the square-root factorisation of the prefix-sum matrix ``A = L L``
+  (Fichtenberger, Henzinger, Upadhyay, ICML 2023; Henzinger, Upadhyay, Upadhyay, SODA 2023),
+  exact discrete Gaussian noise on an integer version of the factor, zCDP.
+
+**k-ary tree (proof).** Pad the leaves to ``k^h`` (``h = ceil(log_k N) >= 1``) with empty
+leaves. Node ``(l, j)`` (level ``l = 0..h``, level 0 = leaves, level ``h`` = the root) counts
+the values in leaves ``j k^l .. (j+1) k^l - 1``. One value lies in exactly one node per level,
+so adding or removing one value changes exactly ``h + 1`` node counts by 1 (the root
+included); moving one value from leaf ``a`` to leaf ``b`` changes at most two nodes per level
+below the root, by 1 each, and never the root: ``2h``. Under ``replace_one`` the root *is* the
+public size ``n`` and is not released with noise (it is known exactly). So the noisy vector
+changes by ``+-1`` in at most ``per = 1`` (add/remove) or ``per = 2`` (replace-one) nodes of each
+level: L1 sensitivity ``Delta = h + 1`` or ``2h`` in all. The budget is split over the levels,
+level ``l`` getting the public share ``w_l`` (:func:`level_shares`, ``sum_l w_l = 1``; ``w_l = 0``:
+the level is not released at all): discrete Laplace of scale ``b_l >= per / (w_l epsilon)`` at
+level ``l`` gives privacy loss ``sum_l per / b_l <= epsilon`` (``epsilon``-DP); discrete
+Gaussian with ``sigma_l^2 = per / (2 w_l rho)`` gives ``sum_l per / (2 sigma_l^2) = rho``
+(``rho``-zCDP, Canonne, Kamath, Steinke 2020, Theorem 14). With uniform shares these are the
+usual ``Delta / epsilon`` and ``Delta / (2 rho)``. ``tests/stats/test_counting.py``
+verifies both constants exhaustively (every leaf, every pair of leaves) for small ``N`` and
+``k``, and that they are attained.
+
+**Consistency (least squares).** With independent noise of variance ``v_l`` at level ``l``
+(``v_h = 0`` when the root is the public ``n``), the best linear unbiased estimate of the leaf
+counts from all noisy nodes is computed in ``O(k^h)`` by two passes (Hay et al. 2010, section
+4, generalised to ``k`` children and per-level variances as in Cormode, Procopiuc, Srivastava,
+Shen, Yu, ICDE 2012, section 4): upward, ``z_v`` is the inverse-variance average of the node's
+own measurement and the sum of its children's ``z``, with variance ``t_l = 1 / (1/v_l + 1/(k
+t_{l-1}))``; downward, each child gets ``z_c + (x_v - sum_c' z_c') / k``. The prefix estimates
+are the cumulative sums of the estimated leaves (the least-squares estimate of any linear
+function is that function of the least-squares estimate); this is how "subtraction" (Honaker
+2015) enters: every node, also the right siblings, contributes. The test compares with dense
+weighted least squares.
+
+**Exact per-threshold variance.** The tree is symmetric, so the covariance of two estimated
+leaves depends only on the level ``l`` of their lowest common ancestor: ``kappa_l``. Running the
+two passes on the measurement vector ``v_0 e_(leaf 0)`` returns ``Cov(xhat_0, xhat_j)`` for
+every ``j`` (for the least-squares estimate ``xhat = G y``, ``Cov(xhat) = (M^T S^-1 M)^-1 =
+G S S^-1 M (M^T S^-1 M)^-1`` and ``M^T S^-1 (v_0 e_leaf0) = e_0``). Then
+``Var(Chat_i) = kappa_0 Q_0 + sum_{l >= 1} kappa_l (Q_l - Q_{l-1})`` with ``Q_l = floor(i /
+k^l) k^(2l) + (i mod k^l)^2`` the number of ordered pairs of the first ``i`` leaves that share
+their level-``l`` ancestor. :func:`kary_prefix_variance` returns it; the test checks it against
+the dense covariance.
+
+**Factorisation (proof).** ``A`` (lower-triangular ones, ``N x N``) equals ``L L`` with ``L``
+the lower-triangular Toeplitz matrix of ``c_k = binom(2k, k) / 4^k`` (the series of
+``(1 - t)^(-1/2)``; ``c_0 = 1``, ``c_k = c_(k-1) (2k - 1) / (2k)``, computed in ``O(N)``). To
+keep the noise *exact* (integer query, discrete Gaussian) the mechanism uses the integer
+factor ``Lt`` with coefficients ``ct_k = round(2^20 c_k)`` (positive, non-increasing), releases
+``w = Lt x + Z`` with ``Z`` i.i.d. discrete Gaussian (Canonne, Kamath, Steinke 2020), and
+estimates the prefix counts by ``A Lt^-1 w = A x + A Lt^-1 Z`` (unbiased; ``A Lt^-1`` is
+Toeplitz with coefficients ``g ~ c / 2^20``, computed by Newton's iteration on power series;
+all products by FFT, ``O(N log N)``). ``Lt x`` is computed exactly in integers
+(:func:`exact_convolve`: float FFTs on limbs small enough that a rigorous error bound is below
+1/4, then rounded). *Sensitivity.* Changing one leaf count by 1 moves ``Lt x`` by a column of
+``Lt``, squared norm at most ``St(N) = sum_(k<N) ct_k^2`` (column 0): the add/remove
+sensitivity. Moving a value from leaf ``a`` to ``b = a + d`` moves it by ``Lt (e_b - e_a)``,
+squared norm ``f(a, d)``; ``f(a, d) - f(a + 1, d) = (ct_(N-a-1) - ct_(N-a-d-1))^2 >= 0`` (the
+only terms that leave the window), so the replace-one sensitivity is ``max_d f(0, d) = max_d
+[St(N) + St(N - d) - 2 sum_(j < N-d) ct_j ct_(j+d)]``, all ``d`` at once by an exact integer
+autocorrelation. Both are exact integers (tested against brute force). ``Z`` with ``sigma^2 >=
+Delta_2^2 / (2 rho)`` (rational, rounded up) is ``rho``-zCDP (CKS 2020, Theorem 14).
+*Error.* ``Var(Chat_i) = Var(Z_1) sum_(k <= i) g_k^2 ~ (Delta_2^2 / 2 rho) S(i+1) / 4^20``, i.e.
+``S(N) S(i+1) / (2 rho)`` with ``S(m) = sum_(k<m) c_k^2 ~ 1 + ln(m) / pi``: the average is close
+to the lower bound for any factorisation (the factorisation norm of ``A`` lies within
+``0.701 .. 0.846`` of ``1 + ln(N) / pi``, Henzinger, Kalinin, Upadhyay 2025; Fichtenberger,
+Henzinger, Upadhyay 2023). Under ``replace_one`` the public total is used: the estimate is
+conditioned on ``C_N = n`` (Gaussian conditioning, post-processing). Pure DP is not offered:
+the L1 norm of a column grows like ``sqrt(N)``.
+
+**Which one.** ``docs/statistics.md`` and ``benchmarks/RESULTS.md`` (issue 14) give the
+measurements behind :func:`default_mechanism`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+import scipy.signal
+from numpy.typing import ArrayLike, NDArray
+
+from clipless.stats.grid import tree_depth
+from clipless.stats.noise import (
+    conservative_scale,
+    discrete_gaussian,
+    discrete_gaussian_variance,
+    discrete_laplace,
+    discrete_laplace_variance,
+    resolve_rng,
+    to_fraction,
+)
+from clipless.stats.tree import (
+    Neighbouring,
+    NoiseKind,
+    TreeRelease,
+    _check_neighbouring,
+    _leaf_counts_array,
+    release_counts,
+)
+
+__all__ = [
+    "MECHANISMS",
+    "CountRelease",
+    "Mechanism",
+    "best_branching",
+    "default_mechanism",
+    "exact_convolve",
+    "factorization_coefficients",
+    "factorization_integer_coefficients",
+    "factorization_sensitivity",
+    "kary_consistent_leaves",
+    "kary_depth",
+    "kary_node_counts",
+    "kary_prefix_covariance_with_last",
+    "kary_prefix_variance",
+    "kary_sensitivity",
+    "level_shares",
+    "release_prefix_counts",
+]
+
+Mechanism = Literal["auto", "binary", "k-ary", "factorization"]
+MECHANISMS: tuple[str, ...] = ("auto", "binary", "k-ary", "factorization")
+
+_FACT_MAX_N = 1 << 22
+
+
+def _check_mechanism(mechanism: str) -> None:
+    if mechanism not in MECHANISMS:
+        raise ValueError(
+            f"mechanism must be one of {', '.join(repr(m) for m in MECHANISMS)}, got {mechanism!r}"
+        )
+
+
+def default_mechanism(noise: NoiseKind) -> Mechanism:
+    """The most accurate mechanism per privacy model, from the measurements in
+    ``benchmarks/RESULTS.md`` (issue 14): ``"k-ary"`` (with optimised level shares) for pure DP,
+    ``"factorization"`` for zCDP (about 2-3x lower variance than the k-ary tree there)."""
+    if noise not in ("laplace", "gaussian"):
+        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    return "k-ary" if noise == "laplace" else "factorization"
+
+
+# --------------------------------------------------------------------------------------------
+# k-ary tree
+# --------------------------------------------------------------------------------------------
+
+
+def _check_branching(k: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"branching must be an int >= 2, got {type(k).__name__}")
+    if k < 2:
+        raise ValueError(f"branching must be >= 2, got {k}")
+    return int(k)
+
+
+def kary_depth(num_leaves: int, branching: int) -> int:
+    """``h = ceil(log_k N)``, at least 1 (computed with integers).
+
+    >>> kary_depth(4096, 8), kary_depth(4097, 8), kary_depth(1, 4)
+    (4, 5, 1)
+    """
+    k = _check_branching(branching)
+    if num_leaves < 1:
+        raise ValueError(f"num_leaves must be >= 1, got {num_leaves}")
+    h, size = 1, k
+    while size < num_leaves:
+        h += 1
+        size *= k
+    return h
+
+
+def kary_sensitivity(depth: int, neighbouring: Neighbouring) -> int:
+    """L1 (= squared L2) sensitivity of the noisy nodes: ``h + 1`` (add/remove, root included)
+    or ``2 h`` (replace-one, the root is the public ``n`` and gets no noise). Module docstring.
+    """
+    _check_neighbouring(neighbouring)
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    return depth + 1 if neighbouring == "add_remove" else 2 * depth
+
+
+def kary_node_counts(leaf_counts: ArrayLike, branching: int) -> list[NDArray[np.int64]]:
+    """Node counts of the padded ``k``-ary tree: one array per level ``l = 0..h`` (level 0 =
+    the ``k^h`` leaves, level ``h`` = the root, length 1). Linear (negative counts allowed, as
+    the sensitivity test uses)."""
+    arr = np.asarray(leaf_counts, dtype=np.int64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError("leaf_counts must be a non-empty one-dimensional array")
+    k = _check_branching(branching)
+    h = kary_depth(arr.size, k)
+    cur = np.zeros(k**h, dtype=np.int64)
+    cur[: arr.size] = arr
+    out = [cur]
+    for _ in range(h):
+        cur = cur.reshape(-1, k).sum(axis=1)
+        out.append(cur)
+    return out
+
+
+def _upward_variances(level_var: list[float], k: int) -> list[float]:
+    t = [float(level_var[0])]
+    for lev in range(1, len(level_var)):
+        v = float(level_var[lev])
+        t.append(0.0 if v == 0.0 else 1.0 / (1.0 / v + 1.0 / (k * t[-1])))
+    return t
+
+
+def kary_consistent_leaves(
+    node_values: list[NDArray[np.float64]] | list[NDArray[np.int64]],
+    branching: int,
+    level_variances: list[float],
+) -> NDArray[np.float64]:
+    """Least-squares leaf estimates from noisy ``k``-ary node values (two passes, module doc).
+
+    ``level_variances[l]`` is the noise variance at level ``l``; ``0`` means known exactly
+    (only the root may be exact). Returns the ``k^h`` estimated leaves (padding included).
+    Post-processing.
+    """
+    k = _check_branching(branching)
+    h = len(node_values) - 1
+    if len(level_variances) != h + 1:
+        raise ValueError("level_variances needs one entry per level")
+    if any(v == 0.0 for v in level_variances[:-1]):
+        raise ValueError("only the root may have variance 0")
+    t = _upward_variances(list(level_variances), k)
+    z: list[NDArray[np.float64]] = [np.asarray(node_values[0], dtype=np.float64)]
+    for lev in range(1, h + 1):
+        s = z[-1].reshape(-1, k).sum(axis=1)
+        y = np.asarray(node_values[lev], dtype=np.float64)
+        v = float(level_variances[lev])
+        if v == 0.0:
+            z.append(y)
+        else:
+            w_own = 1.0 / v
+            w_kids = 1.0 / (k * t[lev - 1])
+            z.append((w_own * y + w_kids * s) / (w_own + w_kids))
+    x = z[h]
+    for lev in range(h, 0, -1):
+        kids = z[lev - 1]
+        resid = x - kids.reshape(-1, k).sum(axis=1)
+        x = kids + np.repeat(resid / k, k)
+    return x
+
+
+@lru_cache(maxsize=256)
+def _kary_kappa(h: int, k: int, level_var: tuple[float, ...]) -> NDArray[np.float64]:
+    """``kappa_l``: covariance of two estimated leaves whose common ancestor is at level ``l``.
+
+    The two passes run on ``v_0 e_(leaf 0)`` (module docstring) in ``O(h)``: upward only the
+    path of leaf 0 is non-zero (``zp[l]``); downward a node off that path gets only its
+    parent's residual share ``1/k``, so a sibling of the path at level ``l - 1`` gets
+    ``(xp[l] - zp[l-1]) / k`` and each leaf below it ``k^-(l-1)`` of that.
+    (:func:`kary_consistent_leaves` on the full vector gives the same; the test checks it.)
+    """
+    t = _upward_variances(list(level_var), k)
+    zp = [float(level_var[0])]
+    for lev in range(1, h + 1):
+        v = float(level_var[lev])
+        if v == 0.0:
+            zp.append(0.0)
+        else:
+            w_own, w_kids = 1.0 / v, 1.0 / (k * t[lev - 1])
+            zp.append(w_kids * zp[-1] / (w_own + w_kids))
+    xp = [0.0] * (h + 1)
+    xp[h] = zp[h]
+    kappa = np.zeros(h + 1)
+    for lev in range(h, 0, -1):
+        share = (xp[lev] - zp[lev - 1]) / k
+        xp[lev - 1] = zp[lev - 1] + share
+        kappa[lev] = share / float(k ** (lev - 1))
+    kappa[0] = xp[0]
+    return kappa
+
+
+def kary_prefix_variance(
+    num_leaves: int, branching: int, level_variances: list[float]
+) -> NDArray[np.float64]:
+    """Exact variance of every least-squares prefix estimate ``Chat_1..Chat_N`` (module doc)."""
+    k = _check_branching(branching)
+    h = len(level_variances) - 1
+    if k**h < num_leaves:
+        raise ValueError(f"{h} levels of branching {k} hold fewer than {num_leaves} leaves")
+    kappa = _kary_kappa(h, k, tuple(float(v) for v in level_variances))
+    i = np.arange(1, num_leaves + 1, dtype=np.float64)
+    q_prev = i.copy()
+    var = kappa[0] * q_prev
+    for lev in range(1, h + 1):
+        block = float(k**lev)
+        q = np.floor(i / block) * block * block + np.mod(i, block) ** 2
+        var = var + kappa[lev] * (q - q_prev)
+        q_prev = q
+    return np.maximum(var, 0.0)
+
+
+@lru_cache(maxsize=256)
+def _q_means(num_leaves: int, k: int, h: int) -> NDArray[np.float64]:
+    """``mean_i (Q_l(i) - Q_(l-1)(i))`` for ``l = 0..h`` (``Q_(-1) = 0``): the mean prefix
+    variance is ``sum_l kappa_l`` times these (:func:`kary_prefix_variance`)."""
+    i = np.arange(1, num_leaves + 1, dtype=np.float64)
+    out = np.empty(h + 1)
+    q_prev = np.zeros_like(i)
+    for lev in range(h + 1):
+        block = float(k**lev)
+        q = np.floor(i / block) * block * block + np.mod(i, block) ** 2
+        out[lev] = float(np.mean(q - q_prev))
+        q_prev = q
+    return out
+
+
+def _level_variances(
+    shares: tuple[float, ...], neighbouring: Neighbouring, noise: NoiseKind, h: int
+) -> list[float]:
+    """Per-level noise variances at unit budget (``epsilon = 1``, ``rho = 1/2``) for budget
+    ``shares`` of the noisy levels (``0`` = level not released: infinite variance)."""
+    per = 1.0 if neighbouring == "add_remove" else 2.0  # a level's L1 = squared L2 change
+    out = []
+    for w in shares:
+        if w <= 1e-12:
+            out.append(math.inf)
+        elif noise == "laplace":
+            out.append(2.0 * (per / w) ** 2)
+        else:
+            out.append(per / w)
+    if neighbouring == "replace_one":
+        out.append(0.0)
+    return out
+
+
+def _mean_variance(num_leaves: int, k: int, level_var: list[float]) -> float:
+    h = len(level_var) - 1
+    kappa = _kary_kappa(h, k, tuple(level_var))
+    return float(np.dot(kappa, _q_means(num_leaves, k, h)))
+
+
+_SHARE_GRID = 1 << 10
+
+
+def _geometric_shares(m: int, kept: int, log_r: float) -> NDArray[np.float64]:
+    w = np.zeros(m)
+    w[:kept] = np.exp(log_r * np.arange(kept))
+    return w / w.sum()
+
+
+@lru_cache(maxsize=1024)
+def level_shares(
+    num_leaves: int, branching: int, neighbouring: Neighbouring, noise: NoiseKind
+) -> tuple[Fraction, ...]:
+    """Budget fraction of each noisy level (``0..h``, or ``0..h-1`` under replace-one), summing
+    to exactly 1 (multiples of ``1/1024``). Share 0 = the level is not released.
+
+    A data-independent, public choice ("non-uniform budget allocation", Cormode, Procopiuc,
+    Srivastava, Shen, Yu, ICDE 2012; Qardaji, Yang, Li, PVLDB 2013), optimised here for the
+    exact mean variance of the least-squares prefix counts over the family "geometric shares
+    ``r^l``, with or without the root" (the root is redundant with its children; dropping it
+    and giving its budget to the other levels is what the unrestricted optimum does under
+    add/remove, measured with Nelder-Mead on all shares: within 1-2% of this family). Falls
+    back to the uniform split unless the optimum is at least 0.5% better.
+    """
+    import scipy.optimize
+
+    k = _check_branching(branching)
+    h = kary_depth(num_leaves, k)
+    m = h + 1 if neighbouring == "add_remove" else h
+    uniform = tuple(Fraction(1, m) for _ in range(m))
+    best, best_score = uniform, _score_shares(num_leaves, k, uniform, neighbouring, noise)
+    roots = (False, True) if (neighbouring == "add_remove" and m > 1) else (False,)
+    for drop_root in roots:
+        kept = m - 1 if drop_root else m
+
+        def objective(log_r: float, kept: int = kept) -> float:
+            w = _geometric_shares(m, kept, log_r)
+            lv = _level_variances(tuple(w.tolist()), neighbouring, noise, h)
+            return _mean_variance(num_leaves, k, lv)
+
+        res = scipy.optimize.minimize_scalar(
+            objective, bounds=(-1.5, 1.5), method="bounded", options={"xatol": 1e-3}
+        )
+        w = _geometric_shares(m, kept, float(res.x))
+        units = np.floor(w * _SHARE_GRID).astype(int)
+        units[0] = max(units[0], 1)
+        units[int(np.argmax(units))] += _SHARE_GRID - int(units.sum())
+        cand = tuple(Fraction(int(u), _SHARE_GRID) for u in units)
+        score = _score_shares(num_leaves, k, cand, neighbouring, noise)
+        if score < 0.995 * best_score and score < _score_shares(
+            num_leaves, k, best, neighbouring, noise
+        ):
+            best, best_score = cand, score
+    return best
+
+
+def _score_shares(
+    num_leaves: int,
+    k: int,
+    shares: tuple[Fraction, ...],
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+) -> float:
+    h = kary_depth(num_leaves, k)
+    lv = _level_variances(tuple(float(x) for x in shares), neighbouring, noise, h)
+    return _mean_variance(num_leaves, k, lv)
+
+
+def kary_prefix_covariance_with_last(
+    num_leaves: int, branching: int, level_variances: list[float]
+) -> NDArray[np.float64]:
+    """``Cov(Chat_i, Chat_N)`` for every ``i`` (same ``kappa`` argument as
+    :func:`kary_prefix_variance`, with ``R_l(i) = sum_v |P_i cap v| |P_N cap v|`` over the
+    level-``l`` nodes: ``floor(i/k^l) k^(2l) + (i mod k^l) min(N - floor(i/k^l) k^l, k^l)``)."""
+    k = _check_branching(branching)
+    h = len(level_variances) - 1
+    kappa = _kary_kappa(h, k, tuple(float(v) for v in level_variances))
+    i = np.arange(1, num_leaves + 1, dtype=np.float64)
+    r_prev = i.copy()
+    cov = kappa[0] * r_prev
+    for lev in range(1, h + 1):
+        block = float(k**lev)
+        j0 = np.floor(i / block)
+        r = j0 * block * block + np.mod(i, block) * np.minimum(num_leaves - j0 * block, block)
+        cov = cov + kappa[lev] * (r - r_prev)
+        r_prev = r
+    return cov
+
+
+@lru_cache(maxsize=4096)
+def _kary_score(num_leaves: int, k: int, neighbouring: Neighbouring, noise: NoiseKind) -> float:
+    """Mean prefix variance at unit budget (epsilon = 1 or rho = 1/2), optimised shares.
+
+    Under add/remove the CDF is normalised by the released ``Chat_N``, whose error is
+    correlated with every ``Chat_i``; the score is then the mean variance of
+    ``Chat_i - f_i Chat_N`` with the uniform proxy ``f_i = i / N`` (the first-order error of
+    ``N Chat_i / Chat_N``), which strongly penalises trees padded far beyond ``N`` (measured:
+    ``N = 2^15``, ``k = 10`` is 2x worse after normalisation than ``k = 8`` or ``16``).
+    """
+    shares = level_shares(num_leaves, k, neighbouring, noise)
+    if neighbouring == "replace_one":
+        return _score_shares(num_leaves, k, shares, neighbouring, noise)
+    h = kary_depth(num_leaves, k)
+    lv = _level_variances(tuple(float(x) for x in shares), neighbouring, noise, h)
+    var = kary_prefix_variance(num_leaves, k, lv)
+    cov = kary_prefix_covariance_with_last(num_leaves, k, lv)
+    f = np.arange(1, num_leaves + 1, dtype=np.float64) / num_leaves
+    return float(np.mean(var - 2 * f * cov + f * f * var[-1]))
+
+
+_BRANCHINGS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32)
+
+
+def best_branching(num_leaves: int, neighbouring: Neighbouring, noise: NoiseKind) -> int:
+    """The ``k`` in ``2..32`` (``2-8, 10, 12, 16, 20, 24, 32``) with the smallest exact mean
+    prefix variance for ``N`` leaves, each with its optimised :func:`level_shares`.
+
+    Exact (:func:`kary_prefix_variance`), so it accounts for padding to ``k^h`` and for the
+    root being exact under replace-one. The budget only scales the variance, so it does not
+    enter. Qardaji et al. (2013) find ``k`` near 16 for range queries.
+    """
+    return min(_BRANCHINGS, key=lambda k: (_kary_score(num_leaves, k, neighbouring, noise), k))
+
+
+# --------------------------------------------------------------------------------------------
+# factorisation
+# --------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16)
+def factorization_coefficients(num_leaves: int) -> NDArray[np.float64]:
+    """``c_k = binom(2k, k) / 4^k``, ``k < N``, by the recurrence ``c_k = c_(k-1)(2k-1)/(2k)``.
+
+    >>> factorization_coefficients(4).tolist()
+    [1.0, 0.5, 0.375, 0.3125]
+    """
+    if num_leaves < 1:
+        raise ValueError(f"num_leaves must be >= 1, got {num_leaves}")
+    k = np.arange(1, num_leaves, dtype=np.float64)
+    ratios = (2.0 * k - 1.0) / (2.0 * k)
+    out = np.concatenate([[1.0], np.cumprod(ratios)])
+    out.setflags(write=False)
+    return out
+
+
+_FFT_K = 21  # Higham (2002), Theorem 24.2: each FFT errs by <= log2(M) * ~7u (relative, 2-norm)
+
+
+def _fft_error_bound(m: int, a_l1: float, b_l2: float) -> float:
+    """Upper bound on ``|fl(a * b) - a * b|_inf`` for the FFT convolution of length ``m``.
+
+    Three FFTs of length ``M = 2^ceil(log2 m)`` (forward, forward, inverse) each with relative
+    2-norm error ``<= log2(M) eta``, ``eta ~ 7u`` (Higham, "Accuracy and Stability of Numerical
+    Algorithms", 2nd ed., section 24.1, Theorem 24.2), on vectors whose exact product has 2-norm
+    ``<= ||a||_1 ||b||_2``; ``_FFT_K log2(M) + 2`` units cover the three transforms, the
+    pointwise product and its rounding with a factor ~3 to spare. Used with a further factor 2
+    below (``0.25`` instead of ``0.5``).
+    """
+    log_m = max(1, (m - 1).bit_length())
+    return (_FFT_K * log_m + 2) * 2.0**-53 * a_l1 * b_l2
+
+
+def _limbs(a: NDArray[np.int64], bits: int) -> list[NDArray[np.int64]]:
+    out = []
+    rest = a.copy()
+    mask = (1 << bits) - 1
+    while np.any(rest):
+        out.append(rest & mask)
+        rest = rest >> bits
+    return out or [np.zeros_like(a)]
+
+
+def exact_convolve(a: ArrayLike, b: ArrayLike, size: int) -> NDArray[np.int64]:
+    """The first ``size`` entries of the convolution of two non-negative int64 vectors, exactly.
+
+    Small inputs: :func:`numpy.convolve` (integer arithmetic). Large ones: both vectors are cut
+    into ``bits``-bit limbs so small that every limb product's FFT error bound
+    (:func:`_fft_error_bound`) is below ``1/4``; each limb product is then the rounding of its
+    float FFT convolution, exactly, and the limbs recombine in int64. The result must fit in
+    int64: ``max(a) * sum(b) < 2^62`` is checked. ``O(N log N)`` per limb pair.
+    """
+    x = np.asarray(a, dtype=np.int64)
+    y = np.asarray(b, dtype=np.int64)
+    if np.any(x < 0) or np.any(y < 0):
+        raise ValueError("exact_convolve needs non-negative integers")
+    if (
+        float(x.max(initial=0)) * float(y.sum()) >= 2.0**62
+        or float(y.max(initial=0)) * float(x.sum()) >= 2.0**62
+    ):
+        raise OverflowError("the convolution does not fit in int64")
+    if x.size * y.size <= 1 << 22:
+        return np.convolve(x, y)[:size].astype(np.int64)
+    m = x.size + y.size - 1
+    bits = 31
+    while bits > 1:
+        xl, yl = _limbs(x, bits), _limbs(y, bits)
+        worst = max(
+            min(
+                _fft_error_bound(
+                    m, float(p.sum()), float(np.sqrt(np.sum(q.astype(np.float64) ** 2)))
+                ),
+                _fft_error_bound(
+                    m, float(q.sum()), float(np.sqrt(np.sum(p.astype(np.float64) ** 2)))
+                ),
+            )
+            for p in xl
+            for q in yl
+        )
+        if worst < 0.25:
+            break
+        bits -= 1
+    else:  # pragma: no cover - only for astronomically large inputs
+        return np.convolve(x, y)[:size].astype(np.int64)
+    out = np.zeros(size, dtype=np.int64)
+    for i, p in enumerate(xl):
+        for j, q in enumerate(yl):
+            if not (np.any(p) and np.any(q)):
+                continue
+            f = scipy.signal.fftconvolve(p.astype(np.float64), q.astype(np.float64))[:size]
+            r = np.rint(f)
+            if np.max(np.abs(f - r), initial=0.0) >= 0.25:  # pragma: no cover - contradicts bound
+                raise ArithmeticError("FFT error above its certified bound")
+            out += r.astype(np.int64) << (bits * (i + j))
+    return out
+
+
+_FACT_BITS = 20
+
+
+@lru_cache(maxsize=16)
+def factorization_integer_coefficients(num_leaves: int) -> NDArray[np.int64]:
+    """``ct_k = round(2^20 c_k)``: the integer Toeplitz factor actually used (module doc).
+
+    Positive and non-increasing (rounding is monotone and ``c`` decreases), which the
+    replace-one sensitivity argument needs; checked here.
+    """
+    if num_leaves > _FACT_MAX_N:
+        raise ValueError(f"the factorisation is implemented for N <= 2^22, got {num_leaves}")
+    c = factorization_coefficients(num_leaves)
+    out = np.rint(c * float(1 << _FACT_BITS)).astype(np.int64)
+    if out[-1] < 1 or np.any(np.diff(out) > 0):  # pragma: no cover - impossible for N <= 2^22
+        raise AssertionError("integer factor coefficients must be positive, non-increasing")
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=16)
+def factorization_sensitivity(num_leaves: int, neighbouring: Neighbouring) -> int:
+    """Squared L2 sensitivity of ``Lt x`` (``Lt``: lower-triangular Toeplitz of
+    :func:`factorization_integer_coefficients`): an exact integer for add/remove (``St(N) =
+    sum_k ct_k^2``) and for replace-one (``max_d [St(N) + St(N-d) - 2 sum_j ct_j ct_(j+d)]``,
+    module docstring; the autocorrelation by :func:`exact_convolve`)."""
+    _check_neighbouring(neighbouring)
+    ct = factorization_integer_coefficients(num_leaves)
+    sq = ct * ct  # <= 2^40 each; N <= 2^22 keeps every sum below 2^62
+    cums = np.concatenate([[0], np.cumsum(sq)])
+    total = int(cums[-1])
+    if neighbouring == "add_remove" or num_leaves == 1:
+        return total
+    n = num_leaves
+    auto = exact_convolve(ct, ct[::-1], 2 * n - 1)[n - 1 :]  # auto[d] = sum_j ct_j ct_(j+d)
+    d = np.arange(1, n)
+    f = total + cums[n - d] - 2 * auto[d]
+    return int(np.max(f))
+
+
+def _lower_toeplitz_apply(c: NDArray[np.float64], x: NDArray[np.float64]) -> NDArray[np.float64]:
+    return np.asarray(scipy.signal.fftconvolve(c, x)[: x.size], dtype=np.float64)
+
+
+@lru_cache(maxsize=16)
+def _estimator_coefficients(num_leaves: int) -> NDArray[np.float64]:
+    """``g``: the Toeplitz coefficients of ``A Lt^-1`` (the series of ``1 / ((1 - t) Ct(t))``),
+    by Newton's iteration ``g <- g (2 - h g)`` with FFT products, ``O(N log N)``; float64
+    (post-processing only). ``g ~ c / 2^20``."""
+    ct = factorization_integer_coefficients(num_leaves).astype(np.float64)
+    h = np.concatenate([[ct[0]], np.diff(ct)])  # (1 - t) Ct(t)
+    g = np.array([1.0 / h[0]])
+    m = 1
+    while m < num_leaves:
+        m = min(2 * m, num_leaves)
+        hg = scipy.signal.fftconvolve(h[:m], g)[:m]
+        corr = -hg
+        corr[0] += 2.0
+        g = scipy.signal.fftconvolve(g, corr)[:m]
+    g.setflags(write=False)
+    return g
+
+
+# --------------------------------------------------------------------------------------------
+# the common release
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class CountRelease:
+    """Output of :func:`release_prefix_counts` for ``"k-ary"`` and ``"factorization"``.
+
+    Attributes
+    ----------
+    mechanism:
+        ``"k-ary"`` or ``"factorization"``.
+    num_leaves:
+        ``N``.
+    prefix_counts:
+        The (least-squares / factorised) estimates of the ``N`` prefix counts, float64.
+    variance:
+        Exact per-threshold variance of :attr:`prefix_counts` (given the noise parameters).
+    noisy:
+        The DP vector itself (node values for ``k``-ary, concatenated by level; ``L x + z`` for
+        the factorisation).
+    noise, noise_param, noise_scale, node_variance:
+        ``"laplace"``/``"gaussian"``; exact scale ``b`` or ``sigma^2`` (``k``-ary: one per
+        level, ``None`` for a level that is not released); ``b`` or ``sigma`` (of the leaves);
+        variance of one noise draw (of the leaves).
+    sensitivity:
+        L1 sensitivity (Laplace) or squared L2 sensitivity (Gaussian) of the noisy vector
+        (``k``-ary: number of nodes one change moves, over all levels).
+    shares:
+        ``k``-ary: the budget fraction of each noisy level (:func:`level_shares`).
+    branching:
+        ``k`` (``None`` for the factorisation).
+    neighbouring, epsilon, rho:
+        The guarantee.
+    """
+
+    mechanism: str
+    num_leaves: int
+    prefix_counts: NDArray[np.float64] = field(repr=False)
+    variance: NDArray[np.float64] = field(repr=False)
+    noisy: NDArray[np.float64] = field(repr=False)
+    noise: NoiseKind
+    noise_param: Fraction | float | tuple[Fraction | None, ...]
+    noise_scale: float
+    node_variance: float
+    sensitivity: float
+    branching: int | None
+    neighbouring: Neighbouring
+    epsilon: float | None
+    rho: float | None
+    shares: tuple[Fraction, ...] | None = None
+
+    @property
+    def depth(self) -> int:
+        """Binary depth ``ceil(log2 N)`` (used by the thesis's l1/l2 smoothing graph)."""
+        return tree_depth(self.num_leaves)
+
+
+def _budget(
+    noise: str, epsilon: float | None, rho: float | None
+) -> tuple[Fraction, float | None, float | None]:
+    if noise == "laplace":
+        if rho is not None:
+            raise ValueError("rho is only for noise='gaussian'; give epsilon for Laplace noise")
+        if epsilon is None:
+            raise ValueError("epsilon is required for noise='laplace'")
+        return to_fraction(epsilon, "epsilon"), float(epsilon), None
+    if noise == "gaussian":
+        if epsilon is not None:
+            raise ValueError(
+                "noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None and rho"
+            )
+        if rho is None:
+            raise ValueError("rho is required for noise='gaussian'")
+        return to_fraction(rho, "rho"), None, float(rho)
+    raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+
+
+def release_prefix_counts(
+    leaf_counts: ArrayLike,
+    epsilon: float | None,
+    neighbouring: Neighbouring = "replace_one",
+    noise: NoiseKind = "laplace",
+    rng: random.Random | None = None,
+    rho: float | None = None,
+    *,
+    mechanism: Mechanism = "auto",
+    branching: int | None = None,
+) -> TreeRelease | CountRelease:
+    """Release every prefix count of ``leaf_counts`` with the chosen counting ``mechanism``.
+
+    ``"auto"`` (the default) is :func:`default_mechanism` of ``noise``: ``"k-ary"`` for pure DP,
+    ``"factorization"`` for zCDP (the most accurate exact-noise choices, measured).
+    ``"binary"`` returns :func:`~clipless.stats.tree.release_counts`'s :class:`TreeRelease`;
+    ``"k-ary"`` and ``"factorization"`` return a :class:`CountRelease` (module docstring for
+    the proofs). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` in ``2..32``
+    with the smallest exact mean variance for this ``N`` (:func:`best_branching`).
+    Under ``replace_one`` the size ``n = sum(leaf_counts)`` is public and used exactly.
+    """
+    _check_mechanism(mechanism)
+    _check_neighbouring(neighbouring)
+    if mechanism == "auto":
+        mechanism = default_mechanism(noise)
+    if mechanism == "binary":
+        if branching is not None:
+            raise ValueError("branching is only for mechanism='k-ary'")
+        return release_counts(leaf_counts, epsilon, neighbouring, noise, rng, rho)
+    counts = _leaf_counts_array(leaf_counts)
+    budget, eps_out, rho_out = _budget(noise, epsilon, rho)
+    gen = resolve_rng(rng)
+    N = int(counts.size)
+    if mechanism == "k-ary":
+        k = best_branching(N, neighbouring, noise) if branching is None else branching
+        k = _check_branching(k)
+        h = kary_depth(N, k)
+        delta = kary_sensitivity(h, neighbouring)
+        shares = level_shares(N, k, neighbouring, noise)
+        per = 1 if neighbouring == "add_remove" else 2  # one level's L1 = squared L2 change
+        true_nodes = kary_node_counts(counts, k)
+        noisy_levels = true_nodes if neighbouring == "add_remove" else true_nodes[:-1]
+        params: list[Fraction | None] = []
+        level_var: list[float] = []
+        values: list[NDArray[np.float64]] = []
+        for arr, share in zip(noisy_levels, shares, strict=True):
+            if share == 0:  # not released: no noise drawn, no budget spent
+                params.append(None)
+                level_var.append(math.inf)
+                values.append(np.zeros(arr.size))
+                continue
+            if noise == "laplace":
+                param = conservative_scale(Fraction(per) / (budget * share))
+                eta = discrete_laplace(param, arr.size, gen)
+                level_var.append(discrete_laplace_variance(param))
+            else:
+                param = conservative_scale(Fraction(per) / (2 * budget * share))
+                eta = discrete_gaussian(None, arr.size, gen, sigma2=param)
+                level_var.append(discrete_gaussian_variance(param))
+            params.append(param)
+            values.append((arr + eta).astype(np.float64))
+        if neighbouring == "replace_one":
+            values.append(true_nodes[-1].astype(np.float64))  # the public n, exact
+            level_var.append(0.0)
+        weights = level_var
+        scale_var = 1.0
+        if any(v == 0.0 for v in level_var[: len(noisy_levels)]):
+            # noise too small to have a float variance (huge budget): weight by the profile
+            weights = _level_variances(tuple(float(x) for x in shares), neighbouring, noise, h)
+            scale_var = 0.0
+        leaves = kary_consistent_leaves(values, k, weights)
+        prefix = np.cumsum(leaves[:N])
+        variance = scale_var * kary_prefix_variance(N, k, weights)
+        noisy_vec = np.concatenate(
+            [v for v, p in zip(values, params, strict=False) if p is not None]
+        )
+        for a in (prefix, variance, noisy_vec):
+            a.setflags(write=False)
+        leaf_param = params[0]
+        assert leaf_param is not None  # the leaves always get a share
+        return CountRelease(
+            mechanism="k-ary",
+            num_leaves=N,
+            prefix_counts=prefix,
+            variance=variance,
+            noisy=noisy_vec,
+            noise=noise,
+            noise_param=tuple(params),
+            noise_scale=float(leaf_param) if noise == "laplace" else float(leaf_param) ** 0.5,
+            node_variance=level_var[0],
+            sensitivity=float(delta),
+            branching=k,
+            neighbouring=neighbouring,
+            epsilon=eps_out,
+            rho=rho_out,
+            shares=shares,
+        )
+    # factorisation
+    if branching is not None:
+        raise ValueError("branching is only for mechanism='k-ary'")
+    if noise != "gaussian":
+        raise ValueError(
+            "mechanism='factorization' needs noise='gaussian' (zCDP): its L1 sensitivity grows "
+            "like sqrt(N), so under pure DP use 'k-ary'"
+        )
+    sens2 = factorization_sensitivity(N, neighbouring)
+    sigma2 = conservative_scale(Fraction(sens2) / (2 * budget))
+    ct = factorization_integer_coefficients(N)
+    if float(counts.sum()) * float(ct[0]) >= 2.0**61:
+        raise ValueError("too many values for the factorisation's int64 arithmetic (n < 2^41)")
+    z = discrete_gaussian(None, N, gen, sigma2=sigma2)
+    noisy_int = exact_convolve(ct, counts, N) + z  # Lt x + Z: the only DP step
+    noisy_vec = noisy_int.astype(np.float64)
+    g = _estimator_coefficients(N)
+    prefix = _lower_toeplitz_apply(g, noisy_vec)  # A Lt^-1 (Lt x + Z) = A x + A Lt^-1 Z
+    node_var = discrete_gaussian_variance(sigma2)
+    variance = node_var * np.cumsum(g * g)
+    if neighbouring == "replace_one":
+        # condition on C_N = n (public): Cov(Chat_i, Chat_N) = var sum_j g_(i-j) g_(N-1-j)
+        n_pub = float(counts.sum())
+        cov_n = node_var * scipy.signal.fftconvolve(g, g[::-1])[:N]
+        var_n = float(variance[-1])
+        if var_n > 0:
+            prefix = prefix - cov_n / var_n * (prefix[-1] - n_pub)
+            variance = np.maximum(variance - cov_n**2 / var_n, 0.0)
+        prefix[-1] = n_pub
+        variance[-1] = 0.0
+    for a in (prefix, variance, noisy_vec):
+        a.setflags(write=False)
+    return CountRelease(
+        mechanism="factorization",
+        num_leaves=N,
+        prefix_counts=prefix,
+        variance=variance,
+        noisy=noisy_vec,
+        noise="gaussian",
+        noise_param=sigma2,
+        noise_scale=float(sigma2) ** 0.5,
+        node_variance=node_var,
+        sensitivity=float(sens2),
+        branching=None,
+        neighbouring=neighbouring,
+        epsilon=None,
+        rho=rho_out,
+    )
