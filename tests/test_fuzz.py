@@ -441,7 +441,17 @@ def test_cli_resume_of_a_damaged_checkpoint_or_ledger_is_one_line(
     import shutil
 
     run = tmp_path / "run"
-    argv = ["train", "--epochs", "1", "--hidden", "4,4", "--no-progress", "--quiet"]
+    argv = [
+        "train",
+        "--epochs",
+        "1",
+        "--model",
+        "mlp",
+        "--hidden",
+        "4,4",
+        "--no-progress",
+        "--quiet",
+    ]
     assert main([*argv, "--out", str(run), "--unsafe-seed", "1"]) == 0
     capsys.readouterr()
     for name, garbage in (("checkpoint.pt", b"garbage"), ("ledger.json", b"{ torn")):
