@@ -19,6 +19,9 @@ MODES = ("ball", "sphere")
 class InputNorm(LipschitzModule):
     """Projects each sample (all non-batch dims) onto the ball or sphere of radius ``max_norm``.
 
+    ``max_norm`` here is the *input radius* ``X_0``; the ``max_norm`` of
+    :meth:`clipless.PrivacyEngine.make_private` is the layers' operator-norm constraint ``C``.
+
     Requirement 2 of the Clipless DP-SGD seed (bounded input, ``||x|| <= X_0``) enforced by the
     model itself; section 3.1, "Controlling X_0 with input pre-processing": projection onto the
     ball ("norm clipping", ``mode="ball"``: ``x min(1, R / ||x||)``) or onto the sphere
