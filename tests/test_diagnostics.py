@@ -147,3 +147,25 @@ def test_bad_input_names_the_argument() -> None:
         mean_gradient(m, _sq_loss, x, y[:2])
     with pytest.raises(ValueError, match="scalar"):
         mean_gradient(m, torch.nn.MSELoss(reduction="none"), x, y)
+
+
+def test_loss_gradient_clip_shifts_the_zero_too() -> None:
+    """Clipping the logit cotangent (LossGradientClip) is biased in the same way, exactly.
+
+    The cotangent 2 r = -2 e at (a, b) is clipped to -1 (e = 9) or +1 (e = -1), so the mean
+    gradient is 0.8 (E[x], 1) = (0.4, 0.8); it vanishes where 0.9 clip(2 (d + 1)) = 0.1, i.e. at
+    (a, b - 17/18) (a clip value constant in x makes both equations one).
+    """
+    from clipless.nn import LossGradientClip
+
+    x, y, w = _population()
+
+    def model(d0: float, d1: float) -> torch.nn.Module:
+        return torch.nn.Sequential(_model(A + d0, B + d1), LossGradientClip(1.0))
+
+    def g(d: np.ndarray) -> np.ndarray:
+        grads = mean_gradient(model(d[0], d[1]), _sq_loss, x, y, sample_weight=w)
+        return np.array([float(grads["0.weight"].squeeze()), float(grads["0.bias"].squeeze())])
+
+    np.testing.assert_allclose(g(np.zeros(2)), [0.4, 0.8], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(g(np.array([0.0, -17 / 18])), 0.0, atol=1e-12)
