@@ -1,0 +1,171 @@
+"""Clipping bias: the thesis's linear-regression example (section 5.2.4), computed exactly.
+
+y = a x + b + e, x ~ U[0, 1], e = +9 w.p. 0.1 and -1 w.p. 0.9 (mean zero), loss (f(x) - y)^2 as in
+the thesis, flat clipping at C = 1. The population expectation over x is discretised by the
+midpoint rule on N points, each error value weighted by its probability: a deterministic data set.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import root
+
+from clipless.diagnostics import (
+    clipped_mean_gradient,
+    clipping_bias,
+    mean_gradient,
+    per_sample_gradients,
+)
+
+A, B = 2.0, -0.5  # the true parameters (any values: only theta - (a, b) matters)
+N = 20_000
+
+
+def _sq_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum()
+
+
+def _population() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xs = (torch.arange(N, dtype=torch.float64) + 0.5) / N
+    x = torch.cat([xs, xs]).unsqueeze(1)
+    e = torch.cat([torch.full((N,), 9.0), torch.full((N,), -1.0)]).to(torch.float64)
+    w = torch.cat(
+        [torch.full((N,), 0.1, dtype=torch.float64), torch.full((N,), 0.9, dtype=torch.float64)]
+    )
+    y = (A * x.squeeze(1) + B + e).unsqueeze(1)
+    return x, y, w
+
+
+def _model(theta1: float, theta2: float) -> torch.nn.Linear:
+    m = torch.nn.Linear(1, 1).double()
+    with torch.no_grad():
+        m.weight.fill_(theta1)
+        m.bias.fill_(theta2)
+    return m
+
+
+def _vec(g: dict[str, torch.Tensor]) -> np.ndarray:
+    return np.array([float(g["weight"].squeeze()), float(g["bias"].squeeze())])
+
+
+def test_clipped_gradient_at_true_parameters_has_norm_07791() -> None:
+    x, y, w = _population()
+    g = _vec(clipped_mean_gradient(_model(A, B), _sq_loss, x, y, 1.0, sample_weight=w))
+    # At (a, b) every per-sample gradient -2 e (x, 1) has norm >= 2 > 1, so the clipped mean is
+    # (0.9 - 0.1) * int_0^1 (x, 1) / sqrt(1 + x^2) dx = 0.8 (sqrt(2) - 1, asinh(1)).
+    exact = 0.8 * np.array([math.sqrt(2.0) - 1.0, math.asinh(1.0)])
+    np.testing.assert_allclose(g, exact, rtol=0, atol=1e-8)
+    assert round(float(np.linalg.norm(g)), 4) == 0.7791  # the thesis's number
+    # the unclipped mean gradient vanishes there (E[e] = 0, midpoint rule exact for x)
+    np.testing.assert_allclose(
+        _vec(mean_gradient(_model(A, B), _sq_loss, x, y, sample_weight=w)), 0.0, atol=1e-12
+    )
+    bias = clipping_bias(_model(A, B), _sq_loss, x, y, 1.0, sample_weight=w)
+    assert bias == pytest.approx(float(np.linalg.norm(exact)), abs=1e-8)
+
+
+def test_zero_of_clipped_gradient_is_shifted_and_unclipped_is_not() -> None:
+    x, y, w = _population()
+
+    def clipped(d: np.ndarray) -> np.ndarray:
+        m = _model(A + d[0], B + d[1])
+        return _vec(clipped_mean_gradient(m, _sq_loss, x, y, 1.0, sample_weight=w))
+
+    def plain(d: np.ndarray) -> np.ndarray:
+        return _vec(mean_gradient(_model(A + d[0], B + d[1]), _sq_loss, x, y, sample_weight=w))
+
+    sol = root(clipped, x0=[0.0, -0.9], tol=1e-10)
+    assert np.linalg.norm(clipped(sol.x)) < 1e-12
+    # The thesis prints (a + 0.01765, b + 0.94221): the magnitudes agree to 5 decimals, the signs
+    # do not. Clipping caps the rare +9 errors, so the clipped fit moves towards the frequent -1
+    # errors, i.e. below the true line; the mirrored errors (-9, +1) give the printed signs.
+    np.testing.assert_allclose(sol.x, [-0.01765, -0.94221], rtol=0, atol=5e-6)
+    sol_plain = root(plain, x0=[0.3, -0.4], tol=1e-10)
+    assert np.linalg.norm(plain(sol_plain.x)) < 1e-12
+    np.testing.assert_allclose(sol_plain.x, [0.0, 0.0], atol=1e-9)
+    # and at the clipped zero the true gradient is far from zero: DP-SGD's fixed point is biased
+    assert np.linalg.norm(plain(sol.x)) > 0.5
+
+
+def test_mirrored_errors_give_the_thesis_signs() -> None:
+    x, y, w = _population()
+    y = 2 * (A * x + B) - y  # e -> -e: errors -9 w.p. 0.1, +1 w.p. 0.9
+
+    def clipped(d: np.ndarray) -> np.ndarray:
+        m = _model(A + d[0], B + d[1])
+        return _vec(clipped_mean_gradient(m, _sq_loss, x, y, 1.0, sample_weight=w))
+
+    sol = root(clipped, x0=[0.0, 0.9], tol=1e-10)
+    assert np.linalg.norm(clipped(sol.x)) < 1e-12
+    np.testing.assert_allclose(sol.x, [0.01765, 0.94221], rtol=0, atol=5e-6)
+
+
+def test_per_sample_gradients_match_autograd_and_large_clip_is_unbiased() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model = model.double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.tensor([0, 1, 1, 0, 1])
+    loss = torch.nn.CrossEntropyLoss(reduction="sum")
+    grads = per_sample_gradients(model, loss, x, y, chunk_size=2)
+    for i in range(5):
+        model.zero_grad()
+        loss(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None
+            torch.testing.assert_close(grads[name][i], p.grad, rtol=1e-12, atol=1e-12)
+    # no sample reaches the threshold: no clipping, no bias
+    norms = torch.sqrt(sum(g.reshape(5, -1).pow(2).sum(1) for g in grads.values()))
+    big = float(norms.max()) * 1.01
+    assert clipping_bias(model, loss, x, y, big) == 0.0
+    # a threshold below every norm: each clipped gradient has norm exactly C
+    small = float(norms.min()) / 2
+    clipped = clipped_mean_gradient(model, loss, x, y, small)
+    expected = {
+        k: (g * (small / norms).view(-1, *[1] * (g.ndim - 1))).mean(0) for k, g in grads.items()
+    }
+    for k in clipped:
+        torch.testing.assert_close(clipped[k], expected[k], rtol=1e-12, atol=1e-12)
+
+
+def test_bad_input_names_the_argument() -> None:
+    x, y = torch.zeros(3, 1, dtype=torch.float64), torch.zeros(3, 1, dtype=torch.float64)
+    m = _model(0.0, 0.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        clipped_mean_gradient(m, _sq_loss, x, y, 0.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        clipping_bias(m, _sq_loss, x, y, float("inf"))
+    with pytest.raises(ValueError, match="sample_weight"):
+        mean_gradient(m, _sq_loss, x, y, sample_weight=torch.tensor([1.0, -1.0, 1.0]))
+    with pytest.raises(ValueError, match="sample_weight"):
+        mean_gradient(m, _sq_loss, x, y, sample_weight=torch.ones(2))
+    with pytest.raises(ValueError, match="leading"):
+        mean_gradient(m, _sq_loss, x, y[:2])
+    with pytest.raises(ValueError, match="scalar"):
+        mean_gradient(m, torch.nn.MSELoss(reduction="none"), x, y)
+
+
+def test_loss_gradient_clip_shifts_the_zero_too() -> None:
+    """Clipping the logit cotangent (LossGradientClip) is biased in the same way, exactly.
+
+    The cotangent 2 r = -2 e at (a, b) is clipped to -1 (e = 9) or +1 (e = -1), so the mean
+    gradient is 0.8 (E[x], 1) = (0.4, 0.8); it vanishes where 0.9 clip(2 (d + 1)) = 0.1, i.e. at
+    (a, b - 17/18) (a clip value constant in x makes both equations one).
+    """
+    from clipless.nn import LossGradientClip
+
+    x, y, w = _population()
+
+    def model(d0: float, d1: float) -> torch.nn.Module:
+        return torch.nn.Sequential(_model(A + d0, B + d1), LossGradientClip(1.0))
+
+    def g(d: np.ndarray) -> np.ndarray:
+        grads = mean_gradient(model(d[0], d[1]), _sq_loss, x, y, sample_weight=w)
+        return np.array([float(grads["0.weight"].squeeze()), float(grads["0.bias"].squeeze())])
+
+    np.testing.assert_allclose(g(np.zeros(2)), [0.4, 0.8], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(g(np.array([0.0, -17 / 18])), 0.0, atol=1e-12)
