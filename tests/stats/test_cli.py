@@ -216,6 +216,10 @@ def test_ecdf_mechanism_and_quantile_options(
     assert run([*base, "--quantiles", "0.5,1.5"]) == 2
     assert "--quantiles" in capsys.readouterr().err
     assert run([*base, "--mechanism", "binary", "--branching", "4"]) == 2
+    assert run([*base, "--quantiles", "0.1,0.9", "--mechanism", "smooth-binary"]) == 0
+    printed = capsys.readouterr().out
+    assert "mechanism=smooth-binary" in printed and "q0.1=10 q0.9=90" in printed
+    assert run([*base, "--mechanism", "smooth-binary", "--branching", "4"]) == 2
 
 
 def test_cli_and_api_share_the_mechanism_default():

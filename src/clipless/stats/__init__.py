@@ -9,7 +9,8 @@ exact discrete noise, quantiles by inversion, continual counting.
 * :func:`discrete_laplace`, :func:`discrete_gaussian` -- exact samplers (Canonne, Kamath,
   Steinke 2020) from :func:`secure_rng` (default) or :func:`seeded_rng` (tests).
 * :func:`release_prefix_counts` / :class:`CountRelease` -- the counting mechanism as a choice
-  (``mechanism="binary" | "k-ary" | "factorization"``, :mod:`clipless.stats.counting`).
+  (``mechanism="binary" | "k-ary" | "factorization" | "smooth-binary"``,
+  :mod:`clipless.stats.counting`).
 * :class:`ContinualCounter` -- running counts of a stream (Theorem 6.3.2).
 * :func:`isotonic`, :func:`smooth_tree`, :func:`smooth_counts` -- monotone smoothing
   (pool-adjacent-violators; the thesis's problem 6.3.6 in L1 or L2).

@@ -80,8 +80,9 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="counting mechanism: auto (default = k-ary, the most accurate measured one for "
         "pure epsilon-DP: 2-15x lower CDF error than the thesis's binary tree and 0.3-0.8x "
         "that of OpenDP's best b-ary tree, benchmarks/RESULTS.md), k-ary, or binary (the "
-        "thesis's tree, to reproduce it). factorization needs zCDP, which the command line "
-        "does not offer",
+        "thesis's tree, to reproduce it), or smooth-binary (Andersson & Pagh 2023: the same "
+        "variance at every threshold, higher on average than k-ary). factorization needs "
+        "zCDP, which the command line does not offer",
     )
     p.add_argument(
         "--branching",
@@ -187,14 +188,16 @@ def _options(args: argparse.Namespace) -> tuple[float, Neighbouring, Smoothing |
 
 def _mechanism(args: argparse.Namespace) -> tuple[str, int | None]:
     mech = str(getattr(args, "mechanism", "auto")).lower()
-    if mech not in ("auto", "k-ary", "binary"):
+    if mech not in ("auto", "k-ary", "binary", "smooth-binary"):
         hint = " (it needs zCDP noise)" if mech == "factorization" else ""
-        raise BadInputError(f"--mechanism: must be auto, k-ary or binary, got {mech!r}{hint}")
+        raise BadInputError(
+            f"--mechanism: must be auto, k-ary, binary or smooth-binary, got {mech!r}{hint}"
+        )
     branching = getattr(args, "branching", None)
     k = None
     if branching is not None:
         k = _int(branching, "--branching", minimum=2)
-        if mech == "binary":
+        if mech in ("binary", "smooth-binary"):
             raise BadInputError("--branching: only for --mechanism k-ary or auto")
         mech = "k-ary"
     return mech, k

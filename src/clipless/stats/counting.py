@@ -2,7 +2,7 @@ r"""Counting mechanisms for all prefix counts, as one choice (``mechanism=``).
 
 Every mechanism here releases, from the integer leaf counts ``c_1..c_N`` of a public grid, an
 estimate of every prefix count ``C_i = c_1 + ... + c_i``. The DP part is one noisy vector; the
-estimate is post-processing of it. Three mechanisms:
+estimate is post-processing of it. Four mechanisms:
 
 * ``"binary"``: the thesis's binary tree (signed-node release, :mod:`clipless.stats.tree`).
 * ``"k-ary"``: the full ``k``-ary tree of counts with least-squares consistency (Hay, Rastogi,
@@ -13,6 +13,11 @@ estimate is post-processing of it. Three mechanisms:
 * ``"factorization"``: the square-root factorisation of the prefix-sum matrix ``A = L L``
   (Fichtenberger, Henzinger, Upadhyay, ICML 2023; Henzinger, Upadhyay, Upadhyay, SODA 2023),
   exact discrete Gaussian noise on an integer version of the factor, zCDP.
+* ``"smooth-binary"``: the smooth binary mechanism (Andersson, Pagh, "A smooth binary
+  mechanism for efficient private continual observation", NeurIPS 2023): a binary tree whose
+  used leaves all have the same number of ones in their label, so every prefix is the sum of
+  the same number of noisy nodes: equal variance at every threshold. Pure DP or zCDP, exact
+  discrete noise.
 
 **k-ary tree (proof).** Pad the leaves to ``k^h`` (``h = ceil(log_k N) >= 1``) with empty
 leaves. Node ``(l, j)`` (level ``l = 0..h``, level 0 = leaves, level ``h`` = the root) counts
@@ -80,6 +85,37 @@ Henzinger, Upadhyay 2023). Under ``replace_one`` the public total is used: the e
 conditioned on ``C_N = n`` (Gaussian conditioning, post-processing). Pure DP is not offered:
 the L1 norm of a column grows like ``sqrt(N)``.
 
+**Smooth binary mechanism (proof).** (Andersson & Pagh 2023, section 3; here offline, ``N``
+public.) Take the ``N + 1`` smallest ``h``-bit labels ``L_0 < ... < L_N`` with exactly ``k``
+ones (:func:`smooth_binary_shape` picks ``(h, k)`` with ``binom(h, k) >= N + 1`` minimising
+``k (h - k)``, ``k ~ h / 2``). Grid leaf ``i`` sits at tree leaf ``L_i``; the other tree
+leaves are empty. Since no grid leaf lies strictly between ``L_(m-1)`` and ``L_m``,
+``C_m = #`` values at labels ``< L_m``, and ``[0, L_m)`` is the disjoint union of one dyadic
+node per set bit ``j`` of ``L_m``: node ``(j, (L_m >> j) - 1)``, the left sibling of ``L_m``'s
+ancestor at level ``j``. So *every* prefix is the sum of exactly ``k`` nodes. The mechanism
+releases every node of the union ``U`` of these reads plus i.i.d. noise (also the few nodes of
+``U`` that hold no grid leaf: their count is 0 for every data set, the noise keeps every
+prefix's distribution identical), and ``Chat_m`` is the sum of its ``k`` noisy nodes:
+``Var(Chat_m) = k Var(Z)`` for every ``m``. *Sensitivity.* A value at ``L_a`` is counted by
+its ancestors that lie in ``U`` (each by 1, disjoint levels). A node of ``U`` is the left
+sibling of a read's ancestor, so only ancestors at a level ``j >= 1`` where ``L_a`` has a 0
+can count it: at most ``h - k`` nodes (the leaf itself is never in ``U``: ``L_m - 1`` has
+``k - 1`` ones). Add/remove moves ``F(a) = #(ancestors of L_a in U)`` entries by 1: L1 =
+squared L2 sensitivity ``max_a F(a) <= h - k``. Replace-one ``a -> b`` moves the ancestors
+below the lowest common ancestor of ``L_a, L_b`` (those above cancel): the exact maximum over
+all pairs is one bottom-up pass (:func:`smooth_binary_sensitivity`). Discrete Laplace of scale
+``b >= Delta / epsilon`` is ``epsilon``-DP; discrete Gaussian of ``sigma^2 >= Delta / (2 rho)``
+is ``rho``-zCDP (CKS 2020, Theorem 14); both constants are integers, checked exhaustively
+against the node-by-leaf matrix in ``tests/stats/test_smooth_binary.py``. *Error.*
+``k Delta / (2 rho) ~ h^2 / (8 rho)`` with ``h ~ log2 N`` (the paper's ``(1 + o(1)) log2(T)^2
+/ (8 rho)``): about 4x below the binary tree, but above the square-root factorisation
+(``~ (1 + ln(N) / pi)^2 / (2 rho)``), which stays the zCDP default. Its merits are the flat
+variance and ``O(log N)`` memory for streams (not used here: ``ContinualCounter`` does not
+offer it). Under ``replace_one`` the estimate is conditioned on ``C_N = n`` (post-processing;
+``Cov(Chat_m, Chat_N) = Var(Z) #(shared nodes)``, the reads of ``L_m`` and ``L_N`` share node
+``(j, .)`` iff both have bit ``j`` set and agree above it), so there the variances are no
+longer flat (and lower). No least squares over the redundant nodes is done.
+
 **Which one.** ``docs/statistics.md`` and ``benchmarks/RESULTS.md`` (issue 14) give the
 measurements behind :func:`default_mechanism`.
 """
@@ -134,10 +170,15 @@ __all__ = [
     "kary_sensitivity",
     "level_shares",
     "release_prefix_counts",
+    "smooth_binary_labels",
+    "smooth_binary_node_counts",
+    "smooth_binary_nodes",
+    "smooth_binary_sensitivity",
+    "smooth_binary_shape",
 ]
 
-Mechanism = Literal["auto", "binary", "k-ary", "factorization"]
-MECHANISMS: tuple[str, ...] = ("auto", "binary", "k-ary", "factorization")
+Mechanism = Literal["auto", "binary", "k-ary", "factorization", "smooth-binary"]
+MECHANISMS: tuple[str, ...] = ("auto", "binary", "k-ary", "factorization", "smooth-binary")
 
 _FACT_MAX_N = 1 << 22
 
@@ -640,13 +681,163 @@ def _estimator_coefficients(num_leaves: int) -> NDArray[np.float64]:
 
 
 # --------------------------------------------------------------------------------------------
+# smooth binary mechanism
+# --------------------------------------------------------------------------------------------
+
+_SMOOTH_MAX_N = 1 << 22
+
+
+@lru_cache(maxsize=64)
+def smooth_binary_shape(num_leaves: int) -> tuple[int, int]:
+    """``(h, k)`` of the smooth binary tree for ``N`` leaves: ``binom(h, k) >= N + 1`` labels of
+    ``h`` bits with exactly ``k`` ones, chosen to minimise the variance proxy ``k (h - k)``
+    (``k`` nodes per prefix, at most ``h - k`` noisy nodes per value; module docstring), ``h``
+    searched from the smallest feasible height to 3 more (Andersson & Pagh 2023 take ``k ~
+    h / 2`` and a slightly taller tree). Public: depends on ``N`` only.
+
+    >>> smooth_binary_shape(1000), smooth_binary_shape(4096)
+    ((13, 5), (15, 6))
+    """
+    if isinstance(num_leaves, bool) or not isinstance(num_leaves, (int, np.integer)):
+        raise TypeError(f"num_leaves must be an int >= 1, got {type(num_leaves).__name__}")
+    if not 1 <= num_leaves <= _SMOOTH_MAX_N:
+        raise ValueError(f"num_leaves must be in 1..2^22, got {num_leaves}")
+    need = int(num_leaves) + 1
+    h0 = 1
+    while math.comb(h0, h0 // 2) < need:
+        h0 += 1
+    best: tuple[tuple[int, int], int, int] | None = None
+    for h in range(h0, h0 + 4):
+        for k in range(1, h):
+            if math.comb(h, k) >= need:
+                key = (k * (h - k), h)
+                if best is None or key < best[0]:
+                    best = (key, h, k)
+    assert best is not None  # h0 is feasible with k = h0 // 2
+    return best[1], best[2]
+
+
+@lru_cache(maxsize=16)
+def smooth_binary_labels(num_leaves: int) -> NDArray[np.int64]:
+    """The ``N + 1`` smallest ``h``-bit labels with exactly ``k`` ones, increasing
+    (:func:`smooth_binary_shape`; Gosper's next-combination step). Leaf ``i`` of the grid
+    (``i = 0..N-1``) sits at label ``L_i``; the prefix count ``C_m`` is read at ``L_m``."""
+    h, k = smooth_binary_shape(num_leaves)
+    out = np.empty(num_leaves + 1, dtype=np.int64)
+    v = (1 << k) - 1
+    for i in range(num_leaves + 1):
+        out[i] = v
+        c = v & -v
+        r = v + c
+        v = (((r ^ v) >> 2) // c) | r
+    assert int(out[-1]) < (1 << h)
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=16)
+def _smooth_read_nodes(
+    num_leaves: int,
+) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """For every read ``m = 1..N`` (label ``t = L_m``) the ``k`` dyadic nodes of ``[0, t)``:
+    one per set bit ``j`` of ``t``, node ``(j, (t >> j) - 1)``. Returns ``(rows, levels,
+    indices)`` (``rows[r] = m - 1``), ``N k`` entries."""
+    h, _ = smooth_binary_shape(num_leaves)
+    reads = smooth_binary_labels(num_leaves)[1:]
+    rows, levels, idx = [], [], []
+    for j in range(h):
+        sel = np.flatnonzero((reads >> j) & 1)
+        rows.append(sel)
+        levels.append(np.full(sel.size, j, dtype=np.int64))
+        idx.append((reads[sel] >> j) - 1)
+    out = (
+        np.concatenate(rows).astype(np.int64),
+        np.concatenate(levels),
+        np.concatenate(idx).astype(np.int64),
+    )
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=16)
+def smooth_binary_nodes(num_leaves: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The released node set ``U`` (the union of all reads' nodes), as sorted keys
+    ``j * 2^h + p`` for node ``(j, p)`` (level ``j``, index ``p``), and for every read-node
+    entry of :func:`_smooth_read_nodes` its position in ``U``."""
+    h, _ = smooth_binary_shape(num_leaves)
+    _, levels, idx = _smooth_read_nodes(num_leaves)
+    keys, inverse = np.unique(levels * (1 << h) + idx, return_inverse=True)
+    keys.setflags(write=False)
+    inverse = inverse.astype(np.int64)
+    inverse.setflags(write=False)
+    return keys, inverse
+
+
+def smooth_binary_node_counts(leaf_counts: ArrayLike) -> NDArray[np.int64]:
+    """Exact counts of the released nodes ``U`` (:func:`smooth_binary_nodes`), linear in
+    ``leaf_counts`` (negative entries allowed, as the sensitivity test uses): node ``(j, p)``
+    counts the grid leaves whose label lies in ``[p 2^j, (p + 1) 2^j)``."""
+    arr = np.asarray(leaf_counts, dtype=np.int64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError("leaf_counts must be a non-empty one-dimensional array")
+    N = int(arr.size)
+    h, _ = smooth_binary_shape(N)
+    keys, _ = smooth_binary_nodes(N)
+    labels = smooth_binary_labels(N)[:N]
+    cum = np.concatenate([[0], np.cumsum(arr)])
+    j = keys >> h
+    p = keys & ((1 << h) - 1)
+    lo = np.searchsorted(labels, p << j, side="left")
+    hi = np.searchsorted(labels, (p + 1) << j, side="left")
+    return np.asarray(cum[hi] - cum[lo], dtype=np.int64)
+
+
+@lru_cache(maxsize=16)
+def smooth_binary_sensitivity(num_leaves: int, neighbouring: Neighbouring) -> int:
+    """Exact L1 (= squared L2) sensitivity of the released node counts (module docstring).
+
+    One value at leaf ``a`` is counted by its ancestors that lie in ``U``: ``F(a)`` nodes, each
+    by 1. Add/remove: ``max_a F(a)``. Replace-one (``a -> b``): the ancestors above the lowest
+    common ancestor cancel, so the change is ``F_below(a) + F_below(b)`` nodes, maximised over
+    every pair by one bottom-up pass (``G(v)`` = the most ``U``-ancestors from a grid leaf
+    under ``v`` up to ``v`` inclusive; a pair meeting at ``v`` moves ``G(left) + G(right)``).
+    At least 1 (a replace-one release of ``N = 1`` leaf moves nothing; 1 is a safe bound).
+    """
+    _check_neighbouring(neighbouring)
+    h, _ = smooth_binary_shape(num_leaves)
+    keys, _ = smooth_binary_nodes(num_leaves)
+    in_u = [np.sort(keys[(keys >> h) == j] & ((1 << h) - 1)) for j in range(h + 1)]
+
+    def member(j: int, p: NDArray[np.int64]) -> NDArray[np.bool_]:
+        return np.isin(p, in_u[j])
+
+    idx = np.asarray(smooth_binary_labels(num_leaves)[:num_leaves], dtype=np.int64)
+    g = member(0, idx).astype(np.int64)  # G at level 0 (grid leaves only; sorted, unique)
+    best_pair = 0
+    for j in range(1, h + 1):
+        parent = idx >> 1
+        starts = np.flatnonzero(np.concatenate([[True], parent[1:] != parent[:-1]]))
+        gmax = np.maximum.reduceat(g, starts)
+        sizes = np.diff(np.concatenate([starts, [parent.size]]))
+        pairs = np.flatnonzero(sizes == 2)  # both children hold grid leaves
+        if pairs.size:
+            best_pair = max(best_pair, int(np.max(g[starts[pairs]] + g[starts[pairs] + 1])))
+        idx = parent[starts]
+        g = gmax + member(j, idx).astype(np.int64)
+    add = int(np.max(g))
+    return max(1, add if neighbouring == "add_remove" else best_pair)
+
+
+# --------------------------------------------------------------------------------------------
 # the common release
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
 class CountRelease:
-    """Output of :func:`release_prefix_counts` for ``"k-ary"`` and ``"factorization"``.
+    """Output of :func:`release_prefix_counts` for ``"k-ary"``, ``"factorization"`` and
+    ``"smooth-binary"``.
 
     Attributes
     ----------
@@ -734,8 +925,9 @@ def release_prefix_counts(
     ``"auto"`` (the default) is :func:`default_mechanism` of ``noise``: ``"k-ary"`` for pure DP,
     ``"factorization"`` for zCDP (the most accurate exact-noise choices, measured).
     ``"binary"`` returns :func:`~clipless.stats.tree.release_counts`'s :class:`TreeRelease`;
-    ``"k-ary"`` and ``"factorization"`` return a :class:`CountRelease` (module docstring for
-    the proofs). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` in ``2..32``
+    ``"k-ary"``, ``"factorization"`` and ``"smooth-binary"`` (equal variance at every
+    threshold, Laplace or Gaussian) return a :class:`CountRelease` (module docstring for the
+    proofs). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` in ``2..32``
     with the smallest exact mean variance for this ``N`` (:func:`best_branching`).
     Under ``replace_one`` the size ``n = sum(leaf_counts)`` is public and used exactly.
     """
@@ -815,6 +1007,10 @@ def release_prefix_counts(
             rho=rho_out,
             shares=shares,
         )
+    if mechanism == "smooth-binary":
+        if branching is not None:
+            raise ValueError("branching is only for mechanism='k-ary'")
+        return _release_smooth_binary(counts, neighbouring, noise, budget, gen, eps_out, rho_out)
     # factorisation
     if branching is not None:
         raise ValueError("branching is only for mechanism='k-ary'")
@@ -861,5 +1057,71 @@ def release_prefix_counts(
         branching=None,
         neighbouring=neighbouring,
         epsilon=None,
+        rho=rho_out,
+    )
+
+
+def _release_smooth_binary(
+    counts: NDArray[np.int64],
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+    budget: Fraction,
+    gen: random.Random,
+    eps_out: float | None,
+    rho_out: float | None,
+) -> CountRelease:
+    """``mechanism="smooth-binary"`` (module docstring): noise on every node of ``U``, each
+    prefix the sum of its ``k`` noisy nodes; under replace-one, conditioned on ``C_N = n``."""
+    N = int(counts.size)
+    _, k = smooth_binary_shape(N)
+    delta = smooth_binary_sensitivity(N, neighbouring)
+    keys, inverse = smooth_binary_nodes(N)
+    param: Fraction
+    if noise == "laplace":
+        param = conservative_scale(Fraction(delta) / budget)
+        eta = discrete_laplace(param, keys.size, gen)
+        node_var = discrete_laplace_variance(param)
+    else:
+        param = conservative_scale(Fraction(delta) / (2 * budget))
+        eta = discrete_gaussian(None, keys.size, gen, sigma2=param)
+        node_var = discrete_gaussian_variance(param)
+    noisy_int = smooth_binary_node_counts(counts) + eta  # the only DP step
+    noisy_vec = noisy_int.astype(np.float64)
+    rows, _, _ = _smooth_read_nodes(N)
+    prefix = np.asarray(np.bincount(rows, weights=noisy_vec[inverse], minlength=N), np.float64)
+    variance = np.full(N, k * node_var)
+    if neighbouring == "replace_one":
+        # condition on C_N = n (public): Cov(Chat_m, Chat_N) = node_var * #(shared nodes); the
+        # reads of L_m and L_N share node (j, .) iff both have bit j set and agree above it
+        labels = smooth_binary_labels(N)
+        reads, last = labels[1:], int(labels[N])
+        shared = np.zeros(N)
+        for j in range(int(last).bit_length()):
+            if (last >> j) & 1:
+                shared += ((reads >> j) & 1) * ((reads >> j) == (last >> j))
+        cov_n = node_var * shared
+        var_n = float(variance[-1])
+        n_pub = float(counts.sum())
+        if var_n > 0:
+            prefix = prefix - cov_n / var_n * (prefix[-1] - n_pub)
+            variance = np.maximum(variance - cov_n**2 / var_n, 0.0)
+        prefix[-1] = n_pub
+        variance[-1] = 0.0
+    for a in (prefix, variance, noisy_vec):
+        a.setflags(write=False)
+    return CountRelease(
+        mechanism="smooth-binary",
+        num_leaves=N,
+        prefix_counts=prefix,
+        variance=variance,
+        noisy=noisy_vec,
+        noise=noise,
+        noise_param=param,
+        noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
+        node_variance=node_var,
+        sensitivity=float(delta),
+        branching=None,
+        neighbouring=neighbouring,
+        epsilon=eps_out,
         rho=rho_out,
     )

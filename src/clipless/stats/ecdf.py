@@ -281,8 +281,9 @@ def ecdf(
         ``"factorization"`` for Gaussian (zCDP). ``"binary"``: the thesis's tree (reproduces
         the thesis; with ``consistency=False`` its plain estimator). ``"k-ary"``: consistent
         ``k``-ary tree with optimised level budgets. ``"factorization"``: square-root
-        factorisation (Gaussian only). All use exact discrete noise. ``docs/statistics.md``
-        says which to choose.
+        factorisation (Gaussian only). ``"smooth-binary"``: the smooth binary mechanism
+        (Andersson & Pagh 2023), the same variance at every threshold. All use exact discrete
+        noise. ``docs/statistics.md`` says which to choose.
     branching:
         ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size).
     node_noise:
