@@ -212,3 +212,11 @@ def test_ledger_guarantee() -> None:
     assert g3.noise_multiplier is None and g3.sample_rate is None
     assert "sigma=2" in g3.mechanism
     assert not PrivacyLedger.from_dict(ledger.to_dict()).is_dp_guarantee
+
+
+@pytest.mark.parametrize("sigma", [2.2250738585072014e-308, 1.7976931348623157e308])
+def test_extreme_multipliers_give_a_sound_epsilon_not_a_crash(sigma: float) -> None:
+    """dp_accounting overflows for such multipliers (found by fuzzing); infinity is reported."""
+    ledger = PrivacyLedger()
+    ledger.record(sigma, 0.1, count=3)
+    assert ledger.epsilon(1e-5) == math.inf

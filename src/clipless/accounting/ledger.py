@@ -217,9 +217,15 @@ class PrivacyLedger:
         if cached is not None:
             return cached
         acc = self._make_accountant()
-        for (sigma, q), n in frozen:
-            acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
-        eps = acc.epsilon(delta)
+        try:
+            for (sigma, q), n in frozen:
+                acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
+            eps = acc.epsilon(delta)
+        except (OverflowError, FloatingPointError):
+            # dp_accounting's arithmetic overflows only for extreme multipliers (e.g. sigma
+            # 1e-308 or 1e308, never produced by calibration); infinity is always a sound
+            # upper bound on epsilon, so report it rather than crash.
+            eps = math.inf
         if len(self._eps_cache) > 256:
             self._eps_cache.clear()
         self._eps_cache[(frozen, delta)] = eps
