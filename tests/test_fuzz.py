@@ -26,8 +26,11 @@ from clipless.accounting import PrivacyLedger
 from clipless.cli import main
 from clipless.stats import Grid, discrete_gaussian, discrete_laplace, ecdf, roc, seeded_rng
 
+# `make test` replays a fixed set of examples (derandomized: CI stays reproducible); a deep,
+# randomised run: CLIPLESS_FUZZ_EXAMPLES=400 pytest tests/test_fuzz.py
 FUZZ = settings(
     max_examples=int(os.environ.get("CLIPLESS_FUZZ_EXAMPLES", "40")),
+    derandomize="CLIPLESS_FUZZ_EXAMPLES" not in os.environ,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
