@@ -216,15 +216,15 @@ def test_resume_without_checkpoint_starts_fresh_and_bad_path_fails(tmp_path: Pat
         )
 
 
-def test_a_new_run_never_overwrites_a_ledger_of_spent_steps(tmp_path: Path) -> None:
-    """A crash before the first checkpoint leaves a ledger and no checkpoint: neither a fresh run
-    nor ``resume=True`` may start over it (the earlier steps' privacy would be forgotten)."""
+def _crash_at_forward(n: int, *, epochs: int, checkpoint_dir: Path) -> PrivacyEngine:
+    """Run ``fit`` with checkpoints until its ``n``-th training forward raises
+    ``KeyboardInterrupt`` (through ``augment``); returns the engine that took the steps."""
     model, optimizer, loader, loss, engine, _ = _setup()
     calls = {"n": 0}
 
     def exploding(x: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
-        if calls["n"] == 3:  # inside the first epoch, before any checkpoint
+        if calls["n"] == n:
             raise KeyboardInterrupt
         return x
 
@@ -235,12 +235,19 @@ def test_a_new_run_never_overwrites_a_ledger_of_spent_steps(tmp_path: Path) -> N
             loader,
             loss,
             engine=engine,
-            epochs=2,
+            epochs=epochs,
             delta=DELTA,
-            checkpoint_dir=tmp_path,
             augment=exploding,
+            checkpoint_dir=checkpoint_dir,
             progress=False,
         )
+    return engine
+
+
+def test_a_new_run_never_overwrites_a_ledger_of_spent_steps(tmp_path: Path) -> None:
+    """A crash before the first checkpoint leaves a ledger and no checkpoint: neither a fresh run
+    nor ``resume=True`` may start over it (the earlier steps' privacy would be forgotten)."""
+    _crash_at_forward(3, epochs=2, checkpoint_dir=tmp_path)  # before any checkpoint
     assert not (tmp_path / CHECKPOINT_NAME).exists()
     spent = PrivacyLedger.from_json(tmp_path / LEDGER_NAME).steps
     assert spent == 2
@@ -265,28 +272,7 @@ def test_a_new_run_never_overwrites_a_ledger_of_spent_steps(tmp_path: Path) -> N
 
 def test_crash_keeps_the_accounting(tmp_path: Path) -> None:
     """A crash mid-epoch writes the ledger; resume keeps the steps spent after the checkpoint."""
-    model, optimizer, loader, loss, engine, _ = _setup()
-    calls = {"n": 0}
-
-    def exploding(x: torch.Tensor) -> torch.Tensor:
-        calls["n"] += 1
-        if calls["n"] == 7:  # in the second epoch (4 steps per epoch)
-            raise KeyboardInterrupt
-        return x
-
-    with pytest.raises(KeyboardInterrupt):
-        fit(
-            model,
-            optimizer,
-            loader,
-            loss,
-            engine=engine,
-            epochs=3,
-            delta=DELTA,
-            augment=exploding,
-            checkpoint_dir=tmp_path,
-            progress=False,
-        )
+    engine = _crash_at_forward(7, epochs=3, checkpoint_dir=tmp_path)  # second epoch (4 steps each)
     assert engine.ledger is not None
     spent = engine.ledger.steps
     state = load_checkpoint(tmp_path / CHECKPOINT_NAME)
