@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import clipless
 from clipless import models, nn
 from clipless.data import load_dataset
+from clipless.features import apply_features, build_features
 from clipless.training import WeightEMA
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -73,6 +74,8 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     "ema": None,  # decay of an EMA of the weights (evaluated instead of the last iterate)
     "schedule": "constant",  # or "cosine": lr * (1 + cos(pi t / T)) / 2
     "freeze_first": False,  # a public random first layer, not trained (its weights never noised)
+    "features": "none",  # or "scatter": clipless.features.Scattering2d before the model
+    "input_mode": "ball",  # InputNorm: "ball" (clip to input_norm) or "sphere" (normalise to it)
 }
 OPACUS_DEFAULTS: dict[str, Any] = {
     "dataset": "adult",
@@ -83,11 +86,24 @@ OPACUS_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 1.0,
     "batch": 1024,
     "epochs": 30,
+    "features": "none",
 }
 
 
-def load(dataset: str = "adult") -> tuple[TensorDataset, TensorDataset]:
-    train, test, _ = load_dataset(dataset, download=False)
+def load(dataset: str = "adult", features: str = "none") -> tuple[TensorDataset, TensorDataset]:
+    """The dataset, through the public feature front-end ``features`` (cached in ``out/``)."""
+    train, test, info = load_dataset(dataset, download=False)
+    if features == "none":
+        return train, test
+    cache = OUT_DIR / f"features-{dataset}-{features}.pt"
+    if cache.is_file():
+        tensors = torch.load(cache)
+        return TensorDataset(*tensors["train"]), TensorDataset(*tensors["test"])
+    phi = build_features(features, info.input_shape)
+    assert phi is not None
+    train, test = apply_features(phi, train), apply_features(phi, test)
+    OUT_DIR.mkdir(exist_ok=True)
+    torch.save({"train": train.tensors, "test": test.tensors}, cache)
     return train, test
 
 
@@ -110,12 +126,18 @@ def privacy(cfg: dict[str, Any], n: int) -> tuple[float, float]:
 def clipless_model(cfg: dict[str, Any], train: TensorDataset) -> torch.nn.Module:
     x, y = train.tensors
     shape, classes = tuple(x.shape[1:]), int(y.max()) + 1
-    radius = cfg["input_norm"] or DATASETS[cfg["dataset"]]["input_norm"]
+    radius = cfg["input_norm"] or (
+        math.sqrt(x[0].numel())  # the norm of group-normalised features (Scattering2d)
+        if cfg["features"] != "none"
+        else DATASETS[cfg["dataset"]]["input_norm"]
+    )
     hidden = tuple(cfg["hidden"])
     if hidden:
         model = models.mlp(shape, hidden, classes, input_norm=radius, bias=cfg["bias"])
     else:
         model = models.linear(shape, classes, input_norm=radius, bias=cfg["bias"])
+    if cfg["input_mode"] != "ball":
+        model[0] = nn.InputNorm(radius, mode=cfg["input_mode"])
     if cfg["clip"] is not None:
         model.append(nn.LossGradientClip(float(cfg["clip"])))
     return model
@@ -343,7 +365,7 @@ def main() -> None:
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = parse_value(value)
-    data = load(overrides.get("dataset", "adult"))
+    data = load(overrides.get("dataset", "adult"), overrides.get("features", "none"))
     result = run_setting(args.method, overrides, args.seeds, data)
     print(json.dumps(result), flush=True)
 

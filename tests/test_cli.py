@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -513,6 +514,39 @@ def test_cnn_on_digits_runs_and_the_saved_model_reproduces_its_predictions(
     again.eval()
     with torch.no_grad():
         assert torch.equal(again(x), logits)
+
+
+def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--features scatter``: the model trains on scattering features; ``load_trained_model``
+    returns front-end + model, whose accuracy on raw test images is the one the run reported."""
+    pytest.importorskip("kymatio")
+    from clipless.data import load_dataset
+    from clipless.features import Scattering2d
+
+    out = tmp_path / "scatter"
+    argv = ["train", "--dataset", "digits", "--features", "scatter", "--epsilon", "2"]
+    argv += ["--accountant", "rdp"]
+    argv += ["--epochs", "2", "--out", str(out), "--no-progress", "--unsafe-seed", "3"]
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    cfg = metrics["config"]
+    assert cfg["features"] == "scatter" and cfg["input_shape"] == [81, 2, 2]
+    assert cfg["input_norm"] == pytest.approx(math.sqrt(81 * 4))
+    assert metrics["epsilon"] <= 2.0
+    model = load_trained_model(out / "model.pt")
+    assert isinstance(model[0], Scattering2d)
+    _, test, _ = load_dataset("digits")
+    x, y = test.tensors
+    with torch.no_grad():
+        accuracy = int((model(x).argmax(1) == y).sum()) / len(y)
+    assert accuracy == pytest.approx(metrics["final"]["test_accuracy"], abs=1e-12)
+    assert accuracy > 0.5  # 10 classes: far above chance after two epochs
+    # an image front-end on tabular data is refused before anything is written
+    bad = ["train", "--dataset", "breast-cancer", "--features", "scatter"]
+    assert main([*bad, "--out", str(tmp_path / "x")]) == 2
+    assert "--features" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_load_trained_model_reads_the_v1_format(tmp_path: Path) -> None:

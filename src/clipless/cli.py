@@ -45,6 +45,7 @@ RUN_FILES = (
 # a resumed run keeps them; giving a different value with --resume is refused.
 RUN_OPTIONS = {
     "dataset": "--dataset",
+    "features": "--features",
     "model": "--model",
     "hidden": "--hidden",
     "pool": "--pool",
@@ -72,7 +73,7 @@ RUN_OPTIONS = {
 DEFAULT_HIDDEN: dict[str, tuple[int, ...]] = {"linear": (), "mlp": (16, 16), "cnn": (16, 32)}
 # Run options added after a run folder format was in use: a saved run without them was trained
 # with these values (so resuming it reproduces it).
-_LEGACY_OPTIONS = {"loss_clip": None}
+_LEGACY_OPTIONS = {"loss_clip": None, "features": "none"}
 DEVICES = "cpu, cuda, cuda:N, mps, auto"
 
 _EPILOG = """\
@@ -319,6 +320,16 @@ def _add_train_parser(sub: Any) -> None:
         "budgets (benchmarks/RESULTS.md, section 8)",
     )
     tr.add_argument(
+        "--features",
+        choices=("none", "scatter"),
+        default="none",
+        help="a public feature front-end applied to every image before the model: scatter = "
+        "wavelet scattering (J=2, L=8) with per-sample group normalisation (clipless.features, "
+        "Tramer and Boneh 2021; computed by kymatio). It uses no "
+        "data, so it costs no privacy; the most accurate setting measured on fashion-mnist "
+        "(benchmarks/RESULTS.md)",
+    )
+    tr.add_argument(
         "--hidden",
         type=_hidden,
         default=None,
@@ -510,6 +521,13 @@ def load_trained_model(path: str | Path) -> Any:
         str(arch.get("pool", "l2")),
     )
     model.load_state_dict(state["state_dict"])
+    features = str(arch.get("features", "none"))
+    if features != "none":  # the public front-end first: the returned model takes raw images
+        from clipless.features import build_features
+
+        front = build_features(features, arch["image_shape"])
+        assert front is not None
+        return torch.nn.Sequential(front, model).eval()
     return model
 
 
@@ -804,6 +822,26 @@ def _run_train(args: argparse.Namespace) -> int:
     except DatasetNotFoundError as exc:
         print(f"clipless: error: {exc}", file=sys.stderr)
         return 1
+    input_shape = tuple(info.input_shape)  # of the model's input (after --features)
+    if args.features != "none":
+        if len(info.input_shape) != 3:
+            raise _ArgError(
+                "--features",
+                f"{args.features} needs an image dataset (digits, fashion-mnist); {info.name} has "
+                f"input shape {tuple(info.input_shape)}",
+            )
+        from clipless.features import apply_features, build_features
+
+        try:
+            front = build_features(args.features, info.input_shape)
+        except (ImportError, ValueError) as exc:
+            raise _ArgError("--features", str(exc)) from None
+        assert front is not None
+        torch.set_num_threads(args.threads)
+        if not args.quiet:
+            print(f"clipless train: computing {args.features} features ...", flush=True)
+        train, test = apply_features(front, train), apply_features(front, test)
+        input_shape = tuple(front.output_shape)
     if args.batch_size is None:
         args.batch_size = default_batch_size(len(train))
     if args.batch_size > len(train):
@@ -824,11 +862,15 @@ def _run_train(args: argparse.Namespace) -> int:
             f"{tuple(info.input_shape)} (use --model mlp)",
         )
     if args.input_norm is None:
-        args.input_norm = _default_input_norm(info.name, info.input_shape)
+        args.input_norm = (
+            _default_input_norm(info.name, info.input_shape)
+            if args.features == "none"
+            else math.sqrt(math.prod(input_shape))  # group-normalised features: norm <= this
+        )
     try:
         models.build(  # validates the architecture against the data before any write
             args.model,
-            info.input_shape,
+            input_shape,
             args.hidden,
             info.num_classes,
             args.input_norm,
@@ -853,7 +895,7 @@ def _run_train(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     built = models.build(
         args.model,
-        info.input_shape,
+        input_shape,
         args.hidden,
         info.num_classes,
         args.input_norm,
@@ -898,7 +940,7 @@ def _run_train(args: argparse.Namespace) -> int:
         scaling=args.scaling,
         noise=args.noise,
         neighbouring=args.neighbouring,
-        input_shape=tuple(info.input_shape),
+        input_shape=input_shape,
         **calibration,
     )
     config = engine.config
@@ -915,7 +957,8 @@ def _run_train(args: argparse.Namespace) -> int:
         "hidden": list(args.hidden),
         "pool": args.pool if args.model == "cnn" else None,
         "bias": bool(args.bias),
-        "input_shape": list(info.input_shape),
+        "features": args.features,
+        "input_shape": list(input_shape),
         "num_classes": info.num_classes,
         "input_norm": float(args.input_norm),
         "temperature": args.temperature,
@@ -1007,7 +1050,9 @@ def _run_train(args: argparse.Namespace) -> int:
         "format": MODEL_FORMAT,
         "architecture": {
             "kind": args.model,
-            "input_shape": list(info.input_shape),
+            "features": args.features,
+            "image_shape": list(info.input_shape),
+            "input_shape": list(input_shape),
             "hidden": list(args.hidden),
             "num_classes": info.num_classes,
             "input_norm": float(args.input_norm),

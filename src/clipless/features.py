@@ -1,0 +1,152 @@
+"""Public feature front-ends: fixed, data-independent maps applied to each sample before training.
+
+A map that uses no data (its parameters are fixed in advance, as a wavelet filter bank is) and
+transforms each sample on its own is *post-processing of nothing private*: training a DP model on
+``phi(x_i)`` instead of ``x_i`` changes no privacy argument, because neighbouring datasets stay
+neighbours (one record changes one feature vector) and the DP model's input bound is enforced
+after the map by :class:`clipless.nn.InputNorm`. No Lipschitz constant of ``phi`` is needed for
+privacy (nothing trainable precedes it). Two conditions are checked by the tests: the map is
+deterministic and **per-sample** (a sample's features never depend on the other samples of a
+batch, unlike batch normalisation or normalisation by dataset statistics, which would need their
+own privacy budget).
+
+:class:`Scattering2d` is the ScatterNet front-end of Tramèr and Boneh, "Differentially Private
+Learning Needs Better Features (or Much More Data)", ICLR 2021, section 3: a two-layer wavelet
+scattering transform (Mallat, "Group Invariant Scattering", 2012; Bruna and Mallat 2013) with
+``J = 2`` scales and ``L = 8`` orientations, computed by ``kymatio`` (Andreux et al., JMLR 2020),
+followed by a per-sample group normalisation (their "ScatterNet + GroupNorm" variant; the
+variant normalised by private dataset statistics is not offered, because those statistics would
+need an accounted release).
+
+>>> import torch
+>>> phi = Scattering2d((1, 28, 28))  # doctest: +SKIP
+>>> phi.output_shape  # doctest: +SKIP
+(81, 7, 7)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.utils.data import TensorDataset
+
+__all__ = ["FEATURES", "Scattering2d", "apply_features", "build_features"]
+
+FEATURES = ("none", "scatter")
+"""Names accepted by :func:`build_features` (and ``clipless train --features``)."""
+
+
+def _kymatio_scattering(shape: tuple[int, int], J: int, L: int, max_order: int) -> torch.nn.Module:
+    try:
+        # The 2-D frontend directly: ``kymatio.torch`` also imports the 3-D frontend, which fails
+        # with SciPy >= 1.15 (``scipy.special.sph_harm`` was removed) in kymatio 0.3.0.
+        from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D as Scattering
+    except ImportError:  # pragma: no cover - a later kymatio layout
+        try:
+            from kymatio.torch import Scattering2D as Scattering
+        except ImportError as exc:
+            raise ImportError(
+                "the scattering front-end needs kymatio (a dependency of clipless): "
+                "pip install kymatio"
+            ) from exc
+    module: torch.nn.Module = Scattering(J=J, shape=shape, L=L, max_order=max_order)
+    return module
+
+
+class Scattering2d(torch.nn.Module):
+    """Wavelet scattering of ``C x H x W`` images, then a per-sample group normalisation.
+
+    Output ``[batch, C * K, H / 2^J, W / 2^J]`` with ``K = 1 + J L + L^2 J (J - 1) / 2``
+    scattering paths per input channel (81 for ``J = 2, L = 8``; ``max_order = 1`` keeps
+    ``1 + J L``). ``groups`` > 0 normalises each sample's channels in ``groups`` contiguous groups
+    to zero mean and unit variance (``torch.nn.functional.group_norm`` without affine parameters,
+    ``eps = 1e-5``: a function of that sample alone); ``groups = 0`` keeps the raw coefficients.
+    The default ``groups = 27`` is Tramèr and Boneh's choice for ``81`` channels.
+
+    The map has no trainable parameters and uses no data: it is a public pre-processing (module
+    docstring). After the normalisation every sample's feature vector has squared norm close to
+    its number of entries (exactly ``numel`` when no group is constant), so the model's
+    :class:`clipless.nn.InputNorm` radius ``sqrt(numel)`` (:attr:`natural_norm`) leaves the
+    features unchanged.
+    """
+
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        J: int = 2,
+        L: int = 8,
+        max_order: int = 2,
+        groups: int = 27,
+    ) -> None:
+        super().__init__()
+        shape = tuple(int(s) for s in input_shape)
+        if len(shape) != 3 or min(shape) < 1:
+            raise ValueError(
+                f"input_shape must be (channels, height, width) of positive sizes; got {shape}"
+            )
+        if not isinstance(J, int) or J < 1 or min(shape[1:]) < 2**J:
+            raise ValueError(
+                f"J must be an int >= 1 with 2**J <= min(height, width) = {min(shape[1:])}; got {J}"
+            )
+        if not isinstance(L, int) or L < 1:
+            raise ValueError(f"L must be an int >= 1 (orientations); got {L!r}")
+        if max_order not in (1, 2):
+            raise ValueError(f"max_order must be 1 or 2; got {max_order!r}")
+        paths = 1 + J * L + (L * L * J * (J - 1) // 2 if max_order == 2 else 0)
+        channels = shape[0] * paths
+        if not isinstance(groups, int) or groups < 0 or (groups and channels % groups):
+            raise ValueError(
+                f"groups must be 0 (no normalisation) or a divisor of the {channels} scattering "
+                f"channels; got {groups!r}"
+            )
+        self.input_shape = shape
+        self.J, self.L, self.max_order, self.groups = J, L, max_order, groups
+        self.scattering = _kymatio_scattering(shape[1:], J, L, max_order)
+        self.output_shape = (channels, shape[1] // 2**J, shape[2] // 2**J)
+
+    @property
+    def natural_norm(self) -> float:
+        """``sqrt(numel)`` of one output: a bound on the feature norm after group normalisation."""
+        return math.sqrt(math.prod(self.output_shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or tuple(x.shape[1:]) != self.input_shape:
+            raise ValueError(
+                f"expected images of shape [batch, {', '.join(map(str, self.input_shape))}]; "
+                f"got {list(x.shape)}"
+            )
+        z = self.scattering(x.contiguous())  # [B, C, K, h, w]
+        z = z.reshape(x.shape[0], *self.output_shape)
+        if self.groups:
+            z = torch.nn.functional.group_norm(z, self.groups, eps=1e-5)
+        return z
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_shape={self.input_shape}, J={self.J}, L={self.L}, "
+            f"max_order={self.max_order}, groups={self.groups}"
+        )
+
+
+def build_features(name: str, input_shape: Sequence[int]) -> Scattering2d | None:
+    """The front-end called ``name`` (:data:`FEATURES`) for samples of ``input_shape``."""
+    if name == "none":
+        return None
+    if name == "scatter":
+        return Scattering2d(input_shape)
+    raise ValueError(f"features must be one of {FEATURES}; got {name!r}")
+
+
+@torch.no_grad()
+def apply_features(
+    features: torch.nn.Module, data: TensorDataset, batch_size: int = 1024
+) -> TensorDataset:
+    """``TensorDataset(features(x), y)``, computed once in batches (the map is per-sample, so the
+    batching does not change the result)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
+    x, *rest = data.tensors
+    out = torch.cat([features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+    return TensorDataset(out, *rest)

@@ -1,0 +1,107 @@
+"""The public feature front-end: per-sample, deterministic, exact on reference images."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+pytest.importorskip("kymatio")
+
+from clipless.features import FEATURES, Scattering2d, apply_features, build_features
+
+
+@pytest.fixture(scope="module")
+def phi() -> Scattering2d:
+    return Scattering2d((1, 16, 16), J=2, L=4, groups=5)
+
+
+def test_paths_and_shape() -> None:
+    # K = 1 + J L + L^2 J (J - 1) / 2 paths per input channel; subsampling by 2^J.
+    assert Scattering2d((1, 28, 28)).output_shape == (81, 7, 7)
+    assert Scattering2d((3, 32, 32), J=2, L=8, groups=0).output_shape == (243, 8, 8)
+    assert Scattering2d((1, 16, 16), J=3, L=4, max_order=1, groups=0).output_shape == (13, 2, 2)
+    out = Scattering2d((1, 28, 28))(torch.rand(2, 1, 28, 28))
+    assert out.shape == (2, 81, 7, 7)
+
+
+def test_features_are_per_sample(phi: Scattering2d) -> None:
+    """A sample's features never depend on the rest of its batch (the privacy condition)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(6, 1, 16, 16, generator=g)
+    batch = phi(x)
+    alone = torch.cat([phi(x[i : i + 1]) for i in range(6)])
+    torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-6)
+    changed = x.clone()
+    changed[3] = torch.rand(1, 16, 16, generator=g) * 50.0  # one record replaced by an outlier
+    other = phi(changed)
+    keep = [0, 1, 2, 4, 5]
+    torch.testing.assert_close(other[keep], batch[keep], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(other[3], batch[3])
+
+
+def test_group_normalisation(phi: Scattering2d) -> None:
+    x = torch.rand(4, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    z = phi(x)
+    groups = z.reshape(4, phi.groups, -1).double()
+    torch.testing.assert_close(
+        groups.mean(-1), torch.zeros(4, 5, dtype=torch.float64), atol=1e-5, rtol=0
+    )
+    var = groups.var(-1, unbiased=False)
+    # Reference: the raw coefficients' group variance v becomes v / (v + eps) (torch group_norm).
+    raw = Scattering2d((1, 16, 16), J=2, L=4, groups=0)(x).reshape(4, phi.groups, -1).double()
+    v = raw.var(-1, unbiased=False)
+    torch.testing.assert_close(var, v / (v + 1e-5), rtol=1e-4, atol=1e-6)
+    assert float(var[:, 0].min()) > 0.99  # order 0 and the first order-1 paths: large variance
+    # ||z||^2 = sum over groups of m var / (var + eps) <= numel: natural_norm bounds every sample.
+    assert bool((z.flatten(1).norm(dim=1) <= phi.natural_norm).all())
+    assert phi.natural_norm == pytest.approx(math.sqrt(phi.output_shape[0] * 4 * 4))
+
+
+def test_constant_image_is_its_own_average() -> None:
+    """Order 0 is a low-pass average (filter sum 1); every wavelet has zero mean, so a constant
+    image has no order-1 or order-2 energy: exact reference values of the transform."""
+    raw = Scattering2d((1, 16, 16), J=2, L=4, groups=0)
+    z = raw(torch.full((1, 1, 16, 16), 0.7))
+    torch.testing.assert_close(z[0, 0], torch.full((4, 4), 0.7), rtol=1e-4, atol=0)
+    assert float(z[0, 1:].abs().max()) < 1e-5
+
+
+def test_scattering_is_translation_stable() -> None:
+    """A one-pixel (circular) shift moves order-0 features by far less than the image moves."""
+    raw = Scattering2d((1, 32, 32), J=3, L=4, groups=0)
+    x = torch.zeros(1, 1, 32, 32)
+    x[0, 0, 10:20, 12:18] = 1.0
+    shifted = torch.roll(x, shifts=1, dims=3)
+    dz = float((raw(x) - raw(shifted)).norm())
+    assert dz < 0.5 * float((x - shifted).norm())
+
+
+def test_apply_features_matches_direct_call(phi: Scattering2d) -> None:
+    x = torch.rand(7, 1, 16, 16, generator=torch.Generator().manual_seed(2))
+    y = torch.arange(7)
+    out = apply_features(phi, TensorDataset(x, y), batch_size=3)
+    torch.testing.assert_close(out.tensors[0], phi(x), rtol=1e-5, atol=1e-6)
+    assert torch.equal(out.tensors[1], y)
+    with pytest.raises(ValueError, match="batch_size"):
+        apply_features(phi, TensorDataset(x, y), batch_size=0)
+
+
+def test_build_and_errors() -> None:
+    assert FEATURES == ("none", "scatter")
+    assert build_features("none", (1, 28, 28)) is None
+    assert isinstance(build_features("scatter", (1, 28, 28)), Scattering2d)
+    with pytest.raises(ValueError, match="features must be one of"):
+        build_features("sift", (1, 28, 28))
+    with pytest.raises(ValueError, match="input_shape"):
+        Scattering2d((28, 28))
+    with pytest.raises(ValueError, match="J must be"):
+        Scattering2d((1, 8, 8), J=4)
+    with pytest.raises(ValueError, match="groups must be"):
+        Scattering2d((1, 28, 28), groups=10)
+    with pytest.raises(ValueError, match="max_order"):
+        Scattering2d((1, 28, 28), max_order=3)
+    with pytest.raises(ValueError, match="expected images"):
+        Scattering2d((1, 16, 16), J=2, L=4, groups=5)(torch.zeros(2, 1, 8, 8))
