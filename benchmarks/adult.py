@@ -50,6 +50,7 @@ EPSILON = 0.414
 DATASETS: dict[str, dict[str, Any]] = {
     "adult": {"epsilon": EPSILON, "delta": None, "input_norm": math.sqrt(13.0)},
     "fashion-mnist": {"epsilon": 3.0, "delta": 1e-5, "input_norm": 7.0},
+    "mnist-10k": {"epsilon": 3.0, "delta": 1e-5, "input_norm": 7.0},
 }
 
 CLIPLESS_DEFAULTS: dict[str, Any] = {

@@ -537,6 +537,7 @@ def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
     assert metrics["epsilon"] <= 2.0
     model = load_trained_model(out / "model.pt")
     assert isinstance(model[0], Scattering2d)
+    assert cfg["input_mode"] == "sphere" and model[1][0].mode == "sphere"  # the default there
     _, test, _ = load_dataset("digits")
     x, y = test.tensors
     with torch.no_grad():

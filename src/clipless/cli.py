@@ -51,6 +51,7 @@ RUN_OPTIONS = {
     "pool": "--pool",
     "bias": "--bias",
     "input_norm": "--input-norm",
+    "input_mode": "--input-mode",
     "temperature": "--temperature",
     "loss_clip": "--loss-clip",
     "epsilon": "--epsilon",
@@ -73,7 +74,7 @@ RUN_OPTIONS = {
 DEFAULT_HIDDEN: dict[str, tuple[int, ...]] = {"linear": (), "mlp": (16, 16), "cnn": (16, 32)}
 # Run options added after a run folder format was in use: a saved run without them was trained
 # with these values (so resuming it reproduces it).
-_LEGACY_OPTIONS = {"loss_clip": None, "features": "none"}
+_LEGACY_OPTIONS = {"loss_clip": None, "features": "none", "input_mode": "ball"}
 DEVICES = "cpu, cuda, cuda:N, mps, auto"
 
 _EPILOG = """\
@@ -309,6 +310,14 @@ def _add_train_parser(sub: Any) -> None:
         help="input norm bound X_0 enforced by InputNorm (None: a public bound of the dataset's "
         "fixed transform, sqrt(number of features) for features in [-1, 1])",
     )
+    priv.add_argument(
+        "--input-mode",
+        choices=("ball", "sphere"),
+        default=None,
+        help="how InputNorm enforces X_0: ball = clip each sample's norm to it, sphere = "
+        "normalise every sample to it (each sample then uses its whole sensitivity). Default: "
+        "sphere with --features, ball otherwise (benchmarks/RESULTS.md)",
+    )
     tr = p.add_argument_group("model and training")
     tr.add_argument(
         "--model",
@@ -519,6 +528,7 @@ def load_trained_model(path: str | Path) -> Any:
         arch["input_norm"],
         arch["bias"],
         str(arch.get("pool", "l2")),
+        str(arch.get("input_mode", "ball")),
     )
     model.load_state_dict(state["state_dict"])
     features = str(arch.get("features", "none"))
@@ -814,6 +824,8 @@ def _run_train(args: argparse.Namespace) -> int:
         args.constraint = "none" if args.model == "linear" else "orthogonal"
     if args.bias is None:
         args.bias = args.model == "linear"
+    if args.input_mode is None:
+        args.input_mode = "ball" if args.features == "none" else "sphere"
     device = _resolve_device(args.device)
 
     # 2. the data and what depends on it
@@ -876,6 +888,7 @@ def _run_train(args: argparse.Namespace) -> int:
             args.input_norm,
             bool(args.bias),
             args.pool,
+            args.input_mode,
         )
     except ValueError as exc:  # e.g. more convolution stages than the image size allows
         raise _ArgError("--hidden", f"{exc} (dataset {info.name})") from None
@@ -901,6 +914,7 @@ def _run_train(args: argparse.Namespace) -> int:
         args.input_norm,
         bool(args.bias),
         args.pool,
+        args.input_mode,
     )  # built again after seeding: the initial weights depend on --seed only
     if args.loss_clip:
         built.append(nn.LossGradientClip(args.loss_clip))
@@ -961,6 +975,7 @@ def _run_train(args: argparse.Namespace) -> int:
         "input_shape": list(input_shape),
         "num_classes": info.num_classes,
         "input_norm": float(args.input_norm),
+        "input_mode": args.input_mode,
         "temperature": args.temperature,
         "loss_clip": args.loss_clip or None,
         "lr": args.lr,
@@ -1058,6 +1073,7 @@ def _run_train(args: argparse.Namespace) -> int:
             "input_norm": float(args.input_norm),
             "bias": bool(args.bias),
             "pool": args.pool,
+            "input_mode": args.input_mode,
         },
         "state_dict": {k: v.detach().cpu() for k, v in evaluated.state_dict().items()},
         "dataset": info.name,

@@ -40,6 +40,7 @@ def mlp(
     num_classes: int,
     input_norm: float = 1.0,
     bias: bool = False,
+    input_mode: str = "ball",
 ) -> nn.Sequential:
     """``InputNorm(input_norm) [-> Flatten] -> (Linear -> GroupSort(2)) x len(hidden) -> Linear``.
 
@@ -47,7 +48,7 @@ def mlp(
     ``bias=False`` by default: each bias is one more noised tensor.
     """
     hidden = _widths("hidden", hidden)
-    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm))]  # over all non-batch dims
+    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm), input_mode)]  # all dims
     if len(input_shape) > 1:
         layers.append(nn.Flatten())
     width = math.prod(int(s) for s in input_shape)
@@ -63,6 +64,7 @@ def linear(
     num_classes: int,
     input_norm: float = 1.0,
     bias: bool = True,
+    input_mode: str = "ball",
 ) -> nn.Sequential:
     """``InputNorm(input_norm) [-> Flatten] -> Linear``: a linear model (logistic regression).
 
@@ -72,7 +74,7 @@ def linear(
     (``benchmarks/RESULTS.md``, Adult lever table). ``bias=True`` by default: the bias and the
     weight share one sensitivity (their joint per-sample gradient is scaled together).
     """
-    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm))]
+    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm), input_mode)]
     if len(input_shape) > 1:
         layers.append(nn.Flatten())
     width = math.prod(int(s) for s in input_shape)
@@ -87,6 +89,7 @@ def convnet(
     input_norm: float = 1.0,
     pool: str = "l2",
     bias: bool = False,
+    input_mode: str = "ball",
 ) -> nn.Sequential:
     """A small Lipschitz ConvNet for ``C x H x W`` images (default: Fashion-MNIST, 1 x 28 x 28).
 
@@ -112,7 +115,7 @@ def convnet(
             f"a {h}x{w} image is too small for {len(channels)} 2x2 poolings; use at most "
             f"{max(0, int(math.log2(max(1, min(h, w)))))} convolution stages"
         )
-    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm))]
+    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm), input_mode)]
     for out_channels in channels:
         layers += [
             nn.Conv2d(c, out_channels, 3, padding=1, bias=False),
@@ -132,15 +135,18 @@ def build(
     input_norm: float = 1.0,
     bias: bool = False,
     pool: str = "l2",
+    input_mode: str = "ball",
 ) -> nn.Sequential:
     """``linear`` (``hidden`` must be empty), ``mlp`` or ``cnn`` (:func:`convnet`, ``hidden`` =
-    channels per convolution stage)."""
+    channels per convolution stage). ``input_mode``: the first layer's
+    :class:`clipless.nn.InputNorm` mode (``"ball"`` clips each sample to ``input_norm``,
+    ``"sphere"`` normalises it to that norm)."""
     if kind == "linear":
         if tuple(hidden):
             raise ValueError(f"a linear model has no hidden layers; got hidden={tuple(hidden)!r}")
-        return linear(input_shape, num_classes, input_norm, bias)
+        return linear(input_shape, num_classes, input_norm, bias, input_mode)
     if kind == "mlp":
-        return mlp(input_shape, hidden, num_classes, input_norm, bias)
+        return mlp(input_shape, hidden, num_classes, input_norm, bias, input_mode)
     if kind == "cnn":
-        return convnet(input_shape, hidden, num_classes, input_norm, pool, bias)
+        return convnet(input_shape, hidden, num_classes, input_norm, pool, bias, input_mode)
     raise ValueError(f"model must be one of {MODEL_KINDS}; got {kind!r}")

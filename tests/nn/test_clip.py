@@ -31,9 +31,13 @@ def test_backward_clips_each_sample(dtype: torch.dtype, shape: tuple[int, ...]) 
     torch.testing.assert_close(x.grad[small], cotangent[small], rtol=0, atol=0)
     big = ~small
     assert bool(big.any())
+    # certified float32 norms are looser by at most (numel + 8) 2^-24 (sample_norms_upper)
+    numel = math.prod(shape[1:])
+    rtol = 1e-6 if dtype == torch.float64 else 1e-6 + (numel + 8) * 2.0**-23
     torch.testing.assert_close(
-        grad_norms[big], torch.full_like(grad_norms[big], max_norm), rtol=1e-6, atol=0
+        grad_norms[big], torch.full_like(grad_norms[big], max_norm), rtol=rtol, atol=0
     )
+    assert float(grad_norms[big].min()) >= max_norm * (1.0 - rtol)
     # direction preserved
     cosine = (x.grad[big] * cotangent[big]).reshape(int(big.sum()), -1).double().sum(1) / (
         grad_norms[big] * cot_norms[big]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from clipless import _certified, norms
 from clipless.nn import _checks, _scaled
 from clipless.nn._base import ParametricLipschitzModule
-from clipless.nn._functional import norm_upper, round_up
+from clipless.nn._functional import norm_upper, round_up, sample_norms_upper
 
 __all__ = ["Conv2d"]
 
@@ -240,17 +240,18 @@ class Conv2d(ParametricLipschitzModule):
     def sample_norm_factor(self, x: torch.Tensor) -> torch.Tensor:
         """``sqrt(k_eff ||x_i||^2 + P)`` with a bias, ``sqrt(k_eff) ||x_i||`` without.
 
-        ``k_eff`` and ``P`` are those of ``x``'s own spatial size; float64, rounded up to x.dtype.
+        ``k_eff`` and ``P`` are those of ``x``'s own spatial size; a certified upper bound in
+        float64, rounded up to x.dtype.
         """
         if x.ndim != 4:
             raise ValueError(f"Conv2d.sample_norm_factor expects [batch, C, H, W], got {x.shape}")
         size = (int(x.shape[2]), int(x.shape[3]))
-        sq = x.detach().reshape(x.shape[0], math.prod(x.shape[1:])).double().pow(2).sum(
-            dim=1
-        ) * self.multiplicity(size)
+        # certified ||x_i||^2 (sample_norms_upper), times k_eff and plus P in float64, with
+        # 2^-51 relative for those two float64 operations and the square root
+        sq = sample_norms_upper(x).square() * float(self.multiplicity(size))
         if self.bias is not None:
             sq = sq + float(self.output_positions(size))
-        return round_up(torch.sqrt(sq), x.dtype)
+        return round_up(torch.sqrt(sq * (1.0 + 2.0**-50)), x.dtype)
 
     def norm_factor_bound(self, input_bound: float) -> float:
         """``sqrt(k_eff X^2 + P)`` with a bias, ``sqrt(k_eff) X`` without (rounded up)."""

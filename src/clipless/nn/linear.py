@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from clipless import _certified, norms
 from clipless.nn import _checks, _scaled
 from clipless.nn._base import ParametricLipschitzModule
-from clipless.nn._functional import norm_upper, round_up
+from clipless.nn._functional import norm_upper, round_up, sample_norms_upper
 
 __all__ = ["Linear"]
 
@@ -104,12 +102,13 @@ class Linear(ParametricLipschitzModule):
     def sample_norm_factor(self, x: torch.Tensor) -> torch.Tensor:
         """``sqrt(||x_i||^2 + 1)`` with a bias, ``||x_i||`` without.
 
-        Computed in float64 and rounded upward to ``x.dtype`` (an upper bound, as scaling needs).
+        A certified upper bound (:func:`~clipless.nn._functional.sample_norms_upper`, float64)
+        rounded upward to ``x.dtype``, as scaling needs.
         """
-        sq = x.detach().reshape(x.shape[0], math.prod(x.shape[1:])).double().pow(2).sum(dim=1)
-        if self.bias is not None:
-            sq = sq + 1.0
-        return round_up(torch.sqrt(sq), x.dtype)
+        norms = sample_norms_upper(x)
+        if self.bias is None:
+            return round_up(norms, x.dtype)
+        return round_up(torch.sqrt((norms.square() + 1.0) * (1.0 + 2.0**-50)), x.dtype)
 
     def norm_factor_bound(self, input_bound: float) -> float:
         """``sqrt(X^2 + 1)`` with a bias, ``X`` without (rounded up)."""

@@ -1,0 +1,193 @@
+"""Accuracy against epsilon on image datasets: clipless and Opacus in one harness, a Pareto plot.
+
+Runs :mod:`benchmarks.adult`'s runners (same data, same epsilon and delta 1e-5, Poisson sampling,
+final-epoch test accuracy, no selection on the test set) for each epsilon of ``--epsilons`` and
+each seed, appends one JSON line per run to ``out/images.jsonl`` (a rerun skips what is there),
+then draws ``accuracy_epsilon.png``: the median over seeds per method against epsilon, with the
+published anchors named in issue 10 as markers.
+
+Methods (each a fixed setting, chosen by the trials of ``RESULTS.md`` section 11):
+
+* ``clipless-scatter``: ScatterNet features (:class:`clipless.features.Scattering2d`), linear
+  model, inputs normalised onto the unit sphere, Adam 0.01, temperature 0.1, loss-gradient clip
+  0.1, batch 2048, 20 epochs (what ``clipless train --dataset fashion-mnist`` does by default);
+* ``opacus-scatter``: Opacus DP-SGD on the same features (linear model), Tramer and Boneh's
+  setting (SGD lr 4, momentum 0.9, clip 0.1, batch 8192, 40 epochs);
+* ``clipless-pixels`` / ``opacus-pixels``: the linear models on raw pixels of section 8b.
+
+``python benchmarks/images.py --dataset fashion-mnist --methods clipless-scatter --epsilons 1 2 3 8
+--seeds 0 1 2`` then ``python benchmarks/images.py --plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import adult
+
+OUT = adult.OUT_DIR / "images.jsonl"
+PLOT = Path(__file__).resolve().parent / "accuracy_epsilon.png"
+
+METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "clipless-scatter": (
+        "clipless",
+        {
+            "features": "scatter",
+            "hidden": (),
+            "bias": True,
+            "constraint": None,
+            "optimizer": "adam",
+            "lr": 0.01,
+            "temperature": 0.1,
+            "clip": 0.1,
+            "batch": 2048,
+            "epochs": 20,
+            "input_mode": "sphere",
+            "input_norm": 1.0,
+        },
+    ),
+    "opacus-scatter": (
+        "opacus",
+        {
+            "features": "scatter",
+            "hidden": (),
+            "lr": 4.0,
+            "momentum": 0.9,
+            "max_grad_norm": 0.1,
+            "batch": 8192,
+            "epochs": 40,
+        },
+    ),
+    "clipless-pixels": (
+        "clipless",
+        {
+            "hidden": (),
+            "bias": True,
+            "constraint": None,
+            "optimizer": "adam",
+            "lr": 0.01,
+            "temperature": 0.1,
+            "clip": 0.1,
+            "batch": 2048,
+            "epochs": 20,
+        },
+    ),
+    "opacus-pixels": (
+        "opacus",
+        {
+            "hidden": (),
+            "lr": 4.0,
+            "momentum": 0.9,
+            "max_grad_norm": 0.1,
+            "batch": 2048,
+            "epochs": 20,
+        },
+    ),
+}
+
+# Published or issue-stated anchors (epsilon, accuracy, label) for Fashion-MNIST, delta 1e-5.
+ANCHORS = {
+    "fashion-mnist": [
+        (3.0, 0.897, "Tramer & Boneh 2021, ScatterNet (DP-SGD)"),
+        (3.0, 0.8715, "Opacus 1.6, Tramer-Boneh CNN (issue 10)"),
+        (1.0, 0.839, "Opacus 1.6, Tramer-Boneh CNN (issue 10)"),
+        (1.0, 0.75, "Clipless DP-SGD paper"),
+        (2.0, 0.77, "Clipless DP-SGD paper"),
+    ]
+}
+
+
+def _done() -> set[tuple[str, str, float, int]]:
+    if not OUT.is_file():
+        return set()
+    rows = [json.loads(line) for line in OUT.read_text().splitlines() if line.strip()]
+    return {(r["dataset"], r["method"], float(r["epsilon"]), int(r["seed"])) for r in rows}
+
+
+def run(dataset: str, methods: list[str], epsilons: list[float], seeds: list[int]) -> None:
+    done = _done()
+    cache: dict[str, Any] = {}
+    for method in methods:
+        runner, setting = METHODS[method]
+        features = setting.get("features", "none")
+        if features not in cache:
+            cache[features] = adult.load(dataset, features)
+        for epsilon in epsilons:
+            for seed in seeds:
+                if (dataset, method, float(epsilon), seed) in done:
+                    continue
+                overrides = {**setting, "dataset": dataset, "epsilon": float(epsilon)}
+                result = adult.run_setting(runner, overrides, [seed], cache[features])
+                row = {
+                    "dataset": dataset,
+                    "method": method,
+                    "epsilon": float(epsilon),
+                    "seed": seed,
+                    "accuracy": result["accuracies"][0],
+                    "epsilon_spent": result["epsilon"],
+                    "time_s": result["time_s"],
+                }
+                OUT.parent.mkdir(exist_ok=True)
+                with OUT.open("a") as handle:
+                    handle.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+
+
+def plot(dataset: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in OUT.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["dataset"] == dataset]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for method in METHODS:
+        points: dict[float, list[float]] = {}
+        for r in rows:
+            if r["method"] == method:
+                points.setdefault(r["epsilon"], []).append(r["accuracy"])
+        if not points:
+            continue
+        eps = sorted(points)
+        med = [100 * statistics.median(points[e]) for e in eps]
+        label = f"{method} (median of {min(len(v) for v in points.values())}+ seeds)"
+        ax.plot(eps, med, marker="o", label=label)
+    for epsilon, accuracy, label in ANCHORS.get(dataset, []):
+        ax.scatter([epsilon], [100 * accuracy], marker="x", s=50, label=label)
+    ax.set_xscale("log")
+    ax.set_xticks([1, 2, 3, 8], ["1", "2", "3", "8"])
+    ax.set_xlabel("epsilon (delta = 1e-5)")
+    ax.set_ylabel("test accuracy, final epoch (%)")
+    ax.set_title(f"{dataset}: accuracy against epsilon")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=110)
+    print(PLOT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--methods", nargs="*", default=["clipless-scatter"], choices=METHODS)
+    parser.add_argument("--epsilons", nargs="*", type=float, default=[1.0, 2.0, 3.0, 8.0])
+    parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    parser.add_argument("--plot", action="store_true", help="only draw the plot from the JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if not args.plot:
+        run(args.dataset, args.methods, args.epsilons, args.seeds)
+    plot(args.dataset)
+
+
+if __name__ == "__main__":
+    main()
