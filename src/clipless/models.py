@@ -270,8 +270,8 @@ def gnp_convnet(
     ``constraint="orthogonal"`` (:func:`clipless.constraints.project`: Björck steps on
     ``K_mat``, then a certified rescale to ``<= C``), ``K_mat`` converges to a matrix with
     orthonormal rows when ``c_out <= 4 c_in``, so the convolution's Jacobian ``J`` has
-    ``J J^T = I`` (on image sizes divisible by 2 at every stage; odd borders are dropped):
-    ``||J^T g|| = ||g||`` for every cotangent ``g``, the GNP property of Anil, Lucas & Grosse 2019
+    ``J J^T = I`` (also on odd sizes: the dropped last row or column only adds zero columns to
+    ``J``): ``||J^T g|| = ||g||`` for every cotangent ``g``, the GNP property of Anil, Lucas & Grosse 2019
     ("Sorting out Lipschitz function approximation", ICML) and of the Clipless DP-SGD seed
     (section 3.2). GroupSort is a permutation of each sample's entries (GNP) and the final
     :class:`clipless.nn.Linear` has orthonormal rows after Björck when ``num_classes <=``
