@@ -9,7 +9,7 @@ test images, with the loss the run used (``CrossEntropyLoss(temperature)``, one 
 * ``scaled / G``: the same per-sample gradient divided by the layer's ``sample_norm_factor``
   (the ``per-sample`` scaling that ``clipless train`` uses: ``||x_i||``, or ``sqrt(k_eff)
   ||x_i||`` for a convolution), over the layer's sensitivity ``G_k``. This is the
-  gradient-to-noise ratio the Clipless DP-SGD seed (section 3.2) argues GNP networks maximise:
+  gradient-to-noise ratio the Clipless DP-SGD seed (section 3.1) argues GNP networks maximise:
   the noise is calibrated to ``G_k``, the signal is the scaled gradient.
 
 Usage::

@@ -271,14 +271,17 @@ def gnp_convnet(
     ``K_mat``, then a certified rescale to ``<= C``), ``K_mat`` converges to a matrix with
     orthonormal rows when ``c_out <= 4 c_in``, so the convolution's Jacobian ``J`` has
     ``J J^T = I`` (also on odd sizes: the dropped last row or column only adds zero columns to
-    ``J``): ``||J^T g|| = ||g||`` for every cotangent ``g``, the GNP property of Anil, Lucas & Grosse 2019
-    ("Sorting out Lipschitz function approximation", ICML) and of the Clipless DP-SGD seed
-    (section 3.2). GroupSort is a permutation of each sample's entries (GNP) and the final
-    :class:`clipless.nn.Linear` has orthonormal rows after Björck when ``num_classes <=``
-    its input size. Exactly GNP, therefore, up to (a) the Björck iterations' convergence (a few
-    per step, applied to the stored weights) and (b) the certified rescale, which places the
-    top singular value a relative ``~1e-7`` below ``C``. With ``channels[i] > 4 channels[i-1]``
-    ``K_mat`` has orthonormal columns instead: an isometry, 1-Lipschitz but not GNP.
+    ``J``): ``||J^T g|| = ||g||`` for every cotangent ``g``, the GNP property of Anil, Lucas &
+    Grosse 2019 ("Sorting out Lipschitz function approximation", ICML) and of the Clipless DP-SGD
+    seed (section 3.1, "Gradient Norm Preserving networks"). GroupSort is a permutation of each
+    sample's entries (GNP) and the final :class:`clipless.nn.Linear` has orthonormal rows after
+    Björck when ``num_classes <=`` its input size. Exactly GNP, therefore, up to (a) the Björck
+    iterations' convergence (a few per step, applied to the stored weights) and (b) the
+    certified rescale, which places the top singular value a relative ``~1e-7`` below ``C``.
+    With ``channels[i] > 4 channels[i-1]`` ``K_mat`` has orthonormal columns instead: an
+    isometry, 1-Lipschitz but not GNP. GNP makes the cotangent bounds ``G_k`` tight (for the
+    worst sample), not the per-sample *weight*-gradient bound of a convolution, a sum over
+    output positions (measured in ``benchmarks/RESULTS.md`` section 11).
 
     Default ``(4, 16)`` on 28x28x1 images: ``1 -> 4 -> 16`` channels are square ``K_mat``
     (orthogonal transforms of the image, ``14x14x4``, ``7x7x16 = 784`` features). By contrast the
