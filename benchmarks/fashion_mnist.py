@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 import warnings
@@ -62,12 +63,20 @@ OPACUS_GRID: list[dict[str, Any]] = [
 ]
 
 
+# Channels per stage of the image models (``--hidden`` overrides the chosen one).
+WIDTHS: dict[str, tuple[int, ...]] = {"cnn": (16, 32), "resnet": (16, 32), "gnp": (4, 16)}
+
+
 def build_model(arch: str) -> torch.nn.Module:
     """The Lipschitz model (:mod:`clipless.models`; inputs ``1 x 28 x 28``, 10 classes)."""
     if arch == "mlp":
         return models.mlp((1, 28, 28), (256, 256), 10, input_norm=1.0, bias=False)
     if arch == "cnn":
-        return models.convnet((1, 28, 28), (16, 32), 10, input_norm=1.0, pool="l2", bias=False)
+        return models.convnet((1, 28, 28), WIDTHS["cnn"], 10, input_norm=1.0, pool="l2")
+    if arch == "resnet":  # what `clipless train --model resnet` builds (one block per stage)
+        return models.resnet((1, 28, 28), WIDTHS["resnet"], 1, 10, input_norm=1.0)
+    if arch == "gnp":
+        return models.gnp_convnet((1, 28, 28), WIDTHS["gnp"], 10, input_norm=1.0)
     raise ValueError(f"unknown architecture {arch!r}")
 
 
@@ -85,6 +94,8 @@ def load_data(val: int) -> tuple[TensorDataset, TensorDataset, TensorDataset]:
 def accuracy(model: torch.nn.Module, data: TensorDataset) -> float:
     model.eval()
     x, y = data.tensors
+    if x.shape[0] == 0:  # --val 0: no validation split
+        return math.nan
     correct = 0
     for i in range(0, x.shape[0], 2000):
         correct += int((model(x[i : i + 2000]).argmax(1) == y[i : i + 2000]).sum())
@@ -204,7 +215,7 @@ def train_nonprivate(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--arch", default="mlp", choices=("mlp", "cnn"))
+    p.add_argument("--arch", default="mlp", choices=("mlp", "cnn", "resnet", "gnp"))
     p.add_argument("--epsilons", nargs="+", type=float, default=None)
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--epochs", type=int, default=None)
@@ -216,7 +227,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clipless-grid", type=json.loads, default=None, help="JSON list of settings")
     p.add_argument("--opacus-grid", type=json.loads, default=None, help="JSON list of settings")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--nonprivate-lr",
+        type=float,
+        default=0.05,
+        help="SGD lr of the non-private twin (0.05 diverges on the resnet twin; use 0.01)",
+    )
+    p.add_argument(
+        "--hidden", default=None, help="channels per stage (cnn, resnet, gnp), e.g. 8,16"
+    )
     args = p.parse_args(argv)
+    if args.hidden:
+        WIDTHS[args.arch] = tuple(int(v) for v in args.hidden.split(","))
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     epsilons = args.epsilons or ([8.0] if args.quick else [1.0, 8.0])
@@ -238,12 +260,13 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[dict[str, Any]] = []
     if "nonprivate" in args.sides:
         t0 = time.perf_counter()
-        model = train_nonprivate(args.arch, train, epochs, 128, args.seed, lr=0.05)
+        lr = args.nonprivate_lr
+        model = train_nonprivate(args.arch, train, epochs, 128, args.seed, lr=lr)
         runs.append(
             {
                 "side": "nonprivate",
                 "epsilon": None,
-                "setting": {"lr": 0.05, "momentum": 0.9, "batch": 128},
+                "setting": {"lr": lr, "momentum": 0.9, "batch": 128},
                 "val_acc": accuracy(model, val),
                 "test_acc": accuracy(model, test),
                 "seconds": time.perf_counter() - t0,

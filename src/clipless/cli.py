@@ -71,7 +71,14 @@ RUN_OPTIONS = {
     "seed": "--seed",
     "unsafe_seed": "--unsafe-seed",
 }
-DEFAULT_HIDDEN: dict[str, tuple[int, ...]] = {"linear": (), "mlp": (16, 16), "cnn": (16, 32)}
+DEFAULT_HIDDEN: dict[str, tuple[int, ...]] = {
+    "linear": (),
+    "mlp": (16, 16),
+    "cnn": (16, 32),
+    "resnet": (16, 32),
+    "gnp": (4, 16),
+}
+IMAGE_MODELS = ("cnn", "resnet", "gnp")
 # Run options added after a run folder format was in use: a saved run without them was trained
 # with these values (so resuming it reproduces it).
 _LEGACY_OPTIONS = {"loss_clip": None, "features": "none", "input_mode": "ball"}
@@ -321,10 +328,13 @@ def _add_train_parser(sub: Any) -> None:
     tr = p.add_argument_group("model and training")
     tr.add_argument(
         "--model",
-        choices=("linear", "mlp", "cnn"),
+        choices=("linear", "mlp", "cnn", "resnet", "gnp"),
         default=None,
-        help="linear (InputNorm -> Linear), mlp (Linear -> GroupSort layers), or cnn: a small "
-        "Lipschitz ConvNet for image datasets (digits, fashion-mnist). Default: linear, the "
+        help="linear (InputNorm -> Linear), mlp (Linear -> GroupSort layers), or for image "
+        "datasets (digits, fashion-mnist): cnn, a small Lipschitz ConvNet; resnet, a Lipschitz "
+        "wide residual network (GroupNorm, 1-Lipschitz averaged residual blocks, one per stage); "
+        "gnp, a gradient-norm-preserving ConvNet of stride-2 2x2 convolutions (exactly GNP with "
+        "--constraint orthogonal; clipless.models). Default: linear, the "
         "most accurate measured on adult, fashion-mnist, digits and breast-cancer at these "
         "budgets (benchmarks/RESULTS.md, section 8)",
     )
@@ -342,15 +352,16 @@ def _add_train_parser(sub: Any) -> None:
         "--hidden",
         type=_hidden,
         default=None,
-        help="hidden widths (mlp) or convolution channels (cnn), e.g. 64,64; the noise grows "
-        "with the number of weights: small datasets want small models (default: 16,16 for mlp, "
-        "16,32 for cnn)",
+        help="hidden widths (mlp), convolution channels (cnn, gnp) or widths per stage (resnet), "
+        "e.g. 64,64; the noise grows with the number of weights: small datasets want small "
+        "models (default: 16,16 for mlp, 16,32 for cnn and resnet, 4,16 for gnp)",
     )
     tr.add_argument(
         "--pool",
         choices=("l2", "avg"),
         default="l2",
-        help="cnn pooling: L2-norm pooling (Lipschitz 1) or average pooling (Lipschitz 1/2)",
+        help="cnn pooling and resnet downsampling: L2-norm pooling (Lipschitz 1) or average "
+        "pooling (Lipschitz 1/2)",
     )
     tr.add_argument("--epochs", type=_positive_int, default=30, help="epochs")
     tr.add_argument(
@@ -867,11 +878,11 @@ def _run_train(args: argparse.Namespace) -> int:
             f"{info.name} now has {len(train)} training samples but the run in {out} was planned "
             f"for {saved['num_samples']}: it cannot be resumed on other data",
         )
-    if args.model == "cnn" and len(info.input_shape) != 3:
+    if args.model in IMAGE_MODELS and len(info.input_shape) != 3:
         raise _ArgError(
             "--model",
-            f"cnn needs an image dataset (digits, fashion-mnist); {info.name} has input shape "
-            f"{tuple(info.input_shape)} (use --model mlp)",
+            f"{args.model} needs an image dataset (digits, fashion-mnist); {info.name} has input "
+            f"shape {tuple(info.input_shape)} (use --model mlp)",
         )
     if args.input_norm is None:
         args.input_norm = (
@@ -969,7 +980,7 @@ def _run_train(args: argparse.Namespace) -> int:
         "dataset": info.name,
         "model": args.model,
         "hidden": list(args.hidden),
-        "pool": args.pool if args.model == "cnn" else None,
+        "pool": args.pool if args.model in ("cnn", "resnet") else None,
         "bias": bool(args.bias),
         "features": args.features,
         "input_shape": list(input_shape),

@@ -44,6 +44,10 @@ Modes (one mechanism with three parameters, DESIGN.md "One mechanism, many modes
     the convolution orthogonal. Its operator norm lies between ``||K_mat||_2`` and
     ``sqrt(k_eff) ||K_mat||_2``. The certified rescale that follows uses the convolution's own
     certified bound, so the guarantee is exact even though orthogonality is approximate.
+    Exception: when kernel = stride and there is no padding (``k_eff = 1``, e.g. the 2x2 stride-2
+    convolutions of :func:`clipless.models.gnp_convnet`), the convolution applies ``K_mat`` to
+    disjoint patches, so an orthogonal ``K_mat`` *is* an orthogonal convolution (GNP when
+    ``c_out <= c_in kh kw``; checked against the Jacobian's SVD in ``tests/test_models.py``).
 
 **Rounding.** After ``W' = fl(s W)`` with ``s = C / ub``, rounding to the weight's dtype
 (float32: unit roundoff ``u = 2^-24``) can *raise* the norm slightly. By the triangle inequality,

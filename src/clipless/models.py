@@ -1,4 +1,5 @@
-"""Ready-made Lipschitz models: :func:`mlp` and :func:`convnet` (what ``clipless train`` builds).
+"""Ready-made Lipschitz models: :func:`linear`, :func:`mlp`, :func:`convnet`, :func:`resnet` and
+:func:`gnp_convnet` (what ``clipless train --model`` builds, through :func:`build`).
 
 Every layer comes from :mod:`clipless.nn`, so every layer has a certified Lipschitz bound and the
 model passes :func:`clipless.nn.validate`. Both start with :class:`clipless.nn.InputNorm`, which
@@ -21,10 +22,21 @@ import torch
 
 from clipless import nn
 
-__all__ = ["MODEL_KINDS", "POOLS", "build", "convnet", "linear", "mlp"]
+__all__ = [
+    "DOWNSAMPLES",
+    "MODEL_KINDS",
+    "POOLS",
+    "build",
+    "convnet",
+    "gnp_convnet",
+    "linear",
+    "mlp",
+    "resnet",
+]
 
-MODEL_KINDS = ("linear", "mlp", "cnn")
+MODEL_KINDS = ("linear", "mlp", "cnn", "resnet", "gnp")
 POOLS = ("l2", "avg")
+DOWNSAMPLES = ("l2", "avg", "conv")
 
 
 def _widths(name: str, widths: Sequence[int]) -> tuple[int, ...]:
@@ -127,6 +139,188 @@ def convnet(
     return nn.Sequential(*layers)
 
 
+def _image_shape(model: str, input_shape: Sequence[int]) -> tuple[int, int, int]:
+    if len(input_shape) != 3:
+        raise ValueError(
+            f"{model} needs images of shape (channels, height, width); got input shape "
+            f"{tuple(input_shape)}"
+        )
+    c, h, w = (int(s) for s in input_shape)
+    return c, h, w
+
+
+def resnet(
+    input_shape: Sequence[int] = (1, 28, 28),
+    width: int | Sequence[int] = 16,
+    depth: int = 1,
+    num_classes: int = 10,
+    *,
+    stages: int = 2,
+    input_norm: float = 1.0,
+    groups: int | None = None,
+    alpha: float = 1.0,
+    downsample: str = "l2",
+    residual: str = "average",
+    bias: bool = False,
+) -> nn.Sequential:
+    """A Lipschitz wide residual network (WRN-style) for ``C x H x W`` images.
+
+    Layout (pre-normalisation residual blocks, He et al. 2016 / Zagoruyko & Komodakis 2016, with
+    every piece replaced by its certified Lipschitz counterpart)::
+
+        InputNorm(input_norm)
+        Conv2d(C, w_1, 3, padding=1) -> GroupSort(2)                        # stem
+        stage 1: depth x Residual(GroupNorm -> Conv 3x3 -> GroupSort(2) -> Conv 3x3, residual)
+        stage s > 1: downsample(w_{s-1} -> w_s), then depth x Residual(...) at width w_s
+        Flatten -> Linear(w_last * h * w, num_classes)
+
+    ``width`` is the first stage's channel count, doubled at every later stage (WRN's
+    ``16k, 32k, 64k``) over ``stages`` stages, or an explicit sequence of per-stage widths
+    (then ``stages`` is ignored). ``depth`` residual blocks per stage. Each of the ``stages - 1``
+    transitions halves the image (floor) and changes the width, with ``downsample``:
+
+    * ``"l2"`` (default): :class:`clipless.nn.L2NormPool2d` (2x2, Lipschitz 1) then a bias-free
+      1x1 :class:`clipless.nn.Conv2d` when the width changes;
+    * ``"avg"``: :class:`clipless.nn.AvgPool2d` (2x2, Lipschitz 1/2) then the 1x1 convolution;
+    * ``"conv"``: a bias-free 2x2 convolution with stride 2 followed by ``GroupSort(2)``.
+
+    **Certified constants.** The block's normalisation is the thesis's
+    :class:`clipless.nn.GroupNorm` ``(x - mean) / max(alpha, std)`` per group (Lipschitz
+    ``1/alpha``; ``groups`` groups, default ``gcd(width, 4)``). A block is
+    :class:`clipless.nn.Residual`: ``mode="average"`` (default) computes ``(x + g(x)) / 2``, whose
+    certified constant is ``(1 + Lip(g)) / 2`` with ``Lip(g) <= Lip(conv_1) Lip(conv_2) / alpha``,
+    so with ``alpha = 1`` and convolutions constrained to ``<= 1`` every block is 1-Lipschitz;
+    ``"add"`` computes ``x + g(x)`` (constant ``1 + Lip(g)``: up to ``2^blocks`` for the whole
+    network, with as much more noise). :mod:`clipless.bounds` propagates input and cotangent
+    bounds through the blocks (``Residual`` rules in ``clipless.bounds._Walker``), so every
+    convolution inside a branch gets its own certified per-sample gradient bound.
+
+    **Not GNP.** GroupNorm's centring and the average of the two paths are contractions, so
+    the network is 1-Lipschitz but not gradient-norm preserving even with orthogonal weights
+    (:func:`gnp_convnet` is). **No weight standardisation**: standardising a kernel
+    ``W -> (W - mean) / std`` per output channel makes the layer invariant to the scale of ``W``,
+    so the weight projections (``clip`` / ``fix`` / ``orthogonal`` rescale ``W``) could no longer
+    bound its Lipschitz constant (a standardised ``c_in k k`` row has norm ``sqrt(c_in k k)``
+    whatever ``W``), and the per-sample gradient with respect to the raw ``W`` is the standardised
+    one times up to ``1 / min std``, unbounded as a row's spread shrinks. A certified version
+    needs its own layer, bound and projection; it is left out.
+    """
+    c, h, w = _image_shape("resnet", input_shape)
+    stages_i = _checks_positive("stages", stages)
+    depth = _checks_positive("depth", depth, low=0)
+    if isinstance(width, int) and not isinstance(width, bool):
+        widths = _widths("width", [int(width) * 2**s for s in range(stages_i)])
+    else:
+        widths = _widths("width", width)  # type: ignore[arg-type]
+    if downsample not in DOWNSAMPLES:
+        raise ValueError(f"downsample must be one of {DOWNSAMPLES}; got {downsample!r}")
+    if residual not in ("add", "average"):
+        raise ValueError(f"residual must be 'add' or 'average'; got {residual!r}")
+    if min(h, w) < 2 ** (len(widths) - 1):
+        raise ValueError(
+            f"a {h}x{w} image is too small for {len(widths) - 1} 2x2 downsamplings; use at most "
+            f"{1 + max(0, int(math.log2(max(1, min(h, w)))))} stages"
+        )
+    for v in widths:
+        g = math.gcd(v, 4) if groups is None else int(groups)
+        if g < 1 or v % g:
+            raise ValueError(f"groups must divide every stage width {widths}; got groups={groups}")
+
+    def block(ch: int) -> nn.Residual:
+        g = math.gcd(ch, 4) if groups is None else int(groups)
+        branch = nn.Sequential(
+            nn.GroupNorm(g, ch, alpha=alpha),
+            nn.Conv2d(ch, ch, 3, padding=1, bias=False),
+            nn.GroupSort(2),
+            nn.Conv2d(ch, ch, 3, padding=1, bias=False),
+        )
+        return nn.Residual(branch, mode=residual)
+
+    layers: list[torch.nn.Module] = [
+        nn.InputNorm(float(input_norm)),
+        nn.Conv2d(c, widths[0], 3, padding=1, bias=False),
+        nn.GroupSort(2),
+    ]
+    ch = widths[0]
+    for stage, out in enumerate(widths):
+        if stage > 0:
+            if downsample == "conv":
+                layers += [nn.Conv2d(ch, out, 2, stride=2, bias=False), nn.GroupSort(2)]
+            else:
+                layers.append(nn.L2NormPool2d(2) if downsample == "l2" else nn.AvgPool2d(2))
+                if out != ch:
+                    layers.append(nn.Conv2d(ch, out, 1, bias=False))
+            ch, h, w = out, h // 2, w // 2
+        layers += [block(ch) for _ in range(depth)]
+    layers += [nn.Flatten(), nn.Linear(ch * h * w, int(num_classes), bias=bias)]
+    return nn.Sequential(*layers)
+
+
+def gnp_convnet(
+    input_shape: Sequence[int] = (1, 28, 28),
+    channels: Sequence[int] = (4, 16),
+    num_classes: int = 10,
+    input_norm: float = 1.0,
+    bias: bool = False,
+) -> nn.Sequential:
+    """A gradient-norm-preserving (GNP) ConvNet: ``InputNorm -> (Conv2d 2x2 stride 2 ->
+    GroupSort(2)) x len(channels) -> Flatten -> Linear``.
+
+    Every convolution has kernel = stride (``k_eff = 1``: each input pixel is read by exactly one
+    output position), so it applies the reshaped kernel ``K_mat`` (``c_out x 4 c_in``) to disjoint
+    2x2 patches and its operator norm *is* ``||K_mat||_2`` (exact; the FFT certificate of
+    :func:`clipless.norms.conv_norm` attains it up to its rounding margin). Trained with
+    ``constraint="orthogonal"`` (:func:`clipless.constraints.project`: Björck steps on
+    ``K_mat``, then a certified rescale to ``<= C``), ``K_mat`` converges to a matrix with
+    orthonormal rows when ``c_out <= 4 c_in``, so the convolution's Jacobian ``J`` has
+    ``J J^T = I`` (also on odd sizes: the dropped last row or column only adds zero columns to
+    ``J``): ``||J^T g|| = ||g||`` for every cotangent ``g``, the GNP property of Anil, Lucas &
+    Grosse 2019 ("Sorting out Lipschitz function approximation", ICML) and of the Clipless DP-SGD
+    seed (section 3.1, "Gradient Norm Preserving networks"). GroupSort is a permutation of each
+    sample's entries (GNP) and the final :class:`clipless.nn.Linear` has orthonormal rows after
+    Björck when ``num_classes <=`` its input size. Exactly GNP, therefore, up to (a) the Björck
+    iterations' convergence (a few per step, applied to the stored weights) and (b) the
+    certified rescale, which places the top singular value a relative ``~1e-7`` below ``C``.
+    With ``channels[i] > 4 channels[i-1]`` ``K_mat`` has orthonormal columns instead: an
+    isometry, 1-Lipschitz but not GNP. GNP makes the cotangent bounds ``G_k`` tight (for the
+    worst sample), not the per-sample *weight*-gradient bound of a convolution, a sum over
+    output positions (measured in ``benchmarks/RESULTS.md`` section 11).
+
+    Default ``(4, 16)`` on 28x28x1 images: ``1 -> 4 -> 16`` channels are square ``K_mat``
+    (orthogonal transforms of the image, ``14x14x4``, ``7x7x16 = 784`` features). By contrast the
+    3x3 convolutions of :func:`convnet` and :func:`resnet` are only approximately orthogonal
+    after Björck on ``K_mat`` (their operator norm lies between ``||K_mat||_2`` and
+    ``3 ||K_mat||_2``), hence 1-Lipschitz but not GNP.
+    """
+    c, h, w = _image_shape("gnp_convnet", input_shape)
+    channels = _widths("channels", channels)
+    if min(h, w) < 2 ** len(channels):
+        raise ValueError(
+            f"a {h}x{w} image is too small for {len(channels)} stride-2 convolutions; use at "
+            f"most {max(0, int(math.log2(max(1, min(h, w)))))} stages"
+        )
+    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm))]
+    for out in channels:
+        layers += [nn.Conv2d(c, out, 2, stride=2, bias=False), nn.GroupSort(2)]
+        c, h, w = out, h // 2, w // 2
+    layers += [nn.Flatten(), nn.Linear(c * h * w, int(num_classes), bias=bias)]
+    return nn.Sequential(*layers)
+
+
+def _checks_positive(name: str, value: object, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+    return value
+
+
+def _with_input_mode(model: nn.Sequential, input_mode: str) -> nn.Sequential:
+    first = model[0]
+    if input_mode != "ball":
+        assert isinstance(first, nn.InputNorm)
+        model[0] = nn.InputNorm(first.max_norm, input_mode)
+    return model
+
+
 def build(
     kind: str,
     input_shape: Sequence[int],
@@ -137,8 +331,10 @@ def build(
     pool: str = "l2",
     input_mode: str = "ball",
 ) -> nn.Sequential:
-    """``linear`` (``hidden`` must be empty), ``mlp`` or ``cnn`` (:func:`convnet`, ``hidden`` =
-    channels per convolution stage). ``input_mode``: the first layer's
+    """``linear`` (``hidden`` must be empty), ``mlp``, ``cnn`` (:func:`convnet`, ``hidden`` =
+    channels per convolution stage), ``resnet`` (:func:`resnet`, ``hidden`` = width per stage,
+    one residual block per stage, ``pool`` its downsampling) or ``gnp`` (:func:`gnp_convnet`,
+    ``hidden`` = channels per stride-2 convolution). ``input_mode``: the first layer's
     :class:`clipless.nn.InputNorm` mode (``"ball"`` clips each sample to ``input_norm``,
     ``"sphere"`` normalises it to that norm)."""
     if kind == "linear":
@@ -149,4 +345,21 @@ def build(
         return mlp(input_shape, hidden, num_classes, input_norm, bias, input_mode)
     if kind == "cnn":
         return convnet(input_shape, hidden, num_classes, input_norm, pool, bias, input_mode)
+    if kind == "resnet":
+        return _with_input_mode(
+            resnet(
+                input_shape,
+                hidden,
+                1,
+                num_classes,
+                input_norm=input_norm,
+                downsample=pool,
+                bias=bias,
+            ),
+            input_mode,
+        )
+    if kind == "gnp":
+        return _with_input_mode(
+            gnp_convnet(input_shape, hidden, num_classes, input_norm, bias), input_mode
+        )
     raise ValueError(f"model must be one of {MODEL_KINDS}; got {kind!r}")
