@@ -103,6 +103,69 @@ def certification_costs(reps: int = 5) -> dict[str, dict[str, float]]:
     return out
 
 
+def certificate_parts(reps: int = 5, n: int = 1024) -> dict[str, float]:
+    """Median ms of the parts of one Cholesky certification of an ``n x n`` float32 layer, and of
+    the randomised-certificate alternative (docs/speed.md): ``W x`` products and the Chebyshev
+    recurrence ``p(A) x`` (``A = W^T W``, ``k = 112`` and ``51`` steps: eps 0.02 and 0.1 at
+    ``beta = 1e-12``), float64 and float32. Weights: orthogonal plus DP-sized noise."""
+    import numpy as np
+    from scipy.linalg import blas, lapack
+
+    from clipless import norms
+
+    gen = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    w32 = (q + 0.3 * torch.randn(n, n, generator=gen, dtype=torch.float64) / 64).float()
+    w64 = w32.double()
+    level = float(torch.linalg.matrix_norm(w64, ord=2)) ** 2
+    gram = blas.dsyrk(1.0, np.asarray(w64.numpy()).T, trans=0, lower=0)
+    ritz = norms._top_eigenvalue_estimate(gram)
+    assert ritz is not None
+
+    def potrf() -> None:
+        b = np.negative(gram, order="F")
+        b[np.diag_indices(n)] += level * (1 + 3e-6)
+        lapack.dpotrf(b, lower=0, clean=0, overwrite_a=1)
+
+    def chebyshev(w: torch.Tensor, k: int) -> float:
+        x = torch.randn(n, dtype=w.dtype, generator=gen)
+
+        def b_op(v: torch.Tensor) -> torch.Tensor:
+            return (2.0 / level) * (w.mT @ (w @ v)) - v
+
+        y0, y1 = x, b_op(x)
+        for _ in range(k - 1):
+            y0, y1 = y1, 2.0 * b_op(y1) - y0
+        return float(y1.norm())
+
+    x64 = torch.randn(n, dtype=torch.float64, generator=gen)
+    x32 = x64.float()
+    parts = {
+        "to float64": lambda: w32.to(torch.float64),
+        "dsyrk": lambda: blas.dsyrk(1.0, np.asarray(w64.numpy()).T, trans=0, lower=0),
+        "ARPACK estimate, cold": lambda: norms._top_eigenvalue_estimate(gram),
+        "ARPACK estimate, warm (previous Ritz vector)": lambda: norms._top_eigenvalue_estimate(
+            gram, ritz.vector
+        ),
+        "dpotrf": potrf,
+        "dense_norm total": lambda: norms.dense_norm(w32),
+        "dsyrk + dpotrf": lambda: (blas.dsyrk(1.0, np.asarray(w64.numpy()).T, trans=0), potrf()),
+        "W x float64": lambda: w64 @ x64,
+        "W x float32": lambda: w32 @ x32,
+        "Chebyshev k=112 float64": lambda: chebyshev(w64, 112),
+        "Chebyshev k=51 float64": lambda: chebyshev(w64, 51),
+        "Chebyshev k=112 float32": lambda: chebyshev(w32, 112),
+        "Chebyshev k=51 float32": lambda: chebyshev(w32, 51),
+    }
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    for _ in range(reps):
+        for name, fn in parts.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: 1000 * statistics.median(v) for k, v in times.items()}
+
+
 def print_overhead_table(profiles: dict[str, Any]) -> None:
     """Markdown: where the clipless step's time goes (ms per step), next to the non-private step."""
     rows = []
@@ -211,7 +274,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-certification", action="store_true", help="skip the 6a table")
     p.add_argument("--plot-dir", type=Path, default=OUT.parent, help="where the PNGs go")
     p.add_argument("--plot-from", nargs="+", type=Path, default=None, help="only redraw")
+    p.add_argument(
+        "--certificate-parts",
+        action="store_true",
+        help="only time the parts of one Cholesky certification and the randomised alternative",
+    )
     args = p.parse_args(argv)
+    if args.certificate_parts:
+        torch.set_num_threads(args.threads)
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=args.threads)
+        print(f"# load average {os.getloadavg()}")
+        for name, ms in certificate_parts().items():
+            print(f"| {name} | {ms:.2f} |")
+        print(f"# load average {os.getloadavg()}")
+        return
     if args.plot_from:
         merged = [r for f in args.plot_from for r in json.loads(f.read_text())["results"]]
         profs = {

@@ -485,3 +485,23 @@ def test_power_iteration_is_a_lower_bound() -> None:
         assert est.lower_bound == pytest.approx(exact_conv, rel=1e-3)
     with pytest.raises(ValueError, match="input_shape"):
         power_iteration(lambda v: v)
+
+
+def test_column_major_weights_certify_as_row_major() -> None:
+    """A weight stored transposed (from a QR factor, a ``.mT`` view) takes the fast reduction
+    path and gets exactly the bound of its row-major copy; non-finite entries are still caught."""
+    mat = _with_singular_values(150, 120, 1.0 - torch.linspace(0, 0.5, 120), 41)
+    col_major = mat.mT.contiguous().mT
+    assert not col_major.is_contiguous() and torch.equal(col_major, mat)
+    exact = exact_norm(mat)
+    for method in ("cholesky", "auto"):
+        bound = dense_norm(col_major, method=method)  # type: ignore[arg-type]
+        assert bound == dense_norm(mat.contiguous(), method=method)  # type: ignore[arg-type]
+        assert exact <= bound <= exact * (1 + 5e-6)
+    for bad in (math.nan, math.inf, -math.inf):
+        broken = col_major.clone(memory_format=torch.preserve_format)
+        broken[3, 7] = bad
+        assert not broken.is_contiguous()
+        assert not norms.all_finite(broken)
+        with pytest.raises(ValueError, match="finite"):
+            dense_norm(broken)

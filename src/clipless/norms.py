@@ -80,8 +80,21 @@ def all_finite(t: torch.Tensor) -> bool:
         t = torch.view_as_real(t)
     if not t.is_floating_point():
         return True
-    lo, hi = torch.aminmax(t.detach())
+    lo, hi = _aminmax(t.detach())
     return bool(torch.isfinite(torch.stack((lo, hi))).all())
+
+
+def _aminmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.aminmax`` of a matrix stored in either order.
+
+    ``torch.aminmax`` is ~40x slower on a transposed (column-major) matrix than on a row-major one
+    (torch 2.x CPU: 17 ms against 0.35 ms for 1024 x 1024 float64, e.g. a weight built from a QR
+    factor or a ``.mT`` view); the minimum and maximum do not depend on the order, so a
+    transposed matrix is reduced through its row-major transpose.
+    """
+    if t.dim() >= 2 and not t.is_contiguous() and t.mT.is_contiguous():
+        t = t.mT
+    return torch.aminmax(t)
 
 
 def _as_pair(value: int | tuple[int, ...] | list[int], name: str) -> tuple[int, int]:
@@ -275,15 +288,16 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     if w.shape[0] < w.shape[1]:
         w = w.mT
     k, n = int(w.shape[0]), int(w.shape[1])
-    lo, hi = torch.aminmax(w)
+    lo, hi = _aminmax(w)
     biggest = max(-float(lo), float(hi))
     if biggest == 0.0:
         return 0.0, v0
     e = -math.frexp(biggest)[1] + 1  # 2^e * biggest in [1, 2)
-    # Two exact power-of-two factors (a single 2.0**e overflows for e > 1023); much faster than
+    # Exact power-of-two factors (two when a single 2.0**e would overflow); much faster than
     # torch.ldexp. Underflow of entries when scaling down (at most one rounding per factor),
     # and of the result when scaling back (subnormal), are covered by ``underflow``.
-    w = w * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)
+    one_factor = -1022 <= e <= 1023  # 2^e normal: one multiplication, one temporary
+    w = w * 2.0**e if one_factor else w * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)
     underflow = (2.0 * math.sqrt(w.numel()) + 1.0) * 2.0**-1074
     # W^T W by BLAS dsyrk (upper triangle only: half the work of a general product). The
     # k x n row-major W is the column-major n x k matrix W^T, so no copy is made.
