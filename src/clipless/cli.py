@@ -430,6 +430,14 @@ def _add_train_parser(sub: Any) -> None:
         default=1,
         help="torch intra-op threads (small models run fastest on one)",
     )
+    tr.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=1,
+        help="data-parallel training in this many local processes (torch.distributed, gloo on "
+        "the CPU; the same model and epsilon as one process, docs/distributed.md); under "
+        "torchrun leave it at 1: the ranks come from torchrun",
+    )
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.add_argument("--quiet", action="store_true", help="no per-epoch lines")
     p.set_defaults(func=_run_train)
@@ -810,18 +818,29 @@ def _run_train(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader
 
     import clipless
-    from clipless import models, nn
+    from clipless import distributed, models, nn
     from clipless._io import atomic_write, atomic_write_with
     from clipless.data import DatasetNotFoundError, load_dataset
     from clipless.engine import PrivacyEngine
     from clipless.sampling import poisson_loader
     from clipless.training import fit, plot_training, write_metrics
 
+    # data parallel (clipless.distributed): --nproc N runs this function in N spawned ranks; under
+    # torchrun the ranks come from its environment. Only rank 0 touches the run folder.
+    if distributed.launched_by_torchrun() and args.nproc > 1:
+        raise _ArgError("--nproc", "must be 1 under torchrun (torchrun starts the ranks)")
+    if args.nproc > 1 and not distributed.launched_by_torchrun():
+        _check_out_folder(Path(args.out), args)  # one clear error before any process starts
+        return distributed.spawn(args.nproc, _train_rank, args)
+    lead = distributed.current_rank() == 0
+    args.quiet, args.no_progress = args.quiet or not lead, args.no_progress or not lead
+
     started = time.perf_counter()
     out = Path(args.out)
     given: set[str] = set(getattr(args, "given", set(RUN_OPTIONS)))
     # 1. the run folder: refuse before anything is read or written
-    _check_out_folder(out, args)
+    if lead:
+        _check_out_folder(out, args)
     saved: dict[str, Any] | None = None
     if args.resume:
         saved = _read_run_config(out)
@@ -837,7 +856,7 @@ def _run_train(args: argparse.Namespace) -> int:
         args.bias = args.model == "linear"
     if args.input_mode is None:
         args.input_mode = "ball" if args.features == "none" else "sphere"
-    device = _resolve_device(args.device)
+    device = distributed.init_from_env(_resolve_device(args.device))
 
     # 2. the data and what depends on it
     try:
@@ -905,14 +924,15 @@ def _run_train(args: argparse.Namespace) -> int:
         raise _ArgError("--hidden", f"{exc} (dataset {info.name})") from None
 
     # 3. side effects start here
-    if args.force and _run_files(out):
+    if lead and args.force and _run_files(out):
         aside = _move_aside(out)
         print(
             f"clipless train: --force: moved the earlier run in {out} to {aside} (its ledger is "
             "kept: privacy spent by separate runs on the same data adds up); starting a new run",
             file=sys.stderr,
         )
-    _make_writable_folder(out)
+    if lead:
+        _make_writable_folder(out)
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     np.random.seed(args.seed)  # noqa: NPY002 - seed the legacy global state for third parties
@@ -968,6 +988,8 @@ def _run_train(args: argparse.Namespace) -> int:
         input_shape=input_shape,
         **calibration,
     )
+    if distributed.launched_by_torchrun():
+        distributed.make_data_parallel(optimizer, loader)
     config = engine.config
     if saved is not None and config["sample_rate"] != saved.get("sample_rate"):
         raise _ArgError(
@@ -1014,7 +1036,7 @@ def _run_train(args: argparse.Namespace) -> int:
         "git_commit": _git_commit(),
         "resumed": saved is not None,
     }
-    if saved is None:
+    if saved is None and lead:
         # Written before the first step: a later --resume reloads exactly this run.
         saved_config = {
             "format": RUN_CONFIG_FORMAT,
@@ -1049,6 +1071,20 @@ def _run_train(args: argparse.Namespace) -> int:
         )
         sys.stdout.flush()
 
+    if not lead:  # another rank: the same steps, nothing evaluated or written
+        fit(
+            model,
+            optimizer,
+            loader,
+            loss,
+            engine=engine,
+            epochs=args.epochs,
+            delta=args.delta,
+            epsilon_budget=args.epsilon,
+            resume=out if saved is not None else False,
+            progress=False,
+        )
+        return 0
     result = fit(
         model,
         optimizer,
@@ -1104,6 +1140,19 @@ def _run_train(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def _train_rank(args: argparse.Namespace) -> int:
+    """One rank of ``clipless train --nproc N`` (in a spawned process): errors as in main."""
+    args.nproc = 1  # this process is one rank (its environment says which, as under torchrun)
+    try:
+        return _run_train(args)
+    except _ArgError as exc:
+        print(f"clipless train: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"clipless train: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _pct(value: Any) -> str:

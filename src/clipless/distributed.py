@@ -35,7 +35,10 @@ loopback and compares with one process.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +46,7 @@ import torch.distributed as dist
 
 from clipless.optim import DPOptimizer, PrivacyContractError
 
-__all__ = ["DataParallel", "make_data_parallel", "shard"]
+__all__ = ["DataParallel", "current_rank", "init_from_env", "make_data_parallel", "shard", "spawn"]
 
 
 class DataParallel:
@@ -155,3 +158,85 @@ def shard(*tensors: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, ...]
             "(pass make_private's loader to make_data_parallel) before taking its shard"
         )
     return tuple(t[rank::world] for t in tensors)
+
+
+# ------------------------------------------------------------------------------- launching
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a ``torchrun`` launch (``WORLD_SIZE`` > 1 is set)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def init_from_env(device: torch.device | str = "cpu") -> torch.device:
+    """Join the process group described by the environment, if any; returns this rank's device.
+
+    Under ``torchrun`` (or after :func:`spawn`) the environment names the rank, the world size and
+    the rendezvous (``MASTER_ADDR``/``MASTER_PORT``): the group is initialised with NCCL when
+    ``device`` is CUDA, gloo otherwise, unless one is initialised already. A CUDA device becomes
+    ``cuda:LOCAL_RANK`` (one GPU per local rank). Without such an environment nothing happens and
+    ``device`` is returned: one process.
+    """
+    device = torch.device(device)
+    if not (dist.is_available() and (dist.is_initialized() or launched_by_torchrun())):
+        return device
+    if device.type == "cuda" and device.index is None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local % max(torch.cuda.device_count(), 1))
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def current_rank() -> int:
+    """This process's rank: the group's, else ``RANK`` under torchrun, else 0 (one process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ["RANK"]) if launched_by_torchrun() else 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawned(local_rank: int, world: int, port: int, fn: Callable[..., int], args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    try:
+        code = int(fn(*args))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if code:
+        sys.exit(code)
+
+
+def spawn(nproc: int, fn: Callable[..., int], *args: Any) -> int:
+    """Run ``fn(*args)`` in ``nproc`` local processes, ranks of one group on loopback.
+
+    Each process gets the environment ``torchrun --standalone --nproc-per-node nproc`` would set
+    (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``),
+    so ``fn`` calls :func:`init_from_env` exactly as under ``torchrun``. ``fn`` returns an exit
+    status. Returns 0 when every rank returned 0, else the first failing rank's status (the
+    other ranks are then stopped: they would wait for it in a collective). ``fn`` and ``args``
+    must be picklable (processes are started with the ``spawn`` method).
+    """
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive integer; got {nproc!r}")
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this build of torch")
+    try:
+        torch.multiprocessing.spawn(
+            _spawned, args=(nproc, _free_port(), fn, args), nprocs=nproc, join=True
+        )
+    except torch.multiprocessing.ProcessExitedException as exc:
+        return int(exc.exit_code) if exc.exit_code and exc.exit_code > 0 else 1
+    return 0

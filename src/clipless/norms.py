@@ -80,8 +80,21 @@ def all_finite(t: torch.Tensor) -> bool:
         t = torch.view_as_real(t)
     if not t.is_floating_point():
         return True
-    lo, hi = torch.aminmax(t.detach())
+    lo, hi = _aminmax(t.detach())
     return bool(torch.isfinite(torch.stack((lo, hi))).all())
+
+
+def _aminmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.aminmax`` of a matrix stored in either order.
+
+    ``torch.aminmax`` is ~40x slower on a transposed (column-major) matrix than on a row-major one
+    (torch 2.x CPU: 17 ms against 0.35 ms for 1024 x 1024 float64, e.g. a weight built from a QR
+    factor or a ``.mT`` view); the minimum and maximum do not depend on the order, so a
+    transposed matrix is reduced through its row-major transpose.
+    """
+    if t.dim() >= 2 and not t.is_contiguous() and t.mT.is_contiguous():
+        t = t.mT
+    return torch.aminmax(t)
 
 
 def _as_pair(value: int | tuple[int, ...] | list[int], name: str) -> tuple[int, int]:
@@ -275,15 +288,16 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     if w.shape[0] < w.shape[1]:
         w = w.mT
     k, n = int(w.shape[0]), int(w.shape[1])
-    lo, hi = torch.aminmax(w)
+    lo, hi = _aminmax(w)
     biggest = max(-float(lo), float(hi))
     if biggest == 0.0:
         return 0.0, v0
     e = -math.frexp(biggest)[1] + 1  # 2^e * biggest in [1, 2)
-    # Two exact power-of-two factors (a single 2.0**e overflows for e > 1023); much faster than
+    # Exact power-of-two factors (two when a single 2.0**e would overflow); much faster than
     # torch.ldexp. Underflow of entries when scaling down (at most one rounding per factor),
     # and of the result when scaling back (subnormal), are covered by ``underflow``.
-    w = w * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)
+    one_factor = -1022 <= e <= 1023  # 2^e normal: one multiplication, one temporary
+    w = w * 2.0**e if one_factor else w * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)
     underflow = (2.0 * math.sqrt(w.numel()) + 1.0) * 2.0**-1074
     # W^T W by BLAS dsyrk (upper triangle only: half the work of a general product). The
     # k x n row-major W is the column-major n x k matrix W^T, so no copy is made.
@@ -587,19 +601,26 @@ def _polyphase_symbol(
 
 
 def _max_spectral_norm(mats: torch.Tensor) -> float:
-    """``max_i ||mats[i]||_2`` over a batch of complex matrices, exact up to float64 rounding.
+    """Certified upper bound on ``max_i ||mats[i]||_2`` over a batch of complex matrices.
 
-    Batched LAPACK SVDs run one matrix after another on the CPU; with several torch threads the
-    batch is split across Python threads (the linear-algebra kernels release the GIL).
+    Each matrix by :func:`_eigh_norm` (the largest eigenvalue of its float64 Gram matrix on the
+    smaller side, with the rounding of the product covered explicitly, as ``dense_norm``'s
+    ``"eigh"``): 1.3x faster than one SVD per matrix (60 frequencies of a 576 x 288 convolution:
+    2.6 s against 3.5 s on one core) and as tight (within ``NUMERIC_MARGIN``). On the CPU with
+    several torch threads the batch is split across Python threads (the kernels release the GIL).
+    Off the CPU: one batched SVD (exact singular values; the caller inflates).
     """
     flat = mats.reshape(-1, mats.shape[-2], mats.shape[-1])
-    workers = torch.get_num_threads()
-    if flat.device.type != "cpu" or workers < 2 or flat.shape[0] < 4 * workers:
+    if flat.device.type != "cpu":  # one batched call (no host sync per matrix)
         return float(torch.linalg.matrix_norm(flat, ord=2).max().item())
-    chunks = flat.tensor_split(workers)
+    workers = torch.get_num_threads()
 
     def largest(chunk: torch.Tensor) -> float:
-        return float(torch.linalg.matrix_norm(chunk, ord=2).max().item())
+        return max(_eigh_norm(m) for m in chunk)
+
+    if workers < 2 or flat.shape[0] < 4 * workers:
+        return largest(flat)
+    chunks = flat.tensor_split(workers)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return max(pool.map(largest, chunks))
@@ -701,7 +722,8 @@ def conv_norm(
     ``max_f ||K(f)||_2`` over the ``c_out x c_in`` matrices of DFT coefficients of the kernel
     (the DFT of the few taps evaluated directly in complex128 -- what ``rfft2`` of the zero-padded
     kernel gives, about twice as fast; ``K(-f) = conj(K(f))`` for a real kernel, so half the
-    frequencies suffice; the per-frequency norms are exact singular values, LAPACK). A
+    frequencies suffice; each frequency's norm is certified from the largest eigenvalue of its
+    float64 Gram matrix with the product's rounding covered, as ``dense_norm(method="eigh")``). A
     stride-``s`` layer is written exactly as a stride-1 layer on the polyphase components of the
     input (``c_in s_h s_w`` channels, kernel ``ceil(k/s)``), and zero padding embeds into the
     circular convolution on a grid of ``ceil(n/s) + ceil(k/s) - 1`` (``n + k - 1`` for stride 1):

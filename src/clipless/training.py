@@ -77,6 +77,7 @@ import numpy as np
 import torch
 
 from clipless._io import atomic_write, atomic_write_with
+from clipless.distributed import shard
 from clipless.nn import LossGradientClip
 from clipless.optim import DPOptimizer
 
@@ -719,6 +720,7 @@ def fit(
             config=config,
         )
 
+    parallel = getattr(optimizer, "data_parallel", None)
     try:
         for epoch in range(start_epoch, epochs):
             started = time.perf_counter()
@@ -733,6 +735,8 @@ def fit(
                     budget_hit = True  # stop before the step that would overspend
                     break
                 x, y = _split_batch(batch)
+                if parallel is not None:  # clipless.distributed: this rank's rows of the batch
+                    x, y = shard(x, y, group=parallel.group)
                 optimizer.zero_grad()
                 if x.shape[0] > 0:
                     x, y = x.to(device), y.to(device)
@@ -763,6 +767,11 @@ def fit(
                         eps=f"{epsilon:.3f}",
                         refresh=False,
                     )
+            if parallel is not None:  # the whole batch's training statistics, on every rank
+                totals = [loss_total, correct, float(seen)]
+                summed = torch.tensor(totals, dtype=torch.float64, device=parallel.device)
+                parallel.reduce([summed])
+                loss_total, correct, seen = float(summed[0]), float(summed[1]), int(summed[2])
             epsilon = _epsilon(engine, delta)
             record: dict[str, Any] = {
                 "epoch": epoch + 1,
