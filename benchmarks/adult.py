@@ -200,6 +200,7 @@ def run_clipless(
         "epsilon": engine.get_epsilon(delta),
         "sigma": engine.config["noise_multiplier"],
         "time_s": time.perf_counter() - start,
+        "model": model if ema is None else ema.model,  # for benchmarks/clipping_bias.py
     }
 
 
