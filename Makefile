@@ -37,6 +37,8 @@ test-slow: $(STAMP)
 data: $(STAMP)
 	$(VENV)/bin/clipless data fetch fashion-mnist
 	$(VENV)/bin/clipless data fetch adult
+	$(VENV)/bin/clipless data fetch german-credit
+	$(VENV)/bin/clipless data fetch mnist-10k
 
 demo: $(STAMP)
 	$(VENV)/bin/clipless train --dataset breast-cancer --epsilon 1.0 --delta 1e-5 --epochs 30 --out runs/demo

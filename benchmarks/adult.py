@@ -51,6 +51,9 @@ DATASETS: dict[str, dict[str, Any]] = {
     "adult": {"epsilon": EPSILON, "delta": None, "input_norm": math.sqrt(13.0)},
     "fashion-mnist": {"epsilon": 3.0, "delta": 1e-5, "input_norm": 7.0},
     "mnist-10k": {"epsilon": 3.0, "delta": 1e-5, "input_norm": 7.0},
+    # thesis Table 5.4 budgets (benchmarks/tabular.py)
+    "german-credit": {"epsilon": 3.852, "delta": None, "input_norm": math.sqrt(20.0)},
+    "breast-cancer": {"epsilon": 1.672, "delta": None, "input_norm": math.sqrt(30.0)},
 }
 
 CLIPLESS_DEFAULTS: dict[str, Any] = {
@@ -77,6 +80,8 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     "freeze_first": False,  # a public random first layer, not trained (its weights never noised)
     "features": "none",  # or "scatter": clipless.features.Scattering2d before the model
     "input_mode": "ball",  # InputNorm: "ball" (clip to input_norm) or "sphere" (normalise to it)
+    "threshold": None,  # scaling="threshold": T_k = threshold * input radius for every layer
+    "ratios": True,  # measure gradient_to_bound at the end (256 single-sample backwards)
 }
 OPACUS_DEFAULTS: dict[str, Any] = {
     "dataset": "adult",
@@ -88,6 +93,7 @@ OPACUS_DEFAULTS: dict[str, Any] = {
     "batch": 1024,
     "epochs": 30,
     "features": "none",
+    "optimizer": "sgd",  # or "adam" (lr then Adam's)
 }
 
 
@@ -172,6 +178,14 @@ def run_clipless(
     else:
         opt = torch.optim.SGD(trainable, lr=cfg["lr"], momentum=cfg["momentum"])
     engine = clipless.PrivacyEngine(accountant="pld", seed=seed)
+    thresholds = None
+    if cfg["threshold"] is not None:  # a public T_k: a fraction of the public input radius
+        radius = cfg["input_norm"] or DATASETS[cfg["dataset"]]["input_norm"]
+        thresholds = {
+            name: float(cfg["threshold"]) * radius
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear)
+        }
     model, opt, loader = engine.make_private(
         module=model,
         optimizer=opt,
@@ -184,6 +198,7 @@ def run_clipless(
         constraint=cfg["constraint"],
         scaling=cfg["scaling"],
         noise=cfg["noise"],
+        thresholds=thresholds,
     )
     ema = WeightEMA(model, cfg["ema"]) if cfg["ema"] else None
     total = cfg["epochs"] * len(loader)
@@ -203,11 +218,12 @@ def run_clipless(
             if sched is not None:
                 sched.step()
     return {
-        "gradient_to_bound": gradient_to_bound(model, opt, loss, train),
+        "gradient_to_bound": gradient_to_bound(model, opt, loss, train) if cfg["ratios"] else None,
         "accuracy": accuracy(model if ema is None else ema.model, test),
         "epsilon": engine.get_epsilon(delta),
         "sigma": engine.config["noise_multiplier"],
         "time_s": time.perf_counter() - start,
+        "model": model if ema is None else ema.model,  # for benchmarks/clipping_bias.py
     }
 
 
@@ -262,7 +278,10 @@ def run_opacus(
     n = len(train)
     model = plain_mlp(tuple(cfg["hidden"]), train)
     epsilon, delta = privacy(cfg, n)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    if cfg["optimizer"] == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
     engine = PrivacyEngine(accountant="prv")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

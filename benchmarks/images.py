@@ -6,7 +6,7 @@ each seed, appends one JSON line per run to ``out/images.jsonl`` (a rerun skips 
 then draws ``accuracy_epsilon.png``: the median over seeds per method against epsilon, with the
 published anchors named in issue 10 as markers.
 
-Methods (each a fixed setting, chosen by the trials of ``RESULTS.md`` section 11):
+Methods (each a fixed setting, chosen by the trials of ``RESULTS.md`` section 14):
 
 * ``clipless-scatter``: ScatterNet features (:class:`clipless.features.Scattering2d`), linear
   model, inputs normalised onto the unit sphere, Adam 0.01, temperature 0.1, loss-gradient clip

@@ -17,6 +17,7 @@ from scipy.optimize import root
 from clipless.diagnostics import (
     clipped_mean_gradient,
     clipping_bias,
+    clipping_profile,
     mean_gradient,
     per_sample_gradients,
 )
@@ -169,3 +170,47 @@ def test_loss_gradient_clip_shifts_the_zero_too() -> None:
 
     np.testing.assert_allclose(g(np.zeros(2)), [0.4, 0.8], rtol=0, atol=1e-12)
     np.testing.assert_allclose(g(np.array([0.0, -17 / 18])), 0.0, atol=1e-12)
+
+
+def test_clipping_profile_exact_on_four_samples() -> None:
+    """Four hand-made samples with per-sample gradients -2 y_i (x_i, 1) at theta = 0:
+    (0, -2), (0, 0.5), (-1, -1), (0, 0); norms 2, 0.5, sqrt(2), 0."""
+    x = torch.tensor([[0.0], [0.0], [1.0], [0.0]], dtype=torch.float64)
+    y = torch.tensor([[1.0], [-0.25], [0.5], [0.0]], dtype=torch.float64)
+    model = _model(0.0, 0.0)
+    r2 = math.sqrt(2.0)
+    mean = np.array([-1.0, -2.5]) / 4  # (-0.25, -0.625)
+    stats = clipping_profile(model, _sq_loss, x, y, [1.0, 3.0, 0.25])
+    # C = 1: scales 1/2, 1, 1/sqrt(2), 1
+    clipped = np.array([-1 / r2, -1.0 + 0.5 - 1 / r2]) / 4
+    s = stats[0]
+    assert s.max_grad_norm == 1.0 and s.fraction_clipped == 0.5
+    assert s.mean_norm == pytest.approx(float(np.linalg.norm(mean)), abs=1e-15)
+    assert s.clipped_norm == pytest.approx(float(np.linalg.norm(clipped)), abs=1e-15)
+    assert s.bias == pytest.approx(float(np.linalg.norm(mean - clipped)), abs=1e-15)
+    assert s.relative_error == pytest.approx(s.bias / s.mean_norm, abs=1e-15)
+    cos = float(mean @ clipped / np.linalg.norm(mean) / np.linalg.norm(clipped))
+    assert s.cosine == pytest.approx(cos, abs=1e-15)
+    assert s.mean_scale == pytest.approx((0.5 + 1 + 1 / r2 + 1) / 4, abs=1e-15)
+    # C = 3: nothing clipped, no bias
+    assert stats[1].bias == 0.0 and stats[1].fraction_clipped == 0.0
+    assert stats[1].cosine == pytest.approx(1.0, abs=1e-15) and stats[1].mean_scale == 1.0
+    # C = 0.25: scales 1/8, 1/2, 1/(4 sqrt 2), 1 -> three of four clipped
+    clipped = np.array([-0.25 / r2, -0.25 + 0.25 - 0.25 / r2]) / 4
+    assert stats[2].fraction_clipped == 0.75
+    assert stats[2].bias == pytest.approx(float(np.linalg.norm(mean - clipped)), abs=1e-15)
+    # the same numbers as clipping_bias, one threshold at a time
+    assert stats[0].bias == pytest.approx(clipping_bias(model, _sq_loss, x, y, 1.0), abs=1e-15)
+    with pytest.raises(ValueError, match="thresholds"):
+        clipping_profile(model, _sq_loss, x, y, [])
+    with pytest.raises(ValueError, match="thresholds"):
+        clipping_profile(model, _sq_loss, x, y, [1.0, -1.0])
+
+
+def test_clipping_profile_on_the_thesis_example() -> None:
+    """At the true (a, b): the mean gradient is 0, every sample is clipped, bias = 0.7791."""
+    x, y, w = _population()
+    (s,) = clipping_profile(_model(A, B), _sq_loss, x, y, [1.0], sample_weight=w)
+    assert s.fraction_clipped == pytest.approx(1.0, abs=1e-12)
+    assert round(s.clipped_norm, 4) == 0.7791 and round(s.bias, 4) == 0.7791
+    assert s.mean_norm < 1e-12 and s.relative_error > 1e6  # all of the update is bias

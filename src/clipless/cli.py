@@ -575,7 +575,10 @@ def _default_input_norm(dataset: str, input_shape: Sequence[int]) -> float:
     if dataset == "adult":
         # 5 numeric features in [0, 1] and 8 one-hot groups with at most one 1 each
         return math.sqrt(13.0)
-    if dataset in ("digits", "fashion-mnist"):
+    if dataset == "german-credit":
+        # 7 numeric features in [0, 1] and 13 one-hot groups with at most one 1 each
+        return math.sqrt(20.0)
+    if dataset in ("digits", "fashion-mnist", "mnist-10k"):
         # pixels in [0, 1]: a quarter of the worst case sqrt(d); brighter images are projected
         # onto the ball (a per-sample rescale, applied identically in training and inference)
         return max(1.0, math.sqrt(features) / 4.0)
@@ -900,8 +903,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.model in IMAGE_MODELS and len(info.input_shape) != 3:
         raise _ArgError(
             "--model",
-            f"{args.model} needs an image dataset (digits, fashion-mnist); {info.name} has input "
-            f"shape {tuple(info.input_shape)} (use --model mlp)",
+            f"{args.model} needs an image dataset (digits, fashion-mnist, mnist-10k); "
+            f"{info.name} has input shape {tuple(info.input_shape)} (use --model mlp)",
         )
     if args.input_norm is None:
         args.input_norm = (

@@ -17,6 +17,12 @@ gradient is ``0.8 (sqrt(2) - 1, asinh(1))``, norm 0.7791 (as in the thesis), and
 positive errors, so the biased fit lies *below* the true line (the signs printed belong to the
 mirrored errors ``-9`` / ``+1``). The unclipped mean gradient vanishes at ``(a, b)``.
 
+:func:`clipping_profile` measures, from one pass of per-sample gradients, how much clipping at
+several thresholds distorts the averaged gradient of a real model: the bias norm, its size
+relative to the true mean gradient, the cosine between the clipped and the true mean, and the
+fraction of samples clipped (``benchmarks/clipping_bias.py`` runs it along a DP-SGD training run on
+Adult, the thesis's Figure 5.3.3(b)).
+
 The per-sample gradients are exact: ``torch.func.vmap(torch.func.grad(...))`` over
 ``torch.func.functional_call`` of the model on one sample at a time. The clip is the flat
 (all-parameter) L2 clip of DP-SGD (Abadi et al. 2016; Opacus's default).
@@ -25,12 +31,20 @@ The per-sample gradients are exact: ``torch.func.vmap(torch.func.grad(...))`` ov
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call, grad, vmap
 
-__all__ = ["clipped_mean_gradient", "clipping_bias", "mean_gradient", "per_sample_gradients"]
+__all__ = [
+    "ClippingStats",
+    "clipped_mean_gradient",
+    "clipping_bias",
+    "clipping_profile",
+    "mean_gradient",
+    "per_sample_gradients",
+]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -180,3 +194,79 @@ def clipping_bias(
     plain, clipped = _both(model, loss_fn, x, y, max_grad_norm, sample_weight, chunk_size)
     sq = sum(float((plain[k] - clipped[k]).pow(2).sum()) for k in plain)
     return math.sqrt(sq)
+
+
+@dataclass(frozen=True)
+class ClippingStats:
+    """How flat clipping at ``max_grad_norm`` distorts the (weighted) mean gradient.
+
+    With ``g`` the mean per-sample gradient and ``c`` the mean of the clipped ones (all parameters
+    flattened together): ``bias = ||g - c||`` (thesis Figure 5.3.3, blue), ``clipped_norm =
+    ||c||`` (red), ``mean_norm = ||g||``, ``relative_error = bias / ||g||`` (``inf`` when
+    ``g = 0`` and ``bias > 0``, ``0`` when both vanish), ``cosine = <g, c> / (||g|| ||c||)``
+    (``nan`` when either is zero), ``fraction_clipped`` = the (weighted) fraction of samples with
+    ``||g_i|| > max_grad_norm``, and ``mean_scale`` = the (weighted) mean of
+    ``min(1, C / ||g_i||)``. Computed in float64.
+    """
+
+    max_grad_norm: float
+    bias: float
+    mean_norm: float
+    clipped_norm: float
+    relative_error: float
+    cosine: float
+    fraction_clipped: float
+    mean_scale: float
+
+
+def clipping_profile(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    thresholds: Sequence[float],
+    *,
+    sample_weight: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> list[ClippingStats]:
+    """:class:`ClippingStats` at every clipping threshold, from one pass of per-sample gradients.
+
+    DP-SGD's noiseless update at threshold ``C`` is ``c = mean_i g_i min(1, C / ||g_i||)``
+    (Abadi et al. 2016, flat clipping); clipless's is ``g = mean_i g_i`` (thesis 5.3.4). The
+    thesis (section 5.2.4) argues that the difference biases DP-SGD's fixed point; this measures it
+    on any model and data. Arguments as in :func:`clipped_mean_gradient`.
+    """
+    values = [float(t) for t in thresholds]
+    if not values:
+        raise ValueError("thresholds must hold at least one max_grad_norm")
+    for t in values:
+        if not math.isfinite(t) or t <= 0.0:
+            raise ValueError(f"thresholds must be finite floats > 0, got {t!r}")
+    grads = per_sample_gradients(model, loss_fn, x, y, chunk_size=chunk_size)
+    flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], dim=1).double()
+    norms = flat.norm(dim=1)
+    w = _weights(sample_weight, flat.shape[0], flat)
+    mean = w @ flat
+    mean_norm = float(mean.norm())
+    out = []
+    for t in values:
+        scale = t / torch.clamp(norms, min=t)  # min(1, C / ||g_i||), 1 at norm 0
+        clipped = (w * scale) @ flat
+        bias = float((mean - clipped).norm())
+        clipped_norm = float(clipped.norm())
+        relative = bias / mean_norm if mean_norm > 0.0 else (math.inf if bias > 0.0 else 0.0)
+        denom = mean_norm * clipped_norm
+        cosine = float(mean @ clipped) / denom if denom > 0.0 else math.nan
+        out.append(
+            ClippingStats(
+                max_grad_norm=t,
+                bias=bias,
+                mean_norm=mean_norm,
+                clipped_norm=clipped_norm,
+                relative_error=relative,
+                cosine=cosine,
+                fraction_clipped=float(w @ (norms > t).double()),
+                mean_scale=float(w @ scale),
+            )
+        )
+    return out

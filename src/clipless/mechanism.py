@@ -254,7 +254,9 @@ class PrivacyConfig:
 
     # -------------------------------------------------------------- serialise
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        # every field is a scalar except ``thresholds``, a read-only mapping that
+        # ``dataclasses.asdict`` cannot deep-copy (it pickles a ``mappingproxy``)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["thresholds"] = None if self.thresholds is None else dict(self.thresholds)
         return out
 

@@ -1,0 +1,45 @@
+"""PrivacyConfig serialisation with scaling thresholds (a read-only mapping)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import clipless
+from clipless import models, nn
+from clipless.mechanism import PrivacyConfig
+
+
+def test_config_with_thresholds_round_trips() -> None:
+    config = PrivacyConfig(
+        noise_multiplier=1.5,
+        sample_rate=0.1,
+        num_samples=100,
+        num_tensors=2,
+        scaling="threshold",
+        thresholds={"1": 0.5, "3": 0.25},
+    )
+    data = config.to_dict()
+    assert data["thresholds"] == {"1": 0.5, "3": 0.25} and data["scaling"] == "threshold"
+    assert PrivacyConfig.from_dict(json.loads(json.dumps(data))) == config
+
+
+def test_engine_config_with_threshold_scaling() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 6), torch.randint(0, 2, (64,))
+    model = models.mlp((6,), (4,), 2, input_norm=1.0)
+    paths = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    engine = clipless.PrivacyEngine(seed=0)
+    engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=16),
+        loss=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+        epochs=1,
+        scaling="threshold",
+        thresholds=dict.fromkeys(paths, 0.5),
+    )
+    assert engine.config["thresholds"] == dict.fromkeys(paths, 0.5)
