@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -533,7 +532,7 @@ def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
     metrics = json.loads((out / "metrics.json").read_text())
     cfg = metrics["config"]
     assert cfg["features"] == "scatter" and cfg["input_shape"] == [81, 2, 2]
-    assert cfg["input_norm"] == pytest.approx(math.sqrt(81 * 4))
+    assert cfg["input_norm"] == 2.0 and cfg["bias"] is False  # the front-end defaults
     assert metrics["epsilon"] <= 2.0
     model = load_trained_model(out / "model.pt")
     assert isinstance(model[0], Scattering2d)
@@ -548,6 +547,17 @@ def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
     bad = ["train", "--dataset", "breast-cancer", "--features", "scatter"]
     assert main([*bad, "--out", str(tmp_path / "x")]) == 2
     assert "--features" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_default_features_rule() -> None:
+    from clipless.cli import default_features
+
+    assert default_features("linear", (1, 28, 28)) == "scatter"
+    assert default_features("linear", (3, 32, 32)) == "scatter"
+    assert default_features("linear", (1, 8, 8)) == "none"  # digits: too small for J = 2 maps
+    assert default_features("linear", (108,)) == "none"  # tabular
+    assert default_features("cnn", (1, 28, 28)) == "none"  # deeper models keep their pixels
+    assert default_features("mlp", (1, 28, 28)) == "none"
 
 
 def test_load_trained_model_reads_the_v1_format(tmp_path: Path) -> None:
