@@ -3,14 +3,15 @@
 Runs :mod:`benchmarks.adult`'s runners (same data, same epsilon and delta 1e-5, Poisson sampling,
 final-epoch test accuracy, no selection on the test set) for each epsilon of ``--epsilons`` and
 each seed, appends one JSON line per run to ``out/images.jsonl`` (a rerun skips what is there),
-then draws ``accuracy_epsilon.png``: the median over seeds per method against epsilon, with the
-published anchors named in issue 10 as markers.
+then draws ``plots/accuracy_epsilon_<dataset>.png``: the median over seeds per method against
+epsilon, with the published anchors named in issue 10 as markers.
 
 Methods (each a fixed setting, chosen by the trials of ``RESULTS.md`` section 14):
 
 * ``clipless-scatter``: ScatterNet features (:class:`clipless.features.Scattering2d`), linear
-  model, inputs normalised onto the unit sphere, Adam 0.01, temperature 0.1, loss-gradient clip
-  0.1, batch 2048, 20 epochs (what ``clipless train --dataset fashion-mnist`` does by default);
+  model without bias, inputs normalised onto the unit sphere, Adam 0.02, temperature 0.1,
+  loss-gradient clip 0.1, batch 2048, 20 epochs, no EMA (``clipless train --dataset
+  fashion-mnist`` uses radius 2 at Adam 0.01, the same logit dynamics, clip 0.3, 30 epochs, EMA);
 * ``opacus-scatter``: Opacus DP-SGD on the same features (linear model), Tramer and Boneh's
   setting (SGD lr 4, momentum 0.9, clip 0.1, batch 8192, 40 epochs);
 * ``clipless-pixels`` / ``opacus-pixels``: the linear models on raw pixels of section 8b.
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import adult
 
 OUT = adult.OUT_DIR / "images.jsonl"
-PLOT = Path(__file__).resolve().parent / "accuracy_epsilon.png"
+PLOT = Path(__file__).resolve().parent / "plots" / "accuracy_epsilon.png"
 
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "clipless-scatter": (
@@ -42,10 +43,10 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
         {
             "features": "scatter",
             "hidden": (),
-            "bias": True,
+            "bias": False,
             "constraint": None,
             "optimizer": "adam",
-            "lr": 0.01,
+            "lr": 0.02,
             "temperature": 0.1,
             "clip": 0.1,
             "batch": 2048,
@@ -105,14 +106,30 @@ ANCHORS = {
 }
 
 
-def _done() -> set[tuple[str, str, float, int]]:
+def _done() -> set[tuple[str, str, float, int, str]]:
     if not OUT.is_file():
         return set()
     rows = [json.loads(line) for line in OUT.read_text().splitlines() if line.strip()]
-    return {(r["dataset"], r["method"], float(r["epsilon"]), int(r["seed"])) for r in rows}
+    return {
+        (r["dataset"], r["method"], float(r["epsilon"]), int(r["seed"]), _key(r.get("set", {})))
+        for r in rows
+    }
 
 
-def run(dataset: str, methods: list[str], epsilons: list[float], seeds: list[int]) -> None:
+def _key(overrides: dict[str, Any]) -> str:
+    return json.dumps(overrides, sort_keys=True)
+
+
+def run(
+    dataset: str,
+    methods: list[str],
+    epsilons: list[float],
+    seeds: list[int],
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Every (method, epsilon, seed) not yet in ``out/images.jsonl``; ``extra`` overrides every
+    method's setting (e.g. a smaller batch for a smaller dataset) and is recorded in the row."""
+    extra = dict(extra or {})
     done = _done()
     cache: dict[str, Any] = {}
     for method in methods:
@@ -122,15 +139,16 @@ def run(dataset: str, methods: list[str], epsilons: list[float], seeds: list[int
             cache[features] = adult.load(dataset, features)
         for epsilon in epsilons:
             for seed in seeds:
-                if (dataset, method, float(epsilon), seed) in done:
+                if (dataset, method, float(epsilon), seed, _key(extra)) in done:
                     continue
-                overrides = {**setting, "dataset": dataset, "epsilon": float(epsilon)}
+                overrides = {**setting, **extra, "dataset": dataset, "epsilon": float(epsilon)}
                 result = adult.run_setting(runner, overrides, [seed], cache[features])
                 row = {
                     "dataset": dataset,
                     "method": method,
                     "epsilon": float(epsilon),
                     "seed": seed,
+                    "set": extra,
                     "accuracy": result["accuracies"][0],
                     "epsilon_spent": result["epsilon"],
                     "time_s": result["time_s"],
@@ -148,7 +166,7 @@ def plot(dataset: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in OUT.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["dataset"] == dataset]
+    rows = [r for r in rows if r["dataset"] == dataset and not r.get("set")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method in METHODS:
         points: dict[float, list[float]] = {}
@@ -171,8 +189,9 @@ def plot(dataset: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=110)
-    print(PLOT)
+    path = PLOT.with_name(f"accuracy_epsilon_{dataset}.png")
+    fig.savefig(path, dpi=110)
+    print(path)
 
 
 def main() -> None:
@@ -181,11 +200,16 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=["clipless-scatter"], choices=METHODS)
     parser.add_argument("--epsilons", nargs="*", type=float, default=[1.0, 2.0, 3.0, 8.0])
     parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="for all methods")
     parser.add_argument("--plot", action="store_true", help="only draw the plot from the JSON")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    extra = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        extra[key] = adult.parse_value(value)
     if not args.plot:
-        run(args.dataset, args.methods, args.epsilons, args.seeds)
+        run(args.dataset, args.methods, args.epsilons, args.seeds, extra)
     plot(args.dataset)
 
 
