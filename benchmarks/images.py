@@ -162,6 +162,7 @@ def run(
 
 def plot(dataset: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -180,9 +181,21 @@ def plot(dataset: str) -> None:
         med = [100 * statistics.median(points[e]) for e in eps]
         label = f"{method} (median of {min(len(v) for v in points.values())}+ seeds)"
         ax.plot(eps, med, marker="o", label=label)
+    markers = iter(["x", "+", "1", "2", "3", "4", "*", "d"])
+    marker_of: dict[str, str] = {}
     for epsilon, accuracy, label in ANCHORS.get(dataset, []):
-        ax.scatter([epsilon], [100 * accuracy], marker="x", s=50, label=label)
+        first = label not in marker_of
+        marker = marker_of.setdefault(label, next(markers))
+        ax.scatter(
+            [epsilon],
+            [100 * accuracy],
+            marker=marker,
+            s=60,
+            color="black",
+            label=label if first else None,
+        )
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks([1, 2, 3, 8], ["1", "2", "3", "8"])
     ax.set_xlabel("epsilon (delta = 1e-5)")
     ax.set_ylabel("test accuracy, final epoch (%)")
