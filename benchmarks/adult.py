@@ -269,19 +269,18 @@ def plain_mlp(hidden: tuple[int, ...], train: TensorDataset) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def run_opacus(
-    cfg: dict[str, Any], seed: int, train: TensorDataset, test: TensorDataset
-) -> dict[str, Any]:
+def opacus_private(
+    cfg: dict[str, Any],
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    train: TensorDataset,
+    epsilon: float,
+    delta: float,
+) -> tuple[Any, Any, Any, Any]:
+    """Opacus 1.6 ``make_private_with_epsilon`` (PRV accountant, Poisson sampling, flat clipping
+    at ``cfg["max_grad_norm"]``): ``(engine, model, optimizer, loader)``."""
     from opacus import PrivacyEngine
 
-    torch.manual_seed(seed)
-    n = len(train)
-    model = plain_mlp(tuple(cfg["hidden"]), train)
-    epsilon, delta = privacy(cfg, n)
-    if cfg["optimizer"] == "adam":
-        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
     engine = PrivacyEngine(accountant="prv")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -295,6 +294,21 @@ def run_opacus(
             max_grad_norm=cfg["max_grad_norm"],
             poisson_sampling=True,
         )
+    return engine, model, opt, loader
+
+
+def run_opacus(
+    cfg: dict[str, Any], seed: int, train: TensorDataset, test: TensorDataset
+) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    n = len(train)
+    model = plain_mlp(tuple(cfg["hidden"]), train)
+    epsilon, delta = privacy(cfg, n)
+    if cfg["optimizer"] == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    engine, model, opt, loader = opacus_private(cfg, model, opt, train, epsilon, delta)
     ce = torch.nn.CrossEntropyLoss()
     start = time.perf_counter()
     for _ in range(cfg["epochs"]):

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -61,8 +61,6 @@ def probe(train: TensorDataset) -> tuple[torch.Tensor, torch.Tensor]:
 def dpsgd_trajectory(
     seed: int, train: TensorDataset, px: torch.Tensor, py: torch.Tensor, epochs: int
 ) -> list[dict[str, Any]]:
-    from opacus import PrivacyEngine
-
     trial = {"optimizer": "sgd", "lr": 2.0, "epochs": epochs}
     cfg = tabular.config("opacus", "adult", len(train), trial)
     torch.manual_seed(seed)
@@ -70,19 +68,7 @@ def dpsgd_trajectory(
     twin = adult.plain_mlp(tuple(cfg["hidden"]), train).double()
     epsilon, delta = adult.privacy(cfg, len(train))
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
-    engine = PrivacyEngine(accountant="prv")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private_with_epsilon(
-            module=model,
-            optimizer=opt,
-            data_loader=DataLoader(train, batch_size=cfg["batch"]),
-            target_epsilon=epsilon,
-            target_delta=delta,
-            epochs=cfg["epochs"],
-            max_grad_norm=cfg["max_grad_norm"],
-            poisson_sampling=True,
-        )
+    engine, model, opt, loader = adult.opacus_private(cfg, model, opt, train, epsilon, delta)
     ce = torch.nn.CrossEntropyLoss()
     ce_sum = torch.nn.CrossEntropyLoss(reduction="sum")
     rows = []
