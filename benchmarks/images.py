@@ -56,6 +56,37 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
             "input_norm": 1.0,
         },
     ),
+    "clipless-centered": (
+        "clipless",
+        {
+            "features": "scatter",
+            "hidden": (),
+            "bias": False,
+            "constraint": None,
+            "optimizer": "adam",
+            "lr": 0.02,
+            "temperature": 0.1,
+            "clip": 0.1,
+            "batch": 2048,
+            "epochs": 20,
+            "input_mode": "sphere",
+            "input_norm": 1.0,
+            "center": 20.0,
+        },
+    ),
+    "opacus-centered": (
+        "opacus",
+        {
+            "features": "scatter",
+            "hidden": (),
+            "lr": 4.0,
+            "momentum": 0.9,
+            "max_grad_norm": 0.1,
+            "batch": 2048,
+            "epochs": 20,
+            "center": 20.0,
+        },
+    ),
     "opacus-scatter": (
         "opacus",
         {

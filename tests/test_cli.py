@@ -346,6 +346,41 @@ def test_resume_continues_an_interrupted_run_with_its_calibrated_noise(
     assert metrics["epsilon"] <= 1.0  # the budget stop holds across the resume
 
 
+def test_resume_keeps_the_input_mean_released_at_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed run restores its released mean from the checkpoint: no second release."""
+    import clipless.training as training_mod
+
+    out = tmp_path / "run"
+    argv = ["train", "--dataset", "breast-cancer", "--epsilon", "1.0", "--epochs", "3"]
+    argv += ["--center-noise", "30", "--accountant", "rdp"]
+    argv += ["--out", str(out), "--no-progress", "--quiet"]
+    real_evaluate = training_mod.evaluate
+    calls = {"n": 0}
+
+    def crash_in_third_epoch(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(training_mod, "evaluate", crash_in_third_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    monkeypatch.setattr(training_mod, "evaluate", real_evaluate)
+    center = torch.load(out / "checkpoint.pt", weights_only=False)["model"]["0.center"]
+    with pytest.warns(UserWarning, match="steps after the checkpoint were spent"):
+        assert main(["train", "--out", str(out), "--resume", "--no-progress", "--quiet"]) == 0
+    ledger = PrivacyLedger.from_json(out / "ledger.json")
+    assert [r.noise_multiplier for r in ledger.releases] == [30.0]  # one release, not two
+    model = load_trained_model(out / "model.pt")
+    assert torch.equal(model[0].center, center) and model[0].release_noise == 30.0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["center_noise"] == 30.0
+    assert metrics["epsilon"] == pytest.approx(ledger.epsilon(1e-5)) and metrics["epsilon"] <= 1.0
+
+
 def test_metrics_json_holds_the_full_configuration(finished_run: Path) -> None:
     import clipless
 
@@ -537,6 +572,11 @@ def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
     model = load_trained_model(out / "model.pt")
     assert isinstance(model[0], Scattering2d)
     assert cfg["input_mode"] == "sphere" and model[1][0].mode == "sphere"  # the default there
+    # the default with features: the private input mean, composed with the steps and saved
+    assert cfg["center_noise"] == 20.0 and model[1][0].release_noise == 20.0
+    ledger = PrivacyLedger.from_json(out / "ledger.json")
+    assert [r.noise_multiplier for r in ledger.releases] == [20.0]
+    assert metrics["epsilon"] == pytest.approx(ledger.epsilon(1e-5))
     _, test, _ = load_dataset("digits")
     x, y = test.tensors
     with torch.no_grad():

@@ -52,6 +52,7 @@ RUN_OPTIONS = {
     "bias": "--bias",
     "input_norm": "--input-norm",
     "input_mode": "--input-mode",
+    "center_noise": "--center-noise",
     "temperature": "--temperature",
     "loss_clip": "--loss-clip",
     "epsilon": "--epsilon",
@@ -81,7 +82,12 @@ DEFAULT_HIDDEN: dict[str, tuple[int, ...]] = {
 IMAGE_MODELS = ("cnn", "resnet", "gnp")
 # Run options added after a run folder format was in use: a saved run without them was trained
 # with these values (so resuming it reproduces it).
-_LEGACY_OPTIONS = {"loss_clip": None, "features": "none", "input_mode": "ball"}
+_LEGACY_OPTIONS = {
+    "loss_clip": None,
+    "features": "none",
+    "input_mode": "ball",
+    "center_noise": 0.0,
+}
 DEVICES = "cpu, cuda, cuda:N, mps, auto"
 
 _EPILOG = """\
@@ -325,6 +331,16 @@ def _add_train_parser(sub: Any) -> None:
         "normalise every sample to it (each sample then uses its whole sensitivity). Default: "
         "sphere with --features, ball otherwise (benchmarks/RESULTS.md)",
     )
+    priv.add_argument(
+        "--center-noise",
+        type=_nonnegative_float,
+        default=None,
+        help="subtract the private mean of the unit-normalised training inputs from every sample "
+        "before InputNorm (clipless.features.release_mean: one Gaussian release with this noise "
+        "multiplier, composed with the training steps by the accountant, so --epsilon covers "
+        "both); 0: no centring. Default: 20 with --features (about +0.3 points on "
+        "fashion-mnist for a ~0.01 share of epsilon 3, benchmarks/RESULTS.md section 17), else 0",
+    )
     tr = p.add_argument_group("model and training")
     tr.add_argument(
         "--model",
@@ -548,6 +564,9 @@ def load_trained_model(path: str | Path) -> Any:
         arch["bias"],
         str(arch.get("pool", "l2")),
         str(arch.get("input_mode", "ball")),
+        # a placeholder of the right shape: load_state_dict fills in the released mean
+        torch.zeros(arch["input_shape"]) if arch.get("center_noise") else None,
+        arch.get("center_noise") or None,
     )
     model.load_state_dict(state["state_dict"])
     features = str(arch.get("features", "none"))
@@ -887,6 +906,10 @@ def _run_train(args: argparse.Namespace) -> int:
         args.bias = args.model == "linear" and args.features == "none"
     if args.input_mode is None:
         args.input_mode = "ball" if args.features == "none" else "sphere"
+    if args.center_noise is None:
+        from clipless.features import CENTER_NOISE
+
+        args.center_noise = 0.0 if args.features == "none" else CENTER_NOISE
     if args.features != "none":
         if len(info.input_shape) != 3:
             raise _ArgError(
@@ -959,6 +982,7 @@ def _run_train(args: argparse.Namespace) -> int:
     random.seed(args.seed)
     np.random.seed(args.seed)  # noqa: NPY002 - seed the legacy global state for third parties
     torch.manual_seed(args.seed)
+    center = _input_center(args, train, input_shape, resumed=saved is not None)
     built = models.build(
         args.model,
         input_shape,
@@ -968,6 +992,8 @@ def _run_train(args: argparse.Namespace) -> int:
         bool(args.bias),
         args.pool,
         args.input_mode,
+        center,
+        args.center_noise or None,
     )  # built again after seeding: the initial weights depend on --seed only
     if args.loss_clip:
         built.append(nn.LossGradientClip(args.loss_clip))
@@ -1031,6 +1057,7 @@ def _run_train(args: argparse.Namespace) -> int:
         "num_classes": info.num_classes,
         "input_norm": float(args.input_norm),
         "input_mode": args.input_mode,
+        "center_noise": args.center_noise or None,
         "temperature": args.temperature,
         "loss_clip": args.loss_clip or None,
         "lr": args.lr,
@@ -1143,6 +1170,7 @@ def _run_train(args: argparse.Namespace) -> int:
             "bias": bool(args.bias),
             "pool": args.pool,
             "input_mode": args.input_mode,
+            "center_noise": args.center_noise or None,
         },
         "state_dict": {k: v.detach().cpu() for k, v in evaluated.state_dict().items()},
         "dataset": info.name,
@@ -1162,6 +1190,32 @@ def _run_train(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def _input_center(
+    args: argparse.Namespace, train: Any, input_shape: tuple[int, ...], *, resumed: bool
+) -> Any:
+    """The released input mean of ``--center-noise`` (``None`` without centring).
+
+    A new run releases it here (noise from the OS CSPRNG, or from ``--unsafe-seed``); the engine
+    composes the release with the steps and the ledger records it before the first step. A
+    resumed run gets a placeholder: the checkpoint restores the mean released at its start (a new
+    release would spend budget again).
+    """
+    import torch
+
+    from clipless import distributed
+
+    if not args.center_noise:
+        return None
+    if resumed or distributed.current_rank() != 0:  # other ranks: rank 0's mean is broadcast
+        return torch.zeros(input_shape)
+    from clipless.features import release_mean
+
+    generator = None
+    if args.unsafe_seed is not None:
+        generator = torch.Generator().manual_seed(args.unsafe_seed + 2)
+    return release_mean(train, args.center_noise, generator=generator)
 
 
 def _train_rank(args: argparse.Namespace) -> int:

@@ -102,8 +102,9 @@ def make_data_parallel(optimizer: DPOptimizer, data_loader: Any, group: Any = No
     generator state is replaced by rank 0's (broadcast), so that every rank draws the *same*
     Poisson batches: with independent draws, one example could land in several ranks' shards and
     contribute more than once (the sensitivity would not hold). Rank 0's state comes from the OS
-    CSPRNG unless the engine was seeded. Rank 0's parameters are broadcast too, so every replica
-    starts from the same weights. Returns the optimizer (the same object).
+    CSPRNG unless the engine was seeded. Rank 0's parameters and buffers are broadcast too, so
+    every replica starts from the same weights (and the same released input mean). Returns the
+    optimizer (the same object).
     """
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError(
@@ -125,6 +126,9 @@ def make_data_parallel(optimizer: DPOptimizer, data_loader: Any, group: Any = No
         parallel.broadcast([buffer])
         generator.set_state(buffer.cpu())
         parallel.broadcast([p.data for p in params])
+        # buffers too, e.g. the released input mean of a centred InputNorm (released once, by
+        # rank 0: clipless train computes it there only)
+        parallel.broadcast([b.data for b in optimizer.module.buffers()])
     optimizer.data_parallel = parallel
     optimizer.refresh()  # the bounds of the broadcast weights
     return optimizer

@@ -155,6 +155,11 @@ class PrivacyEngine:
         integer label is a valid class, so that no record can make a step fail when it is sampled
         (a failure with probability ``q`` per step would break delta).
 
+        A model whose :class:`clipless.nn.InputNorm` subtracts a released mean (``center=``, from
+        :func:`clipless.features.release_mean`) carries that release: it is composed with the
+        steps in the calibration (:attr:`PrivacyConfig.releases`) and recorded in the ledger
+        before the first step, so the target epsilon covers both.
+
         The optimizer enforces the contract the noise relies on (:mod:`clipless.optim`): the
         per-sample cotangent at the model output is clipped to the loss constant, gradient
         accumulation, steps past the plan, changed parameter sets and inputs of another shape are
@@ -232,6 +237,7 @@ class PrivacyEngine:
             steps=planned,
             thresholds=thresholds,
             allow_unproven=allow_unproven,
+            releases=input_releases(module),
         )
         if target_epsilon is not None:
             if target_delta is None:
@@ -247,6 +253,8 @@ class PrivacyEngine:
             accountant=cast(accounting.AccountantKind, self.accountant_kind),
             neighbouring=cast(accounting.Neighbouring, neighbouring),
         )
+        for sigma in config.releases:  # spent before the first step (the model carries them)
+            self.ledger.record_release(sigma, label="input mean")
         # The initial weights are public; projecting them is free.
         if constraint is not None:
             constraints.project(module, mode=constraint, max_norm=max_norm)  # type: ignore[arg-type]
@@ -438,6 +446,21 @@ class PrivacyEngine:
         sampler_gen = _sampler_generator(self.data_loader)
         if sampler_gen is not None and "sampler_generator" in state:
             sampler_gen.set_state(state["sampler_generator"])
+
+
+def input_releases(module: torch.nn.Module) -> tuple[float, ...]:
+    """Noise multipliers of the released means the model's ``InputNorm`` layers subtract.
+
+    One release per centred :class:`clipless.nn.InputNorm` (in module order); a module object
+    reached twice counts once (it subtracts one released vector).
+    """
+    from clipless.nn import InputNorm
+
+    out = []
+    for m in module.modules():  # modules() yields each module object once
+        if isinstance(m, InputNorm) and m.release_noise is not None:
+            out.append(m.release_noise)
+    return tuple(out)
 
 
 def _refuse_opacus_options(

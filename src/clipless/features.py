@@ -15,8 +15,14 @@ Learning Needs Better Features (or Much More Data)", ICLR 2021, section 3: a two
 scattering transform (Mallat, "Group Invariant Scattering", 2012; Bruna and Mallat 2013) with
 ``J = 2`` scales and ``L = 8`` orientations, computed by ``kymatio`` (Andreux et al., JMLR 2020),
 followed by a per-sample group normalisation (their "ScatterNet + GroupNorm" variant; the
-variant normalised by private dataset statistics is not offered, because those statistics would
-need an accounted release).
+variant normalised by private per-channel statistics is not offered).
+
+:func:`release_mean` is the one data-dependent step offered, and it is accounted: the mean of
+the unit-normalised training features released by the Gaussian mechanism, which
+:class:`clipless.nn.InputNorm` (``center=``) subtracts from every sample. Tramèr and Boneh
+normalise with privately released statistics too ("data normalisation", their section 3); here
+the released statistic is the mean direction only, and its cost enters the same accountant as the
+training steps (:meth:`clipless.PrivacyEngine.make_private` reads it from the model).
 
 >>> import torch
 >>> phi = Scattering2d((1, 28, 28))  # doctest: +SKIP
@@ -32,10 +38,88 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["FEATURES", "Scattering2d", "apply_features", "build_features"]
+__all__ = [
+    "CENTER_NOISE",
+    "FEATURES",
+    "Scattering2d",
+    "apply_features",
+    "build_features",
+    "release_mean",
+]
 
 FEATURES = ("none", "scatter")
 """Names accepted by :func:`build_features` (and ``clipless train --features``)."""
+
+CENTER_NOISE = 20.0
+"""Default noise multiplier of :func:`release_mean` (``clipless train --center``). With 60,000
+Fashion-MNIST samples the released mean is within ``~0.02`` (L2) of the exact one, whose norm is
+``~0.5``; composed with 20 epochs of training at epsilon 3 it costs what raising the training
+noise by ~0.3% costs (``benchmarks/RESULTS.md`` section 17)."""
+
+
+@torch.no_grad()
+def release_mean(
+    inputs: torch.Tensor | TensorDataset,
+    noise_multiplier: float = CENTER_NOISE,
+    *,
+    generator: torch.Generator | None = None,
+    num_samples: int | None = None,
+    batch_size: int = 4096,
+) -> torch.Tensor:
+    """The mean of the unit-normalised samples, released by the Gaussian mechanism.
+
+    Returns ``(sum_i u_i + N(0, noise_multiplier^2 I)) / n`` with ``u_i = x_i / ||x_i||`` (a zero
+    sample contributes 0), summed in float64 and returned in the inputs' dtype, of one sample's
+    shape. Every ``||u_i|| <= 1`` (certified norms, :func:`clipless.nn._functional.project_norm`),
+    so adding or removing one sample moves the sum by at most 1: the Gaussian mechanism (Dwork and
+    Roth 2014, Theorem A.1; accounted exactly by ``dp_accounting`` as
+    ``GaussianDpEvent(noise_multiplier)``, the same convention as a training step with ``q = 1``)
+    under add/remove neighbours; under replace-one the accountant doubles the sensitivity itself.
+    ``n`` (``num_samples``, default the number of rows) is public, as it is for the sampling rate
+    of the training steps. The noise is drawn from ``generator`` (default: seeded from the OS
+    CSPRNG; seed one only for reproducible experiments).
+
+    The release is *not* recorded anywhere by this function: pass the result with its
+    ``noise_multiplier`` to :class:`clipless.nn.InputNorm` (``center=``, ``center_noise=``), and
+    :meth:`clipless.PrivacyEngine.make_private` composes the release with the training steps and
+    records it in the ledger.
+    """
+    from clipless.nn._functional import project_norm
+
+    sigma = float(noise_multiplier)
+    if not (math.isfinite(sigma) and sigma > 0.0):
+        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
+    x = inputs.tensors[0] if isinstance(inputs, TensorDataset) else inputs
+    if not isinstance(x, torch.Tensor) or x.ndim < 2 or len(x) == 0:
+        raise ValueError("inputs must be a non-empty tensor (or TensorDataset) of shape [n, ...]")
+    if not x.is_floating_point():
+        raise ValueError(f"inputs must be floating point; got {x.dtype}")
+    n = len(x) if num_samples is None else int(num_samples)
+    if n < 1:
+        raise ValueError(f"num_samples must be >= 1; got {num_samples!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
+    # Floating point: any float64 summation order of m vectors of norm <= r errs by at most
+    # gamma_m sum_j |u_j| per coordinate (Higham, Accuracy and Stability, eq. (4.4)), i.e. by
+    # gamma_m m r in L2 (Cauchy-Schwarz over samples and coordinates). The computed sums of two
+    # neighbouring datasets thus differ by at most r + 2 gamma_m m r; samples normalised to
+    # r = 1 / (1 + 2 gamma_m m) keep that at most 1, the sensitivity the noise is calibrated for.
+    m = len(x)
+    unit = 2.0**-53
+    gamma = m * unit / (1.0 - m * unit)
+    radius = 1.0 / (1.0 + 2.0 * gamma * m)
+    total = torch.zeros(x.shape[1:], dtype=torch.float64, device=x.device)
+    for start in range(0, m, batch_size):
+        chunk = x[start : start + batch_size].to(torch.float64)
+        if not bool(torch.isfinite(chunk).all()):
+            raise ValueError("inputs must be finite")
+        total += project_norm(chunk, radius, "sphere").sum(dim=0)
+    if generator is None:
+        import secrets
+
+        generator = torch.Generator(device=x.device).manual_seed(secrets.randbits(63))
+    noise = torch.randn(total.shape, dtype=torch.float64, device=x.device, generator=generator)
+    return ((total + sigma * noise) / n).to(x.dtype)
 
 
 def _kymatio_scattering(shape: tuple[int, int], J: int, L: int, max_order: int) -> torch.nn.Module:

@@ -58,6 +58,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 from clipless import accounting
+from clipless.accounting._checks import _check_releases
 from clipless.nn._scaled import BATCH_MAX, SCALING_MODES
 
 if TYPE_CHECKING:
@@ -118,7 +119,10 @@ class PrivacyConfig:
     :attr:`accounting_noise_multiplier` converts to ``dp_accounting``'s convention.
     ``steps`` is the number of steps the privacy budget was planned for (``None``: not planned;
     the caller accounts). ``thresholds`` (layer path -> ``T_k``) is used by
-    ``scaling="threshold"`` only.
+    ``scaling="threshold"`` only. ``releases`` are the ``dp_accounting`` noise multipliers of
+    one-shot Gaussian releases made before training (e.g. the private input mean of an
+    :class:`clipless.nn.InputNorm` with ``center``); :meth:`epsilon` and :meth:`calibrate`
+    compose them with the steps.
     """
 
     noise_multiplier: float
@@ -134,6 +138,7 @@ class PrivacyConfig:
     steps: int | None = None
     thresholds: Mapping[str, float] | None = None
     allow_unproven: bool = False
+    releases: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         sigma = self.noise_multiplier
@@ -177,6 +182,7 @@ class PrivacyConfig:
             raise ValueError(f"steps must be an integer >= 1 or None; got {self.steps!r}")
         if self.thresholds is not None:
             object.__setattr__(self, "thresholds", MappingProxyType(dict(self.thresholds)))
+        object.__setattr__(self, "releases", _check_releases(self.releases))
 
     # ----------------------------------------------------------------- derived
     @property
@@ -227,6 +233,7 @@ class PrivacyConfig:
             delta,
             accountant=self.accountant,  # type: ignore[arg-type]
             neighbouring=self.neighbouring,  # type: ignore[arg-type]
+            releases=self.releases,
         )
 
     # -------------------------------------------------------------- calibrate
@@ -243,6 +250,7 @@ class PrivacyConfig:
             steps,
             accountant=self.accountant,  # type: ignore[arg-type]
             neighbouring=self.neighbouring,  # type: ignore[arg-type]
+            releases=self.releases,
         )
         sigma_eff = sigma_acc / self.sensitivity_factor
         sigma = sigma_eff if self.noise == "global" else sigma_eff * math.sqrt(self.num_tensors)
@@ -258,6 +266,7 @@ class PrivacyConfig:
         # ``dataclasses.asdict`` cannot deep-copy (it pickles a ``mappingproxy``)
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["thresholds"] = None if self.thresholds is None else dict(self.thresholds)
+        out["releases"] = list(self.releases)
         return out
 
     @classmethod
@@ -266,7 +275,10 @@ class PrivacyConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown PrivacyConfig fields {unknown}")
-        return cls(**dict(data))
+        fields = dict(data)
+        if "releases" in fields:  # a list in JSON; configs saved before releases have none
+            fields["releases"] = tuple(fields["releases"])
+        return cls(**fields)
 
 
 @dataclass(frozen=True)

@@ -313,11 +313,16 @@ def _checks_positive(name: str, value: object, low: int = 1) -> int:
     return value
 
 
-def _with_input_mode(model: nn.Sequential, input_mode: str) -> nn.Sequential:
+def _with_input_mode(
+    model: nn.Sequential,
+    input_mode: str,
+    center: torch.Tensor | None = None,
+    center_noise: float | None = None,
+) -> nn.Sequential:
     first = model[0]
-    if input_mode != "ball":
-        assert isinstance(first, nn.InputNorm)
-        model[0] = nn.InputNorm(first.max_norm, input_mode)
+    assert isinstance(first, nn.InputNorm)
+    if input_mode != first.mode or center is not None or center_noise is not None:
+        model[0] = nn.InputNorm(first.max_norm, input_mode, center, center_noise)
     return model
 
 
@@ -330,36 +335,32 @@ def build(
     bias: bool = False,
     pool: str = "l2",
     input_mode: str = "ball",
+    center: torch.Tensor | None = None,
+    center_noise: float | None = None,
 ) -> nn.Sequential:
     """``linear`` (``hidden`` must be empty), ``mlp``, ``cnn`` (:func:`convnet`, ``hidden`` =
     channels per convolution stage), ``resnet`` (:func:`resnet`, ``hidden`` = width per stage,
     one residual block per stage, ``pool`` its downsampling) or ``gnp`` (:func:`gnp_convnet`,
     ``hidden`` = channels per stride-2 convolution). ``input_mode``: the first layer's
     :class:`clipless.nn.InputNorm` mode (``"ball"`` clips each sample to ``input_norm``,
-    ``"sphere"`` normalises it to that norm)."""
+    ``"sphere"`` normalises it to that norm); ``center`` / ``center_noise``: a released input mean
+    it subtracts first (:func:`clipless.features.release_mean`), whose release the privacy
+    engine accounts for."""
+    model: nn.Sequential
     if kind == "linear":
         if tuple(hidden):
             raise ValueError(f"a linear model has no hidden layers; got hidden={tuple(hidden)!r}")
-        return linear(input_shape, num_classes, input_norm, bias, input_mode)
-    if kind == "mlp":
-        return mlp(input_shape, hidden, num_classes, input_norm, bias, input_mode)
-    if kind == "cnn":
-        return convnet(input_shape, hidden, num_classes, input_norm, pool, bias, input_mode)
-    if kind == "resnet":
-        return _with_input_mode(
-            resnet(
-                input_shape,
-                hidden,
-                1,
-                num_classes,
-                input_norm=input_norm,
-                downsample=pool,
-                bias=bias,
-            ),
-            input_mode,
+        model = linear(input_shape, num_classes, input_norm, bias)
+    elif kind == "mlp":
+        model = mlp(input_shape, hidden, num_classes, input_norm, bias)
+    elif kind == "cnn":
+        model = convnet(input_shape, hidden, num_classes, input_norm, pool, bias)
+    elif kind == "resnet":
+        model = resnet(
+            input_shape, hidden, 1, num_classes, input_norm=input_norm, downsample=pool, bias=bias
         )
-    if kind == "gnp":
-        return _with_input_mode(
-            gnp_convnet(input_shape, hidden, num_classes, input_norm, bias), input_mode
-        )
-    raise ValueError(f"model must be one of {MODEL_KINDS}; got {kind!r}")
+    elif kind == "gnp":
+        model = gnp_convnet(input_shape, hidden, num_classes, input_norm, bias)
+    else:
+        raise ValueError(f"model must be one of {MODEL_KINDS}; got {kind!r}")
+    return _with_input_mode(model, input_mode, center, center_noise)

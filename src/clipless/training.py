@@ -843,13 +843,14 @@ def _refuse_orphan_ledger(ledger_file: Path, resume: bool | PathLike) -> None:
     from clipless.accounting import PrivacyLedger
 
     try:
-        steps = PrivacyLedger.from_json(ledger_file).steps
+        ledger = PrivacyLedger.from_json(ledger_file)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(
             f"checkpoint_dir holds {ledger_file}, which cannot be read ({exc}); it may record "
             "privacy already spent: move it aside before starting a new run there"
         ) from None
-    if steps == 0:
+    steps = ledger.steps
+    if steps == 0 and not ledger.releases:
         return
     why = (
         "resume=True but there is no checkpoint to resume from (the earlier run stopped before "
@@ -857,8 +858,11 @@ def _refuse_orphan_ledger(ledger_file: Path, resume: bool | PathLike) -> None:
         if resume
         else "a new run (resume=False) would overwrite it"
     )
+    spent = f"{steps} private steps already taken" + (
+        f" and {len(ledger.releases)} release(s)" if ledger.releases else ""
+    )
     raise FileExistsError(
-        f"{ledger_file} records {steps} private steps already taken; {why}. Move the folder "
+        f"{ledger_file} records {spent}; {why}. Move the folder "
         "aside (its ledger is the record of that spending) or pass another checkpoint_dir"
     )
 

@@ -91,3 +91,41 @@ def test_bad_arguments() -> None:
         InputNorm("1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mode"):
         InputNorm(1.0, mode="cube")
+
+
+@pytest.mark.parametrize("mode", ["ball", "sphere"])
+def test_centring_subtracts_the_mean_of_unit_samples_then_projects(mode: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 2, 3, generator=gen, dtype=torch.float64) * 10.0
+    center = torch.randn(2, 3, generator=gen, dtype=torch.float64) * 0.1
+    layer = InputNorm(2.0, mode, center=center, center_noise=20.0)
+    unit = x / x.flatten(1).norm(dim=1)[:, None, None]
+    expected = InputNorm(2.0, mode)(unit - center)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+    assert float(sample_norms(layer(x)).max()) <= 2.0
+    assert layer.release_noise == 20.0 and layer.lipschitz() == math.inf
+    assert layer.output_bound(math.inf) == 2.0
+    # the plain twin (Opacus baselines, export) computes the same map
+    torch.testing.assert_close(layer.vanilla_export()(x), layer(x), rtol=0, atol=0)
+    # the released mean and its noise travel with the state dict
+    state = layer.state_dict()
+    assert set(state) == {"center", "center_noise"}
+    other = InputNorm(2.0, mode, center=torch.zeros(2, 3, dtype=torch.float64), center_noise=1.0)
+    other.load_state_dict(state)
+    assert other.release_noise == 20.0
+    torch.testing.assert_close(other(x), layer(x), rtol=0, atol=0)
+    assert InputNorm(2.0).state_dict() == {}  # no centring: nothing saved (old model files load)
+
+
+def test_centring_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="center and center_noise go together"):
+        InputNorm(1.0, center=torch.zeros(3))
+    with pytest.raises(ValueError, match="center and center_noise go together"):
+        InputNorm(1.0, center_noise=2.0)
+    with pytest.raises(ValueError, match="center_noise"):
+        InputNorm(1.0, center=torch.zeros(3), center_noise=0.0)
+    with pytest.raises(ValueError, match="finite tensor"):
+        InputNorm(1.0, center=torch.tensor([math.nan, 0.0]), center_noise=1.0)
+    layer = InputNorm(1.0, center=torch.zeros(3), center_noise=1.0)
+    with pytest.raises(ValueError, match=r"center has shape \(3,\)"):
+        layer(torch.ones(4, 5))

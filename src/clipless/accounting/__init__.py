@@ -67,6 +67,15 @@ Neighbouring relations
     raises ``ValueError`` (use ``accountant="pld"``). (The add/remove pair at sensitivity ``2 G``
     does not dominate the replace-one pair in every divergence, so its RDP is not a proven bound.)
 
+One-shot releases
+-----------------
+A statistic of the whole dataset released once with Gaussian noise (``q = 1``; e.g. the private
+mean of the unit-normalised inputs that centres the features,
+:func:`clipless.features.release_mean`) is ``GaussianDpEvent(sigma)`` in the same convention.
+It is composed with the steps by the accountant (``releases=`` of :func:`epsilon` and
+:func:`calibrate_noise`; :meth:`PrivacyLedger.record_release`), so the steps are calibrated for
+what the release leaves of the budget, without splitting epsilon by basic composition.
+
 Degenerate noise
 ----------------
 ``noise_multiplier = 0`` is accepted and means *no privacy* (``dp_accounting``'s
@@ -80,7 +89,8 @@ Layout
 :mod:`~clipless.accounting.accountant` (:class:`Accountant`, :func:`epsilon`),
 :mod:`~clipless.accounting.calibration` (:func:`calibrate_noise`),
 :mod:`~clipless.accounting.guarantee` (:class:`PrivacyGuarantee`),
-:mod:`~clipless.accounting.ledger` (:class:`LedgerEntry`, :class:`PrivacyLedger`) and
+:mod:`~clipless.accounting.ledger` (:class:`LedgerEntry`, :class:`LedgerRelease`,
+:class:`PrivacyLedger`) and
 ``_checks`` (argument validation, accepted settings); every public name is re-exported here.
 """
 
@@ -98,7 +108,13 @@ from clipless.accounting.accountant import Accountant, epsilon
 from clipless.accounting.calibration import calibrate_noise
 from clipless.accounting.events import dpsgd_event, effective_noise_multiplier, gaussian_step_event
 from clipless.accounting.guarantee import PrivacyGuarantee
-from clipless.accounting.ledger import LEDGER_FORMAT, LEDGER_VERSION, LedgerEntry, PrivacyLedger
+from clipless.accounting.ledger import (
+    LEDGER_FORMAT,
+    LEDGER_VERSION,
+    LedgerEntry,
+    LedgerRelease,
+    PrivacyLedger,
+)
 
 __all__ = [
     "ACCOUNTANTS",
@@ -110,6 +126,7 @@ __all__ = [
     "Accountant",
     "AccountantKind",
     "LedgerEntry",
+    "LedgerRelease",
     "Neighbouring",
     "PrivacyGuarantee",
     "PrivacyLedger",

@@ -20,8 +20,9 @@ from clipless.accounting._checks import (
     _check_kind,
     _check_neighbouring,
     _check_orders,
+    _check_releases,
 )
-from clipless.accounting.events import _rdp_replace_one, dpsgd_event
+from clipless.accounting.events import _rdp_replace_one, dpsgd_event, gaussian_step_event
 
 __all__ = ["Accountant", "epsilon"]
 
@@ -166,13 +167,18 @@ def epsilon(
     *,
     value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
     orders: Sequence[float] | None = None,
+    releases: Sequence[float] = (),
 ) -> float:
     """Epsilon of ``steps`` Poisson-subsampled Gaussian steps at ``delta``.
+
+    ``releases``: noise multipliers (``std / G``) of one-shot Gaussian releases of the whole
+    dataset (``q = 1``, e.g. a private mean of the inputs) composed with the steps.
 
     >>> round(epsilon(1.0, 0.01, 1000, 1e-5), 4)
     1.8282
     """
     _check_delta(delta)  # validate everything before the (possibly costly) composition
+    extra = _check_releases(releases)
     event = dpsgd_event(noise_multiplier, sample_rate, steps)
     acc = Accountant(
         accountant,
@@ -180,4 +186,7 @@ def epsilon(
         value_discretization_interval=value_discretization_interval,
         orders=orders,
     )
-    return acc.compose(event).epsilon(delta)
+    acc.compose(event)
+    for sigma in extra:
+        acc.compose(gaussian_step_event(sigma, 1.0))
+    return acc.epsilon(delta)

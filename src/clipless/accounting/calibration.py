@@ -15,6 +15,7 @@ from clipless.accounting._checks import (
     _check_epsilon,
     _check_kind,
     _check_neighbouring,
+    _check_releases,
     _check_sample_rate,
     _real,
 )
@@ -83,6 +84,7 @@ def calibrate_noise(
     value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
     orders: Sequence[float] | None = None,
     max_noise_multiplier: float = 1e6,
+    releases: Sequence[float] = (),
 ) -> float:
     """Smallest noise multiplier (to relative ``tolerance``) with ``epsilon <= target_epsilon``.
 
@@ -92,6 +94,11 @@ def calibrate_noise(
     same accountant settings, and ``result / (1 + tolerance)`` misses the target.
 
     ``steps`` must be at least 1. Raises ``ValueError`` if even ``max_noise_multiplier`` misses.
+
+    ``releases``: noise multipliers of one-shot Gaussian releases composed with the steps (e.g. a
+    private input mean, :func:`clipless.features.release_mean`); the steps get what they leave of
+    the budget, jointly accounted (PLD or RDP composition, not a split of epsilon). ``ValueError``
+    if the releases alone already exceed the target.
 
     Why not ``dp_accounting.calibrate_dp_mechanism`` (with ``LowerEndpointAndGuess`` or
     ``ExplicitBracketInterval``): it runs Brent's method on ``epsilon(sigma)`` itself with an
@@ -116,6 +123,24 @@ def calibrate_noise(
         raise ValueError(f"max_noise_multiplier must be finite and > 0; got {sigma_cap!r}")
     if kind == "rdp" and rel == "replace_one" and q < 1.0:
         _rdp_replace_one(gaussian_step_event(1.0, q))  # raises the explanatory ValueError
+    extra = _check_releases(releases)
+    if extra:
+        alone = epsilon(
+            math.inf,
+            q,
+            1,
+            delta,
+            kind,  # type: ignore[arg-type]
+            rel,  # type: ignore[arg-type]
+            value_discretization_interval=value_discretization_interval,
+            orders=orders,
+            releases=extra,
+        )
+        if alone >= eps_target:
+            raise ValueError(
+                f"the releases {list(extra)} alone spend epsilon {alone:.4g} >= "
+                f"target_epsilon={eps_target} at delta={delta}: nothing is left for training"
+            )
 
     def gap(log_sigma: float) -> float:
         # log(epsilon) is close to linear in log(sigma): regula falsi converges in a few steps.
@@ -128,6 +153,7 @@ def calibrate_noise(
             rel,  # type: ignore[arg-type]
             value_discretization_interval=value_discretization_interval,
             orders=orders,
+            releases=extra,
         )
         return math.log(max(eps, 1e-300)) - math.log(eps_target)
 

@@ -25,13 +25,14 @@ from clipless.accounting._checks import (
     _check_neighbouring,
     _check_noise_multiplier,
     _check_orders,
+    _check_releases,
     _check_sample_rate,
 )
 from clipless.accounting.accountant import Accountant
 from clipless.accounting.events import gaussian_step_event
 from clipless.accounting.guarantee import PrivacyGuarantee
 
-__all__ = ["LEDGER_FORMAT", "LEDGER_VERSION", "LedgerEntry", "PrivacyLedger"]
+__all__ = ["LEDGER_FORMAT", "LEDGER_VERSION", "LedgerEntry", "LedgerRelease", "PrivacyLedger"]
 
 LEDGER_FORMAT = "clipless.PrivacyLedger"
 LEDGER_VERSION = 1
@@ -74,6 +75,25 @@ class LedgerEntry:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class LedgerRelease:
+    """One one-shot Gaussian release of a statistic of the whole dataset (``q = 1``).
+
+    ``noise_multiplier`` is ``std / G`` with ``G`` the bound on one example's contribution (the
+    convention of every entry), e.g. the private mean of unit-normalised inputs
+    (:func:`clipless.features.release_mean`). Releases are composed with the steps but are not
+    steps: they do not count in :attr:`PrivacyLedger.steps`.
+    """
+
+    noise_multiplier: float
+    label: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"noise_multiplier": self.noise_multiplier, "label": self.label}
+
+
+_RELEASE_KEYS = frozenset(("noise_multiplier", "label"))
+
 _ENTRY_KEYS = frozenset(
     ("noise_multiplier", "sample_rate", "count", "start_step", "label", "proven")
 )
@@ -86,6 +106,7 @@ _LEDGER_KEYS = frozenset(
         "value_discretization_interval",
         "rdp_orders",
         "entries",
+        "releases",
         "metadata",
     )
 )
@@ -105,6 +126,11 @@ class PrivacyLedger:
     training loop's "may I take one more step?" so that it stops *before* the budget is exceeded.
 
     ``metadata`` is any JSON-serialisable mapping stored with the ledger (dataset size, run id...).
+
+    :meth:`record_release` adds a one-shot Gaussian release of the whole dataset (a
+    :class:`LedgerRelease`, e.g. a private input mean), composed with the steps in every epsilon,
+    delta and look-ahead; it is saved under ``"releases"`` (the key is written only when there is
+    one, so a ledger without releases reads the same as before).
     """
 
     def __init__(
@@ -127,7 +153,8 @@ class PrivacyLedger:
             raise TypeError(f"metadata must be a mapping or None; got {type(metadata).__name__}")
         self.metadata: dict[str, Any] = dict(metadata or {})
         self._entries: list[LedgerEntry] = []
-        self._eps_cache: dict[tuple[_Groups, float], float] = {}
+        self._releases: list[LedgerRelease] = []
+        self._eps_cache: dict[tuple[_Groups, tuple[float, ...], float], float] = {}
         self._brackets: dict[tuple[Any, ...], list[int]] = {}
 
     # ----------------------------------------------------------------------- properties
@@ -160,6 +187,19 @@ class PrivacyLedger:
         return all(e.proven for e in self._entries)
 
     # --------------------------------------------------------------------------- record
+    @property
+    def releases(self) -> tuple[LedgerRelease, ...]:
+        """The one-shot releases recorded so far (not counted in :attr:`steps`)."""
+        return tuple(self._releases)
+
+    def record_release(self, noise_multiplier: float, *, label: str | None = None) -> None:
+        """Record one Gaussian release of a statistic of the whole dataset (``q = 1``)."""
+        (sigma,) = _check_releases([noise_multiplier], "noise_multiplier")
+        if label is not None and not isinstance(label, str):
+            raise TypeError(f"label must be a str or None; got {type(label).__name__}")
+        self._checker.check_supported(gaussian_step_event(sigma, 1.0))
+        self._releases.append(LedgerRelease(sigma, label))
+
     def record(
         self,
         noise_multiplier: float,
@@ -213,13 +253,16 @@ class PrivacyLedger:
 
     def _epsilon_of(self, groups: Mapping[tuple[float, float], int], delta: float) -> float:
         frozen: _Groups = tuple((k, n) for k, n in groups.items() if n > 0)
-        cached = self._eps_cache.get((frozen, delta))
+        releases = tuple(r.noise_multiplier for r in self._releases)
+        cached = self._eps_cache.get((frozen, releases, delta))
         if cached is not None:
             return cached
         acc = self._make_accountant()
         try:
             for (sigma, q), n in frozen:
                 acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
+            for sigma in releases:
+                acc.compose(gaussian_step_event(sigma, 1.0))
             eps = acc.epsilon(delta)
         except (OverflowError, FloatingPointError):
             # dp_accounting's arithmetic overflows only for extreme multipliers (e.g. sigma
@@ -228,16 +271,18 @@ class PrivacyLedger:
             eps = math.inf
         if len(self._eps_cache) > 256:
             self._eps_cache.clear()
-        self._eps_cache[(frozen, delta)] = eps
+        self._eps_cache[(frozen, releases, delta)] = eps
         return eps
 
     def to_dp_event(self) -> dp_event.DpEvent:
-        """The whole ledger as one ``DpEvent`` (grouped by distinct ``(sigma, q)``)."""
+        """The whole ledger as one ``DpEvent`` (grouped by distinct ``(sigma, q)``, then the
+        releases)."""
         return dp_event.ComposedDpEvent(
             [
                 dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n)
                 for (sigma, q), n in self._groups().items()
             ]
+            + [gaussian_step_event(r.noise_multiplier, 1.0) for r in self._releases]
         )
 
     def epsilon(self, delta: float) -> float:
@@ -253,6 +298,8 @@ class PrivacyLedger:
         acc = self._make_accountant()
         for (sigma, q), n in self._groups().items():
             acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
+        for r in self._releases:
+            acc.compose(gaussian_step_event(r.noise_multiplier, 1.0))
         return acc.delta(epsilon)
 
     def guarantee(self, delta: float, mechanism: str | None = None) -> PrivacyGuarantee:
@@ -265,6 +312,12 @@ class PrivacyLedger:
             mechanism = f"Poisson-subsampled Gaussian ({_MECHANISM_REFS})"
             if len(groups) > 1:
                 mechanism += ": " + ", ".join(parts)
+            if self._releases:
+                mechanism += ", and " + ", ".join(
+                    f"a Gaussian release{'' if r.label is None else ' (' + r.label + ')'} "
+                    f"(sigma={r.noise_multiplier:.6g})"
+                    for r in self._releases
+                )
         return PrivacyGuarantee(
             epsilon=self.epsilon(delta),
             delta=delta,
@@ -308,7 +361,7 @@ class PrivacyLedger:
         current = groups.pop(key_step, 0)
         others: _Groups = tuple(groups.items())
         total = current + n
-        cache_key = (budget, d, key_step, others)
+        cache_key = (budget, d, key_step, others, tuple(self._releases))
         bracket = self._brackets.get(cache_key)  # [largest known ok, smallest known bad]
 
         def excess(m: int) -> float:
@@ -406,6 +459,7 @@ class PrivacyLedger:
             "value_discretization_interval": self._vdi,
             "rdp_orders": list(self._orders) if self._custom_orders else None,
             "entries": [e.to_dict() for e in self._entries],
+            **({"releases": [r.to_dict() for r in self._releases]} if self._releases else {}),
             "metadata": copy.deepcopy(self.metadata),
         }
 
@@ -483,6 +537,20 @@ class PrivacyLedger:
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"malformed privacy ledger: {exc}") from exc
             ledger._entries.append(entry)  # kept as written: no re-merging
+        releases = data.get("releases", [])
+        if not isinstance(releases, list):
+            raise ValueError("malformed privacy ledger: 'releases' must be a list")
+        for i, raw in enumerate(releases):
+            if not isinstance(raw, Mapping) or set(raw) != _RELEASE_KEYS:
+                keys = sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__
+                raise ValueError(
+                    f"malformed privacy ledger: releases[{i}] must have exactly the keys "
+                    f"{sorted(_RELEASE_KEYS)}; got {keys}"
+                )
+            try:
+                ledger.record_release(raw["noise_multiplier"], label=raw["label"])
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"malformed privacy ledger: releases[{i}]: {exc}") from exc
         return ledger
 
     def to_json(self, path: str | os.PathLike[str]) -> None:

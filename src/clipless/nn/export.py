@@ -52,12 +52,16 @@ class PlainAbs(torch.nn.Module):
 class PlainInputNorm(torch.nn.Module):
     """Projects each sample onto the ball / sphere of radius ``max_norm`` (plain InputNorm)."""
 
-    def __init__(self, max_norm: float, mode: str) -> None:
+    def __init__(self, max_norm: float, mode: str, center: torch.Tensor | None = None) -> None:
         super().__init__()
         self.max_norm = max_norm
         self.mode = mode
+        self.center: torch.Tensor | None
+        self.register_buffer("center", None if center is None else center.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.center is not None:
+            x = project_norm(x, 1.0, "sphere") - self.center
         return project_norm(x, self.max_norm, self.mode)
 
     def extra_repr(self) -> str:

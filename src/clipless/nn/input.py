@@ -38,22 +38,68 @@ class InputNorm(LipschitzModule):
 
     Roundoff: the scale is computed in float64 and aims at ``R (1 - 4 eps)`` so that the norm of the
     rounded output never exceeds ``R``.
+
+    **Centring** (``center``, ``center_noise``): each sample is first normalised to the unit sphere,
+    the released mean ``mu`` of the unit-normalised training samples is subtracted, and the result
+    is projected as above: ``x -> P_R(x / ||x|| - mu)``. ``mu`` must come from
+    :func:`clipless.features.release_mean` (a Gaussian mechanism on the sum of unit vectors,
+    sensitivity 1, noise multiplier ``center_noise``): :meth:`clipless.PrivacyEngine.make_private`
+    composes that release with the training steps, so the model carries the privacy cost of its
+    own pre-processing. The output bound is still ``max_norm``; ``mu`` is a (private) constant, so
+    a sample's output depends on that sample alone. On scattering features the data mean is a
+    large common component (norm ~0.5 of unit-norm samples on Fashion-MNIST); removing it gives a
+    linear model without bias the offset it cannot learn (``benchmarks/RESULTS.md`` section 17).
     """
 
-    def __init__(self, max_norm: float, mode: str = "ball") -> None:
+    def __init__(
+        self,
+        max_norm: float,
+        mode: str = "ball",
+        center: torch.Tensor | None = None,
+        center_noise: float | None = None,
+    ) -> None:
         super().__init__()
         self.max_norm = _checks.positive_float("max_norm", max_norm)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
+        if (center is None) != (center_noise is None):
+            raise ValueError(
+                "center and center_noise go together: center is a released mean "
+                "(clipless.features.release_mean) and center_noise the noise multiplier it was "
+                "released with, which the privacy engine accounts for"
+            )
+        self.center: torch.Tensor | None
+        self.center_noise: torch.Tensor | None
+        if center is None:
+            self.register_buffer("center", None)
+            self.register_buffer("center_noise", None)
+        else:
+            if not isinstance(center, torch.Tensor) or not bool(torch.isfinite(center).all()):
+                raise ValueError("center must be a finite tensor of one sample's shape")
+            noise = _checks.positive_float("center_noise", center_noise)
+            self.register_buffer("center", center.detach().clone())
+            self.register_buffer("center_noise", torch.tensor(noise, dtype=torch.float64))
+
+    @property
+    def release_noise(self) -> float | None:
+        """Noise multiplier of the released mean in :attr:`center` (``None``: no centring)."""
+        return None if self.center_noise is None else float(self.center_noise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim < 1:
             raise ValueError("InputNorm expects an input of shape [batch, ...]")
+        if self.center is not None:
+            if tuple(x.shape[1:]) != tuple(self.center.shape):
+                raise ValueError(
+                    f"InputNorm: center has shape {tuple(self.center.shape)} but the samples have "
+                    f"shape {tuple(x.shape[1:])}"
+                )
+            x = project_norm(x, 1.0, "sphere") - self.center.to(x.dtype)
         return project_norm(x, self.max_norm, self.mode)
 
     def lipschitz(self) -> float:
-        return 1.0 if self.mode == "ball" else math.inf
+        return 1.0 if self.mode == "ball" and self.center is None else math.inf
 
     def output_bound(self, input_bound: float) -> float:
         """``max_norm``, for every input bound."""
@@ -61,7 +107,7 @@ class InputNorm(LipschitzModule):
         return self.max_norm
 
     def vanilla_export(self) -> torch.nn.Module:
-        return PlainInputNorm(self.max_norm, self.mode)
+        return PlainInputNorm(self.max_norm, self.mode, self.center)
 
     def extra_repr(self) -> str:
         return f"max_norm={self.max_norm}, mode={self.mode!r}"
