@@ -85,8 +85,6 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     # noise multiplier of the private input mean that InputNorm subtracts (None: no centring;
     # clipless.features.release_mean, accounted by the engine with the steps)
     "center": None,
-    "init": "none",  # or "class-means": first layer from privately released class sums
-    "init_scale": 1.0,
 }
 OPACUS_DEFAULTS: dict[str, Any] = {
     "dataset": "adult",
@@ -182,10 +180,6 @@ def run_clipless(
     n = len(train)
     cfg = {**cfg, "_seed": seed}
     model = clipless_model(cfg, train)
-    if cfg["init"] == "class-means":
-        _class_means_init(cfg, model, train)
-    elif cfg["init"] != "none":
-        raise ValueError(f"init must be 'none' or 'class-means'; got {cfg['init']!r}")
     epsilon, delta = privacy(cfg, n)
     loss = clipless_loss(cfg)
     if cfg["freeze_first"]:
@@ -247,27 +241,6 @@ def run_clipless(
         "time_s": time.perf_counter() - start,
         "model": model if ema is None else ema.model,  # for benchmarks/clipping_bias.py
     }
-
-
-@torch.no_grad()
-def _class_means_init(cfg: dict[str, Any], model: torch.nn.Module, train: TensorDataset) -> None:
-    """EXPLORATORY: first linear layer <- centred class means from *noisy* class sums.
-
-    Only with ``center`` (the class sums are released with the same noise multiplier; in the
-    harness this second release is NOT accounted: it measures whether the lever pays at all).
-    """
-    x, y = train.tensors
-    first = model[0]
-    assert isinstance(first, nn.InputNorm) and first.center is not None
-    classes = int(y.max()) + 1
-    u = nn._functional.project_norm(x.reshape(len(x), -1).double(), 1.0, "sphere")
-    sums = torch.zeros(classes, u.shape[1], dtype=torch.float64).index_add_(0, y, u)
-    gen = torch.Generator().manual_seed(int(cfg["_seed"]) + 11)
-    sums += float(cfg["center"]) * torch.randn(sums.shape, dtype=torch.float64, generator=gen)
-    means = sums * classes / len(x) - first.center.reshape(1, -1).double()
-    linear = next(m for m in model if isinstance(m, nn.Linear))
-    scale = float(cfg.get("init_scale", 1.0))
-    linear.weight.copy_((scale * means / means.norm(dim=1, keepdim=True)).to(linear.weight.dtype))
 
 
 def gradient_to_bound(
