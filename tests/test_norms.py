@@ -508,9 +508,10 @@ def test_column_major_weights_certify_as_row_major() -> None:
 
 
 def test_max_spectral_norm_is_certified_on_complex_batches() -> None:
-    """The per-frequency bound (Gram eigenvalue + rounding term) is never below the exact
-    largest singular value, and within NUMERIC_MARGIN-scale of it, on adversarial complex
-    matrices (clustered top, huge condition number, rank one, wide and tall)."""
+    """The per-frequency bound (complex Cholesky certificate at a common level, sides > 16) is
+    never below the exact largest singular value, and within 2e-6 of it (the level's lift of
+    3e-6 on ||.||^2), on adversarial complex matrices (clustered top, huge condition number,
+    rank one, wide and tall)."""
     gen = torch.Generator().manual_seed(61)
     mats = []
     for rows, cols, sv in (
@@ -528,9 +529,9 @@ def test_max_spectral_norm_is_certified_on_complex_batches() -> None:
     for m in mats:
         exact = float(torch.linalg.matrix_norm(m, ord=2))
         bound = norms._max_spectral_norm(m[None])
-        assert exact <= bound <= exact * (1 + 1e-8), bound / exact - 1
+        assert exact <= bound <= exact * (1 + 2e-6), bound / exact - 1
     batch = torch.stack(
         [torch.nn.functional.pad(m, (0, 40 - m.shape[1], 0, 50 - m.shape[0])) for m in mats]
     )
     exact = float(torch.linalg.matrix_norm(batch, ord=2).max())
-    assert exact <= norms._max_spectral_norm(batch) <= exact * (1 + 1e-8)
+    assert exact <= norms._max_spectral_norm(batch) <= exact * (1 + 2e-6)
