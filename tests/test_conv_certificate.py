@@ -42,6 +42,13 @@ def _complex_with_singular_values(
     return u @ s @ v.mH
 
 
+def _tall(batch: torch.Tensor) -> torch.Tensor:
+    """A complex batch made tall (transposed if wide: same singular values), contiguous."""
+    if batch.shape[-2] < batch.shape[-1]:
+        batch = batch.mT
+    return batch.contiguous()
+
+
 def _exact_max(batch: torch.Tensor) -> float:
     return float(torch.linalg.matrix_norm(batch.to(torch.complex128), ord=2).max())
 
@@ -146,7 +153,7 @@ def test_cholesky_certificate_is_certified_and_tight(name: str, batch: torch.Ten
 
     try:
         norms._eigh_certificate = spy  # type: ignore[assignment]
-        direct = norms._cholesky_max_norm(batch.contiguous())
+        direct = norms._cholesky_max_norm(_tall(batch))
     finally:
         norms._eigh_certificate = original
     assert direct == bound or exact <= direct <= exact * (1 + TIGHT)
@@ -209,7 +216,7 @@ def test_small_sides_take_one_batched_eigvalsh() -> None:
 def _gram_and_lambda(seed: int) -> tuple[object, float, norms._Rounding]:
     gen = torch.Generator().manual_seed(seed)
     a = _complex_with_singular_values(50, 40, 1.0 - torch.linspace(0, 0.5, 40), gen)
-    gram = norms._smaller_gram(a)
+    gram = norms._tall_gram(a)
     return gram, float(torch.linalg.matrix_norm(a, ord=2)) ** 2, norms._rounding(50, 40)
 
 
@@ -240,7 +247,7 @@ def test_wrong_steering_is_caught_and_grams_are_not_recomputed(
     exact = _exact_max(batch)
     grams: list[int] = []
     fallbacks: list[int] = []
-    original_gram, original_eigh = norms._smaller_gram, norms._eigh_certificate
+    original_gram, original_eigh = norms._tall_gram, norms._eigh_certificate
 
     def counting_gram(mat: torch.Tensor) -> object:
         grams.append(1)
@@ -250,21 +257,21 @@ def test_wrong_steering_is_caught_and_grams_are_not_recomputed(
         fallbacks.append(1)
         return original_eigh(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(norms, "_smaller_gram", counting_gram)
+    monkeypatch.setattr(norms, "_tall_gram", counting_gram)
     monkeypatch.setattr(norms, "_eigh_certificate", counting_eigh)
     # Rank the frequencies backwards (the truly largest last), and aim 10% low everywhere.
     original_lanczos = norms._lanczos_top
     monkeypatch.setattr(norms, "_lanczos_top", lambda g, steps: -float(abs(g).sum()))
     original_refined = norms._refined_estimate
     monkeypatch.setattr(norms, "_refined_estimate", lambda g: 0.9 * original_refined(g))
-    bound = norms._cholesky_max_norm(batch.contiguous())
+    bound = norms._cholesky_max_norm(_tall(batch))
     assert exact <= bound <= exact * (1 + TIGHT)
     assert len(grams) == batch.shape[0]
     assert fallbacks  # the 10%-low own levels failed too: eigvalsh certified those
     # An estimate far above the truth is certified as such: the bound never rests on it.
     monkeypatch.setattr(norms, "_lanczos_top", original_lanczos)
     monkeypatch.setattr(norms, "_refined_estimate", lambda g: 4.0 * original_refined(g))
-    high = norms._cholesky_max_norm(batch.contiguous())
+    high = norms._cholesky_max_norm(_tall(batch))
     assert high == pytest.approx(2.0 * exact, rel=1e-5)
 
 
@@ -290,6 +297,24 @@ def _symbol_max(w: torch.Tensor, stride: int, padding: int, mode: str, n: int) -
     sym = norms._polyphase_symbol(w, dims, (stride, stride))
     factor = math.sqrt(dims[0].duplication * dims[1].duplication * dims[0].copies ** 2)
     return _exact_max(sym.reshape(-1, *sym.shape[-2:])) * factor
+
+
+@pytest.mark.parametrize(("c_out", "c_in", "stride"), [(24, 18, 1), (10, 30, 1), (20, 6, 2)])
+def test_symbol_matrices_match_the_einsum_symbol(c_out: int, c_in: int, stride: int) -> None:
+    """The flat tall symbol (one matrix product) is the complex einsum symbol, to rounding, in
+    the orientation k >= n (transposed when c_out < c_in s^2)."""
+    w = torch.randn(c_out, c_in, 3, 3, generator=torch.Generator().manual_seed(14))
+    dims = (
+        norms._polyphase_1d(7, 3, stride, 1, False),
+        norms._polyphase_1d(6, 3, stride, 1, False),
+    )
+    sym = norms._polyphase_symbol(w, dims, (stride, stride))
+    sym = sym.reshape(-1, *sym.shape[-2:])
+    flat = norms._symbol_matrices(w, dims, (stride, stride))
+    expect = _tall(sym)
+    assert flat.shape == expect.shape
+    assert flat.shape[-2] >= flat.shape[-1]
+    assert torch.allclose(flat, expect, rtol=0, atol=1e-13 * float(w.abs().max()))
 
 
 def _orthogonal(n: int, seed: int) -> torch.Tensor:
