@@ -642,7 +642,7 @@ def _symbol_matrices(
     return (phi @ taps).reshape(-1, k, n)
 
 
-_CONV_EIGH_MAX_DIM = 16  # per-frequency Gram side up to which "fft" takes one batched eigvalsh
+_CONV_EIGH_MAX_DIM = 48  # per-frequency Gram side up to which "fft" takes one batched eigvalsh
 _CONV_LANCZOS_STEPS = 10  # Lanczos steps per frequency to rank the frequencies (steering only)
 _CONV_CANDIDATES = 3  # frequencies whose refined estimate sets the common level
 _CONV_REFINE_EIGH_MAX_DIM = 128  # refined estimate by eigvalsh up to this side, else Lanczos
