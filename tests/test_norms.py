@@ -185,6 +185,20 @@ def test_cholesky_norm_at_extreme_scales(exponent: int) -> None:
     assert exact <= result[0] <= exact * (1 + 1e-5) + 2.0**-1000
 
 
+@pytest.mark.parametrize("scale", [1e-170, 1e-300, 1e170, 1e300])
+@pytest.mark.parametrize("complex_", [False, True])
+def test_eigh_norm_at_extreme_scales(scale: float, complex_: bool) -> None:
+    """The Gram product of entries below ~1e-154 underflows (the unscaled bound was 0 at 1e-170)
+    and above ~1e154 overflows: the eigh certificate scales by a power of two first."""
+    gen = torch.Generator().manual_seed(42)
+    dtype = torch.complex128 if complex_ else torch.float64
+    base = torch.randn(20, 30, generator=gen, dtype=dtype)
+    exact = exact_norm(base) * scale
+    mat = base * scale
+    bound = dense_norm(mat, method="eigh")
+    assert exact <= bound <= exact * (1 + 1e-8), bound / exact
+
+
 def test_cholesky_norm_rejects_a_level_below_the_norm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimate only steers: below the truth the factorisation fails, or what it certifies
     (with the rounding terms) is still above the exact norm."""

@@ -405,7 +405,29 @@ def dense_norm(
 
 
 def _eigh_norm(w: torch.Tensor) -> float:
-    """``sqrt(lambda_max(fl(W^H W)) + gamma_k ||W||_F^2)``, inflated (see :func:`dense_norm`)."""
+    """``sqrt(lambda_max(fl(W^H W)) + gamma_k ||W||_F^2)``, inflated (see :func:`dense_norm`).
+
+    Entries outside ``2^(+-256)`` are first scaled by an exact power of two: a float64 Gram
+    product of entries below ``~1e-154`` underflows (the result could then fall *below* the
+    norm) and one of entries above ``~1e154`` overflows. Entries that underflow when scaling
+    down move ``W`` by at most ``sqrt(2 #entries) 2^-1075`` in Frobenius norm (added, in scaled
+    units); within the window, underflow in the products adds at most ``k 2^-1074`` per Gram
+    entry against ``lambda_max >= 2^-514``, inside ``NUMERIC_MARGIN``.
+    """
+    lo, hi = _aminmax(torch.view_as_real(w.resolve_conj()) if w.is_complex() else w)
+    biggest = max(-float(lo), float(hi))
+    if biggest == 0.0:
+        return 0.0
+    e = -math.frexp(biggest)[1] + 1  # 2^e * biggest in [1, 2)
+    if abs(e) <= _SAFE_EXPONENT:
+        return _eigh_norm_unscaled(w)
+    w = w * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)  # exact but for underflow
+    lost = math.sqrt(2.0 * w.numel()) * 2.0**-1074 if e < 0 else 0.0
+    scaled = _certified.add(_eigh_norm_unscaled(w), lost)
+    return _certified.add(math.ldexp(scaled, -e), 2.0**-1074)
+
+
+def _eigh_norm_unscaled(w: torch.Tensor) -> float:
     if w.shape[0] < w.shape[1]:
         w = w.mH
     k = w.shape[0]  # inner dimension of the product
