@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from clipless.cli import ADULT_PREPROCESSING, load_trained_model, main
+from clipless.cli import ADULT_LR, ADULT_PREPROCESSING, load_trained_model, main
 from clipless.data import tabular as tab
 
 
@@ -65,6 +65,7 @@ def test_adult_default_is_public_bins_recorded_and_the_model_takes_its_features(
     assert config["options"]["preprocessing"] == "public-bins"
     assert config["input_shape"] == [138]
     assert config["input_norm"] == math.sqrt(17.0) == tab.adult_max_norm("public-bins")
+    assert config["lr"] == ADULT_LR == 0.003  # adult's own default (other datasets: 0.01)
     state = torch.load(out / "model.pt", weights_only=True)
     assert state["architecture"]["preprocessing"] == "public-bins"
     model = load_trained_model(out / "model.pt")

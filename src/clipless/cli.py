@@ -92,6 +92,9 @@ ADULT_PREPROCESSING = "public-bins"
 """``--preprocessing`` default for adult: public one-hot bins of the numeric columns on top of the
 scaled values (``clipless.data.tabular.ADULT_BINS``); at epsilon 0.414 the linear model gains
 ~0.8 points over "public-ranges" (``benchmarks/RESULTS.md`` section 16)."""
+DEFAULT_LR = 0.01
+ADULT_LR = 0.003
+"""``--lr`` default for adult (Adam): chosen on a validation split in ``benchmarks/adult_bins.py``."""
 DEVICES = "cpu, cuda, cuda:N, mps, auto"
 
 _EPILOG = """\
@@ -391,7 +394,13 @@ def _add_train_parser(sub: Any) -> None:
         help="expected (Poisson) batch size (default: n/16 clamped to [128, 2048], at most n: "
         "DP-SGD wants large batches; measured in benchmarks/RESULTS.md)",
     )
-    tr.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate")
+    tr.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=None,
+        help=f"learning rate (default: {DEFAULT_LR:g}; {ADULT_LR:g} for adult, the best "
+        "validation trial of benchmarks/RESULTS.md section 16)",
+    )
     tr.add_argument(
         "--optimizer",
         choices=("sgd", "adam"),
@@ -952,6 +961,8 @@ def _run_train(args: argparse.Namespace) -> int:
             print(f"clipless train: computing {args.features} features ...", flush=True)
         train, test = apply_features(front, train), apply_features(front, test)
         input_shape = tuple(front.output_shape)
+    if args.lr is None:
+        args.lr = ADULT_LR if args.dataset == "adult" else DEFAULT_LR
     if args.batch_size is None:
         args.batch_size = default_batch_size(len(train))
     if args.batch_size > len(train):
