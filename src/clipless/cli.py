@@ -94,7 +94,7 @@ scaled values (``clipless.data.tabular.ADULT_BINS``); at epsilon 0.414 the linea
 ~0.8 points over "public-ranges" (``benchmarks/RESULTS.md`` section 16)."""
 DEFAULT_LR = 0.01
 ADULT_LR = 0.003
-"""``--lr`` default for adult (Adam): chosen on a validation split in ``benchmarks/adult_bins.py``."""
+"""``--lr`` default for adult (Adam): its best validation trial in ``benchmarks/adult_bins.py``."""
 DEVICES = "cpu, cuda, cuda:N, mps, auto"
 
 _EPILOG = """\
