@@ -222,7 +222,7 @@ def report(store: Store) -> None:
         refs["opacus MLP 64 (issue setting)"] = (op[0], {"hidden": [64]})
     ours = {
         "clipless chosen": test_of("clipless", *cl),
-        "clipless CLI default": test_of("clipless", cl[0], {}),
+        "clipless base trial (lr 0.01)": test_of("clipless", cl[0], {}),
     }
     for name, a in ours.items():
         for ref, (pre, trial) in refs.items():
