@@ -574,6 +574,7 @@ def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
     assert cfg["input_mode"] == "sphere" and model[1][0].mode == "sphere"  # the default there
     # the default with features: the private input mean, composed with the steps and saved
     assert cfg["center_noise"] == 20.0 and model[1][0].release_noise == 20.0
+    assert cfg["loss_clip"] == 0.1  # the default with features (0.3 without)
     ledger = PrivacyLedger.from_json(out / "ledger.json")
     assert [r.noise_multiplier for r in ledger.releases] == [20.0]
     assert metrics["epsilon"] == pytest.approx(ledger.epsilon(1e-5))
