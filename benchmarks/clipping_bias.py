@@ -68,8 +68,7 @@ def dpsgd_trajectory(
     twin = adult.plain_mlp(tuple(cfg["hidden"]), train).double()
     epsilon, delta = adult.privacy(cfg, len(train))
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
-    engine, model, opt, loader = adult.opacus_private(cfg, model, opt, train, epsilon, delta)
-    ce = torch.nn.CrossEntropyLoss()
+    engine, model, opt, loader, ce = adult.opacus_private(cfg, model, opt, train, epsilon, delta)
     ce_sum = torch.nn.CrossEntropyLoss(reduction="sum")
     rows = []
 
