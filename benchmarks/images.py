@@ -23,7 +23,9 @@ Methods (each a fixed setting, chosen by the trials of ``RESULTS.md`` sections 1
 * ``clipless-pixels`` / ``opacus-pixels``: the linear models on raw pixels of section 8b.
 
 ``python benchmarks/images.py --dataset fashion-mnist --methods clipless-scatter --epsilons 1 2 3 8
---seeds 0 1 2`` then ``python benchmarks/images.py --plot``.
+--seeds 0 1 2`` then ``python benchmarks/images.py --plot``. The plot also draws, when
+``out/tune.jsonl`` exists, the clipless and Opacus settings chosen by ``benchmarks/tune.py`` with
+the same 9 trials per epsilon (``RESULTS.md`` section 18).
 """
 
 from __future__ import annotations
@@ -217,6 +219,18 @@ def plot(dataset: str) -> None:
         med = [100 * statistics.median(points[e]) for e in eps]
         label = f"{method} (median of {min(len(v) for v in points.values())}+ seeds)"
         ax.plot(eps, med, marker="o", label=label)
+    tuned = adult.OUT_DIR / "tune.jsonl"  # benchmarks/tune.py: the same 9 trials per method
+    if dataset == "fashion-mnist" and tuned.is_file():
+        import tune
+
+        chosen = tune.selected(tuned)
+        for name in ("clipless", "opacus"):
+            eps = sorted(e for m, e in chosen if m == name and len(chosen[m, e]["accuracies"]) > 1)
+            if eps:
+                med = [100 * chosen[name, e]["median"] for e in eps]
+                seeds = min(len(chosen[name, e]["accuracies"]) for e in eps)
+                label = f"{name}, best of 9 trials per epsilon (tune.py, median of {seeds} seeds)"
+                ax.plot(eps, med, marker="s", linestyle="--", label=label)
     markers = iter(["x", "+", "1", "2", "3", "4", "*", "d"])
     marker_of: dict[str, str] = {}
     for epsilon, accuracy, label in ANCHORS.get(dataset, []):

@@ -186,11 +186,12 @@ def tune(
     summarise(out)
 
 
-def summarise(out: Path) -> None:
-    """Per (method, epsilon): every stage-1 trial, the selected one and its seeds' median."""
+def selected(out: Path) -> dict[tuple[str, float], dict[str, Any]]:
+    """Per (method, epsilon) in ``out``: the stage-1 trials (seed 0), the best one, and that
+    setting's accuracy at every seed run (``{"trials", "best", "accuracies", "median"}``)."""
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    groups = sorted({(r["method"], r["epsilon"]) for r in rows})
-    for method, eps in groups:
+    result = {}
+    for method, eps in sorted({(r["method"], r["epsilon"]) for r in rows}):
         mine = [r for r in rows if r["method"] == method and r["epsilon"] == eps]
         first = [r for r in mine if r["seed"] == min(x["seed"] for x in mine)]
         best = max(first, key=lambda r: r["accuracy"])
@@ -198,13 +199,61 @@ def summarise(out: Path) -> None:
             (r for r in mine if r["trial"] == best["trial"]), key=lambda r: int(r["seed"])
         )
         accs = [r["accuracy"] for r in seeds]
+        result[(method, eps)] = {
+            "trials": sorted(first, key=lambda r: json.dumps(r["trial"], sort_keys=True)),
+            "best": best["trial"],
+            "accuracies": accs,
+            "median": statistics.median(accs),
+        }
+    return result
+
+
+def summarise(out: Path) -> None:
+    """Per (method, epsilon): every stage-1 trial, the selected one and its seeds' median."""
+    for (method, eps), sel in selected(out).items():
         trials = ", ".join(
-            f"{json.dumps(r['trial'])}: {100 * r['accuracy']:.2f}"
-            for r in sorted(first, key=lambda r: json.dumps(r["trial"], sort_keys=True))
+            f"{json.dumps(r['trial'])}: {100 * r['accuracy']:.2f}" for r in sel["trials"]
         )
+        accs = [round(100 * a, 2) for a in sel["accuracies"]]
         print(
-            f"{method} eps {eps:g}: {len(first)} trials [{trials}] -> best {best['trial']}, "
-            f"seeds {[round(100 * a, 2) for a in accs]}, median {100 * statistics.median(accs):.2f}"
+            f"{method} eps {eps:g}: {len(sel['trials'])} trials [{trials}] -> best "
+            f"{sel['best']}, seeds {accs}, median {100 * sel['median']:.2f}"
+        )
+    methods = {m for m, _ in selected(out)}
+    for first in sorted(m for m in methods if m.startswith("clipless")):
+        second = first.replace("clipless", "opacus", 1)
+        if second in methods:
+            compare(out, first, second)
+
+
+def compare(out: Path, first: str = "clipless", second: str = "opacus") -> None:
+    """Per epsilon: the selected settings of ``first`` and ``second`` paired by seed, the median
+    paired difference and the two-sided Wilcoxon signed-rank test (``scipy.stats.wilcoxon``)."""
+    from scipy.stats import wilcoxon
+
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    chosen = selected(out)
+    for eps in sorted({e for m, e in chosen if m == first and (second, e) in chosen}):
+        by_seed = []
+        for method in (first, second):
+            best = chosen[method, eps]["best"]
+            by_seed.append(
+                {
+                    int(r["seed"]): r["accuracy"]
+                    for r in rows
+                    if r["method"] == method and r["epsilon"] == eps and r["trial"] == best
+                }
+            )
+        seeds = sorted(set(by_seed[0]) & set(by_seed[1]))
+        diffs = [by_seed[0][s] - by_seed[1][s] for s in seeds]
+        if len(seeds) < 2:
+            continue
+        wins = sum(d > 0 for d in diffs)
+        p_value = float(wilcoxon(diffs).pvalue) if any(diffs) else 1.0
+        print(
+            f"eps {eps:g}: {first} - {second} over {len(seeds)} seeds: median "
+            f"{100 * statistics.median(diffs):+.2f} points, {first} ahead on {wins}, "
+            f"Wilcoxon p = {p_value:.3g}"
         )
 
 
