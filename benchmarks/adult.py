@@ -134,18 +134,7 @@ def load(
         return TensorDataset(*tensors["train"]), TensorDataset(*tensors["test"])
     phi = build_features(features, info.input_shape)
     assert phi is not None
-    if torch.cuda.is_available():  # a public map: where it is computed changes only rounding
-        phi = phi.cuda()
-        with torch.no_grad():
-            train, test = (
-                TensorDataset(
-                    torch.cat([phi(x[i : i + 1024].cuda()).cpu() for i in range(0, len(x), 1024)]),
-                    y,
-                )
-                for x, y in (train.tensors, test.tensors)
-            )
-    else:
-        train, test = apply_features(phi, train), apply_features(phi, test)
+    train, test = apply_features(phi, train), apply_features(phi, test)
     OUT_DIR.mkdir(exist_ok=True)
     torch.save({"train": train.tensors, "test": test.tensors}, cache)
     return train, test
@@ -305,9 +294,9 @@ def gradient_to_bound(
     idx = torch.randperm(len(y), generator=g)[:samples]
     sums = dict.fromkeys(bounds, 0.0)
     params = dict(twin.named_parameters())
+    device = next(twin.parameters()).device
     for i in idx.tolist():
         twin.zero_grad()
-        device = next(twin.parameters()).device
         loss(twin(x[i : i + 1].to(device)), y[i : i + 1].to(device)).backward()
         for name in bounds:
             grad = params[name].grad

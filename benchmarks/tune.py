@@ -19,8 +19,9 @@ thread each; ``--set device=cuda`` puts the models and batches on a GPU) and eve
 appended at once to ``--out`` (JSON lines; a rerun skips what is there), so a run cut short keeps
 what it finished.
 
-``python benchmarks/tune.py --methods clipless opacus --epsilons 3 1 8 2 --jobs 2``
-(``RESULTS.md`` section 18; about an hour on two cores), ``--summary`` to print the tables.
+``python benchmarks/tune.py --methods clipless opacus --epsilons 3 1 8 2 --jobs 2`` (about 45
+minutes on two cores with the default three seeds; ``RESULTS.md`` section 18 used ``--seeds 0 1
+2 3 4 5 6 7 8 9``, about 80 minutes), ``--summary`` to print the tables.
 """
 
 from __future__ import annotations
@@ -87,15 +88,9 @@ def _trial(
     torch.set_num_threads(1)
     assert _DATA is not None
     runner = GRIDS[method][0]
-    overrides = {
-        **setting,
-        **extra,
-        "dataset": "fashion-mnist",
-        "epsilon": epsilon,
-        "ratios": False,
-    }
-    if runner == "opacus":
-        overrides.pop("ratios")
+    overrides = {**setting, **extra, "dataset": "fashion-mnist", "epsilon": epsilon}
+    if runner == "clipless":
+        overrides["ratios"] = False  # no per-sample diagnostic in a tuning run
     result = adult.run_setting(runner, overrides, [seed], _DATA)
     grid = GRIDS[method][2]
     return {
@@ -186,10 +181,18 @@ def tune(
     summarise(out)
 
 
-def selected(out: Path) -> dict[tuple[str, float], dict[str, Any]]:
-    """Per (method, epsilon) in ``out``: the stage-1 trials (seed 0), the best one, and that
-    setting's accuracy at every seed run (``{"trials", "best", "accuracies", "median"}``)."""
-    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+def _rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def selected(
+    out: Path, rows: list[dict[str, Any]] | None = None
+) -> dict[tuple[str, float], dict[str, Any]]:
+    """Per (method, epsilon) in ``out`` (or in ``rows``, already read from it): the stage-1
+    trials (seed 0), the best one, and that setting's accuracy at every seed run
+    (``{"trials", "best", "accuracies", "median"}``)."""
+    if rows is None:
+        rows = _rows(out)
     result = {}
     for method, eps in sorted({(r["method"], r["epsilon"]) for r in rows}):
         mine = [r for r in rows if r["method"] == method and r["epsilon"] == eps]
@@ -210,7 +213,7 @@ def selected(out: Path) -> dict[tuple[str, float], dict[str, Any]]:
 
 def summarise(out: Path) -> None:
     """Per (method, epsilon): every stage-1 trial, the selected one and its seeds' median."""
-    for (method, eps), sel in selected(out).items():
+    for (method, eps), sel in selected(out, _rows(out)).items():
         trials = ", ".join(
             f"{json.dumps(r['trial'])}: {100 * r['accuracy']:.2f}" for r in sel["trials"]
         )
@@ -219,20 +222,25 @@ def summarise(out: Path) -> None:
             f"{method} eps {eps:g}: {len(sel['trials'])} trials [{trials}] -> best "
             f"{sel['best']}, seeds {accs}, median {100 * sel['median']:.2f}"
         )
-    methods = {m for m, _ in selected(out)}
+    rows = _rows(out)
+    chosen = selected(out, rows)
+    methods = {m for m, _ in chosen}
     for first in sorted(m for m in methods if m.startswith("clipless")):
         second = first.replace("clipless", "opacus", 1)
         if second in methods:
-            compare(out, first, second)
+            compare(rows, chosen, first, second)
 
 
-def compare(out: Path, first: str = "clipless", second: str = "opacus") -> None:
+def compare(
+    rows: list[dict[str, Any]],
+    chosen: dict[tuple[str, float], dict[str, Any]],
+    first: str = "clipless",
+    second: str = "opacus",
+) -> None:
     """Per epsilon: the selected settings of ``first`` and ``second`` paired by seed, the median
     paired difference and the two-sided Wilcoxon signed-rank test (``scipy.stats.wilcoxon``)."""
     from scipy.stats import wilcoxon
 
-    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    chosen = selected(out)
     for eps in sorted({e for m, e in chosen if m == first and (second, e) in chosen}):
         by_seed = []
         for method in (first, second):
