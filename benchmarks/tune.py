@@ -68,6 +68,25 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
         {**images.METHODS["opacus-centered"][1], "lr": 8.0, "grad_sample_mode": "ghost"},
         {"epochs": [20, 30, 40, 60], "batch": [2048, 4096]},
     ),
+    # a third stage: the step size and clip again, at each method's budget winner at epsilon 3
+    # (clipless batch 4096 / 40 epochs, Opacus 4096 / 30); the same 9-point grids, Opacus's shifted
+    # one step down in clip because its first-stage optimum (lr 16, clip 0.05) was on the grid's
+    # corner. Every method has had 9 + 8 + 9 = 26 trials after it (RESULTS.md section 19).
+    "clipless-refine": (
+        "clipless",
+        {**images.METHODS["clipless-centered"][1], "batch": 4096, "epochs": 40},
+        {"lr": [0.01, 0.02, 0.04], "clip": [0.05, 0.1, 0.2]},
+    ),
+    "opacus-refine": (
+        "opacus",
+        {
+            **images.METHODS["opacus-centered"][1],
+            "grad_sample_mode": "ghost",
+            "batch": 4096,
+            "epochs": 30,
+        },
+        {"lr": [8.0, 16.0, 32.0], "max_grad_norm": [0.025, 0.05, 0.1]},
+    ),
 }
 
 _DATA: tuple[Any, Any] | None = None
