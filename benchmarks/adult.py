@@ -154,6 +154,8 @@ def flip_views(cfg: dict[str, Any], train: TensorDataset) -> TensorDataset:
     The mirror is taken on the raw image (last axis) and then sent through the same public
     feature front-end; its features are cached in ``out/`` next to the originals.
     """
+    if cfg["augment"] != "flip":
+        raise SystemExit(f"augment must be None or 'flip'; got {cfg['augment']!r}")
     if cfg["dataset"] not in ("fashion-mnist", "mnist-10k"):
         raise SystemExit(f"augment=flip is for image datasets, not {cfg['dataset']}")
     x, y = train.tensors
@@ -250,11 +252,7 @@ def run_clipless(
     model = clipless_model(cfg, train).to(device)
     epsilon, delta = privacy(cfg, n)
     loss = clipless_loss(cfg)
-    rows = train
-    if cfg["augment"] is not None:
-        if cfg["augment"] != "flip":
-            raise SystemExit(f"augment must be None or 'flip'; got {cfg['augment']!r}")
-        rows = flip_views(cfg, train)
+    rows = train if cfg["augment"] is None else flip_views(cfg, train)
     if cfg["freeze_first"]:
         first = next(m for m in model if isinstance(m, nn.Linear))
         with torch.no_grad():  # a random orthogonal map drawn from the public seed
@@ -303,10 +301,10 @@ def run_clipless(
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
             if cfg["augment"] is not None:  # [B, K, ...]: row j of sample i is its view j
-                k = x.shape[1]
-                training_loss(model, loss, x, y, augment=_view_of_row, augmult=k, optimizer=opt)[
-                    0
-                ].backward()
+                total, _, _ = training_loss(
+                    model, loss, x, y, augment=_view_of_row, augmult=x.shape[1], optimizer=opt
+                )
+                total.backward()
             else:
                 loss(model(x), y).backward()
             opt.step()
@@ -428,8 +426,6 @@ def run_opacus(
         test = _centred(test, mu)
     views = cfg["augment"] is not None
     if views:  # [B, K, ...] -> [B, K, features]: the layers act on the last axis
-        if cfg["augment"] != "flip":
-            raise SystemExit(f"augment must be None or 'flip'; got {cfg['augment']!r}")
         model[0] = torch.nn.Flatten(start_dim=2)  # type: ignore[operator]
         train = flip_views(cfg, train)
     if mu is not None:
@@ -575,14 +571,88 @@ def run_setting(
     }
 
 
+def check_views(
+    samples: int = 16, features: int = 12, classes: int = 3, clip: float = 0.05
+) -> None:
+    """Opacus's update on ``[batch, 2, features]`` inputs (the ``augment=flip`` path) against a
+    reference: each sample's gradient of the mean loss over its two rows, clipped at ``clip``,
+    summed and divided by the batch size (noise 0, one SGD step at lr 1), in both ``hooks`` and
+    ``ghost`` modes. Prints the largest absolute difference of the updated weights."""
+    from opacus import PrivacyEngine
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 2, features, generator=gen)
+    y = torch.randint(0, classes, (samples,), generator=gen)
+
+    def fresh() -> torch.nn.Module:
+        torch.manual_seed(1)
+        return torch.nn.Sequential(
+            torch.nn.Flatten(start_dim=2), torch.nn.Linear(features, classes)
+        )
+
+    ref = fresh()
+    total = [torch.zeros_like(p) for p in ref.parameters()]
+    for i in range(samples):
+        ref.zero_grad()
+        torch.nn.functional.cross_entropy(
+            ref(x[i : i + 1]).flatten(0, 1), y[i].repeat(2)
+        ).backward()
+        grads = [p.grad.clone() for p in ref.parameters() if p.grad is not None]
+        factor = min(1.0, clip / (float(torch.cat([g.flatten() for g in grads]).norm()) + 1e-6))
+        total = [t + factor * g for t, g in zip(total, grads, strict=True)]
+    for mode in ("hooks", "ghost"):
+        model = fresh()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        kwargs: dict[str, Any] = (
+            {"criterion": torch.nn.CrossEntropyLoss(), "grad_sample_mode": "ghost"}
+            if mode == "ghost"
+            else {}
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            made = PrivacyEngine(accountant="prv").make_private(
+                module=model,
+                optimizer=opt,
+                data_loader=DataLoader(TensorDataset(x, y), batch_size=samples),
+                noise_multiplier=0.0,
+                max_grad_norm=clip,
+                poisson_sampling=False,
+                **kwargs,
+            )
+            if mode == "ghost":
+                model, opt, ce, _ = made
+            else:
+                model, opt, _ = made
+                ce = torch.nn.CrossEntropyLoss()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            out = model(x)
+            kw = {"shape": tuple(out.shape)} if mode == "ghost" else {}
+            ce(out.flatten(0, 1), y.repeat_interleave(2), **kw).backward()
+            opt.step()
+        diff = max(
+            float((b - p.detach() - t / samples).abs().max())
+            for b, p, t in zip(before, model.parameters(), total, strict=True)
+        )
+        print(f"{mode}: largest difference from the reference update {diff:.2g}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check-views",
+        action="store_true",
+        help="only compare Opacus's update on two-view inputs with a per-sample reference",
+    )
     parser.add_argument("--method", choices=sorted(RUNNERS), default="clipless")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.check_views:
+        check_views()
+        return
     overrides = {}
     for item in args.set:
         key, _, value = item.partition("=")
