@@ -44,7 +44,14 @@ import clipless
 from clipless import models, nn
 from clipless.data import data_root, load_dataset
 from clipless.data.tabular import adult_max_norm, load_adult
-from clipless.features import apply_features, build_features, release_mean
+from clipless.features import (
+    apply_features,
+    build_features,
+    release_channel_moment,
+    release_mean,
+    whitening,
+)
+from clipless.nn.export import mix_channels
 from clipless.training import WeightEMA, training_loss
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -89,6 +96,10 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     # noise multiplier of the private input mean that InputNorm subtracts (None: no centring;
     # clipless.features.release_mean, accounted by the engine with the steps)
     "center": None,
+    # noise multiplier of the private channel second moment whose shrunk inverse square root
+    # InputNorm applies after the centring (None: no whitening; clipless.features.whitening)
+    "whiten": None,
+    "shrink": 1.0,  # whitening's shrinkage (clipless.features.whitening)
     "preprocessing": None,  # Adult's transform (None: the loader's default; "public-bins")
     "device": "cpu",  # where the model and each batch live ("cuda" on a GPU machine)
     # "flip": every training sample is two rows, the image and its horizontal mirror (through the
@@ -111,6 +122,9 @@ OPACUS_DEFAULTS: dict[str, Any] = {
     # features keep their scale, so lr and clip keep their meaning); the release's small cost is
     # NOT in Opacus's accountant (its epsilon is the steps' only): a slight advantage to Opacus
     "center": None,
+    # as clipless's: x -> ||x|| W (x / ||x|| - mu) with the same released W (not in the accountant)
+    "whiten": None,
+    "shrink": 1.0,
     "preprocessing": None,
     "device": "cpu",
     "grad_sample_mode": "hooks",  # or "ghost": Opacus's ghost clipping (same update, faster)
@@ -212,12 +226,16 @@ def clipless_model(cfg: dict[str, Any], train: TensorDataset) -> torch.nn.Module
         model = models.mlp(shape, hidden, classes, input_norm=radius, bias=cfg["bias"])
     else:
         model = models.linear(shape, classes, input_norm=radius, bias=cfg["bias"])
-    if cfg["input_mode"] != "ball" or cfg["center"]:
-        center = None
-        if cfg["center"]:
-            center = release_mean(x, float(cfg["center"]), generator=_release_generator(cfg))
-        noise = float(cfg["center"]) if cfg["center"] else None
-        model[0] = nn.InputNorm(radius, mode=cfg["input_mode"], center=center, center_noise=noise)
+    if cfg["input_mode"] != "ball" or cfg["center"] or cfg["whiten"]:
+        center, whiten = released_input(cfg, x)
+        model[0] = nn.InputNorm(
+            radius,
+            mode=cfg["input_mode"],
+            center=center,
+            center_noise=float(cfg["center"]) if cfg["center"] else None,
+            whiten=whiten,
+            whiten_noise=float(cfg["whiten"]) if cfg["whiten"] else None,
+        )
     if cfg["clip"] is not None:
         model.append(nn.LossGradientClip(float(cfg["clip"])))
     return model
@@ -225,6 +243,22 @@ def clipless_model(cfg: dict[str, Any], train: TensorDataset) -> torch.nn.Module
 
 def _release_generator(cfg: dict[str, Any]) -> torch.Generator:
     return torch.Generator().manual_seed(int(cfg.get("_seed", 0)) + 7)
+
+
+def released_input(
+    cfg: dict[str, Any], x: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The released mean (``center``) and whitening matrix (``whiten``) of a setting, or None."""
+    center = whiten = None
+    if cfg["center"]:
+        center = release_mean(x, float(cfg["center"]), generator=_release_generator(cfg))
+    if cfg["whiten"]:
+        seed = int(cfg.get("_seed", 0)) + 11
+        moment = release_channel_moment(
+            x, float(cfg["whiten"]), generator=torch.Generator().manual_seed(seed)
+        )
+        whiten = whitening(moment, center, float(cfg["shrink"]))
+    return center, whiten
 
 
 def clipless_loss(cfg: dict[str, Any]) -> torch.nn.Module:
@@ -301,10 +335,10 @@ def run_clipless(
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
             if cfg["augment"] is not None:  # [B, K, ...]: row j of sample i is its view j
-                total, _, _ = training_loss(
+                batch_loss, _, _ = training_loss(
                     model, loss, x, y, augment=_view_of_row, augmult=x.shape[1], optimizer=opt
                 )
-                total.backward()
+                batch_loss.backward()
             else:
                 loss(model(x), y).backward()
             opt.step()
@@ -418,11 +452,13 @@ def run_opacus(
     n = len(train)
     device = torch.device(cfg["device"])
     model = plain_mlp(tuple(cfg["hidden"]), train).to(device)
-    mu = None
-    if cfg["center"]:
-        mu = release_mean(
-            train.tensors[0], float(cfg["center"]), generator=_release_generator({"_seed": seed})
-        )
+    mu, whiten = released_input({**cfg, "_seed": seed}, train.tensors[0])
+    if whiten is not None:  # clipless's InputNorm map, at each sample's own scale
+        if cfg["augment"] is not None:
+            raise SystemExit("whiten with augment is not offered for opacus")
+        train, test = _whitened(train, mu, whiten), _whitened(test, mu, whiten)
+        mu = None
+    elif mu is not None:
         test = _centred(test, mu)
     views = cfg["augment"] is not None
     if views:  # [B, K, ...] -> [B, K, features]: the layers act on the last axis
@@ -527,6 +563,16 @@ RUNNERS = {
     "nonprivate": run_nonprivate,
     "logreg": run_logreg,
 }
+
+
+def _whitened(data: TensorDataset, mu: torch.Tensor | None, whiten: torch.Tensor) -> TensorDataset:
+    """``||x|| W (x / ||x|| - mu)`` for every sample (Opacus's twin of the whitened InputNorm)."""
+    x, y = data.tensors
+    norms = x.flatten(1).norm(dim=1).reshape(-1, *([1] * (x.ndim - 1)))
+    u = x / norms.clamp_min(1e-30)
+    if mu is not None:
+        u = u - mu
+    return TensorDataset(norms * mix_channels(u, whiten), y)
 
 
 def parse_value(text: str) -> Any:

@@ -87,6 +87,25 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
         },
         {"lr": [8.0, 16.0, 32.0], "max_grad_norm": [0.025, 0.05, 0.1]},
     ),
+    # the stage-1 grids again on features whitened by the released channel covariance (noise
+    # multiplier 20, shrink 1; RESULTS.md section 20). Whitening shrinks the centred features'
+    # norm by about half, which for Opacus (unnormalised inputs) halves the logits' step at the
+    # same lr x clip: its lr grid moves up one step (16-64).
+    "clipless-whiten": (
+        "clipless",
+        {**images.METHODS["clipless-centered"][1], "whiten": 20.0, "shrink": 1.0},
+        {"lr": [0.01, 0.02, 0.04], "clip": [0.05, 0.1, 0.2]},
+    ),
+    "opacus-whiten": (
+        "opacus",
+        {
+            **images.METHODS["opacus-centered"][1],
+            "grad_sample_mode": "ghost",
+            "whiten": 20.0,
+            "shrink": 1.0,
+        },
+        {"lr": [16.0, 32.0, 64.0], "max_grad_norm": [0.025, 0.05, 0.1]},
+    ),
 }
 
 _DATA: tuple[Any, Any] | None = None

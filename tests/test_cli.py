@@ -58,6 +58,12 @@ def test_help_documents_every_command(capsys: pytest.CaptureFixture[str]) -> Non
         (["train", "--dataset", "mnist-3d"], "--dataset"),
         (["train", "--constraint", "spectral"], "--constraint"),
         (["train", "--loss-clip", "-1"], "--loss-clip"),
+        (["train", "--whiten-noise", "-1"], "--whiten-noise"),
+        (["train", "--whiten-shrink", "0"], "--whiten-shrink"),
+        (
+            ["train", "--dataset", "breast-cancer", "--whiten-shrink", "2", "--out", "{tmp}"],
+            "--whiten-noise",
+        ),
         (["train", "--model", "linear", "--hidden", "4", "--out", "{tmp}"], "--hidden"),
         (["train", "--batch-size", "100000", "--out", "{tmp}"], "--batch-size"),
         (["data", "fetch", "nope"], "name"),
@@ -354,7 +360,7 @@ def test_resume_keeps_the_input_mean_released_at_the_start(
 
     out = tmp_path / "run"
     argv = ["train", "--dataset", "breast-cancer", "--epsilon", "1.0", "--epochs", "3"]
-    argv += ["--center-noise", "30", "--accountant", "rdp"]
+    argv += ["--center-noise", "30", "--whiten-noise", "25", "--accountant", "rdp"]
     argv += ["--out", str(out), "--no-progress", "--quiet"]
     real_evaluate = training_mod.evaluate
     calls = {"n": 0}
@@ -369,15 +375,20 @@ def test_resume_keeps_the_input_mean_released_at_the_start(
     with pytest.raises(KeyboardInterrupt):
         main(argv)
     monkeypatch.setattr(training_mod, "evaluate", real_evaluate)
-    center = torch.load(out / "checkpoint.pt", weights_only=False)["model"]["0.center"]
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
+    center, whiten = saved["0.center"], saved["0.whiten"]
+    assert whiten.shape == (30, 30) and whiten.dtype == torch.float64  # breast-cancer's 30
     with pytest.warns(UserWarning, match="steps after the checkpoint were spent"):
         assert main(["train", "--out", str(out), "--resume", "--no-progress", "--quiet"]) == 0
     ledger = PrivacyLedger.from_json(out / "ledger.json")
-    assert [r.noise_multiplier for r in ledger.releases] == [30.0]  # one release, not two
+    assert [r.noise_multiplier for r in ledger.releases] == [30.0, 25.0]  # once each, not twice
     model = load_trained_model(out / "model.pt")
     assert torch.equal(model[0].center, center) and model[0].release_noise == 30.0
+    assert torch.equal(model[0].whiten, whiten)
+    assert model[0].releases == (("input mean", 30.0), ("input second moment", 25.0))
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["config"]["center_noise"] == 30.0
+    assert metrics["config"]["center_noise"] == 30.0 and metrics["config"]["whiten_noise"] == 25.0
+    assert metrics["config"]["whiten_shrink"] == 1.0  # the default with whitening
     assert metrics["epsilon"] == pytest.approx(ledger.epsilon(1e-5)) and metrics["epsilon"] <= 1.0
 
 
@@ -574,9 +585,11 @@ def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
     assert cfg["input_mode"] == "sphere" and model[1][0].mode == "sphere"  # the default there
     # the default with features: the private input mean, composed with the steps and saved
     assert cfg["center_noise"] == 20.0 and model[1][0].release_noise == 20.0
+    # and the whitening of its 81 channels, also released, composed and saved
+    assert cfg["whiten_noise"] == 20.0 and model[1][0].whiten.shape == (81, 81)
     assert cfg["loss_clip"] == 0.1  # the default with features (0.3 without)
     ledger = PrivacyLedger.from_json(out / "ledger.json")
-    assert [r.noise_multiplier for r in ledger.releases] == [20.0]
+    assert [r.noise_multiplier for r in ledger.releases] == [20.0, 20.0]
     assert metrics["epsilon"] == pytest.approx(ledger.epsilon(1e-5))
     _, test, _ = load_dataset("digits")
     x, y = test.tensors

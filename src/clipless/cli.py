@@ -54,6 +54,8 @@ RUN_OPTIONS = {
     "input_norm": "--input-norm",
     "input_mode": "--input-mode",
     "center_noise": "--center-noise",
+    "whiten_noise": "--whiten-noise",
+    "whiten_shrink": "--whiten-shrink",
     "temperature": "--temperature",
     "loss_clip": "--loss-clip",
     "epsilon": "--epsilon",
@@ -88,6 +90,8 @@ _LEGACY_OPTIONS = {
     "features": "none",
     "input_mode": "ball",
     "center_noise": 0.0,
+    "whiten_noise": 0.0,
+    "whiten_shrink": None,
     "preprocessing": None,  # adult: "public-ranges" (_legacy_preprocessing)
 }
 ADULT_PREPROCESSING = "public-bins"
@@ -360,6 +364,25 @@ def _add_train_parser(sub: Any) -> None:
         "both); 0: no centring. Default: 20 with --features (about +0.3 points on "
         "fashion-mnist for a ~0.01 share of epsilon 3, benchmarks/RESULTS.md section 17), else 0",
     )
+    priv.add_argument(
+        "--whiten-noise",
+        type=_nonnegative_float,
+        default=None,
+        help="mix the channels of every unit-normalised (and centred) input by a shrunk inverse "
+        "square root of their private covariance before InputNorm's projection "
+        "(clipless.features.release_channel_moment: one Gaussian release of the C x C channel "
+        "second moment with this noise multiplier, composed with the training steps; "
+        "clipless.features.whitening); 0: no whitening. Default: 20 with --features (+0.4 "
+        "points on fashion-mnist at epsilon 3, benchmarks/RESULTS.md section 20), else 0",
+    )
+    priv.add_argument(
+        "--whiten-shrink",
+        type=_positive_float,
+        default=None,
+        help="shrinkage of --whiten-noise: the covariance's eigenvalues are lifted by this many "
+        "times their mean before the inverse square root (larger: closer to no whitening). "
+        "Default: 1",
+    )
     tr = p.add_argument_group("model and training")
     tr.add_argument(
         "--model",
@@ -593,6 +616,8 @@ def load_trained_model(path: str | Path) -> Any:
         # a placeholder of the right shape: load_state_dict fills in the released mean
         torch.zeros(arch["input_shape"]) if arch.get("center_noise") else None,
         arch.get("center_noise") or None,
+        _whiten_placeholder(arch["input_shape"]) if arch.get("whiten_noise") else None,
+        arch.get("whiten_noise") or None,
     )
     model.load_state_dict(state["state_dict"])
     features = str(arch.get("features", "none"))
@@ -971,6 +996,16 @@ def _run_train(args: argparse.Namespace) -> int:
         from clipless.features import CENTER_NOISE
 
         args.center_noise = 0.0 if args.features == "none" else CENTER_NOISE
+    if args.whiten_noise is None:
+        from clipless.features import WHITEN_NOISE
+
+        args.whiten_noise = 0.0 if args.features == "none" else WHITEN_NOISE
+    if args.whiten_shrink is None and args.whiten_noise:
+        from clipless.features import WHITEN_SHRINK
+
+        args.whiten_shrink = WHITEN_SHRINK
+    elif args.whiten_shrink is not None and not args.whiten_noise:
+        raise _ArgError("--whiten-shrink", "needs --whiten-noise > 0 (whitening is off)")
     if args.features != "none":
         if len(info.input_shape) != 3:
             raise _ArgError(
@@ -1046,6 +1081,7 @@ def _run_train(args: argparse.Namespace) -> int:
     np.random.seed(args.seed)  # noqa: NPY002 - seed the legacy global state for third parties
     torch.manual_seed(args.seed)
     center = _input_center(args, train, input_shape, resumed=saved is not None)
+    whiten = _input_whitening(args, train, input_shape, center, resumed=saved is not None)
     built = models.build(
         args.model,
         input_shape,
@@ -1057,6 +1093,8 @@ def _run_train(args: argparse.Namespace) -> int:
         args.input_mode,
         center,
         args.center_noise or None,
+        whiten,
+        args.whiten_noise or None,
     )  # built again after seeding: the initial weights depend on --seed only
     if args.loss_clip:
         built.append(nn.LossGradientClip(args.loss_clip))
@@ -1122,6 +1160,8 @@ def _run_train(args: argparse.Namespace) -> int:
         "input_norm": float(args.input_norm),
         "input_mode": args.input_mode,
         "center_noise": args.center_noise or None,
+        "whiten_noise": args.whiten_noise or None,
+        "whiten_shrink": args.whiten_shrink,
         "temperature": args.temperature,
         "loss_clip": args.loss_clip or None,
         "lr": args.lr,
@@ -1236,6 +1276,7 @@ def _run_train(args: argparse.Namespace) -> int:
             "pool": args.pool,
             "input_mode": args.input_mode,
             "center_noise": args.center_noise or None,
+            "whiten_noise": args.whiten_noise or None,
         },
         "state_dict": {k: v.detach().cpu() for k, v in evaluated.state_dict().items()},
         "dataset": info.name,
@@ -1281,6 +1322,41 @@ def _input_center(
     if args.unsafe_seed is not None:
         generator = torch.Generator().manual_seed(args.unsafe_seed + 2)
     return release_mean(train, args.center_noise, generator=generator)
+
+
+def _whiten_placeholder(input_shape: Any) -> Any:
+    """A ``C x C`` zero matrix for the model's whitening buffer (filled by a state dict)."""
+    import torch
+
+    channels = int(next(iter(input_shape)))
+    return torch.zeros(channels, channels, dtype=torch.float64)
+
+
+def _input_whitening(
+    args: argparse.Namespace,
+    train: Any,
+    input_shape: tuple[int, ...],
+    center: Any,
+    *,
+    resumed: bool,
+) -> Any:
+    """The channel mixing of ``--whiten-noise`` (``None`` without whitening), as
+    :func:`_input_center`: released here by a new run's rank 0, a placeholder otherwise."""
+    import torch
+
+    from clipless import distributed
+
+    if not args.whiten_noise:
+        return None
+    if resumed or distributed.current_rank() != 0:
+        return _whiten_placeholder(input_shape)
+    from clipless.features import release_channel_moment, whitening
+
+    generator = None
+    if args.unsafe_seed is not None:
+        generator = torch.Generator().manual_seed(args.unsafe_seed + 3)
+    moment = release_channel_moment(train, args.whiten_noise, generator=generator)
+    return whitening(moment, center, args.whiten_shrink)
 
 
 def _train_rank(args: argparse.Namespace) -> int:

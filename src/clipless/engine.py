@@ -253,8 +253,9 @@ class PrivacyEngine:
             accountant=cast(accounting.AccountantKind, self.accountant_kind),
             neighbouring=cast(accounting.Neighbouring, neighbouring),
         )
-        for sigma in config.releases:  # spent before the first step (the model carries them)
-            self.ledger.record_release(sigma, label="input mean")
+        # spent before the first step (the model carries them)
+        for label, sigma in input_release_labels(module):
+            self.ledger.record_release(sigma, label=label)
         # The initial weights are public; projecting them is free.
         if constraint is not None:
             constraints.project(module, mode=constraint, max_norm=max_norm)  # type: ignore[arg-type]
@@ -449,17 +450,23 @@ class PrivacyEngine:
 
 
 def input_releases(module: torch.nn.Module) -> tuple[float, ...]:
-    """Noise multipliers of the released means the model's ``InputNorm`` layers subtract.
+    """Noise multipliers of the releases the model's ``InputNorm`` layers carry.
 
-    One release per centred :class:`clipless.nn.InputNorm` (in module order); a module object
-    reached twice counts once (it subtracts one released vector).
+    Per :class:`clipless.nn.InputNorm` (in module order): its released mean (``center``), then its
+    released channel second moment (``whiten``); a module object reached twice counts once (it
+    applies one released value).
     """
+    return tuple(sigma for _, sigma in input_release_labels(module))
+
+
+def input_release_labels(module: torch.nn.Module) -> tuple[tuple[str, float], ...]:
+    """``(label, noise multiplier)`` of :func:`input_releases`, for the ledger."""
     from clipless.nn import InputNorm
 
-    out = []
+    out: list[tuple[str, float]] = []
     for m in module.modules():  # modules() yields each module object once
-        if isinstance(m, InputNorm) and m.release_noise is not None:
-            out.append(m.release_noise)
+        if isinstance(m, InputNorm):
+            out.extend(m.releases)
     return tuple(out)
 
 

@@ -17,12 +17,15 @@ scattering transform (Mallat, "Group Invariant Scattering", 2012; Bruna and Mall
 followed by a per-sample group normalisation (their "ScatterNet + GroupNorm" variant; the
 variant normalised by private per-channel statistics is not offered).
 
-:func:`release_mean` is the one data-dependent step offered, and it is accounted: the mean of
-the unit-normalised training features released by the Gaussian mechanism, which
-:class:`clipless.nn.InputNorm` (``center=``) subtracts from every sample. Tramèr and Boneh
-normalise with privately released statistics too ("data normalisation", their section 3); here
-the released statistic is the mean direction only, and its cost enters the same accountant as the
-training steps (:meth:`clipless.PrivacyEngine.make_private` reads it from the model).
+The data-dependent steps offered are two Gaussian releases, both accounted:
+:func:`release_mean`, the mean of the unit-normalised training features, which
+:class:`clipless.nn.InputNorm` (``center=``) subtracts from every sample, and
+:func:`release_channel_moment`, their channel second moment, from which :func:`whitening` builds
+the channel mixing that ``InputNorm`` (``whiten=``) applies next. Tramèr and Boneh normalise with
+privately released statistics too ("data normalisation", their section 3; per-channel means and
+variances); here the released statistics are the mean direction and the channel covariance, and
+their cost enters the same accountant as the training steps
+(:meth:`clipless.PrivacyEngine.make_private` reads them from the model).
 
 >>> import torch
 >>> phi = Scattering2d((1, 28, 28))  # doctest: +SKIP
@@ -41,10 +44,14 @@ from torch.utils.data import TensorDataset
 __all__ = [
     "CENTER_NOISE",
     "FEATURES",
+    "WHITEN_NOISE",
+    "WHITEN_SHRINK",
     "Scattering2d",
     "apply_features",
     "build_features",
+    "release_channel_moment",
     "release_mean",
+    "whitening",
 ]
 
 FEATURES = ("none", "scatter")
@@ -55,6 +62,15 @@ CENTER_NOISE = 20.0
 Fashion-MNIST samples the released mean is within ``~0.02`` (L2) of the exact one, whose norm is
 ``~0.5``; composed with 20 epochs of training at epsilon 3 it costs what raising the training
 noise by ~0.3% costs (``benchmarks/RESULTS.md`` section 17)."""
+
+WHITEN_NOISE = 20.0
+"""Default noise multiplier of :func:`release_channel_moment` (``clipless train --whiten-noise``).
+On Fashion-MNIST's 81 scattering channels the noise's spectral norm, ``~2 * 20 * sqrt(81) /
+60000 = 0.006``, is below the mean channel variance ``~0.009`` that :func:`whitening` adds as its
+shrinkage; the release costs what the mean's does (``benchmarks/RESULTS.md`` section 20)."""
+
+WHITEN_SHRINK = 1.0
+"""Default ``shrink`` of :func:`whitening`: the eigenvalues are lifted by the mean eigenvalue."""
 
 
 @torch.no_grad()
@@ -120,6 +136,134 @@ def release_mean(
         generator = torch.Generator(device=x.device).manual_seed(secrets.randbits(63))
     noise = torch.randn(total.shape, dtype=torch.float64, device=x.device, generator=generator)
     return ((total + sigma * noise) / n).to(x.dtype)
+
+
+@torch.no_grad()
+def release_channel_moment(
+    inputs: torch.Tensor | TensorDataset,
+    noise_multiplier: float = WHITEN_NOISE,
+    *,
+    generator: torch.Generator | None = None,
+    num_samples: int | None = None,
+    batch_size: int = 4096,
+) -> torch.Tensor:
+    """The channel second moment of the unit-normalised samples, released by the Gaussian mechanism.
+
+    Each sample ``x_i`` (shape ``[C, ...]``) is normalised to ``u_i = x_i / ||x_i||`` and read as
+    ``C`` channels of ``P`` positions (``U_i``, ``C x P``; a flat sample of ``D`` features is ``D``
+    channels of one position). Returns the float64 ``C x C`` matrix
+    ``(sum_i U_i U_i^T + Z) / n``, with ``Z`` symmetric and its upper triangle (diagonal
+    included) i.i.d. ``N(0, noise_multiplier^2)``.
+
+    Privacy (Gaussian mechanism, Dwork and Roth 2014, Theorem A.1; accounted as
+    ``GaussianDpEvent(noise_multiplier)``, like :func:`release_mean`): the release is the upper
+    triangle of the sum (the rest is its mirror image, post-processing). Adding or removing one
+    sample moves the sum by ``U U^T``, whose Frobenius norm is at most
+    ``sum_p ||u_p u_p^T||_F = sum_p ||u_p||^2 = ||u||^2 <= 1``, and the upper triangle's L2 norm is
+    at most that: sensitivity 1 under add/remove (the accountant doubles it for replace-one).
+    Floating point: every entry is a float64 sum of ``m = N P`` products (``N`` rows), so it errs
+    by at most ``gamma_{m+1} sum_i (|U_i| |U_i|^T)_{cd}`` in any summation order (Higham, *Accuracy
+    and Stability of Numerical Algorithms*, eq. (3.4)), i.e. by ``gamma_{m+1} sum_i ||U_i||_F^2 <=
+    gamma_{m+1} N r^2`` in Frobenius norm for samples of norm ``r``. Two neighbouring computed sums
+    then differ by at most ``r^2 (1 + 2 gamma_{m+1} N)``; the samples are normalised to ``r^2 =
+    1 / (1 + 2 gamma_{m+1} N)``, which keeps that at most 1. ``n`` (``num_samples``, default
+    ``N``) is public. The noise comes from ``generator`` (default: seeded from the OS CSPRNG).
+
+    Nothing is recorded here: pass the result to :func:`whitening` and the matrix it returns, with
+    this ``noise_multiplier``, to :class:`clipless.nn.InputNorm` (``whiten=``, ``whiten_noise=``);
+    :meth:`clipless.PrivacyEngine.make_private` composes the release with the training steps.
+    """
+    from clipless.nn._functional import project_norm
+
+    sigma = float(noise_multiplier)
+    if not (math.isfinite(sigma) and sigma > 0.0):
+        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
+    x = inputs.tensors[0] if isinstance(inputs, TensorDataset) else inputs
+    if not isinstance(x, torch.Tensor) or x.ndim < 2 or len(x) == 0:
+        raise ValueError(
+            "inputs must be a non-empty tensor (or TensorDataset) of shape [n, C, ...]"
+        )
+    if not x.is_floating_point():
+        raise ValueError(f"inputs must be floating point; got {x.dtype}")
+    n = len(x) if num_samples is None else int(num_samples)
+    if n < 1:
+        raise ValueError(f"num_samples must be >= 1; got {num_samples!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
+    rows, channels = len(x), x.shape[1]
+    positions = x[0].numel() // channels
+    m = rows * positions + 1
+    unit = 2.0**-53
+    gamma = m * unit / (1.0 - m * unit)
+    radius = math.sqrt(1.0 / (1.0 + 2.0 * gamma * rows))
+    total = torch.zeros(channels, channels, dtype=torch.float64, device=x.device)
+    for start in range(0, rows, batch_size):
+        chunk = x[start : start + batch_size].to(torch.float64)
+        if not bool(torch.isfinite(chunk).all()):
+            raise ValueError("inputs must be finite")
+        u = project_norm(chunk, radius, "sphere").reshape(len(chunk), channels, positions)
+        flat = u.transpose(0, 1).reshape(channels, -1)  # [C, b P]
+        total += flat @ flat.T
+    if generator is None:
+        import secrets
+
+        generator = torch.Generator(device=x.device).manual_seed(secrets.randbits(63))
+    noise = torch.randn(
+        channels, channels, dtype=torch.float64, device=x.device, generator=generator
+    ).triu()
+    noise = noise + noise.triu(1).T
+    return (total + sigma * noise) / n
+
+
+def whitening(
+    moment: torch.Tensor, center: torch.Tensor | None = None, shrink: float = WHITEN_SHRINK
+) -> torch.Tensor:
+    """A shrunk inverse square root of the channel covariance: the ``whiten`` of ``InputNorm``.
+
+    ``moment`` is :func:`release_channel_moment`'s ``C x C`` output and ``center`` the mean
+    (:func:`release_mean`, one sample's shape ``[C, ...]``) that ``InputNorm`` subtracts first, if
+    any. With ``M_c = center`` read as ``C x P``, the covariance is ``A = moment - M_c M_c^T``;
+    with its eigen-decomposition ``A = V diag(lambda) V^T`` (negative eigenvalues, which only
+    noise creates, set to 0) and ``m`` the mean eigenvalue, the result is
+    ``V diag(d) V^T`` with ``d_j = (lambda_j + shrink m)^(-1/2)``, scaled so that ``max d = 1``.
+    It is non-expansive (``||whiten||_2 = 1``) and shrinks the directions in which the samples vary
+    most; ``shrink -> inf`` tends to the identity, ``shrink -> 0`` to full whitening. It is a
+    function of released values only (post-processing: no privacy cost of its own). A float64
+    tensor.
+
+    Why: the unit-normalised scattering features are strongly correlated across channels (the top
+    channel direction carries ~35% of the variance), which conditions a linear model's problem
+    badly; DP noise makes Adam's per-coordinate scaling uninformative, so the optimiser cannot
+    correct it. Partial whitening (``shrink`` 0.3-3) gained ~0.4 points on Fashion-MNIST at
+    epsilon 3 (``benchmarks/RESULTS.md`` section 20).
+    """
+    square = isinstance(moment, torch.Tensor) and moment.ndim == 2
+    if not square or moment.shape[0] != moment.shape[1]:
+        raise ValueError("moment must be a square C x C tensor (release_channel_moment)")
+    if not bool(torch.isfinite(moment).all()):
+        raise ValueError("moment must be finite")
+    s = float(shrink)
+    if not (math.isfinite(s) and s > 0.0):
+        raise ValueError(f"shrink must be a finite number > 0; got {shrink!r}")
+    a = moment.to(torch.float64)
+    channels = a.shape[0]
+    if center is not None:
+        if center.ndim < 1 or center.shape[0] != channels:
+            raise ValueError(
+                f"center must have one sample's shape [C, ...] with C = {channels}; got "
+                f"{tuple(center.shape)}"
+            )
+        c = center.to(torch.float64).reshape(channels, -1)
+        a = a - c @ c.T
+    a = (a + a.T) / 2
+    lam, vecs = torch.linalg.eigh(a)
+    lam = lam.clamp_min(0.0)
+    mean = float(lam.mean())
+    if mean == 0.0:
+        return torch.eye(channels, dtype=torch.float64, device=a.device)
+    d = (lam + s * mean).rsqrt()
+    d = d / d.max()
+    return (vecs * d) @ vecs.T
 
 
 def _kymatio_scattering(shape: tuple[int, int], J: int, L: int, max_order: int) -> torch.nn.Module:

@@ -318,11 +318,14 @@ def _with_input_mode(
     input_mode: str,
     center: torch.Tensor | None = None,
     center_noise: float | None = None,
+    whiten: torch.Tensor | None = None,
+    whiten_noise: float | None = None,
 ) -> nn.Sequential:
     first = model[0]
     assert isinstance(first, nn.InputNorm)
-    if input_mode != first.mode or center is not None or center_noise is not None:
-        model[0] = nn.InputNorm(first.max_norm, input_mode, center, center_noise)
+    released = (center, center_noise, whiten, whiten_noise)
+    if input_mode != first.mode or any(v is not None for v in released):
+        model[0] = nn.InputNorm(first.max_norm, input_mode, *released)
     return model
 
 
@@ -337,6 +340,8 @@ def build(
     input_mode: str = "ball",
     center: torch.Tensor | None = None,
     center_noise: float | None = None,
+    whiten: torch.Tensor | None = None,
+    whiten_noise: float | None = None,
 ) -> nn.Sequential:
     """``linear`` (``hidden`` must be empty), ``mlp``, ``cnn`` (:func:`convnet`, ``hidden`` =
     channels per convolution stage), ``resnet`` (:func:`resnet`, ``hidden`` = width per stage,
@@ -345,7 +350,9 @@ def build(
     :class:`clipless.nn.InputNorm` mode (``"ball"`` clips each sample to ``input_norm``,
     ``"sphere"`` normalises it to that norm); ``center`` / ``center_noise``: a released input mean
     it subtracts first (:func:`clipless.features.release_mean`), whose release the privacy
-    engine accounts for."""
+    engine accounts for; ``whiten`` / ``whiten_noise``: the channel mixing it applies next
+    (:func:`clipless.features.whitening` of a :func:`clipless.features.release_channel_moment`
+    release), accounted the same way."""
     model: nn.Sequential
     if kind == "linear":
         if tuple(hidden):
@@ -363,4 +370,4 @@ def build(
         model = gnp_convnet(input_shape, hidden, num_classes, input_norm, bias)
     else:
         raise ValueError(f"model must be one of {MODEL_KINDS}; got {kind!r}")
-    return _with_input_mode(model, input_mode, center, center_noise)
+    return _with_input_mode(model, input_mode, center, center_noise, whiten, whiten_noise)

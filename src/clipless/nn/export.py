@@ -49,19 +49,42 @@ class PlainAbs(torch.nn.Module):
         return torch.abs(x)
 
 
+def mix_channels(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix @ x_i`` on the channel axis (dim 1) of every sample ``x_i`` (``C x P``)."""
+    if x.ndim < 2 or x.shape[1] != matrix.shape[0]:
+        raise ValueError(
+            f"InputNorm: whiten is {tuple(matrix.shape)} but the samples have shape "
+            f"{tuple(x.shape[1:])} (their first axis must be the {matrix.shape[0]} channels)"
+        )
+    flat = x.reshape(x.shape[0], x.shape[1], -1)
+    return torch.matmul(matrix.to(x.dtype), flat).reshape(x.shape)
+
+
 class PlainInputNorm(torch.nn.Module):
     """Projects each sample onto the ball / sphere of radius ``max_norm`` (plain InputNorm)."""
 
-    def __init__(self, max_norm: float, mode: str, center: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        max_norm: float,
+        mode: str,
+        center: torch.Tensor | None = None,
+        whiten: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.max_norm = max_norm
         self.mode = mode
         self.center: torch.Tensor | None
+        self.whiten: torch.Tensor | None
         self.register_buffer("center", None if center is None else center.detach().clone())
+        self.register_buffer("whiten", None if whiten is None else whiten.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.center is not None or self.whiten is not None:
+            x = project_norm(x, 1.0, "sphere")
         if self.center is not None:
-            x = project_norm(x, 1.0, "sphere") - self.center
+            x = x - self.center
+        if self.whiten is not None:
+            x = mix_channels(x, self.whiten)
         return project_norm(x, self.max_norm, self.mode)
 
     def extra_repr(self) -> str:

@@ -9,7 +9,7 @@ import torch
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import project_norm
-from clipless.nn.export import PlainInputNorm
+from clipless.nn.export import PlainInputNorm, mix_channels
 
 __all__ = ["InputNorm"]
 
@@ -49,6 +49,15 @@ class InputNorm(LipschitzModule):
     a sample's output depends on that sample alone. On scattering features the data mean is a
     large common component (norm ~0.5 of unit-norm samples on Fashion-MNIST); removing it gives a
     linear model without bias the offset it cannot learn (``benchmarks/RESULTS.md`` section 17).
+
+    **Whitening** (``whiten``, ``whiten_noise``): after the (optional) centring, the channels of the
+    unit-normalised sample (its first axis; ``C x P`` with ``P`` positions) are mixed by the
+    ``C x C`` matrix ``W`` before the projection: ``x -> P_R(W (x / ||x|| - mu))``. ``W`` must come
+    from :func:`clipless.features.whitening` of a :func:`clipless.features.release_channel_moment`
+    release (Gaussian mechanism, sensitivity 1, noise multiplier ``whiten_noise``), which the
+    privacy engine composes with the steps like the mean. The output bound is still ``max_norm``
+    (the projection comes last), so ``W`` needs no norm bound for privacy; a sample's output still
+    depends on that sample alone.
     """
 
     def __init__(
@@ -57,6 +66,8 @@ class InputNorm(LipschitzModule):
         mode: str = "ball",
         center: torch.Tensor | None = None,
         center_noise: float | None = None,
+        whiten: torch.Tensor | None = None,
+        whiten_noise: float | None = None,
     ) -> None:
         super().__init__()
         self.max_norm = _checks.positive_float("max_norm", max_norm)
@@ -80,26 +91,69 @@ class InputNorm(LipschitzModule):
             noise = _checks.positive_float("center_noise", center_noise)
             self.register_buffer("center", center.detach().clone())
             self.register_buffer("center_noise", torch.tensor(noise, dtype=torch.float64))
+        if (whiten is None) != (whiten_noise is None):
+            raise ValueError(
+                "whiten and whiten_noise go together: whiten comes from "
+                "clipless.features.whitening of a clipless.features.release_channel_moment "
+                "release, and whiten_noise is the noise multiplier of that release, which the "
+                "privacy engine accounts for"
+            )
+        self.whiten: torch.Tensor | None
+        self.whiten_noise: torch.Tensor | None
+        if whiten is None:
+            self.register_buffer("whiten", None)
+            self.register_buffer("whiten_noise", None)
+        else:
+            if (
+                not isinstance(whiten, torch.Tensor)
+                or whiten.ndim != 2
+                or whiten.shape[0] != whiten.shape[1]
+                or not bool(torch.isfinite(whiten).all())
+            ):
+                raise ValueError("whiten must be a finite square C x C tensor (C channels)")
+            if center is not None and center.ndim >= 1 and center.shape[0] != whiten.shape[0]:
+                raise ValueError(
+                    f"whiten is {tuple(whiten.shape)} but center has {center.shape[0]} channels"
+                )
+            noise = _checks.positive_float("whiten_noise", whiten_noise)
+            self.register_buffer("whiten", whiten.detach().clone())
+            self.register_buffer("whiten_noise", torch.tensor(noise, dtype=torch.float64))
 
     @property
     def release_noise(self) -> float | None:
         """Noise multiplier of the released mean in :attr:`center` (``None``: no centring)."""
         return None if self.center_noise is None else float(self.center_noise)
 
+    @property
+    def releases(self) -> tuple[tuple[str, float], ...]:
+        """``(label, noise multiplier)`` of every release this layer carries, in order: the mean
+        (``"input mean"``) and the channel second moment (``"input second moment"``)."""
+        out = []
+        if self.center_noise is not None:
+            out.append(("input mean", float(self.center_noise)))
+        if self.whiten_noise is not None:
+            out.append(("input second moment", float(self.whiten_noise)))
+        return tuple(out)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim < 1:
             raise ValueError("InputNorm expects an input of shape [batch, ...]")
+        if self.center is not None and tuple(x.shape[1:]) != tuple(self.center.shape):
+            raise ValueError(
+                f"InputNorm: center has shape {tuple(self.center.shape)} but the samples have "
+                f"shape {tuple(x.shape[1:])}"
+            )
+        if self.center is not None or self.whiten is not None:
+            x = project_norm(x, 1.0, "sphere")
         if self.center is not None:
-            if tuple(x.shape[1:]) != tuple(self.center.shape):
-                raise ValueError(
-                    f"InputNorm: center has shape {tuple(self.center.shape)} but the samples have "
-                    f"shape {tuple(x.shape[1:])}"
-                )
-            x = project_norm(x, 1.0, "sphere") - self.center.to(x.dtype)
+            x = x - self.center.to(x.dtype)
+        if self.whiten is not None:
+            x = mix_channels(x, self.whiten)
         return project_norm(x, self.max_norm, self.mode)
 
     def lipschitz(self) -> float:
-        return 1.0 if self.mode == "ball" and self.center is None else math.inf
+        plain = self.center is None and self.whiten is None
+        return 1.0 if self.mode == "ball" and plain else math.inf
 
     def output_bound(self, input_bound: float) -> float:
         """``max_norm``, for every input bound."""
@@ -107,7 +161,7 @@ class InputNorm(LipschitzModule):
         return self.max_norm
 
     def vanilla_export(self) -> torch.nn.Module:
-        return PlainInputNorm(self.max_norm, self.mode, self.center)
+        return PlainInputNorm(self.max_norm, self.mode, self.center, self.whiten)
 
     def extra_repr(self) -> str:
         return f"max_norm={self.max_norm}, mode={self.mode!r}"
