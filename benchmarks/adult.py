@@ -100,6 +100,7 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     # InputNorm applies after the centring (None: no whitening; clipless.features.whitening)
     "whiten": None,
     "shrink": 1.0,  # whitening's shrinkage (clipless.features.whitening)
+    "floor": True,  # lift by at least the release noise's spectral norm (whitening's floor)
     "preprocessing": None,  # Adult's transform (None: the loader's default; "public-bins")
     "device": "cpu",  # where the model and each batch live ("cuda" on a GPU machine)
     # "flip": every training sample is two rows, the image and its horizontal mirror (through the
@@ -125,6 +126,7 @@ OPACUS_DEFAULTS: dict[str, Any] = {
     # as clipless's: x -> ||x|| W (x / ||x|| - mu) with the same released W (not in the accountant)
     "whiten": None,
     "shrink": 1.0,
+    "floor": True,
     "preprocessing": None,
     "device": "cpu",
     "grad_sample_mode": "hooks",  # or "ghost": Opacus's ghost clipping (same update, faster)
@@ -257,7 +259,13 @@ def released_input(
         moment = release_channel_moment(
             x, float(cfg["whiten"]), generator=torch.Generator().manual_seed(seed)
         )
-        whiten = whitening(moment, center, float(cfg["shrink"]))
+        whiten = whitening(
+            moment,
+            center,
+            float(cfg["shrink"]),
+            noise_multiplier=float(cfg["whiten"]) if cfg["floor"] else None,
+            num_samples=len(x) if cfg["floor"] else None,
+        )
     return center, whiten
 
 

@@ -15,6 +15,10 @@ Methods (each a fixed setting, chosen by the trials of ``RESULTS.md`` sections 1
 * ``clipless-centered``: the same, with the private input mean subtracted (``center=20``:
   :func:`clipless.features.release_mean`, composed with the steps by the accountant; section 17),
   which ``clipless train`` does by default with features;
+* ``clipless-whitened``: ``clipless-centered`` whose centred features are also mixed by the
+  shrunk inverse square root of their released channel covariance (``whiten=20``:
+  :func:`clipless.features.release_channel_moment` and :func:`clipless.features.whitening`,
+  composed with the steps; section 20), which ``clipless train`` does by default with features;
 * ``opacus-centered``: ``opacus-scatter`` on features centred by the same released mean (its
   small cost is not in Opacus's accountant: a slight advantage to Opacus);
 * ``opacus-scatter``: Opacus DP-SGD on the same features (linear model), SGD lr 4, momentum 0.9,
@@ -79,6 +83,26 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
             "input_mode": "sphere",
             "input_norm": 1.0,
             "center": 20.0,
+        },
+    ),
+    "clipless-whitened": (
+        "clipless",
+        {
+            "features": "scatter",
+            "hidden": (),
+            "bias": False,
+            "constraint": None,
+            "optimizer": "adam",
+            "lr": 0.02,
+            "temperature": 0.1,
+            "clip": 0.1,
+            "batch": 2048,
+            "epochs": 20,
+            "input_mode": "sphere",
+            "input_norm": 1.0,
+            "center": 20.0,
+            "whiten": 20.0,
+            "shrink": 1.0,
         },
     ),
     "opacus-centered": (

@@ -103,6 +103,10 @@ def test_bad_arguments_are_named() -> None:
         whitening(torch.ones(2, 3))
     with pytest.raises(ValueError, match="shrink"):
         whitening(torch.eye(2), shrink=0.0)
+    with pytest.raises(ValueError, match="go together"):
+        whitening(torch.eye(2), noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="num_samples"):
+        whitening(torch.eye(2), noise_multiplier=1.0, num_samples=0)
     with pytest.raises(ValueError, match="center must have"):
         whitening(torch.eye(2), torch.zeros(3, 4))
     with pytest.raises(ValueError, match="whiten and whiten_noise go together"):
@@ -143,6 +147,15 @@ def test_whitening_is_the_shrunk_inverse_square_root_of_the_centred_covariance()
         torch.diag(torch.tensor([1.0, 1.0, 1 / 3, 1 / 3], dtype=torch.float64).sqrt()),
     )
     assert torch.equal(whitening(torch.zeros(3, 3)), torch.eye(3, dtype=torch.float64))
+    # the release's noise floor 2 z sqrt(C) / n: here 2 * 10 * 2 / 10 = 4 > shrink * mean = 1
+    floored = whitening(indefinite, shrink=1.0, noise_multiplier=10.0, num_samples=10)
+    torch.testing.assert_close(
+        floored, torch.diag(torch.tensor([1.0, 1.0, 4 / 6, 4 / 6], dtype=torch.float64).sqrt())
+    )
+    # ... and no effect when it is below the shrinkage (z = 1, n = 1000: floor 0.004 < 1)
+    torch.testing.assert_close(
+        whitening(indefinite, noise_multiplier=1.0, num_samples=1000), whitening(indefinite)
+    )
 
 
 def test_input_norm_whitens_then_projects_and_its_twin_agrees() -> None:

@@ -1356,7 +1356,13 @@ def _input_whitening(
     if args.unsafe_seed is not None:
         generator = torch.Generator().manual_seed(args.unsafe_seed + 3)
     moment = release_channel_moment(train, args.whiten_noise, generator=generator)
-    return whitening(moment, center, args.whiten_shrink)
+    return whitening(
+        moment,
+        center,
+        args.whiten_shrink,
+        noise_multiplier=args.whiten_noise,
+        num_samples=len(train),
+    )
 
 
 def _train_rank(args: argparse.Namespace) -> int:

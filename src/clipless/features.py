@@ -216,7 +216,12 @@ def release_channel_moment(
 
 
 def whitening(
-    moment: torch.Tensor, center: torch.Tensor | None = None, shrink: float = WHITEN_SHRINK
+    moment: torch.Tensor,
+    center: torch.Tensor | None = None,
+    shrink: float = WHITEN_SHRINK,
+    *,
+    noise_multiplier: float | None = None,
+    num_samples: int | None = None,
 ) -> torch.Tensor:
     """A shrunk inverse square root of the channel covariance: the ``whiten`` of ``InputNorm``.
 
@@ -225,7 +230,12 @@ def whitening(
     any. With ``M_c = center`` read as ``C x P``, the covariance is ``A = moment - M_c M_c^T``;
     with its eigen-decomposition ``A = V diag(lambda) V^T`` (negative eigenvalues, which only
     noise creates, set to 0) and ``m`` the mean eigenvalue, the result is
-    ``V diag(d) V^T`` with ``d_j = (lambda_j + shrink m)^(-1/2)``, scaled so that ``max d = 1``.
+    ``V diag(d) V^T`` with ``d_j = (lambda_j + l)^(-1/2)``, scaled so that ``max d = 1``, where
+    the lift is ``l = shrink m``, or, given the release's ``noise_multiplier`` ``z`` and
+    ``num_samples`` ``n``, ``l = max(shrink m, 2 z sqrt(C) / n)``: ``2 z sqrt(C) / n`` is about
+    the spectral norm of the release's noise ``Z / n`` (a symmetric Gaussian matrix's, the
+    semicircle edge), below which a direction's variance cannot be told from noise. With few
+    samples the lift grows and the result tends to the identity instead of amplifying noise.
     It is non-expansive (``||whiten||_2 = 1``) and shrinks the directions in which the samples vary
     most; ``shrink -> inf`` tends to the identity, ``shrink -> 0`` to full whitening. It is a
     function of released values only (post-processing: no privacy cost of its own). A float64
@@ -258,10 +268,20 @@ def whitening(
     a = (a + a.T) / 2
     lam, vecs = torch.linalg.eigh(a)
     lam = lam.clamp_min(0.0)
-    mean = float(lam.mean())
-    if mean == 0.0:
+    lift = s * float(lam.mean())
+    if (noise_multiplier is None) != (num_samples is None):
+        raise ValueError("noise_multiplier and num_samples go together (the release's noise floor)")
+    if noise_multiplier is not None and num_samples is not None:
+        z, n = float(noise_multiplier), int(num_samples)
+        if not (math.isfinite(z) and z > 0.0) or n < 1:
+            raise ValueError(
+                f"noise_multiplier must be > 0 and num_samples >= 1; got {noise_multiplier!r}, "
+                f"{num_samples!r}"
+            )
+        lift = max(lift, 2.0 * z * math.sqrt(channels) / n)
+    if lift == 0.0:
         return torch.eye(channels, dtype=torch.float64, device=a.device)
-    d = (lam + s * mean).rsqrt()
+    d = (lam + lift).rsqrt()
     d = d / d.max()
     return (vecs * d) @ vecs.T
 
