@@ -588,6 +588,7 @@ def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
     # and the whitening of its 81 channels, also released, composed and saved
     assert cfg["whiten_noise"] == 20.0 and model[1][0].whiten.shape == (81, 81)
     assert cfg["loss_clip"] == 0.1  # the default with features (0.3 without)
+    assert cfg["lr"] == 0.005  # the default with features (0.01 without, 0.003 for adult)
     ledger = PrivacyLedger.from_json(out / "ledger.json")
     assert [r.noise_multiplier for r in ledger.releases] == [20.0, 20.0]
     assert metrics["epsilon"] == pytest.approx(ledger.epsilon(1e-5))
