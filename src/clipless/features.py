@@ -92,8 +92,11 @@ def release_mean(
     ``GaussianDpEvent(noise_multiplier)``, the same convention as a training step with ``q = 1``)
     under add/remove neighbours; under replace-one the accountant doubles the sensitivity itself.
     ``n`` (``num_samples``, default the number of rows) is public, as it is for the sampling rate
-    of the training steps. The noise is drawn from ``generator`` (default: seeded from the OS
-    CSPRNG; seed one only for reproducible experiments).
+    of the training steps; the float64 rounding of the sum is covered by normalising the samples
+    to a radius slightly below 1 that depends on ``n`` alone (so two neighbours, of at most
+    ``n + 1`` rows each, normalise alike; more rows than ``n + 1`` are refused). The noise is
+    drawn from ``generator`` (default: seeded from the OS CSPRNG; seed one only for reproducible
+    experiments).
 
     The release is *not* recorded anywhere by this function: pass the result with its
     ``noise_multiplier`` to :class:`clipless.nn.InputNorm` (``center=``, ``center_noise=``), and
@@ -118,14 +121,15 @@ def release_mean(
     # Floating point: any float64 summation order of m vectors of norm <= r errs by at most
     # gamma_m sum_j |u_j| per coordinate (Higham, Accuracy and Stability, eq. (4.4)), i.e. by
     # gamma_m m r in L2 (Cauchy-Schwarz over samples and coordinates). The computed sums of two
-    # neighbouring datasets thus differ by at most r + 2 gamma_m m r; samples normalised to
-    # r = 1 / (1 + 2 gamma_m m) keep that at most 1, the sensitivity the noise is calibrated for.
-    m = len(x)
+    # neighbouring datasets thus differ by at most r + 2 gamma_m m r. The radius depends on the
+    # public n only (m = n + 1 bounds the rows of both neighbours), so both releases normalise
+    # alike; samples normalised to r = 1 / (1 + 2 gamma_m m) keep the difference at most 1.
+    m = _row_cap(len(x), n)
     unit = 2.0**-53
     gamma = m * unit / (1.0 - m * unit)
     radius = 1.0 / (1.0 + 2.0 * gamma * m)
     total = torch.zeros(x.shape[1:], dtype=torch.float64, device=x.device)
-    for start in range(0, m, batch_size):
+    for start in range(0, len(x), batch_size):
         chunk = x[start : start + batch_size].to(torch.float64)
         if not bool(torch.isfinite(chunk).all()):
             raise ValueError("inputs must be finite")
@@ -166,8 +170,10 @@ def release_channel_moment(
     and Stability of Numerical Algorithms*, eq. (3.4)), i.e. by ``gamma_{m+1} sum_i ||U_i||_F^2 <=
     gamma_{m+1} N r^2`` in Frobenius norm for samples of norm ``r``. Two neighbouring computed sums
     then differ by at most ``r^2 (1 + 2 gamma_{m+1} N)``; the samples are normalised to ``r^2 =
-    1 / (1 + 2 gamma_{m+1} N)``, which keeps that at most 1. ``n`` (``num_samples``, default
-    ``N``) is public. The noise comes from ``generator`` (default: seeded from the OS CSPRNG).
+    1 / (1 + 2 gamma_{m+1} N)`` with ``N = n + 1`` (``m = N P``), which keeps that at most 1.
+    ``n`` (``num_samples``, default the number of rows) is public, as for :func:`release_mean`;
+    the radius depends on it alone, so two neighbours (at most ``n + 1`` rows each) normalise
+    alike. The noise comes from ``generator`` (default: seeded from the OS CSPRNG).
 
     Nothing is recorded here: pass the result to :func:`whitening` and the matrix it returns, with
     this ``noise_multiplier``, to :class:`clipless.nn.InputNorm` (``whiten=``, ``whiten_noise=``);
@@ -192,10 +198,11 @@ def release_channel_moment(
         raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
     rows, channels = len(x), x.shape[1]
     positions = x[0].numel() // channels
-    m = rows * positions + 1
+    cap = _row_cap(rows, n)
+    m = cap * positions + 1
     unit = 2.0**-53
     gamma = m * unit / (1.0 - m * unit)
-    radius = math.sqrt(1.0 / (1.0 + 2.0 * gamma * rows))
+    radius = math.sqrt(1.0 / (1.0 + 2.0 * gamma * cap))
     total = torch.zeros(channels, channels, dtype=torch.float64, device=x.device)
     for start in range(0, rows, batch_size):
         chunk = x[start : start + batch_size].to(torch.float64)
@@ -213,6 +220,16 @@ def release_channel_moment(
     ).triu()
     noise = noise + noise.triu(1).T
     return (total + sigma * noise) / n
+
+
+def _row_cap(rows: int, n: int) -> int:
+    """``n + 1``: the most rows either of two neighbouring datasets of public size ``n`` has."""
+    if rows > n + 1:
+        raise ValueError(
+            f"num_samples must be at least the number of rows - 1 (the public dataset size, from "
+            f"which the rounding bound is computed); got {n} for {rows} rows"
+        )
+    return n + 1
 
 
 def whitening(
