@@ -93,7 +93,7 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
     # same lr x clip: its lr grid moves up one step (16-64).
     "clipless-whiten": (
         "clipless",
-        {**images.METHODS["clipless-centered"][1], "whiten": 20.0, "shrink": 1.0},
+        images.METHODS["clipless-whitened"][1],
         {"lr": [0.01, 0.02, 0.04], "clip": [0.05, 0.1, 0.2]},
     ),
     "opacus-whiten": (

@@ -128,3 +128,11 @@ def test_inv_sqrt_upper(value: int) -> None:
     r = c.inv_sqrt_upper(value)
     assert Fraction(r) ** 2 * value >= 1
     assert Fraction(math.nextafter(r, -INF)) ** 2 * value < 1
+
+
+def test_gamma_is_highams_constant_and_refuses_large_counts() -> None:
+    u = Fraction(1, 2**53)
+    for j in (1, 3, 1000, 2**30):
+        assert Fraction(c.gamma(j)) == pytest.approx(j * u / (1 - j * u), rel=1e-15)
+    with pytest.raises(ValueError, match="too large"):
+        c.gamma(2**52)

@@ -205,6 +205,19 @@ def _build(ch: Chooser, batch: int) -> Case:
             layers.append(cnn.LossGradientClip(ch.float(0.05, 2.0)))
         else:
             layers.append(_groupnorm(ch, features))
+    if ch.choice([False, False, True]):  # released centre and whitening: InputNorm's data map
+        first = layers[0]
+        assert isinstance(first, cnn.InputNorm)
+        c = input_shape[0]
+        layers[0] = cnn.InputNorm(
+            max_norm,
+            mode=first.mode,
+            center=torch.randn(input_shape, dtype=torch.float64) * ch.float(0.0, 1.0),
+            center_noise=1.0,
+            whiten=torch.randn(c, c, dtype=torch.float64) * ch.float(0.1, 5.0),
+            whiten_noise=1.0,
+        )
+        desc[0] += " centred, whitened"
     loss_name = ch.choice(LOSSES)
     if loss_name == "ce":
         logits = ch.int(2, 4)

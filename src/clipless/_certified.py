@@ -30,6 +30,7 @@ __all__ = [
     "NUMERIC_MARGIN",
     "UNIT_ROUNDOFF",
     "add",
+    "gamma",
     "inflate",
     "inv_sqrt_upper",
     "mul",
@@ -46,6 +47,15 @@ UNIT_ROUNDOFF: float = 2.0**-53
 
 NUMERIC_MARGIN: float = 1e-9
 """Relative inflation of bounds computed with floating-point linear algebra (:func:`inflate`)."""
+
+
+def gamma(j: int) -> float:
+    """``gamma_j = j u / (1 - j u)`` (Higham, *Accuracy and Stability of Numerical Algorithms*,
+    Lemma 3.1), float64 ``u``: the relative error bound of ``j`` rounded operations."""
+    ju = j * UNIT_ROUNDOFF
+    if ju >= 0.5:
+        raise ValueError(f"gamma_{j} is too large for a float64 bound")
+    return ju / (1.0 - ju)
 
 
 def up(value: float) -> float:

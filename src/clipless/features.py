@@ -41,6 +41,8 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import TensorDataset
 
+from clipless._certified import gamma as _gamma
+
 __all__ = [
     "CENTER_NOISE",
     "FEATURES",
@@ -105,19 +107,7 @@ def release_mean(
     """
     from clipless.nn._functional import project_norm
 
-    sigma = float(noise_multiplier)
-    if not (math.isfinite(sigma) and sigma > 0.0):
-        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
-    x = inputs.tensors[0] if isinstance(inputs, TensorDataset) else inputs
-    if not isinstance(x, torch.Tensor) or x.ndim < 2 or len(x) == 0:
-        raise ValueError("inputs must be a non-empty tensor (or TensorDataset) of shape [n, ...]")
-    if not x.is_floating_point():
-        raise ValueError(f"inputs must be floating point; got {x.dtype}")
-    n = len(x) if num_samples is None else int(num_samples)
-    if n < 1:
-        raise ValueError(f"num_samples must be >= 1; got {num_samples!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
+    x, sigma, n = _release_arguments(inputs, noise_multiplier, num_samples, batch_size)
     # Floating point: any float64 summation order of m vectors of norm <= r errs by at most
     # gamma_m sum_j |u_j| per coordinate (Higham, Accuracy and Stability, eq. (4.4)), i.e. by
     # gamma_m m r in L2 (Cauchy-Schwarz over samples and coordinates). The computed sums of two
@@ -125,19 +115,14 @@ def release_mean(
     # public n only (m = n + 1 bounds the rows of both neighbours), so both releases normalise
     # alike; samples normalised to r = 1 / (1 + 2 gamma_m m) keep the difference at most 1.
     m = _row_cap(len(x), n)
-    unit = 2.0**-53
-    gamma = m * unit / (1.0 - m * unit)
-    radius = 1.0 / (1.0 + 2.0 * gamma * m)
+    radius = 1.0 / (1.0 + 2.0 * _gamma(m) * m)
     total = torch.zeros(x.shape[1:], dtype=torch.float64, device=x.device)
     for start in range(0, len(x), batch_size):
         chunk = x[start : start + batch_size].to(torch.float64)
         if not bool(torch.isfinite(chunk).all()):
             raise ValueError("inputs must be finite")
         total += project_norm(chunk, radius, "sphere").sum(dim=0)
-    if generator is None:
-        import secrets
-
-        generator = torch.Generator(device=x.device).manual_seed(secrets.randbits(63))
+    generator = generator if generator is not None else _csprng_generator(x.device)
     noise = torch.randn(total.shape, dtype=torch.float64, device=x.device, generator=generator)
     return ((total + sigma * noise) / n).to(x.dtype)
 
@@ -181,28 +166,11 @@ def release_channel_moment(
     """
     from clipless.nn._functional import project_norm
 
-    sigma = float(noise_multiplier)
-    if not (math.isfinite(sigma) and sigma > 0.0):
-        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
-    x = inputs.tensors[0] if isinstance(inputs, TensorDataset) else inputs
-    if not isinstance(x, torch.Tensor) or x.ndim < 2 or len(x) == 0:
-        raise ValueError(
-            "inputs must be a non-empty tensor (or TensorDataset) of shape [n, C, ...]"
-        )
-    if not x.is_floating_point():
-        raise ValueError(f"inputs must be floating point; got {x.dtype}")
-    n = len(x) if num_samples is None else int(num_samples)
-    if n < 1:
-        raise ValueError(f"num_samples must be >= 1; got {num_samples!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
+    x, sigma, n = _release_arguments(inputs, noise_multiplier, num_samples, batch_size)
     rows, channels = len(x), x.shape[1]
     positions = x[0].numel() // channels
     cap = _row_cap(rows, n)
-    m = cap * positions + 1
-    unit = 2.0**-53
-    gamma = m * unit / (1.0 - m * unit)
-    radius = math.sqrt(1.0 / (1.0 + 2.0 * gamma * cap))
+    radius = math.sqrt(1.0 / (1.0 + 2.0 * _gamma(cap * positions + 1) * cap))
     total = torch.zeros(channels, channels, dtype=torch.float64, device=x.device)
     for start in range(0, rows, batch_size):
         chunk = x[start : start + batch_size].to(torch.float64)
@@ -211,15 +179,42 @@ def release_channel_moment(
         u = project_norm(chunk, radius, "sphere").reshape(len(chunk), channels, positions)
         flat = u.transpose(0, 1).reshape(channels, -1)  # [C, b P]
         total += flat @ flat.T
-    if generator is None:
-        import secrets
-
-        generator = torch.Generator(device=x.device).manual_seed(secrets.randbits(63))
+    generator = generator if generator is not None else _csprng_generator(x.device)
     noise = torch.randn(
         channels, channels, dtype=torch.float64, device=x.device, generator=generator
     ).triu()
     noise = noise + noise.triu(1).T
     return (total + sigma * noise) / n
+
+
+def _release_arguments(
+    inputs: torch.Tensor | TensorDataset,
+    noise_multiplier: float,
+    num_samples: int | None,
+    batch_size: int,
+) -> tuple[torch.Tensor, float, int]:
+    """``(x, sigma, n)`` of a release, or a ``ValueError`` naming the bad argument."""
+    sigma = float(noise_multiplier)
+    if not (math.isfinite(sigma) and sigma > 0.0):
+        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
+    x = inputs.tensors[0] if isinstance(inputs, TensorDataset) else inputs
+    if not isinstance(x, torch.Tensor) or x.ndim < 2 or len(x) == 0:
+        raise ValueError("inputs must be a non-empty tensor (or TensorDataset) of shape [n, ...]")
+    if not x.is_floating_point():
+        raise ValueError(f"inputs must be floating point; got {x.dtype}")
+    n = len(x) if num_samples is None else int(num_samples)
+    if n < 1:
+        raise ValueError(f"num_samples must be >= 1; got {num_samples!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
+    return x, sigma, n
+
+
+def _csprng_generator(device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded from the operating system's CSPRNG."""
+    import secrets
+
+    return torch.Generator(device=device).manual_seed(secrets.randbits(63))
 
 
 def _row_cap(rows: int, n: int) -> int:

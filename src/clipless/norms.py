@@ -24,6 +24,7 @@ import torch
 
 from clipless import _certified
 from clipless._certified import UNIT_ROUNDOFF, inflate
+from clipless._certified import gamma as _gamma
 
 if TYPE_CHECKING:
     import numpy as np
@@ -671,14 +672,6 @@ _CONV_REFINE_EIGH_MAX_DIM = 128  # refined estimate by eigvalsh up to this side,
 _CONV_REFINE_STEPS = 40  # Lanczos steps of a refined estimate
 _CONV_CHOLESKY_LIFT = 3e-6  # relative lift of the common level above the steering eigenvalue
 _SAFE_EXPONENT = 256  # no 2^e scaling while the largest component is within 2^(+-256)
-
-
-def _gamma(j: int) -> float:
-    """``gamma_j = j u / (1 - j u)`` (Higham, Lemma 3.1), float64 ``u``."""
-    ju = j * UNIT_ROUNDOFF
-    if ju >= 0.5:
-        raise ValueError(f"gamma_{j} is too large for a float64 bound")
-    return ju / (1.0 - ju)
 
 
 def _lanczos_top(gram: np.ndarray, steps: int) -> float:

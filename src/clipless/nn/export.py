@@ -63,6 +63,24 @@ def mix_channels(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     return torch.matmul(w, flat).reshape(x.shape)
 
 
+def input_map(
+    x: torch.Tensor,
+    max_norm: float,
+    mode: str,
+    center: torch.Tensor | None = None,
+    whiten: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``P_R(W (x / ||x|| - mu))`` per sample (InputNorm's map and its twin's): with a released
+    ``center`` or ``whiten`` the sample is first normalised to the unit sphere."""
+    if center is not None or whiten is not None:
+        x = project_norm(x, 1.0, "sphere")
+    if center is not None:
+        x = x - center.to(x.dtype)
+    if whiten is not None:
+        x = mix_channels(x, whiten)
+    return project_norm(x, max_norm, mode)
+
+
 class PlainInputNorm(torch.nn.Module):
     """Projects each sample onto the ball / sphere of radius ``max_norm`` (plain InputNorm)."""
 
@@ -82,13 +100,7 @@ class PlainInputNorm(torch.nn.Module):
         self.register_buffer("whiten", None if whiten is None else whiten.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.center is not None or self.whiten is not None:
-            x = project_norm(x, 1.0, "sphere")
-        if self.center is not None:
-            x = x - self.center
-        if self.whiten is not None:
-            x = mix_channels(x, self.whiten)
-        return project_norm(x, self.max_norm, self.mode)
+        return input_map(x, self.max_norm, self.mode, self.center, self.whiten)
 
     def extra_repr(self) -> str:
         return f"max_norm={self.max_norm}, mode={self.mode!r}"

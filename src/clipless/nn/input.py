@@ -8,8 +8,7 @@ import torch
 
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
-from clipless.nn._functional import project_norm
-from clipless.nn.export import PlainInputNorm, mix_channels
+from clipless.nn.export import PlainInputNorm, input_map
 
 __all__ = ["InputNorm"]
 
@@ -80,17 +79,6 @@ class InputNorm(LipschitzModule):
                 "(clipless.features.release_mean) and center_noise the noise multiplier it was "
                 "released with, which the privacy engine accounts for"
             )
-        self.center: torch.Tensor | None
-        self.center_noise: torch.Tensor | None
-        if center is None:
-            self.register_buffer("center", None)
-            self.register_buffer("center_noise", None)
-        else:
-            if not isinstance(center, torch.Tensor) or not bool(torch.isfinite(center).all()):
-                raise ValueError("center must be a finite tensor of one sample's shape")
-            noise = _checks.positive_float("center_noise", center_noise)
-            self.register_buffer("center", center.detach().clone())
-            self.register_buffer("center_noise", torch.tensor(noise, dtype=torch.float64))
         if (whiten is None) != (whiten_noise is None):
             raise ValueError(
                 "whiten and whiten_noise go together: whiten comes from "
@@ -98,12 +86,11 @@ class InputNorm(LipschitzModule):
                 "release, and whiten_noise is the noise multiplier of that release, which the "
                 "privacy engine accounts for"
             )
-        self.whiten: torch.Tensor | None
-        self.whiten_noise: torch.Tensor | None
-        if whiten is None:
-            self.register_buffer("whiten", None)
-            self.register_buffer("whiten_noise", None)
-        else:
+        if center is not None and (
+            not isinstance(center, torch.Tensor) or not bool(torch.isfinite(center).all())
+        ):
+            raise ValueError("center must be a finite tensor of one sample's shape")
+        if whiten is not None:
             if (
                 not isinstance(whiten, torch.Tensor)
                 or whiten.ndim != 2
@@ -115,9 +102,22 @@ class InputNorm(LipschitzModule):
                 raise ValueError(
                     f"whiten is {tuple(whiten.shape)} but center has {center.shape[0]} channels"
                 )
-            noise = _checks.positive_float("whiten_noise", whiten_noise)
-            self.register_buffer("whiten", whiten.detach().clone())
-            self.register_buffer("whiten_noise", torch.tensor(noise, dtype=torch.float64))
+        self.center: torch.Tensor | None
+        self.center_noise: torch.Tensor | None
+        self.whiten: torch.Tensor | None
+        self.whiten_noise: torch.Tensor | None
+        self._keep_release("center", center, center_noise)
+        self._keep_release("whiten", whiten, whiten_noise)
+
+    def _keep_release(self, name: str, value: torch.Tensor | None, noise: float | None) -> None:
+        """Buffers ``name`` (the released value) and ``name + "_noise"`` (its multiplier)."""
+        if value is None:
+            self.register_buffer(name, None)
+            self.register_buffer(f"{name}_noise", None)
+            return
+        sigma = _checks.positive_float(f"{name}_noise", noise)
+        self.register_buffer(name, value.detach().clone())
+        self.register_buffer(f"{name}_noise", torch.tensor(sigma, dtype=torch.float64))
 
     @property
     def release_noise(self) -> float | None:
@@ -143,13 +143,7 @@ class InputNorm(LipschitzModule):
                 f"InputNorm: center has shape {tuple(self.center.shape)} but the samples have "
                 f"shape {tuple(x.shape[1:])}"
             )
-        if self.center is not None or self.whiten is not None:
-            x = project_norm(x, 1.0, "sphere")
-        if self.center is not None:
-            x = x - self.center.to(x.dtype)
-        if self.whiten is not None:
-            x = mix_channels(x, self.whiten)
-        return project_norm(x, self.max_norm, self.mode)
+        return input_map(x, self.max_norm, self.mode, self.center, self.whiten)
 
     def lipschitz(self) -> float:
         plain = self.center is None and self.whiten is None
