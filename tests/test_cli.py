@@ -562,7 +562,7 @@ def test_cnn_on_digits_runs_and_the_saved_model_reproduces_its_predictions(
 
 
 def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--features scatter``: the model trains on scattering features; ``load_trained_model``
     returns front-end + model, whose accuracy on raw test images is the one the run reported."""
@@ -570,11 +570,24 @@ def test_scatter_features_on_digits_and_the_saved_model_takes_raw_images(
     from clipless.data import load_dataset
     from clipless.features import Scattering2d
 
+    monkeypatch.setenv("CLIPLESS_DATA", str(tmp_path / "cache"))
     out = tmp_path / "scatter"
     argv = ["train", "--dataset", "digits", "--features", "scatter", "--epsilon", "2"]
     argv += ["--accountant", "rdp"]
-    argv += ["--epochs", "2", "--out", str(out), "--no-progress", "--unsafe-seed", "3"]
-    assert main(argv) == 0
+    argv += ["--epochs", "2", "--no-progress", "--unsafe-seed", "3"]
+    assert main([*argv, "--out", str(out)]) == 0
+    # the features were cached (train and test), and a second run loads them: the same model
+    cached = sorted((tmp_path / "cache" / "features").glob("*.pt"))
+    assert len(cached) == 2
+    stamps = [p.stat().st_mtime_ns for p in cached]
+    assert main([*argv, "--out", str(tmp_path / "again")]) == 0
+    assert [p.stat().st_mtime_ns for p in cached] == stamps  # read, not rewritten
+    assert main([*argv, "--out", str(tmp_path / "nocache"), "--no-feature-cache"]) == 0
+    for other in ("again", "nocache"):
+        first = torch.load(out / "model.pt", weights_only=False)["state_dict"]
+        second = torch.load(tmp_path / other / "model.pt", weights_only=False)["state_dict"]
+        assert first.keys() == second.keys()
+        assert all(torch.equal(first[k], second[k]) for k in first)
     metrics = json.loads((out / "metrics.json").read_text())
     cfg = metrics["config"]
     assert cfg["features"] == "scatter" and cfg["input_shape"] == [81, 2, 2]

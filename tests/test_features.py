@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +106,73 @@ def test_build_and_errors() -> None:
         Scattering2d((1, 28, 28), max_order=3)
     with pytest.raises(ValueError, match="expected images"):
         Scattering2d((1, 16, 16), J=2, L=4, groups=5)(torch.zeros(2, 1, 8, 8))
+
+
+class _Counting(torch.nn.Module):
+    """Wraps a front-end and counts its calls (a cache hit makes none)."""
+
+    def __init__(self, inner: Scattering2d) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(x)
+
+    def extra_repr(self) -> str:
+        return self.inner.extra_repr()
+
+
+def test_cached_features_hit_miss_and_invalidation(tmp_path: Path) -> None:
+    from clipless.features import cached_features, feature_cache_key
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.rand(5, 1, 16, 16, generator=g), torch.arange(5)
+    front = _Counting(Scattering2d((1, 16, 16), J=2, L=4, groups=5))
+    first, path, found = cached_features(front, TensorDataset(x, y), tmp_path, batch_size=2)
+    assert not found and front.calls == 3 and path.is_file() and path.parent == tmp_path
+    assert torch.equal(
+        first.tensors[0], apply_features(front.inner, TensorDataset(x, y), 2).tensors[0]
+    )
+    # the same map and data: loaded, not computed, bit for bit the same, labels passed through
+    again, path2, found = cached_features(front, TensorDataset(x, y), tmp_path, batch_size=2)
+    assert found and path2 == path and front.calls == 3
+    assert torch.equal(again.tensors[0], first.tensors[0]) and torch.equal(again.tensors[1], y)
+    # any change of the input, the map's configuration, its state or the batching: another key
+    key = feature_cache_key(front, x, 2)
+    changed = x.clone()
+    changed[2, 0, 5, 5] += 1e-6
+    assert feature_cache_key(front, changed, 2) != key
+    assert feature_cache_key(front, x.double(), 2) != key
+    assert feature_cache_key(front, x, 3) != key
+    other = _Counting(Scattering2d((1, 16, 16), J=2, L=4, groups=0))
+    assert feature_cache_key(other, x, 2) != key
+    tampered = _Counting(Scattering2d((1, 16, 16), J=2, L=4, groups=5))
+    name = next(iter(tampered.state_dict()))
+    tampered.state_dict()[name].mul_(1.5)  # a different filter bank, same configuration
+    assert feature_cache_key(tampered, x, 2) != key
+    _, path3, found = cached_features(front, TensorDataset(changed, y), tmp_path, batch_size=2)
+    assert not found and path3 != path and front.calls == 6
+
+
+def test_cached_features_recomputes_a_bad_file(tmp_path: Path) -> None:
+    from clipless.features import cached_features
+
+    x, y = torch.rand(4, 1, 16, 16, generator=torch.Generator().manual_seed(4)), torch.arange(4)
+    front = _Counting(Scattering2d((1, 16, 16), J=2, L=4, groups=5))
+    good, path, _ = cached_features(front, TensorDataset(x, y), tmp_path)
+    path.write_bytes(b"torn")  # a crash cannot do this (atomic writes), a disk fault can
+    with pytest.warns(UserWarning, match="unreadable"):
+        out, _, found = cached_features(front, TensorDataset(x, y), tmp_path)
+    assert not found and torch.equal(out.tensors[0], good.tensors[0])
+    # a readable file whose key is not this one (a collision of the name's prefix, or an edit)
+    saved = torch.load(path, weights_only=True)
+    torch.save({**saved, "key": "0" * 64}, path)
+    with pytest.warns(UserWarning, match="does not hold"):
+        out, _, found = cached_features(front, TensorDataset(x, y), tmp_path)
+    assert not found and torch.equal(out.tensors[0], good.tensors[0])
+    _, _, found = cached_features(front, TensorDataset(x, y), tmp_path)  # rewritten: a hit
+    assert found and front.calls == 3
+    with pytest.raises(ValueError, match="batch_size"):
+        cached_features(front, TensorDataset(x, y), tmp_path, batch_size=0)

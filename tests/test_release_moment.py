@@ -225,3 +225,72 @@ def test_engine_composes_both_releases_with_the_steps() -> None:
         dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), engine.ledger.steps
     )
     assert engine.get_epsilon(1e-5) == pytest.approx(float(acc.get_epsilon(1e-5)), rel=1e-9)
+
+
+def _whitened_layer(x: torch.Tensor, radius: float = 2.0) -> nn.InputNorm:
+    mu = release_mean(x, 2.0, generator=torch.Generator().manual_seed(1))
+    w = whitening(release_channel_moment(x, 2.0, generator=torch.Generator().manual_seed(2)), mu)
+    return nn.InputNorm(radius, "sphere", center=mu, center_noise=2.0, whiten=w, whiten_noise=4.0)
+
+
+def test_premapped_inputs_give_the_full_map_and_keep_the_bound() -> None:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(11, 3, 2, 2, generator=gen) * 10
+    layer = _whitened_layer(x)
+    full = layer(x)
+    z = x.clone()
+    assert layer.premap_(z, batch_size=4) is z and layer.inputs_premapped
+    torch.testing.assert_close(z, full, rtol=0, atol=0)  # per-sample map: batching changes nothing
+    torch.testing.assert_close(layer(z), full, rtol=1e-6, atol=0)  # a second projection: rounding
+    assert "inputs_premapped=True" in repr(layer)
+    # the projection still certifies the bound when raw (unmapped) data is fed by mistake
+    wild = torch.randn(5, 3, 2, 2, generator=gen) * 1e6
+    assert float(layer(wild).flatten(1).norm(dim=1).max()) <= 2.0
+    # the flag is not state: a reloaded layer and the twin map raw inputs
+    fresh = _whitened_layer(torch.ones(1, 3, 2, 2))
+    fresh.load_state_dict(layer.state_dict())
+    assert not fresh.inputs_premapped
+    torch.testing.assert_close(fresh(x), full, rtol=0, atol=0)
+    torch.testing.assert_close(layer.vanilla_export()(x), full, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="samples have shape"):
+        layer.premap_(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="floating"):
+        layer.premap_(torch.zeros(2, 3, 2, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="batch_size"):
+        layer.premap_(x.clone(), batch_size=0)
+
+
+def test_training_on_premapped_data_matches_training_on_raw_data() -> None:
+    """The same seeds, raw features through the full map or premapped ones through the projection:
+    the same steps, the same epsilon and (to rounding) the same weights."""
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(120, 3, 2, 2, generator=gen), torch.randint(0, 4, (120,), generator=gen)
+    results = []
+    for premap in (False, True):
+        torch.manual_seed(0)
+        layer = _whitened_layer(x, radius=1.0)
+        model = nn.Sequential(layer, nn.Flatten(), nn.Linear(12, 4, bias=False))
+        data = x.clone()
+        if premap:
+            layer.premap_(data)
+        engine = clipless.PrivacyEngine(seed=3)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(TensorDataset(data, y), batch_size=30),
+            loss=nn.CrossEntropyLoss(),
+            target_epsilon=3.0,
+            target_delta=1e-5,
+            steps=8,
+            constraint=None,
+        )
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.CrossEntropyLoss(reduction="sum")(model(xb), yb).backward()
+            opt.step()
+        weight = next(p for p in model.parameters()).detach().clone()
+        results.append((weight, engine.get_epsilon(1e-5), engine.ledger.steps))
+    (raw, eps_raw, steps_raw), (mapped, eps_mapped, steps_mapped) = results
+    assert steps_raw == steps_mapped > 0 and eps_raw == eps_mapped
+    torch.testing.assert_close(mapped, raw, rtol=1e-5, atol=1e-6)
+    assert float((mapped - raw).abs().max()) < 1e-3 * float(raw.abs().max())

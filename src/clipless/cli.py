@@ -412,6 +412,15 @@ def _add_train_parser(sub: Any) -> None:
         "mnist-10k; the most accurate setting measured, benchmarks/RESULTS.md), else none",
     )
     tr.add_argument(
+        "--feature-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the computed features under the dataset cache (DATA_ROOT/features, about "
+        "1.1 GB for fashion-mnist's scattering features; as sensitive as the data) and load them "
+        "in later runs on the same data, map and library versions instead of recomputing them "
+        "(clipless.features.cached_features); the results are the same either way",
+    )
+    tr.add_argument(
         "--hidden",
         type=_hidden,
         default=None,
@@ -1020,7 +1029,8 @@ def _run_train(args: argparse.Namespace) -> int:
                 f"{args.features} needs an image dataset (digits, fashion-mnist, mnist-10k); "
                 f"{info.name} has input shape {tuple(info.input_shape)}",
             )
-        from clipless.features import apply_features, build_features
+        from clipless.data import data_root
+        from clipless.features import apply_features, build_features, cached_features
 
         try:
             front = build_features(args.features, info.input_shape)
@@ -1028,9 +1038,20 @@ def _run_train(args: argparse.Namespace) -> int:
             raise _ArgError("--features", str(exc)) from None
         assert front is not None
         torch.set_num_threads(args.threads)
-        if not args.quiet:
-            print(f"clipless train: computing {args.features} features ...", flush=True)
-        train, test = apply_features(front, train), apply_features(front, test)
+        if not args.feature_cache:
+            if not args.quiet:
+                print(f"clipless train: computing {args.features} features ...", flush=True)
+            train, test = apply_features(front, train), apply_features(front, test)
+        else:
+            cache = data_root(args.data_root) / "features"
+            if not args.quiet:
+                print(
+                    f"clipless train: {args.features} features (computed once, then cached in "
+                    f"{cache}) ...",
+                    flush=True,
+                )
+            train, _, _ = cached_features(front, train, cache)
+            test, _, _ = cached_features(front, test, cache)
         input_shape = tuple(front.output_shape)
     if args.lr is None:
         if args.dataset == "adult":
@@ -1149,6 +1170,8 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     if distributed.launched_by_torchrun():
         distributed.make_data_parallel(optimizer, loader)
+    if saved is None and args.features != "none":
+        _premap_inputs(model, train, test)
     config = engine.config
     if saved is not None and config["sample_rate"] != saved.get("sample_rate"):
         raise _ArgError(
@@ -1332,6 +1355,21 @@ def _input_center(
     if args.unsafe_seed is not None:
         generator = torch.Generator().manual_seed(args.unsafe_seed + 2)
     return release_mean(train, args.center_noise, generator=generator)
+
+
+def _premap_inputs(model: Any, *datasets: Any) -> None:
+    """Apply the model's leading ``InputNorm`` map (its released centre and whitening) to the
+    feature tensors once, in place (:meth:`clipless.nn.InputNorm.premap_`): the layer then only
+    projects, which keeps the certified input bound. Only the tensors this run computed (the
+    features) are mapped in place; a new run only (a resumed run's buffers come from its
+    checkpoint inside ``fit``, so it maps its batches as it goes)."""
+    from clipless import nn
+
+    first = next((m for m in model.modules() if isinstance(m, nn.InputNorm)), None)
+    if first is None or (first.center is None and first.whiten is None):
+        return
+    for data in datasets:
+        first.premap_(data.tensors[0])
 
 
 def _whiten_placeholder(input_shape: Any) -> Any:

@@ -35,8 +35,12 @@ their cost enters the same accountant as the training steps
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch.utils.data import TensorDataset
@@ -51,6 +55,8 @@ __all__ = [
     "Scattering2d",
     "apply_features",
     "build_features",
+    "cached_features",
+    "feature_cache_key",
     "release_channel_moment",
     "release_mean",
     "whitening",
@@ -106,6 +112,7 @@ def release_mean(
     records it in the ledger.
     """
     from clipless.nn._functional import project_norm
+    from clipless.norms import all_finite
 
     x, sigma, n = _release_arguments(inputs, noise_multiplier, num_samples, batch_size)
     # Floating point: any float64 summation order of m vectors of norm <= r errs by at most
@@ -119,7 +126,7 @@ def release_mean(
     total = torch.zeros(x.shape[1:], dtype=torch.float64, device=x.device)
     for start in range(0, len(x), batch_size):
         chunk = x[start : start + batch_size].to(torch.float64)
-        if not bool(torch.isfinite(chunk).all()):
+        if not all_finite(chunk):
             raise ValueError("inputs must be finite")
         total += project_norm(chunk, radius, "sphere").sum(dim=0)
     generator = generator if generator is not None else _csprng_generator(x.device)
@@ -165,6 +172,7 @@ def release_channel_moment(
     :meth:`clipless.PrivacyEngine.make_private` composes the release with the training steps.
     """
     from clipless.nn._functional import project_norm
+    from clipless.norms import all_finite
 
     x, sigma, n = _release_arguments(inputs, noise_multiplier, num_samples, batch_size)
     rows, channels = len(x), x.shape[1]
@@ -174,7 +182,7 @@ def release_channel_moment(
     total = torch.zeros(channels, channels, dtype=torch.float64, device=x.device)
     for start in range(0, rows, batch_size):
         chunk = x[start : start + batch_size].to(torch.float64)
-        if not bool(torch.isfinite(chunk).all()):
+        if not all_finite(chunk):
             raise ValueError("inputs must be finite")
         u = project_norm(chunk, radius, "sphere").reshape(len(chunk), channels, positions)
         flat = u.transpose(0, 1).reshape(channels, -1)  # [C, b P]
@@ -410,3 +418,102 @@ def apply_features(
     x, *rest = data.tensors
     out = torch.cat([features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
     return TensorDataset(out, *rest)
+
+
+FEATURE_CACHE_FORMAT = "clipless-features-v1"
+
+
+def _library_versions() -> str:
+    try:
+        from importlib.metadata import version
+
+        kymatio = version("kymatio")
+    except Exception:  # pragma: no cover - kymatio not installed through pip
+        kymatio = "unknown"
+    return f"torch {torch.__version__}, kymatio {kymatio}"
+
+
+def _hash_tensor(h: hashlib._Hash, name: str, t: torch.Tensor) -> None:
+    t = t.detach().to("cpu").contiguous()
+    h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def feature_cache_key(features: torch.nn.Module, x: torch.Tensor, batch_size: int = 1024) -> str:
+    """SHA-256 (hex) naming the output of ``apply_features(features, x, batch_size)``.
+
+    It covers everything the output depends on: the map's class and configuration
+    (``extra_repr``), every tensor of its state (a scattering's filter bank), the torch and kymatio
+    versions, the batch size, and the input's dtype, shape and bytes. Two calls with the same key
+    compute the same features, so a cached tensor can stand in for the computation.
+    """
+    h = hashlib.sha256()
+    h.update(
+        f"{FEATURE_CACHE_FORMAT}\n{type(features).__module__}.{type(features).__qualname__}\n"
+        f"{features.extra_repr()}\n{_library_versions()}\nbatch_size {batch_size}\n".encode()
+    )
+    for name, t in sorted(features.state_dict().items()):
+        _hash_tensor(h, f"state {name}", t)
+    _hash_tensor(h, "input", x)
+    return h.hexdigest()
+
+
+def _read_cached(path: Path, key: str, rows: int) -> torch.Tensor | None:
+    """The tensor cached at ``path`` under ``key``, or ``None`` when absent or not usable."""
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a torn or foreign file: recompute and overwrite it
+        warnings.warn(f"feature cache {path} is unreadable ({exc}); recomputing", stacklevel=3)
+        return None
+    tensor = saved.get("features") if isinstance(saved, dict) else None
+    if (
+        not isinstance(saved, dict)
+        or saved.get("format") != FEATURE_CACHE_FORMAT
+        or saved.get("key") != key
+        or not isinstance(tensor, torch.Tensor)
+        or tensor.dim() < 1
+        or tensor.shape[0] != rows
+    ):
+        warnings.warn(
+            f"feature cache {path} does not hold these features; recomputing", stacklevel=3
+        )
+        return None
+    return tensor
+
+
+@torch.no_grad()
+def cached_features(
+    features: torch.nn.Module,
+    data: TensorDataset,
+    cache_dir: str | os.PathLike[str],
+    batch_size: int = 1024,
+) -> tuple[TensorDataset, Path, bool]:
+    """:func:`apply_features` through a cache on disk: ``(dataset, cache file, found)``.
+
+    The features of ``data`` are stored under ``cache_dir`` in a file named by
+    :func:`feature_cache_key` (the map, its state, the library versions and the input's bytes), so
+    a later call with the same map and data loads them instead of computing them; any change of
+    these gives another file. A file that cannot be read or does not match its key is recomputed
+    and replaced (with a warning); files are written atomically, so concurrent processes (the
+    ranks of ``clipless train --nproc``) at worst compute the same tensor twice.
+
+    Privacy: the cache holds a per-sample transform of the training data and is as sensitive as
+    the data itself; it is kept beside the dataset cache. Nothing released depends on whether the
+    features were loaded or computed.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
+    from clipless._io import atomic_write_with
+
+    x, *rest = data.tensors
+    key = feature_cache_key(features, x, batch_size)
+    path = Path(cache_dir) / f"{key[:40]}.pt"
+    cached = _read_cached(path, key, len(x))
+    if cached is not None:
+        return TensorDataset(cached, *rest), path, True
+    out = apply_features(features, data, batch_size)
+    payload = {"format": FEATURE_CACHE_FORMAT, "key": key, "features": out.tensors[0]}
+    atomic_write_with(path, lambda handle: torch.save(payload, handle))
+    return out, path, False

@@ -8,6 +8,7 @@ import torch
 
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
+from clipless.nn._functional import project_norm
 from clipless.nn.export import PlainInputNorm, input_map
 
 __all__ = ["InputNorm"]
@@ -57,6 +58,17 @@ class InputNorm(LipschitzModule):
     privacy engine composes with the steps like the mean. The output bound is still ``max_norm``
     (the projection comes last), so ``W`` needs no norm bound for privacy; a sample's output still
     depends on that sample alone.
+
+    **Mapping the data once** (:meth:`premap_`): with a released centre or whitening, the map
+    before the projection is fixed for the whole run, and on wide inputs it is most of a training
+    step (the channel mixing of 81 scattering channels costs eight times the linear model's own
+    product; ``benchmarks/RESULTS.md`` section 21). :meth:`premap_` applies the full map to a
+    data tensor once, in place, and sets :attr:`inputs_premapped`; the layer then applies only
+    the projection ``P_R``. That projection is what certifies ``||output|| <= max_norm``, so the
+    bound holds whatever is fed (premapped or not: a mistake costs accuracy, never privacy). On
+    premapped data the output is the full map's up to the rounding of a second projection (a
+    relative ``~1e-7``). ``clipless train`` does this for its feature tensors. The flag is not
+    part of the state dict: a saved and reloaded model maps raw inputs.
     """
 
     def __init__(
@@ -108,6 +120,8 @@ class InputNorm(LipschitzModule):
         self.whiten_noise: torch.Tensor | None
         self._keep_release("center", center, center_noise)
         self._keep_release("whiten", whiten, whiten_noise)
+        self.inputs_premapped = False
+        """``True`` once :meth:`premap_` has mapped the data: forward then only projects."""
 
     def _keep_release(self, name: str, value: torch.Tensor | None, noise: float | None) -> None:
         """Buffers ``name`` (the released value) and ``name + "_noise"`` (its multiplier)."""
@@ -143,7 +157,31 @@ class InputNorm(LipschitzModule):
                 f"InputNorm: center has shape {tuple(self.center.shape)} but the samples have "
                 f"shape {tuple(x.shape[1:])}"
             )
+        if self.inputs_premapped:
+            return project_norm(x, self.max_norm, self.mode)
         return input_map(x, self.max_norm, self.mode, self.center, self.whiten)
+
+    @torch.no_grad()
+    def premap_(self, x: torch.Tensor, batch_size: int = 4096) -> torch.Tensor:
+        """Replace each sample of ``x`` (a floating tensor ``[n, ...]``) by this layer's full
+        output, in place and ``batch_size`` samples at a time, then set :attr:`inputs_premapped`
+        (class docstring). Returns ``x``. Map every tensor the layer will see (training and
+        evaluation data) after the layer's buffers are final (after a resumed run's checkpoint is
+        loaded or a data-parallel broadcast)."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
+            raise ValueError("premap_ expects a floating tensor of samples [n, ...]")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+        if self.center is not None and tuple(x.shape[1:]) != tuple(self.center.shape):
+            raise ValueError(
+                f"InputNorm: center has shape {tuple(self.center.shape)} but the samples have "
+                f"shape {tuple(x.shape[1:])}"
+            )
+        for i in range(0, len(x), batch_size):
+            chunk = x[i : i + batch_size]
+            chunk.copy_(input_map(chunk, self.max_norm, self.mode, self.center, self.whiten))
+        self.inputs_premapped = True
+        return x
 
     def lipschitz(self) -> float:
         plain = self.center is None and self.whiten is None
@@ -158,4 +196,5 @@ class InputNorm(LipschitzModule):
         return PlainInputNorm(self.max_norm, self.mode, self.center, self.whiten)
 
     def extra_repr(self) -> str:
-        return f"max_norm={self.max_norm}, mode={self.mode!r}"
+        premapped = ", inputs_premapped=True" if self.inputs_premapped else ""
+        return f"max_norm={self.max_norm}, mode={self.mode!r}{premapped}"
