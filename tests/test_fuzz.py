@@ -283,12 +283,13 @@ def test_make_private_rejects_non_finite_and_mismatched_data() -> None:
 
     import clipless
 
-    args = _engine_args()
-    x = torch.randn(20, 3)
-    x[4, 1] = math.nan
-    args["data_loader"] = DataLoader(TensorDataset(x, torch.randint(0, 2, (20,))))
-    with pytest.raises(ValueError, match="non-finite"):
-        clipless.PrivacyEngine(seed=0).make_private(**args, noise_multiplier=1.0)
+    for row, value in ((4, math.nan), (17, -math.inf), (0, math.inf)):
+        args = _engine_args()
+        x = torch.randn(20, 3)
+        x[row, 1] = value
+        args["data_loader"] = DataLoader(TensorDataset(x, torch.randint(0, 2, (20,))))
+        with pytest.raises(ValueError, match=f"non-finite value .* in record {row}, field 0"):
+            clipless.PrivacyEngine(seed=0).make_private(**args, noise_multiplier=1.0)
     args = _engine_args()
     args["data_loader"] = DataLoader(TensorDataset(torch.randn(20, 3), torch.full((20,), 7)))
     with pytest.raises(ValueError, match="label"):

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from clipless import accounting, bounds, constraints, mechanism
 from clipless.mechanism import PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
+from clipless.norms import all_finite
 from clipless.optim import DPOptimizer
 
 __all__ = ["PrivacyEngine"]
@@ -518,7 +519,11 @@ def _validate_dataset(dataset: Any, num_logits: int) -> None:
         for position, t in enumerate(tensors):
             t = torch.as_tensor(t)
             if t.is_floating_point() or t.is_complex():
-                bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1) if t.ndim else None
+                # one aminmax pass (norms.all_finite: ~20x faster than isfinite on a large
+                # dataset); the per-row search only runs when something is not finite
+                bad = None
+                if t.ndim and not all_finite(t):
+                    bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
                 if bad is not None and bool(bad.any()):
                     row = index_offset + int(bad.nonzero()[0, 0])
                     raise ValueError(

@@ -58,6 +58,38 @@ def test_identical_to_dp_accounting(sigma: float, q: float, steps: int) -> None:
     assert ours_delta == pytest.approx(ref_acc.get_delta(1.0), rel=1e-9)
 
 
+@pytest.mark.parametrize("rel", ["add_remove", "replace_one"])
+def test_cached_step_pld_is_bit_for_bit_dp_accounting(rel: str) -> None:
+    """The PLD accountant builds a Poisson-subsampled Gaussian step once per (sigma, q) and reuses
+    it: the same epsilons and deltas as dp_accounting's own PLDAccountant, exactly, however the
+    same step is regrouped and reused (steps split into groups, other steps and releases between
+    them)."""
+    relation = (
+        dp_accounting.NeighboringRelation.REPLACE_ONE
+        if rel == "replace_one"
+        else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    )
+
+    def step(sigma: float, q: float) -> dp_accounting.DpEvent:
+        return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+
+    events = [
+        (dp_accounting.SelfComposedDpEvent(step(1.1, 0.02), 300), 1),
+        (step(0.9, 0.05), 7),
+        (dp_accounting.GaussianDpEvent(20.0), 1),
+        (step(1.1, 0.02), 45),  # the first step again, reused from the cache
+        (dp_accounting.ComposedDpEvent([step(1.1, 0.02), step(0.9, 0.05)]), 2),
+    ]
+    for _ in range(2):  # the second pass runs entirely from the cache
+        ours = Accountant("pld", rel, value_discretization_interval=FAST)  # type: ignore[arg-type]
+        ref = PLDAccountant(relation, value_discretization_interval=FAST)
+        for event, count in events:
+            ours.compose(event, count)
+            ref.compose(event, count)
+            assert ours.epsilon(1e-6) == ref.get_epsilon(1e-6)
+        assert ours.delta(0.5) == ref.get_delta(0.5)
+
+
 def test_unsubsampled_gaussian_matches_analytic() -> None:
     # Balle & Wang 2018 analytic Gaussian mechanism (exact) vs pessimistic PLD: upper bound, tight.
     for sigma in (0.7, 1.0, 3.0):

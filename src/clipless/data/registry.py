@@ -174,6 +174,8 @@ def make_tensor_dataset(inputs: np.ndarray, targets: np.ndarray) -> TensorDatase
     y = torch.as_tensor(np.ascontiguousarray(targets), dtype=torch.int64)
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"inputs has {x.shape[0]} rows but targets has {y.shape[0]}")
-    if not torch.isfinite(x).all():
+    from clipless.norms import all_finite
+
+    if not all_finite(x):
         raise ValueError("inputs contains non-finite values")
     return TensorDataset(x, y)
