@@ -132,6 +132,7 @@ def test_cached_features_hit_miss_and_invalidation(tmp_path: Path) -> None:
     front = _Counting(Scattering2d((1, 16, 16), J=2, L=4, groups=5))
     first, path, found = cached_features(front, TensorDataset(x, y), tmp_path, batch_size=2)
     assert not found and front.calls == 3 and path.is_file() and path.parent == tmp_path
+    assert path.stat().st_mode & 0o777 == 0o600  # a copy of training data: owner only
     assert torch.equal(
         first.tensors[0], apply_features(front.inner, TensorDataset(x, y), 2).tensors[0]
     )

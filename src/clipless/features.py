@@ -500,7 +500,7 @@ def cached_features(
     ranks of ``clipless train --nproc``) at worst compute the same tensor twice.
 
     Privacy: the cache holds a per-sample transform of the training data and is as sensitive as
-    the data itself; it is kept beside the dataset cache. Nothing released depends on whether the
+    the data itself; its files are readable by their owner only (mode ``0o600``). Nothing released depends on whether the
     features were loaded or computed.
     """
     if batch_size < 1:
@@ -515,5 +515,6 @@ def cached_features(
         return TensorDataset(cached, *rest), path, True
     out = apply_features(features, data, batch_size)
     payload = {"format": FEATURE_CACHE_FORMAT, "key": key, "features": out.tensors[0]}
-    atomic_write_with(path, lambda handle: torch.save(payload, handle))
+    # owner-only, like any copy of training data (the folder is the user's dataset cache)
+    atomic_write_with(path, lambda handle: torch.save(payload, handle), mode=0o600)
     return out, path, False
