@@ -106,6 +106,25 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
         },
         {"lr": [16.0, 32.0, 64.0], "max_grad_norm": [0.025, 0.05, 0.1]},
     ),
+    # a second stage on the whitened features, one step beyond the first grids' corners: every
+    # first-stage optimum of both methods had the grid's smallest step (clipless lr 0.01, Opacus
+    # lr 16) at every epsilon, and several the largest or smallest clip. 9 more trials each
+    # (RESULTS.md section 20i).
+    "clipless-whiten-low": (
+        "clipless",
+        images.METHODS["clipless-whitened"][1],
+        {"lr": [0.0025, 0.005, 0.01], "clip": [0.1, 0.2, 0.4]},
+    ),
+    "opacus-whiten-low": (
+        "opacus",
+        {
+            **images.METHODS["opacus-centered"][1],
+            "grad_sample_mode": "ghost",
+            "whiten": 20.0,
+            "shrink": 1.0,
+        },
+        {"lr": [4.0, 8.0, 16.0], "max_grad_norm": [0.025, 0.05, 0.1]},
+    ),
 }
 
 _DATA: tuple[Any, Any] | None = None

@@ -500,8 +500,8 @@ def cached_features(
     ranks of ``clipless train --nproc``) at worst compute the same tensor twice.
 
     Privacy: the cache holds a per-sample transform of the training data and is as sensitive as
-    the data itself; its files are readable by their owner only (mode ``0o600``). Nothing released depends on whether the
-    features were loaded or computed.
+    the data itself; its files are readable by their owner only (mode ``0o600``). Nothing
+    released depends on whether the features were loaded or computed.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")

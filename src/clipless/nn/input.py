@@ -60,9 +60,9 @@ class InputNorm(LipschitzModule):
     depends on that sample alone.
 
     **Mapping the data once** (:meth:`premap_`): with a released centre or whitening, the map
-    before the projection is fixed for the whole run, and on wide inputs it is most of a training
-    step (the channel mixing of 81 scattering channels costs eight times the linear model's own
-    product; ``benchmarks/RESULTS.md`` section 21). :meth:`premap_` applies the full map to a
+    before the projection is fixed for the whole run, and on wide inputs it is a large part of a
+    training step (about 40% of a linear model's epoch on Fashion-MNIST's scattering features,
+    ``benchmarks/RESULTS.md`` sections 20f and 21). :meth:`premap_` applies the full map to a
     data tensor once, in place, and sets :attr:`inputs_premapped`; the layer then applies only
     the projection ``P_R``. That projection is what certifies ``||output|| <= max_norm``, so the
     bound holds whatever is fed (premapped or not: a mistake costs accuracy, never privacy). On
