@@ -90,9 +90,11 @@ class Accountant:
 
     ``kind="pld"`` (default) wraps ``dp_accounting``'s ``PLDAccountant`` (Doroshenko et al.
     2022; pessimistic discretisation ``value_discretization_interval``, default
-    :data:`DEFAULT_PLD_DISCRETIZATION`); ``kind="rdp"`` wraps ``RdpAccountant`` with ``orders``
-    (default :data:`DEFAULT_RDP_ORDERS`). ``neighbouring`` is ``"add_remove"`` (default) or
-    ``"replace_one"``; the treatment of replace-one is documented in the package docstring.
+    :data:`DEFAULT_PLD_DISCRETIZATION`), reusing each Poisson-subsampled Gaussian step's PLD
+    across evaluations (:class:`_StepCachedPLDAccountant`: the same numbers, bit for bit);
+    ``kind="rdp"`` wraps ``RdpAccountant`` with ``orders`` (default :data:`DEFAULT_RDP_ORDERS`).
+    ``neighbouring`` is ``"add_remove"`` (default) or ``"replace_one"``; the treatment of
+    replace-one is documented in the package docstring.
 
     >>> from clipless.accounting import gaussian_step_event
     >>> acc = Accountant("pld")
