@@ -141,8 +141,18 @@ CLI_RUN += ["--batch-size", "128", "--no-progress", "--quiet", "--unsafe-seed", 
 # two spawned ranks (~15 s idle, ~40 s on the loaded 2-core machine): in make test, the
 # command-line face of the guarantee above
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("extra", [[], ["--center-noise", "30"]], ids=["plain", "centred"])
-def test_cli_nproc_2_matches_nproc_1(tmp_path: Path, extra: list[str]) -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--center-noise", "30"],
+        ["--dataset", "digits", "--model", "linear", "--features", "scatter"],
+    ],
+    ids=["plain", "centred", "features"],
+)
+def test_cli_nproc_2_matches_nproc_1(
+    tmp_path: Path, extra: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--nproc 2`` gives the same ledger and epsilon (exactly) and the same model as one
     process up to float32 summation order: bitwise equality cannot hold, since each rank sums its
     shard's per-sample gradients (rows ``r::2``) and the all-reduce adds the two partial sums,
@@ -150,8 +160,11 @@ def test_cli_nproc_2_matches_nproc_1(tmp_path: Path, extra: list[str]) -> None:
     weights after the (identical) noise, inner step and projection. Noise, batches, noise scales
     and accounting are identical. ``centred``: rank 0 alone releases the input mean (from
     ``--unsafe-seed``, so the same as one process's) and broadcasts it; the ledger holds one
-    release."""
+    release. ``features``: scattering features, centred and whitened by default (two releases,
+    broadcast), then mapped once on every rank after the broadcast (``InputNorm.premap_``)."""
     from clipless.cli import main
+
+    monkeypatch.setenv("CLIPLESS_DATA", str(tmp_path / "cache"))  # the feature cache (ranks too)
 
     assert main([*CLI_RUN, *extra, "--out", str(tmp_path / "one")]) == 0
     assert main([*CLI_RUN, *extra, "--out", str(tmp_path / "two"), "--nproc", "2"]) == 0
@@ -159,7 +172,8 @@ def test_cli_nproc_2_matches_nproc_1(tmp_path: Path, extra: list[str]) -> None:
     assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
     ledger_one = json.loads((one / "ledger.json").read_text())
     assert ledger_one == json.loads((two / "ledger.json").read_text())
-    assert len(ledger_one.get("releases", [])) == (1 if extra else 0)
+    releases = 2 if "--features" in extra else 1 if "--center-noise" in extra else 0
+    assert len(ledger_one.get("releases", [])) == releases
     model_one, model_two = torch.load(one / "model.pt"), torch.load(two / "model.pt")
     assert model_one["epsilon"] == model_two["epsilon"] > 0
     for key, value in model_one["state_dict"].items():
