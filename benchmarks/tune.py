@@ -125,6 +125,19 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
         },
         {"lr": [4.0, 8.0, 16.0], "max_grad_norm": [0.025, 0.05, 0.1]},
     ),
+    # Opacus only, a third stage along the ridge lr x clip ~ const, where opacus-whiten-low's
+    # epsilon-1 optimum (lr 4, clip 0.1) sat on the corner again: 9 trials more than clipless
+    # had (exploratory, unequal budgets in Opacus's favour; RESULTS.md section 20i)
+    "opacus-whiten-ridge": (
+        "opacus",
+        {
+            **images.METHODS["opacus-centered"][1],
+            "grad_sample_mode": "ghost",
+            "whiten": 20.0,
+            "shrink": 1.0,
+        },
+        {"lr": [1.0, 2.0, 4.0], "max_grad_norm": [0.1, 0.2, 0.4]},
+    ),
 }
 
 _DATA: tuple[Any, Any] | None = None
