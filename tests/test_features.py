@@ -177,3 +177,10 @@ def test_cached_features_recomputes_a_bad_file(tmp_path: Path) -> None:
     assert found and front.calls == 3
     with pytest.raises(ValueError, match="batch_size"):
         cached_features(front, TensorDataset(x, y), tmp_path, batch_size=0)
+    # a cache folder that cannot be written (here a file stands where it should be): a warning,
+    # and the features all the same
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_bytes(b"")
+    with pytest.warns(UserWarning, match="could not write the feature cache"):
+        out, _, found = cached_features(front, TensorDataset(x, y), blocked / "features")
+    assert not found and torch.equal(out.tensors[0], good.tensors[0])

@@ -496,8 +496,9 @@ def cached_features(
     :func:`feature_cache_key` (the map, its state, the library versions and the input's bytes), so
     a later call with the same map and data loads them instead of computing them; any change of
     these gives another file. A file that cannot be read or does not match its key is recomputed
-    and replaced (with a warning); files are written atomically, so concurrent processes (the
-    ranks of ``clipless train --nproc``) at worst compute the same tensor twice.
+    and replaced, with a warning; a cache that cannot be written (read-only, full) only warns.
+    Files are written atomically, so concurrent processes (the ranks of ``clipless train
+    --nproc``) at worst compute the same tensor twice.
 
     Privacy: the cache holds a per-sample transform of the training data and is as sensitive as
     the data itself; its files are readable by their owner only (mode ``0o600``). Nothing
@@ -516,5 +517,11 @@ def cached_features(
     out = apply_features(features, data, batch_size)
     payload = {"format": FEATURE_CACHE_FORMAT, "key": key, "features": out.tensors[0]}
     # owner-only, like any copy of training data (the folder is the user's dataset cache)
-    atomic_write_with(path, lambda handle: torch.save(payload, handle), mode=0o600)
+    try:
+        atomic_write_with(path, lambda handle: torch.save(payload, handle), mode=0o600)
+    except OSError as exc:  # a read-only or full cache: the features are still here
+        warnings.warn(
+            f"could not write the feature cache {path} ({exc}); continuing without it",
+            stacklevel=3,
+        )
     return out, path, False
