@@ -43,6 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import adult
 import images
 
+# Opacus on the whitened features: the same released mean and whitening as clipless-whitened
+# (noise multiplier 20, shrink 1), applied at each sample's own scale; ghost clipping.
+OPACUS_WHITENED: dict[str, Any] = {
+    **images.METHODS["opacus-centered"][1],
+    "grad_sample_mode": "ghost",
+    "whiten": 20.0,
+    "shrink": 1.0,
+}
+
 # method -> (runner, base setting, grid). clipless and opacus have grids of the same size (9):
 # the step size and the clip threshold (for clipless the output-cotangent clip, for Opacus the
 # per-sample gradient clip), around each method's best setting of sections 14 and 17.
@@ -98,12 +107,7 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
     ),
     "opacus-whiten": (
         "opacus",
-        {
-            **images.METHODS["opacus-centered"][1],
-            "grad_sample_mode": "ghost",
-            "whiten": 20.0,
-            "shrink": 1.0,
-        },
+        OPACUS_WHITENED,
         {"lr": [16.0, 32.0, 64.0], "max_grad_norm": [0.025, 0.05, 0.1]},
     ),
     # a second stage on the whitened features, one step beyond the first grids' corners: every
@@ -117,12 +121,7 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
     ),
     "opacus-whiten-low": (
         "opacus",
-        {
-            **images.METHODS["opacus-centered"][1],
-            "grad_sample_mode": "ghost",
-            "whiten": 20.0,
-            "shrink": 1.0,
-        },
+        OPACUS_WHITENED,
         {"lr": [4.0, 8.0, 16.0], "max_grad_norm": [0.025, 0.05, 0.1]},
     ),
     # Opacus only, a third stage along the ridge lr x clip ~ const, where opacus-whiten-low's
@@ -130,12 +129,7 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
     # had (exploratory, unequal budgets in Opacus's favour; RESULTS.md section 20i)
     "opacus-whiten-ridge": (
         "opacus",
-        {
-            **images.METHODS["opacus-centered"][1],
-            "grad_sample_mode": "ghost",
-            "whiten": 20.0,
-            "shrink": 1.0,
-        },
+        OPACUS_WHITENED,
         {"lr": [1.0, 2.0, 4.0], "max_grad_norm": [0.1, 0.2, 0.4]},
     ),
 }

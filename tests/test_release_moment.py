@@ -4,6 +4,7 @@ built from it, InputNorm's whitening, and their accounting by the engine."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -190,6 +191,37 @@ def test_input_norm_whitens_then_projects_and_its_twin_agrees() -> None:
     assert torch.equal(other.whiten, alone.whiten) and other.releases == alone.releases
 
 
+def _private(
+    engine: clipless.PrivacyEngine,
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    lr: float,
+    batch: int,
+    epsilon: float,
+    steps: int,
+) -> tuple[Any, Any, Any]:
+    """``engine.make_private`` of an SGD model on ``(x, y)`` (no constraint, delta 1e-5)."""
+    return engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
+        loss=nn.CrossEntropyLoss(),
+        target_epsilon=epsilon,
+        target_delta=1e-5,
+        steps=steps,
+        constraint=None,
+    )
+
+
+def _train(model: Any, opt: Any, loader: Any) -> None:
+    for xb, yb in loader:
+        opt.zero_grad()
+        nn.CrossEntropyLoss(reduction="sum")(model(xb), yb).backward()
+        opt.step()
+
+
 def test_engine_composes_both_releases_with_the_steps() -> None:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(200, 6, generator=gen), torch.randint(0, 3, (200,), generator=gen)
@@ -200,16 +232,7 @@ def test_engine_composes_both_releases_with_the_steps() -> None:
     assert input_releases(model) == (5.0, 8.0)
     assert input_release_labels(model) == (("input mean", 5.0), ("input second moment", 8.0))
     engine = clipless.PrivacyEngine(seed=0)
-    model, opt, loader = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=20),
-        loss=nn.CrossEntropyLoss(),
-        target_epsilon=2.0,
-        target_delta=1e-5,
-        steps=10,
-        constraint=None,
-    )
+    model, opt, loader = _private(engine, model, x, y, lr=0.1, batch=20, epsilon=2.0, steps=10)
     assert engine.config["releases"] == [5.0, 8.0]
     assert [r.label for r in engine.ledger.releases] == ["input mean", "input second moment"]
     sigma, q = engine.config["noise_multiplier"], engine.config["sample_rate"]
@@ -217,10 +240,7 @@ def test_engine_composes_both_releases_with_the_steps() -> None:
     acc.compose(dp_event.GaussianDpEvent(5.0))
     acc.compose(dp_event.GaussianDpEvent(8.0))
     assert engine.get_epsilon(1e-5) == pytest.approx(float(acc.get_epsilon(1e-5)), rel=1e-9)
-    for xb, yb in loader:
-        opt.zero_grad()
-        nn.CrossEntropyLoss(reduction="sum")(model(xb), yb).backward()
-        opt.step()
+    _train(model, opt, loader)
     acc.compose(
         dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), engine.ledger.steps
     )
@@ -274,20 +294,10 @@ def test_training_on_premapped_data_matches_training_on_raw_data() -> None:
         if premap:
             layer.premap_(data)
         engine = clipless.PrivacyEngine(seed=3)
-        model, opt, loader = engine.make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-            data_loader=DataLoader(TensorDataset(data, y), batch_size=30),
-            loss=nn.CrossEntropyLoss(),
-            target_epsilon=3.0,
-            target_delta=1e-5,
-            steps=8,
-            constraint=None,
+        model, opt, loader = _private(
+            engine, model, data, y, lr=0.5, batch=30, epsilon=3.0, steps=8
         )
-        for xb, yb in loader:
-            opt.zero_grad()
-            nn.CrossEntropyLoss(reduction="sum")(model(xb), yb).backward()
-            opt.step()
+        _train(model, opt, loader)
         weight = next(p for p in model.parameters()).detach().clone()
         results.append((weight, engine.get_epsilon(1e-5), engine.ledger.steps))
     (raw, eps_raw, steps_raw), (mapped, eps_mapped, steps_mapped) = results

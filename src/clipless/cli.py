@@ -1364,9 +1364,10 @@ def _premap_inputs(model: Any, *datasets: Any) -> None:
     features) are mapped in place; a new run only (a resumed run's buffers come from its
     checkpoint inside ``fit``, so it maps its batches as it goes)."""
     from clipless import nn
+    from clipless.bounds import _leading_module
 
-    first = next((m for m in model.modules() if isinstance(m, nn.InputNorm)), None)
-    if first is None or (first.center is None and first.whiten is None):
+    first = _leading_module(model)  # the layer the data enters (make_private requires one)
+    if not isinstance(first, nn.InputNorm) or (first.center is None and first.whiten is None):
         return
     for data in datasets:
         first.premap_(data.tensors[0])
