@@ -52,6 +52,7 @@ from clipless.features import (
     whitening,
 )
 from clipless.nn.export import mix_channels
+from clipless.optim import AdamBC
 from clipless.training import WeightEMA, training_loss
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -79,7 +80,9 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     "noise": "global",
     "temperature": 1.0,
     "clip": None,  # LossGradientClip(c) after the last layer
-    "optimizer": "sgd",
+    "optimizer": "sgd",  # or "adam", "adambc" (clipless.optim.AdamBC; bc_floor, bc_ratio)
+    "bc_floor": 1e-12,
+    "bc_ratio": 0.0,
     "lr": 0.02,
     "momentum": 0.9,
     "batch": 128,
@@ -304,6 +307,8 @@ def run_clipless(
     trainable = [p for p in model.parameters() if p.requires_grad]
     if cfg["optimizer"] == "adam":
         opt: torch.optim.Optimizer = torch.optim.Adam(trainable, lr=cfg["lr"])
+    elif cfg["optimizer"] == "adambc":
+        opt = AdamBC(trainable, lr=cfg["lr"], floor=cfg["bc_floor"], floor_ratio=cfg["bc_ratio"])
     else:
         opt = torch.optim.SGD(trainable, lr=cfg["lr"], momentum=cfg["momentum"])
     engine = clipless.PrivacyEngine(accountant="pld", seed=seed)
