@@ -157,6 +157,18 @@ def test_cached_features_hit_miss_and_invalidation(tmp_path: Path) -> None:
     assert not found and path3 != path and front.calls == 6
 
 
+def test_cache_key_covers_submodules_and_mode() -> None:
+    """Containers show nothing in their own ``extra_repr``: the key reads the whole ``repr``."""
+    from clipless.features import feature_cache_key
+
+    x = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    avg = torch.nn.Sequential(torch.nn.AvgPool2d(2))
+    key = feature_cache_key(avg, x, 2)
+    assert feature_cache_key(torch.nn.Sequential(torch.nn.MaxPool2d(4)), x, 2) != key
+    assert feature_cache_key(torch.nn.Sequential(torch.nn.AvgPool2d(2)), x, 2) == key
+    assert feature_cache_key(avg.eval(), x, 2) != key
+
+
 def test_cached_features_recomputes_a_bad_file(tmp_path: Path) -> None:
     from clipless.features import cached_features
 

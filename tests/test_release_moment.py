@@ -81,6 +81,16 @@ def test_one_sample_moves_the_released_moment_by_at_most_one(dtype: torch.dtype)
     assert float((alone - _symmetric_noise(3, 2)).norm()) == pytest.approx(1.0, rel=1e-12)
 
 
+@pytest.mark.parametrize(("n", "channels", "positions"), [(500, 81, 49), (2000, 64, 1)])
+def test_release_is_exactly_symmetric_on_wide_inputs(n: int, channels: int, positions: int) -> None:
+    """The lower triangle is the upper one's mirror bit for bit. A computed ``U U^T`` is not
+    symmetric in floating point (these shapes give ``|M - M^T|`` up to ~1e-17 unmirrored), and its
+    asymmetry is a noiseless function of the data that a release must not contain."""
+    x = torch.randn(n, channels, positions, generator=torch.Generator().manual_seed(0))
+    out = release_channel_moment(x, 20.0, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(out, out.T)
+
+
 def test_noise_has_the_stated_scale_and_is_symmetric() -> None:
     x = torch.ones(10, 150, 1, dtype=torch.float64)
     out = release_channel_moment(x, 3.0, generator=torch.Generator().manual_seed(1))

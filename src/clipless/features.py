@@ -187,6 +187,10 @@ def release_channel_moment(
         u = project_norm(chunk, radius, "sphere").reshape(len(chunk), channels, positions)
         flat = u.transpose(0, 1).reshape(channels, -1)  # [C, b P]
         total += flat @ flat.T
+    # The release is the upper triangle; the lower one must be its exact mirror. ``flat @ flat.T``
+    # is not exactly symmetric in floating point, and its asymmetry (a function of the data's
+    # rounding, untouched by the symmetric noise) would be released without noise.
+    total = total.triu() + total.triu(1).T
     generator = generator if generator is not None else _csprng_generator(x.device)
     noise = torch.randn(
         channels, channels, dtype=torch.float64, device=x.device, generator=generator
@@ -442,15 +446,18 @@ def _hash_tensor(h: hashlib._Hash, name: str, t: torch.Tensor) -> None:
 def feature_cache_key(features: torch.nn.Module, x: torch.Tensor, batch_size: int = 1024) -> str:
     """SHA-256 (hex) naming the output of ``apply_features(features, x, batch_size)``.
 
-    It covers everything the output depends on: the map's class and configuration
-    (``extra_repr``), every tensor of its state (a scattering's filter bank), the torch and kymatio
-    versions, the batch size, and the input's dtype, shape and bytes. Two calls with the same key
-    compute the same features, so a cached tensor can stand in for the computation.
+    It covers everything the output depends on: the map's class and configuration, with every
+    submodule's (``repr``, which nests the children's ``extra_repr``), its training mode, every
+    tensor of its state (a scattering's filter bank), the torch and kymatio versions, the batch
+    size, and the input's dtype, shape and bytes. Two calls with the same key compute the same
+    features, so a cached tensor can stand in for the computation. A map whose output depends on
+    plain attributes that its ``repr`` does not show is not covered: give it an ``extra_repr``.
     """
     h = hashlib.sha256()
+    modes = "".join("t" if m.training else "e" for m in features.modules())
     h.update(
         f"{FEATURE_CACHE_FORMAT}\n{type(features).__module__}.{type(features).__qualname__}\n"
-        f"{features.extra_repr()}\n{_library_versions()}\nbatch_size {batch_size}\n".encode()
+        f"{features!r}\nmodes {modes}\n{_library_versions()}\nbatch_size {batch_size}\n".encode()
     )
     for name, t in sorted(features.state_dict().items()):
         _hash_tensor(h, f"state {name}", t)

@@ -135,11 +135,18 @@ def project_norm(x: torch.Tensor, max_norm: float, mode: str) -> torch.Tensor:
     most ``max_norm``; the scale is computed in float64 and applied in the input's dtype. It is
     differentiable: the autograd Jacobian is that of the computed map (``I`` inside the ball,
     ``(R/||x||)(I - u u^T)`` outside, ``u = x/||x||``, up to rounding). Zero samples stay zero in
-    both modes.
+    both modes. A sample with a NaN or infinite entry (or whose squared norm overflows float64)
+    becomes a zero sample: without that its output would be NaN, which no norm bound covers, and
+    a NaN in one sample's output turns the whole gradient NaN, a noiseless sign of its presence.
     """
     if x.ndim < 1:
         raise ValueError("InputNorm expects an input of shape [batch, ...]")
     computed, norms = _norms_and_upper(x, differentiable=True)
+    finite = torch.isfinite(norms)
+    if not bool(finite.all()):
+        x = torch.where(_broadcast(finite, x).bool(), x, torch.zeros((), dtype=x.dtype))
+        computed = torch.where(finite, computed, torch.zeros_like(computed))
+        norms = torch.where(finite, norms, torch.ones_like(norms))
     # A computed norm of 0 means a zero sample (or one whose squares all underflow: leaving it, or
     # zeroing it in sphere mode, keeps its norm below the radius either way).
     nonzero = computed > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -132,6 +133,22 @@ class InputNorm(LipschitzModule):
         sigma = _checks.positive_float(f"{name}_noise", noise)
         self.register_buffer(name, value.detach().clone())
         self.register_buffer(f"{name}_noise", torch.tensor(sigma, dtype=torch.float64))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> InputNorm:
+        """``to`` / ``float`` / ``half`` / ``cuda`` as usual, except that the noise multipliers stay
+        float64: the accountant reads them, and a multiplier rounded up by a dtype conversion
+        (``model.half().float()``) would under-report epsilon."""
+        kept = {
+            name: t
+            for name in ("center_noise", "whiten_noise")
+            if (t := self._buffers.get(name)) is not None
+        }
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after is not None and after.dtype != torch.float64:
+                self._buffers[name] = before.to(device=after.device)
+        return self
 
     @property
     def release_noise(self) -> float | None:
