@@ -385,3 +385,151 @@ def test_unconstrained_weights_keep_the_sensitivity(clip: float | None) -> None:
     assert sens["1.weight"] > 30 * before["1.weight"]  # the growth reached the bound
     assert sens["3.weight"] == pytest.approx(before["3.weight"])  # last layer: L (or c) only
     assert 0.05 < worst <= 1.0
+
+
+def _guarded_step_with(variant: str):
+    """One example, a guarded training-mode forward, and one more way into the gradients."""
+    engine, m, o, _ = _private()
+    ce = nn.CrossEntropyLoss(reduction="sum")
+    x, y = _one(0)
+    o.zero_grad()
+    loss = ce(m(x), y)
+    if variant == "eval-mode forward":
+        m.eval()
+        extra = m(x)
+        m.train()
+        loss = loss + 100 * ce(extra, y)
+    elif variant == "keyword argument":
+        loss = loss + 100 * ce(m(input=x), y)
+    elif variant == "submodule":
+        loss = loss + 100 * ce(m[3](m[2](m[1](m[0](x)))), y)
+    elif variant == "slice":
+        loss = loss + 100 * ce(m[1:](x), y)
+    loss.backward()
+    if variant == "scaled grad":
+        for p in m.parameters():
+            p.grad.mul_(100)
+    elif variant == "replaced grad":
+        m[1].weight.grad = m[1].weight.grad * 100
+    elif variant == "second backward outside the model":
+        (100 * torch.nn.functional.linear(x, m[1].weight).sum()).backward()
+    return engine, m, o
+
+
+@pytest.mark.parametrize(
+    ("variant", "match"),
+    [
+        ("eval-mode forward", "eval-mode forward"),
+        ("submodule", "called outside a forward"),
+        ("slice", "called outside a forward"),
+        ("scaled grad", "changed after the backward pass"),
+        ("replaced grad", "changed after the backward pass"),
+        ("second backward outside the model", "outside the private model accumulated"),
+    ],
+)
+def test_gradients_that_bypass_the_guard_are_refused(variant: str, match: str) -> None:
+    """Audit finding: with one guarded backward pending, any other way into the gradients gave
+    one example ~21x the certified sensitivity, and the step was accounted at the planned epsilon.
+    Now the step is refused before anything is recorded."""
+    engine, _m, o = _guarded_step_with(variant)
+    with pytest.raises(PrivacyContractError, match=match):
+        o.step()
+    assert engine.ledger.steps == 0
+
+
+def test_a_keyword_call_is_guarded_like_a_positional_one() -> None:
+    engine, m, o = _guarded_step_with("keyword argument")
+    with pytest.raises(PrivacyContractError, match="2 backward passes"):
+        o.step()
+    assert engine.ledger.steps == 0
+    o.zero_grad()
+    o.loss(m(input=_data().tensors[0][:20]), _data().tensors[1][:20]).backward()
+    o.step()  # the keyword call alone is one guarded pass
+    assert engine.ledger.steps == 1
+    with pytest.raises(PrivacyContractError, match="first argument"):
+        m()
+
+
+def test_a_backward_outside_the_model_alone_is_refused() -> None:
+    engine, m, o, _ = _private()
+    x, y = _one(0)
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()
+    o.zero_grad()
+    (torch.nn.functional.linear(x, m[1].weight).sum()).backward()  # no forward of the model
+    m(x)  # a guarded forward whose backward never runs
+    with pytest.raises(PrivacyContractError, match="did not come through"):
+        o.step()
+    o.zero_grad()
+    out = m(x)
+    o.zero_grad()
+    (torch.nn.functional.linear(x, m[1].weight).sum()).backward()
+    o.loss(out, y).backward()  # the guarded backward accumulates into a gradient already there
+    with pytest.raises(PrivacyContractError, match="already held a gradient"):
+        o.step()
+    assert engine.ledger.steps == 1
+
+
+def test_legitimate_loops_still_step() -> None:
+    """Input gradients of an evaluation, gradients kept across steps, zero_grad(set_to_none=False)
+    and an unrelated evaluation forward all leave the step alone."""
+    engine, m, o, _ = _private()
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    for step in range(4):
+        if step == 1:
+            o.zero_grad(set_to_none=False)
+        elif step != 2:  # step 2 accumulates onto the gradient step 1 released
+            o.zero_grad()
+        o.loss(m(x), y).backward()
+        m.eval()
+        probe = x[:3].clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(m(probe).sum(), probe)  # input gradient, eval mode
+        assert bool(torch.isfinite(g).all())
+        m.train()
+        o.step()
+    assert engine.ledger.steps == 4
+
+
+def test_the_wrapped_optimizer_cannot_step_on_its_own() -> None:
+    """Audit finding: stepping the optimizer given to make_private applied the raw gradient with
+    no noise and no ledger entry (epsilon 0 reported)."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, m, o, _ = _private(model=model, optimizer=inner)
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(PrivacyContractError, match="stepped directly"):
+        inner.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))
+    o.step()
+    assert engine.ledger.steps == 1
+    o.detach()  # the hooks are the optimizer's: detached, the inner optimizer is plain again
+    inner.step()
+
+
+def test_frozen_weights_changed_between_forward_and_backward_are_refused() -> None:
+    """Audit finding: a frozen layer's weight sets the cotangent bound of the layers below it."""
+    model = _model()
+    model[3].weight.requires_grad_(False)
+    model[3].bias.requires_grad_(False)
+    _, m, o, _ = _private(model=model)
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    out = m(x)
+    m[3].weight.data.mul_(100.0)
+    with pytest.raises(PrivacyContractError, match=r"'3\.weight' changed between the forward"):
+        o.loss(out, y).backward()
+
+
+def test_trainable_parameters_outside_the_optimizer_are_refused() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=r"\['3.weight', '3.bias'\] require gradients"):
+        _private(model=model, optimizer=torch.optim.SGD(list(model[1].parameters()), lr=0.1))
+
+
+def test_sample_multiplicity_needs_whole_samples() -> None:
+    _, m, o, _ = _private()
+    with o.sample_multiplicity(3), pytest.raises(ValueError, match="not a multiple of 3"):
+        m(_data().tensors[0][:20])

@@ -157,6 +157,13 @@ def test_cached_features_hit_miss_and_invalidation(tmp_path: Path) -> None:
     assert not found and path3 != path and front.calls == 6
 
 
+def test_apply_features_names_bad_input() -> None:
+    with pytest.raises(ValueError, match="at least one sample"):
+        apply_features(torch.nn.Identity(), TensorDataset(torch.zeros(0, 3), torch.zeros(0)))
+    with pytest.raises(ValueError, match="batch_size must be an integer"):
+        apply_features(torch.nn.Identity(), TensorDataset(torch.zeros(2, 3)), batch_size=1.5)
+
+
 def test_cache_key_covers_submodules_and_mode() -> None:
     """Containers show nothing in their own ``extra_repr``: the key reads the whole ``repr``."""
     from clipless.features import feature_cache_key

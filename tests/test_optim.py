@@ -92,6 +92,7 @@ def test_variance_is_for_one_step_only():
     "kwargs, match",
     [
         ({"lr": -1.0}, "lr must be"),
+        ({"betas": (0.9,)}, "betas must be a pair"),
         ({"betas": (1.0, 0.9)}, r"betas\[0\] must be"),
         ({"betas": (0.9, -0.1)}, r"betas\[1\] must be"),
         ({"floor": 0.0}, "floor must be a positive"),

@@ -79,6 +79,16 @@ def test_bad_arguments_are_named() -> None:
         release_mean(torch.ones(3, 2), 1.0, num_samples=0)
     with pytest.raises(ValueError, match="num_samples must be at least"):
         release_mean(torch.ones(5, 2), 1.0, num_samples=3)  # more than n + 1 rows
+    with pytest.raises(ValueError, match="num_samples must be an integer"):
+        release_mean(torch.ones(3, 2), 1.0, num_samples=2.9)  # once silently truncated to 2
+    with pytest.raises(ValueError, match="noise_multiplier must be a finite number"):
+        release_mean(torch.ones(3, 2), True)
+    with pytest.raises(ValueError, match="batch_size must be an integer"):
+        release_mean(torch.ones(3, 2), 1.0, batch_size=1.5)
+    import numpy as np
+
+    out = release_mean(torch.ones(3, 2), np.float64(2.0), num_samples=np.int64(3))
+    assert out.shape == (2,)
 
 
 def test_engine_composes_the_models_release_with_the_steps() -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Sequence
@@ -206,9 +207,14 @@ def _release_arguments(
     batch_size: int,
 ) -> tuple[torch.Tensor, float, int]:
     """``(x, sigma, n)`` of a release, or a ``ValueError`` naming the bad argument."""
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real):
+        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
     sigma = float(noise_multiplier)
     if not (math.isfinite(sigma) and sigma > 0.0):
         raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
+    for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
+        if value is not None and not _is_integer(value):
+            raise ValueError(f"{name} must be an integer; got {value!r}")
     x = inputs.tensors[0] if isinstance(inputs, TensorDataset) else inputs
     if not isinstance(x, torch.Tensor) or x.ndim < 2 or len(x) == 0:
         raise ValueError("inputs must be a non-empty tensor (or TensorDataset) of shape [n, ...]")
@@ -220,6 +226,10 @@ def _release_arguments(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
     return x, sigma, n
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _csprng_generator(device: torch.device) -> torch.Generator:
@@ -417,9 +427,11 @@ def apply_features(
 ) -> TensorDataset:
     """``TensorDataset(features(x), y)``, computed once in batches (the map is per-sample, so the
     batching does not change the result)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
+    if not _is_integer(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
     x, *rest = data.tensors
+    if len(x) == 0:
+        raise ValueError("data must hold at least one sample")
     out = torch.cat([features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
     return TensorDataset(out, *rest)
 

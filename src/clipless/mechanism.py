@@ -24,8 +24,9 @@ sample's contribution to the (weight, bias) gradient of one *use* of layer ``k``
 the cotangent bound ``G_k`` at that use, divided by the sample multiplicity ``K`` (``K`` augmented
 copies of one sample each contribute at most ``G_k / K``). The optimizer clips every row's
 cotangent at the model output to ``L`` (:class:`clipless.optim.DPOptimizer`), so ``G_k`` holds
-whatever loss, reduction, scale or extra term produced the backward pass. A parameter used
-several times (a module reused, or weights tied across modules) receives the sum of its uses'
+whatever *per-example* loss, reduction, scale or extra term produced the backward pass (a loss
+coupling the examples of a batch is outside the contract: see :mod:`clipless.optim`). A parameter
+used several times (a module reused, or weights tied across modules) receives the sum of its uses'
 contributions, so its bound is the *sum* of their ``G`` (triangle inequality). Add/remove
 neighbours change the sum by one contribution; replace-one by the difference of two, which
 doubles every sensitivity (``sensitivity_factor = 2``).

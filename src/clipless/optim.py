@@ -10,20 +10,38 @@ void the guarantee. One step:
    checked against ``input_shape`` (the bounds were certified for it); the bound report is
    computed at the weights this forward uses and frozen into a :class:`clipless.mechanism.NoisePlan`
    (sensitivities, noise stds, scaling thresholds, event); the thresholds are set on the layers.
+   An eval-mode forward with gradients enabled, or a trained layer called outside a forward of the
+   model (a submodule or a slice such as ``model[1:]``), is marked instead: a backward pass through
+   it *taints* every gradient it accumulates into a noised parameter (input gradients are free).
 2. *Backward*: the model output passes through a guard whose backward clips every row's cotangent
-   to the certified loss constant ``L`` (norm in float64) and zeroes non-finite rows, so no loss,
-   scale, reduction or extra term can exceed the sensitivity the noise was calibrated to; for the
-   certified loss with ``reduction="sum"`` this is a no-op. The guard also checks that the weights
-   have not been changed since the forward pass, and warns once when every row's cotangent is at
-   most ``L / B`` (a mean-reduced loss: its gradients are ``B`` times too small).
+   to the certified loss constant ``L`` (norm in float64) and zeroes non-finite rows, so no
+   *per-example* loss, scale, reduction or extra term of the output can exceed the sensitivity the
+   noise was calibrated to; for the certified loss with ``reduction="sum"`` this is a no-op. The
+   clip bounds one example's contribution only when row ``i``'s cotangent depends on example
+   ``i`` alone, i.e. when the loss is a sum of per-example terms: a loss that couples the examples
+   of a batch (weights normalised over the batch, hard-example mining, contrastive or batch-
+   statistic terms) is outside the contract and cannot be detected. The guard also checks that the
+   weights of every parametric layer (noised or frozen) have not been changed since the forward
+   pass, and warns once when every row's cotangent is at most ``L / B`` (a mean-reduced loss: its
+   gradients are ``B`` times too small).
 3. :meth:`DPOptimizer.step` refuses a step that is not one private gradient: two backward passes
    through the model since the last step (gradient accumulation: one sample could contribute
-   twice), gradients that did not come through the model, parameters added to the optimizer after
-   ``make_private``, or a step past the number of steps the budget was planned for. Then
-   (write-ahead accounting) the plan's event is recorded in the ledger with its ``proven`` flag and
-   persisted, Gaussian noise of the plan's standard deviations is added on the parameters' device,
-   the sum is divided by the *expected* batch size ``q N``, the wrapped optimizer steps, and the
-   weights are projected (``clip`` / ``fix`` / ``orthogonal``, post-processing).
+   twice), gradients that did not come only from the one guarded backward pass (hooks on every
+   noised parameter see each accumulation: one from another backward pass, from a tainted one, or
+   into a gradient that already held something other than zeros or the last released gradient; or
+   a gradient changed in place or replaced after the backward pass), parameters added to the
+   optimizer after ``make_private``, or a step past the number of steps the budget was planned
+   for. The wrapped optimizer refuses to step on its own (a step pre-hook). Then (write-ahead
+   accounting) the plan's event is recorded in the ledger with its ``proven`` flag and persisted,
+   Gaussian noise of the plan's standard deviations is added on the parameters' device, the sum is
+   divided by the *expected* batch size ``q N``, the wrapped optimizer steps, and the weights are
+   projected (``clip`` / ``fix`` / ``orthogonal``, post-processing).
+
+What the checks cannot see: a parameter used directly in the same backward pass as the guarded
+output (``loss = loss + f(x, model[1].weight)``: its gradient joins the guarded one before it is
+accumulated), writes through ``.data`` (which bypass autograd's version counters), and losses
+that couple examples (2.). A data-independent term such as an L2 penalty on the weights is
+harmless for privacy, but use the optimizer's ``weight_decay`` instead.
 
 The noise comes from :func:`torch.normal` with a dedicated :class:`torch.Generator` (on the
 parameters' device) seeded from the operating system's CSPRNG unless a seed is given. Like Opacus
@@ -190,6 +208,67 @@ class _Hook:
         return (_Hook, (None, self._method))
 
 
+class _GradHook:
+    """A noised parameter's tensor hook: tells ``owner`` a gradient is about to be accumulated."""
+
+    def __init__(self, owner: DPOptimizer | None, param: torch.nn.Parameter | None) -> None:
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self._param = weakref.ref(param) if param is not None else None
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        owner = self._owner() if self._owner is not None else None
+        param = self._param() if self._param is not None else None
+        if owner is not None and param is not None:
+            owner._before_accumulate(param)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _GradHook:
+        return _GradHook(None, None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_GradHook, (None, None))
+
+
+_EVAL_BACKWARD = (
+    "an eval-mode forward of the private model (its scaled kernels and output guard run only in "
+    "training mode)"
+)
+_LAYER_BACKWARD = (
+    "a trained layer called outside a forward of the private model (a submodule or a slice such "
+    "as model[1:] called directly: no input projection, no output guard)"
+)
+
+
+@dataclasses.dataclass(eq=False)
+class _Unguarded:
+    """A forward whose gradients the noise does not cover, and why."""
+
+    owner: DPOptimizer
+    reason: str
+
+
+class _Taint(torch.autograd.Function):
+    """Identity both ways; a backward pass through it taints that backward pass.
+
+    Every gradient accumulated into a noised parameter during a tainted backward pass is refused
+    at :meth:`DPOptimizer.step`. Gradients with respect to inputs (``torch.autograd.grad`` of an
+    evaluation output) are not affected.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, record: _Unguarded) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.record = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        record: _Unguarded = ctx.record
+        record.owner._in_backward(tainted=record.reason)
+        return grad, None
+
+
 def _is_transformed(x: object) -> bool:
     """True inside ``torch.func`` transforms (vmap/grad): per-sample reference computations."""
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
@@ -267,10 +346,34 @@ class DPOptimizer(torch.optim.Optimizer):
             weight = layer._parameters.get("weight")
             if isinstance(layer, ParametricLipschitzModule) and weight is not None:
                 self._weight_owner.setdefault(weight, layer)
-        self._hooks = [
-            module.register_forward_pre_hook(_Hook(self, "_before_forward")),
-            module.register_forward_hook(_Hook(self, "_after_forward")),
+        #: every parameter whose value the plan depends on (noised ones and frozen layer weights),
+        #: by name: compared between each guarded forward and its backward
+        by_param = {p: n for n, p in module.named_parameters()}
+        self._watched = dict(self._names)
+        for weight in self._weight_owner:
+            self._watched.setdefault(weight, by_param[weight])
+        self._stack: list[_Pass | str | None] = []  # one entry per running top-level forward
+        self._guarded_backward = False  # True while a guarded backward pass runs
+        self._tainted: str | None = None  # why the running backward pass is not covered
+        self._refusal: dict[torch.nn.Parameter, str] = {}
+        self._incoming: dict[torch.nn.Parameter, bool] = {}
+        self._accumulated: dict[torch.nn.Parameter, tuple[int, int, bool]] = {}
+        self._stepping = False
+        self._hooks: list[Any] = [
+            module.register_forward_pre_hook(_Hook(self, "_before_forward"), with_kwargs=True),
+            module.register_forward_hook(
+                _Hook(self, "_after_forward"), with_kwargs=True, always_call=True
+            ),
+            optimizer.register_step_pre_hook(_Hook(self, "_before_inner_step")),
         ]
+        for sub in module.modules():
+            if sub is not module and any(p in self._names for p in sub.parameters(recurse=False)):
+                self._hooks.append(sub.register_forward_hook(_Hook(self, "_after_layer_forward")))
+        for p in self._names:
+            self._hooks.append(p.register_hook(_GradHook(self, p)))
+            self._hooks.append(
+                p.register_post_accumulate_grad_hook(_Hook(self, "_accumulated_grad"))
+            )
         self.refresh()
 
     # ------------------------------------------------------------- parameters
@@ -289,6 +392,13 @@ class DPOptimizer(torch.optim.Optimizer):
                     names[p] = by_param[p]
         if not names:
             raise ValueError("the optimizer holds no trainable parameter of the module")
+        outside = [n for p, n in by_param.items() if p.requires_grad and p not in names]
+        if outside:
+            raise ValueError(
+                f"module parameters {outside} require gradients but are not in the optimizer: "
+                "their gradients would be neither clipped nor noised; add them to the optimizer "
+                "or freeze them (requires_grad_(False))"
+            )
         return names
 
     def _check_parameters(self) -> None:
@@ -347,11 +457,31 @@ class DPOptimizer(torch.optim.Optimizer):
             self._multiplicity = previous
 
     # ------------------------------------------------------------------ hooks
-    def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        if not (module.training and torch.is_grad_enabled()) or not args:
+    def _before_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if not self._stack:  # a backward pass that raised never reset these
+            self._guarded_backward = False
+            self._tainted = None
+        self._stack.append(None)  # popped by _after_forward, which always runs
+        if not torch.is_grad_enabled():
+            return  # no graph: nothing to protect
+        x = args[0] if args else None
+        if x is None:
+            tensors = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+            x = tensors[0] if len(tensors) == 1 else None
+        if not isinstance(x, torch.Tensor):
+            if module.training:
+                raise PrivacyContractError(
+                    "call the private model with the input batch as its first argument (or its "
+                    "only tensor keyword argument): the input's shape is what the bounds certify"
+                )
+            self._stack[-1] = "eval"
             return
-        x = args[0]
-        if not isinstance(x, torch.Tensor) or _is_transformed(x):
+        if _is_transformed(x):
+            return
+        if not module.training:
+            self._stack[-1] = "eval"  # its output refuses a backward pass (_after_forward)
             return
         if tuple(x.shape[1:]) != self.input_shape:
             raise ValueError(
@@ -359,10 +489,16 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"but received a batch of shape {tuple(x.shape)}: the certified bounds depend on "
                 "the input shape"
             )
-        plan = self.current_plan(self._multiplicity)
+        k = self._multiplicity
+        if k > 1 and x.shape[0] % k:
+            raise ValueError(
+                f"sample_multiplicity({k}): the batch has {x.shape[0]} rows, not a multiple of "
+                f"{k} (every sample occupies {k} consecutive rows)"
+            )
+        plan = self.current_plan(k)
         self._apply(plan)
-        params = tuple(self._names)
-        self._current = _Pass(
+        params = tuple(self._watched)
+        self._stack[-1] = _Pass(
             plan=plan,
             weights=tuple(self._snapshot(p) for p in params),
             params=params,
@@ -388,26 +524,85 @@ class DPOptimizer(torch.optim.Optimizer):
         return p.detach().clone()
 
     def _after_forward(
-        self, module: torch.nn.Module, args: tuple[Any, ...], output: Any
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> torch.Tensor | None:
-        record = self._current
+        record = self._stack.pop() if self._stack else None
         if record is None or not isinstance(output, torch.Tensor) or _is_transformed(output):
             return None
-        self._current = None
         if not output.requires_grad:
             return None
+        if isinstance(record, str):  # an eval-mode forward with gradients enabled
+            tainted: torch.Tensor = _Taint.apply(output, _Unguarded(self, _EVAL_BACKWARD))
+            return tainted
         guarded: torch.Tensor = _OutputGuard.apply(output, record)
         return guarded
+
+    def _after_layer_forward(
+        self, layer: torch.nn.Module, args: tuple[Any, ...], output: Any
+    ) -> torch.Tensor | None:
+        """A trained layer called outside a forward of the private model: taint its backward."""
+        if self._stack or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+            return None
+        if not output.requires_grad or _is_transformed(output):
+            return None
+        tainted: torch.Tensor = _Taint.apply(output, _Unguarded(self, _LAYER_BACKWARD))
+        return tainted
 
     def _on_backward(self, record: _Pass) -> None:
         for p, w in zip(record.params, record.weights, strict=True):
             if not torch.equal(p.detach(), w):
                 raise PrivacyContractError(
-                    f"parameter {self._names[p]!r} changed between the forward and the backward "
+                    f"parameter {self._watched[p]!r} changed between the forward and the backward "
                     "pass: the noise was planned for the weights the forward used"
                 )
         record.backwards += 1
         self._pending.append(record)
+        self._in_backward(tainted=None)
+
+    def _in_backward(self, tainted: str | None) -> None:
+        """A guarded output (``tainted=None``) or an unguarded one is being backpropagated."""
+        if not (self._guarded_backward or self._tainted):
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if tainted is None:
+            self._guarded_backward = True
+        else:
+            self._tainted = tainted
+
+    def _end_backward(self) -> None:
+        self._guarded_backward = False
+        self._tainted = None
+
+    def _before_accumulate(self, p: torch.nn.Parameter) -> None:
+        """Before a gradient is accumulated into ``p.grad``: is ``p.grad`` empty (``None``, zeros,
+        or the noisy gradient released by the last step)? Read by :meth:`_accumulated_grad`."""
+        grad = p.grad
+        self._incoming[p] = (
+            grad is None
+            or self._released.get(p) == (id(grad), grad._version)
+            or not bool(torch.count_nonzero(grad))
+        )
+
+    def _accumulated_grad(self, p: torch.nn.Parameter) -> None:
+        grad = p.grad
+        if grad is None:
+            return
+        clean = self._incoming.pop(p, False)
+        ok = clean and self._guarded_backward and self._tainted is None
+        self._accumulated[p] = (id(grad), grad._version, ok)
+        if self._tainted is not None:
+            self._refusal[p] = f"its backward pass went through {self._tainted}"
+        elif not self._guarded_backward:
+            self._refusal[p] = "a backward pass outside the private model accumulated into it"
+        elif not clean:
+            self._refusal[p] = "it already held a gradient from another backward pass"
+
+    def _before_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._stepping:
+            raise PrivacyContractError(
+                "the optimizer given to make_private was stepped directly: its gradients carry no "
+                "noise and the step is not accounted; call step() on the optimizer make_private "
+                "returned"
+            )
 
     # ------------------------------------------------------- compatibility API
     @property
@@ -522,6 +717,23 @@ class DPOptimizer(torch.optim.Optimizer):
                 "step per backward pass"
             )
         if pending:
+            for p, name in self._names.items():
+                grad = p.grad
+                if grad is None or self._released.get(p) == (id(grad), grad._version):
+                    continue  # not reached by this backward: nothing, or last step's release
+                record = self._accumulated.get(p)
+                if record is None or record != (id(grad), grad._version, True):
+                    why = self._refusal.get(p) if record is not None and not record[2] else None
+                    raise PrivacyContractError(
+                        f"the gradient of {name!r} did not come only from the guarded backward "
+                        "pass of the private model: "
+                        + (
+                            why
+                            or "it was changed after the backward pass (scaled, replaced or added "
+                            "to; use the optimizer's own options, e.g. weight_decay=, for such "
+                            "terms)"
+                        )
+                    )
             return pending[0].plan
         for p, name in self._names.items():
             grad = p.grad
@@ -562,7 +774,14 @@ class DPOptimizer(torch.optim.Optimizer):
             self.add_noise(plan)
         finally:
             self._pending = []
-        self.original_optimizer.step()
+            self._accumulated = {}
+            self._incoming = {}
+            self._refusal = {}
+        self._stepping = True
+        try:
+            self.original_optimizer.step()
+        finally:
+            self._stepping = False
         self._released = {
             p: (id(p.grad), p.grad._version) for p in self._names if p.grad is not None
         }
@@ -634,6 +853,8 @@ class AdamBC(torch.optim.Optimizer):
         floor: float = 1e-12,
         floor_ratio: float = 0.0,
     ) -> None:
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}")
         for name, value, lo, hi in (
             ("lr", lr, 0.0, math.inf),
             ("betas[0]", betas[0], 0.0, 1.0),

@@ -128,6 +128,12 @@ def _broadcast(factor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return factor.to(like.dtype).reshape(-1, *([1] * (like.ndim - 1)))
 
 
+def _wrapped(x: torch.Tensor) -> bool:
+    """True inside ``torch.func`` transforms (vmap, grad), where data-dependent branches fail."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return callable(check) and bool(check(x))
+
+
 def project_norm(x: torch.Tensor, max_norm: float, mode: str) -> torch.Tensor:
     """Project each sample onto the ball (``mode="ball"``) or sphere of radius ``max_norm``.
 
@@ -143,7 +149,7 @@ def project_norm(x: torch.Tensor, max_norm: float, mode: str) -> torch.Tensor:
         raise ValueError("InputNorm expects an input of shape [batch, ...]")
     computed, norms = _norms_and_upper(x, differentiable=True)
     finite = torch.isfinite(norms)
-    if not bool(finite.all()):
+    if _wrapped(x) or not bool(finite.all()):  # branch-free inside torch.func transforms
         x = torch.where(_broadcast(finite, x).bool(), x, torch.zeros((), dtype=x.dtype))
         computed = torch.where(finite, computed, torch.zeros_like(computed))
         norms = torch.where(finite, norms, torch.ones_like(norms))
