@@ -58,3 +58,23 @@ def test_certified_and_norms_import_alone() -> None:
         "assert not any(m.startswith(('clipless.nn', 'clipless.bounds')) for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_conv_reused_at_two_input_sizes_is_refused() -> None:
+    """Audit finding: one Conv2d applied to a 5x5 and then a 3x3 input was certified for 3x3 at
+    both uses (a conv's norm depends on the input size): the layer below got a per-sample
+    contribution of 19 against a planned sensitivity of 9."""
+    import torch
+
+    import clipless.nn as cnn
+
+    conv = cnn.Conv2d(1, 1, 3, bias=False)
+    model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Conv2d(1, 1, 1, bias=False), conv, conv)
+    with pytest.raises(ValueError, match=r"Conv2d '3' is applied to inputs of 2 shapes"):
+        bounds.report(model, cnn.CrossEntropyLoss(), (1, 5, 5))
+    tied = cnn.Conv2d(1, 1, 3, bias=False)
+    tied.weight = conv.weight  # one Conv2d per size, sharing the weight: accepted
+    model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Conv2d(1, 1, 1, bias=False), conv, tied)
+    report = bounds.report(model, cnn.CrossEntropyLoss(), (1, 5, 5))
+    assert len(report.layers) == 3
+    assert torch.equal(tied.weight, conv.weight)

@@ -551,3 +551,21 @@ def test_max_spectral_norm_is_certified_on_complex_batches(monkeypatch: pytest.M
     )
     exact = float(torch.linalg.matrix_norm(batch, ord=2).max())
     assert exact <= norms._max_spectral_norm(batch) <= exact * (1 + 2e-6)
+
+
+@pytest.mark.parametrize("exponent", [-1060, -1000, -600, 0, 512, 600, 1000])
+def test_gram_iteration_is_sound_at_every_float64_scale(exponent: int) -> None:
+    """Audit finding: entries beyond 2^+-512 made the first Frobenius norm inf or 0 and the
+    certified bound 0. Power-of-two pre-scaling keeps it above the exact norm at every scale."""
+    base = torch.randn(3, 6, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mats = base * 2.0**exponent  # subnormal entries at -1060: the reference scales them back
+    half = -exponent // 2
+    exact = torch.linalg.matrix_norm(mats * 2.0**half * 2.0 ** (-exponent - half), ord=2)
+    for iters in (0, 1, 3, 6):
+        bound = norms.gram_iteration(mats, iters)
+        if exponent < -1000:  # a subnormal norm is bounded by the smallest normal number
+            assert bool((bound == 2.0**-1022).all())
+            continue
+        scaled = bound * 2.0 ** (-exponent)  # exact: both are normal numbers
+        assert bool((scaled >= exact).all())
+        assert bool((scaled <= exact * 3.0).all())  # rank 5: at most sqrt(5) loose at iters 0

@@ -242,10 +242,14 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     x0 = float(first.max_norm)
 
     shapes: dict[int, tuple[int, ...]] = {}
+    reused: dict[int, set[tuple[int, ...]]] = {}
 
     def hook(module: torch.nn.Module, args: tuple[object, ...]) -> None:
         if args and isinstance(args[0], torch.Tensor):
-            shapes[id(module)] = tuple(int(d) for d in args[0].shape[1:])
+            new = tuple(int(d) for d in args[0].shape[1:])
+            old = shapes.setdefault(id(module), new)
+            if old != new and isinstance(module, cnn.Conv2d):
+                reused.setdefault(id(module), {old}).add(new)
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
     try:
@@ -254,6 +258,15 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     finally:
         for handle in handles:
             handle.remove()
+    if reused:
+        paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        key, sizes = next(iter(reused.items()))
+        raise ValueError(
+            f"Conv2d {paths.get(key, '?')!r} is applied to inputs of {len(sizes)} shapes "
+            f"{sorted(sizes)}: its certified norm and gradient bounds depend on the input size, "
+            "and one module is certified for one size; use one Conv2d per size (they may share "
+            "their weight: tied weights add their bounds)"
+        )
     if not isinstance(output, torch.Tensor) or output.dim() < 1:
         raise ValueError("the model must return a tensor of shape [batch, ...]")
     num_logits = max(1, math.prod(int(d) for d in output.shape[1:]))

@@ -176,7 +176,17 @@ def gram_iteration(mats: torch.Tensor, iters: int) -> torch.Tensor:
     batch = h.shape[:-2]
     if h.numel() == 0:
         return torch.zeros(batch, dtype=torch.float64, device=h.device)
-    log_scale = torch.zeros(batch, dtype=torch.float64, device=h.device)
+    # Scale every matrix by a power of two so that its largest entry is in [0.5, 1): exact
+    # (entries pushed below the subnormal range change the norm by less than sqrt(m n) 2^-1074,
+    # far inside NUMERIC_MARGIN), and the first Frobenius norm can then neither overflow nor
+    # underflow (entries beyond 2^+-512 made it inf or 0, and the bound 0). Two factors, because
+    # 2^-e alone overflows for the smallest subnormal e.
+    amax = h.abs().flatten(-2).amax(dim=-1)
+    _, e = torch.frexp(amax)
+    half = torch.div(e, 2, rounding_mode="floor")
+    one = torch.ones_like(amax)
+    h = h * torch.ldexp(one, -half)[..., None, None] * torch.ldexp(one, half - e)[..., None, None]
+    log_scale = e.to(torch.float64) * math.log(2.0)
     # Put the smaller dimension last once, so every Gram matrix is min(m, n) square.
     if rows < cols:
         h = h.mH
@@ -192,8 +202,10 @@ def gram_iteration(mats: torch.Tensor, iters: int) -> torch.Tensor:
     )
     last = torch.minimum(fro, hoelder)
     bound = torch.exp(log_scale + torch.log(last) * (2.0**-iters))
-    bound = torch.where(last > 0, bound, torch.zeros_like(bound))
-    return bound * (factor * (1.0 + NUMERIC_MARGIN))
+    bound = bound * (factor * (1.0 + NUMERIC_MARGIN))
+    # a subnormal result has lost relative precision: the smallest normal number bounds it
+    bound = torch.where(last > 0, bound.clamp_min(_TINY), torch.zeros_like(bound))
+    return bound
 
 
 _CHOLESKY_MARGINS = (3e-6, 1e-4, 1e-2)  # relative lift of the target c^2 above the estimate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -150,8 +151,12 @@ def test_validation() -> None:
         hosmer_lemeshow(p, y + 1, 1.0)
     with pytest.raises(ValueError, match="epsilon must be > 0"):
         hosmer_lemeshow(p, y, 0.0)
-    with pytest.raises(ValueError, match="groups must be >= 3"):
+    with pytest.raises(ValueError, match="groups must be between 3"):
         hosmer_lemeshow(p, y, 1.0, groups=2)
+    with pytest.raises(ValueError, match="groups must be between 3"):
+        hosmer_lemeshow(p, y, 1.0, groups=10**12)  # a named error, not numpy's out of memory
+    with pytest.raises(TypeError, match="probabilities must be an array"):
+        hosmer_lemeshow([10**400], [1], 1.0)
     with pytest.raises(TypeError, match="groups must be an int"):
         hosmer_lemeshow(p, y, 1.0, groups=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="split"):
@@ -162,6 +167,9 @@ def test_validation() -> None:
         hosmer_lemeshow(p, y, 1.0, min_expected=0)
     with pytest.raises(ValueError, match="probabilities must be non-empty"):
         hosmer_lemeshow([], [], 1.0)
+    # under add/remove the size is private: an empty dataset is released, never refused
+    empty = hosmer_lemeshow([], [], 1.0, neighbouring="add_remove", rng=seeded_rng(0))
+    assert math.isfinite(empty.statistic)
     with pytest.raises(ValueError, match="neighbouring"):
         hosmer_lemeshow(p, y, 1.0, neighbouring="swap")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="grid must be a Grid"):

@@ -281,8 +281,10 @@ def test_bad_input_messages():
         release_prefix_counts([1, 2], 1.0, mechanism="ternary")
     with pytest.raises(ValueError, match="needs noise='gaussian'"):
         release_prefix_counts([1, 2], 1.0, mechanism="factorization")
-    with pytest.raises(ValueError, match="branching must be >= 2"):
+    with pytest.raises(ValueError, match="branching must be between 2 and 65536"):
         release_prefix_counts([1, 2], 1.0, mechanism="k-ary", branching=1)
+    with pytest.raises(ValueError, match="branching must be between 2 and 65536"):
+        release_prefix_counts([1, 2], 1.0, mechanism="k-ary", branching=10**12)
     with pytest.raises(ValueError, match="only for mechanism='k-ary'"):
         release_prefix_counts([1, 2], 1.0, mechanism="binary", branching=4)
     assert default_mechanism("laplace") == "k-ary"

@@ -113,7 +113,7 @@ def test_quantile_non_monotone_and_unreached():
     [
         (([1.0, float("nan")], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),
         (([1.0, float("inf")], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),
-        (([], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),
+        (([], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),  # replace_one: n public
         (([0.5], [0.0, 1.0, 0.5], 1.0), {}, ValueError, "thresholds"),
         (([0.5], Grid(0, 1, size=3), 0.0), {}, ValueError, "epsilon"),
         (([0.5], Grid(0, 1, size=3), -1.0), {}, ValueError, "epsilon"),
@@ -130,11 +130,24 @@ def test_quantile_non_monotone_and_unreached():
         ),
         (([0.5], Grid(0, 1, size=3), 1.0), {"consistency": 1}, TypeError, "consistency"),
         ((["a"], Grid(0, 1, size=3), 1.0), {}, TypeError, "values"),
+        # a 2-D array was flattened: a row of d values counted as d records (d epsilon per row)
+        (([[0.1, 0.2], [0.3, 0.4]], Grid(0, 1, size=3), 1.0), {}, ValueError, "one-dimensional"),
+        (([10**400], Grid(0, 1, size=3), 1.0), {}, TypeError, "values"),
     ],
 )
 def test_bad_inputs(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         ecdf(*args, rng=seeded_rng(0), **kwargs)
+
+
+def test_an_empty_dataset_is_released_under_add_remove():
+    """The size is private under add/remove: refusing n = 0 while releasing n = 1 would tell the
+    two neighbours apart with certainty. The release is the noise alone."""
+    grid = Grid(0, 1, size=9)
+    empty = ecdf([], grid, 1.0, neighbouring="add_remove", rng=seeded_rng(3))
+    assert empty.values.shape == (9,) and bool(np.all(np.isfinite(empty.values)))
+    with pytest.raises(ValueError, match="non-empty under replace_one"):
+        ecdf([], grid, 1.0, rng=seeded_rng(3))
 
 
 def test_to_dict_and_frame():

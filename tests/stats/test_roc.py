@@ -124,6 +124,11 @@ def test_validation() -> None:
         roc(s, y, grid, 1.0, smoothing="spline")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="scores must be non-empty"):
         roc([], [], grid, 1.0)
+    with pytest.raises(TypeError, match="scores must be an array"):
+        roc([10**400], [1], grid, 1.0)
+    # under add/remove the size is private: an empty dataset is released, never refused
+    empty = roc([], [], grid, 1.0, "add_remove", rng=seeded_rng(0))
+    assert empty.fpr.shape == empty.tpr.shape
     with pytest.raises(TypeError, match="labels must be 0/1"):
         roc(s, np.array(["a"] * 10), grid, 1.0)
     with pytest.raises(ValueError, match="rho is required"):

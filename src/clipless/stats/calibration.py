@@ -184,16 +184,18 @@ class HLResult:
 
 
 def _probabilities_labels(
-    probabilities: ArrayLike, labels: ArrayLike
+    probabilities: ArrayLike, labels: ArrayLike, allow_empty: bool = False
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
     try:
         p = np.asarray(probabilities, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"probabilities must be an array of real numbers: {exc}") from None
     if p.ndim != 1:
         raise ValueError(f"probabilities must be one-dimensional, got shape {p.shape}")
-    if p.size == 0:
-        raise ValueError("probabilities must be non-empty (an empty dataset has no HL test)")
+    if p.size == 0 and not allow_empty:  # add/remove: released like any other dataset
+        raise ValueError(
+            "probabilities must be non-empty under replace_one (n = 0 is public there)"
+        )
     if not np.all(np.isfinite(p)) or np.any((p < 0) | (p > 1)):
         raise ValueError("probabilities must be finite and within [0, 1]")
     y = np.asarray(labels)
@@ -214,8 +216,10 @@ def _probabilities_labels(
 def _check_groups(groups: int) -> int:
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)):
         raise TypeError(f"groups must be an int, got {type(groups).__name__}")
-    if groups < 3:
-        raise ValueError(f"groups must be >= 3 (the test has groups - 2 degrees), got {groups}")
+    if not 3 <= groups <= 2**16:
+        raise ValueError(
+            f"groups must be between 3 (the test has groups - 2 degrees) and 65536, got {groups}"
+        )
     return int(groups)
 
 
@@ -281,7 +285,7 @@ def hosmer_lemeshow(
     The plug-in :attr:`HLResult.p_value` ignores the noise; at moderate ``epsilon`` prefer
     :meth:`HLResult.noise_aware_p_value` (post-processing, no extra budget).
     """
-    p, y = _probabilities_labels(probabilities, labels)
+    p, y = _probabilities_labels(probabilities, labels, allow_empty=neighbouring == "add_remove")
     Q = _check_groups(groups)
     eps = to_fraction(epsilon, "epsilon")
     if neighbouring not in ("replace_one", "add_remove"):

@@ -204,11 +204,18 @@ def default_mechanism(noise: NoiseKind) -> Mechanism:
 # --------------------------------------------------------------------------------------------
 
 
+MAX_BRANCHING = 2**16
+"""Largest accepted ``k``: a wider node only pads (the optimum is a few dozen at most)."""
+
+
 def _check_branching(k: int) -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise TypeError(f"branching must be an int >= 2, got {type(k).__name__}")
-    if k < 2:
-        raise ValueError(f"branching must be >= 2, got {k}")
+    if not 2 <= k <= MAX_BRANCHING:
+        raise ValueError(
+            f"branching must be between 2 and {MAX_BRANCHING} (the optimum is small: "
+            f"best_branching), got {k}"
+        )
     return int(k)
 
 

@@ -75,15 +75,23 @@ __all__ = ["DPECDF", "Smoothing", "ecdf", "from_release", "release_accuracy"]
 Smoothing = Literal["isotonic", "l1", "l2"]
 
 
-def _as_values(values: ArrayLike) -> NDArray[np.float64]:
+def _as_values(values: ArrayLike, allow_empty: bool = False) -> NDArray[np.float64]:
+    """One record per entry. ``allow_empty``: under add/remove the size is private, so an empty
+    dataset must be released like any other (an error would tell it from a one-record one)."""
     try:
         arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"values must be an array of real numbers: {exc}") from None
     if arr.ndim != 1:
-        arr = arr.ravel()
-    if arr.size == 0:
-        raise ValueError("values must be non-empty (an empty dataset has no ECDF)")
+        # flattening would count a d-column row as d records: d times the declared epsilon
+        raise ValueError(
+            f"values must be one-dimensional (one value per record), got shape {arr.shape}"
+        )
+    if arr.size == 0 and not allow_empty:
+        raise ValueError(
+            "values must be non-empty under replace_one (n = 0 is public there; under "
+            "add_remove an empty dataset is released)"
+        )
     if not np.all(np.isfinite(arr)):
         raise ValueError("values must be finite (no NaN or infinity)")
     return arr
@@ -297,7 +305,7 @@ def ecdf(
     >>> F.values[[0, 1, 4, 9, 10]].tolist()
     [0.0, 0.25, 0.75, 1.0, 1.0]
     """
-    data = _as_values(values)
+    data = _as_values(values, allow_empty=neighbouring == "add_remove")
     g = _as_grid(grid)
     if neighbouring not in ("replace_one", "add_remove"):
         raise ValueError(

@@ -149,16 +149,16 @@ class DPROC:
 
 
 def _scores_labels(
-    scores: ArrayLike, labels: ArrayLike
+    scores: ArrayLike, labels: ArrayLike, allow_empty: bool = False
 ) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
     try:
         s = np.asarray(scores, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(f"scores must be an array of real numbers: {exc}") from None
     if s.ndim != 1:
         raise ValueError(f"scores must be one-dimensional, got shape {s.shape}")
-    if s.size == 0:
-        raise ValueError("scores must be non-empty")
+    if s.size == 0 and not allow_empty:  # add/remove: released like any other dataset
+        raise ValueError("scores must be non-empty under replace_one (n = 0 is public there)")
     if not np.all(np.isfinite(s)):
         raise ValueError("scores must be finite (no NaN or infinity)")
     y = np.asarray(labels)
@@ -246,7 +246,7 @@ def roc(
         columns of ``L`` are non-negative (``<L e_a, L e_b> >= 0``). A class switch moves
         each class by one add/remove step, paid by the ``epsilon/2`` (``rho/2``) per class.
     """
-    s, pos = _scores_labels(scores, labels)
+    s, pos = _scores_labels(scores, labels, allow_empty=neighbouring == "add_remove")
     g = _as_grid(grid)
     if neighbouring not in ("replace_one", "add_remove"):
         raise ValueError(
