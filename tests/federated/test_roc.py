@@ -35,6 +35,11 @@ def test_prefix_dcf_counts_with_hidden_beta() -> None:
 def test_federated_roc_equals_central(protocol: str, servers: int, neighbouring: str) -> None:
     scores, labels = _data(0)
     grid = Grid(0, 1, size=11)
+    if protocol == "fss" and neighbouring == "add_remove":
+        # one key per value: the servers learn every owner's count, private under add/remove
+        with pytest.raises(ValueError, match="needs neighbouring='replace_one'"):
+            federated_roc(scores, labels, grid, 1.0, protocol="fss", neighbouring="add_remove")
+        return
     fed, ustat = federated_roc(
         scores,
         labels,

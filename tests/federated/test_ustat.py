@@ -17,6 +17,7 @@ from clipless.federated import (
     federated_ecdf,
     prf_words,
     prg_words,
+    server_keys,
 )
 from clipless.federated.ustat import owner_messages
 from clipless.stats import Grid, ecdf, release_counts
@@ -235,3 +236,38 @@ def test_bad_input_names_argument() -> None:
         federated_ecdf(owners, Grid(0, 1, size=4), 1.0, thresholds=[3, 1])
     with pytest.raises(ValueError, match="16 bytes"):
         NodeNoise(b"short")
+
+
+def test_distributed_noise_keys_must_be_distinct() -> None:
+    """Audit finding: equal keys gave every server the same noise, so one server alone knew it
+    all (and the variance was m times smaller than reported)."""
+    owners = _owners(3, 10)
+    grid = Grid(0, 1, size=8)
+    with pytest.raises(ValueError, match="noise_keys must be distinct"):
+        federated_ecdf(
+            owners, grid, 1.0, protocol="shares", servers=3, noise_sharing="distributed",
+            noise_keys=[KEY] * 3,
+        )  # fmt: skip
+    keys = server_keys(KEY, 3)
+    assert len(set(keys)) == 3 and keys == server_keys(KEY, 3)
+    assert all(len(k) == 16 for k in keys)
+    fed = federated_ecdf(
+        owners, grid, 1.0, protocol="shares", servers=3, noise_sharing="distributed",
+        noise_keys=keys,
+    )  # fmt: skip
+    assert fed.ecdf is not None
+
+
+def test_fss_key_size_does_not_depend_on_the_values() -> None:
+    """Audit finding: the in-process FSS keys were sized from the largest private value."""
+    grid = Grid(0, 1, size=64)
+    sizes = []
+    for top in (0.05, 0.99):
+        owners = [np.array([0.01, top]), np.array([0.02])]
+        fed = federated_ecdf(owners, grid, 1.0, protocol="fss", servers=2, thresholds=[0, 1])
+        sizes.append(fed.traffic.owners)
+    assert sizes[0] == sizes[1]
+    with pytest.raises(ValueError, match="needs neighbouring='replace_one'"):
+        federated_ecdf(
+            [np.array([0.1])], grid, 1.0, protocol="fss", servers=2, neighbouring="add_remove"
+        )

@@ -18,7 +18,7 @@ owners and a few non-colluding servers, with no trusted curator.
 
 from typing import TYPE_CHECKING, Any
 
-from clipless.federated.noise import NodeNoise, SummedNoise, TaggedNoise
+from clipless.federated.noise import NodeNoise, SummedNoise, TaggedNoise, server_keys
 from clipless.federated.prg import AesCtrRandom, prf_words, prg_words, random_seed
 from clipless.federated.ustat import NoiseDealer, ShareServer, Traffic, UStat, combine
 
@@ -58,4 +58,5 @@ __all__ = [
     "prf_words",
     "prg_words",
     "random_seed",
+    "server_keys",
 ]

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from clipless.federated.noise import server_keys
+
 __all__ = ["add_federated_parser", "main"]
 
 
@@ -157,7 +159,9 @@ def _simulate(args: argparse.Namespace) -> int:
     keys = None
     if args.noise_key is not None:
         key = bytes.fromhex(args.noise_key)
-        keys = [key] if args.noise_sharing == "dealer" else [key] * args.servers
+        # one key per server, derived from the given one (equal keys would let any one server
+        # know the whole noise)
+        keys = [key] if args.noise_sharing == "dealer" else server_keys(key, args.servers)
     try:
         res = simulate(
             args.protocol,

@@ -351,15 +351,22 @@ def fss_publish(
     noise_levels: NDArray[np.int64],
     noise_index: NDArray[np.int64],
     matrix: sp.spmatrix | None,
+    domain: int | None = None,
 ) -> NDArray[np.int64]:
     """The FSS protocol in process (thesis section 6.4.2), two servers.
+
+    ``domain``: the public grid size ``N``, which sizes the keys (default: the largest queried
+    point, never the private values: a key size read from the largest value would tell it).
 
     Each value ``a`` (a leaf index) gives one DCF pair for ``[x < a]`` (``beta = 1``); server
     ``b`` computes its share of the prefix count ``C_t = #{a <= t} = K - #{t < a}`` as
     ``[b = 0] K - sum_keys Eval(b, k, t)`` (``K`` = number of keys, public to the servers),
     applies the public map, adds its node-noise share (``ustat``'s option) and publishes.
     """
-    n_bits = domain_bits(int(max(points.max() + 1, max(int(lv.max()) + 1 for lv in leaves))))
+    size = int(points.max()) + 1 if domain is None else int(domain)
+    if any(lv.size and (int(lv.min()) < 0 or int(lv.max()) >= size) for lv in leaves):
+        raise ValueError(f"leaf indices must lie in [0, {size}) (the public domain)")
+    n_bits = domain_bits(size)
     servers = [
         ShareServer(
             j,

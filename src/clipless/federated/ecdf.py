@@ -224,6 +224,13 @@ def assemble(
     return counts, values, None, None
 
 
+_FSS_ADD_REMOVE = (
+    "protocol='fss' needs neighbouring='replace_one': every owner sends one key per value, so "
+    "each server learns every owner's number of values and the total n, which add/remove "
+    "neighbours differ in (replace-one neighbours do not); use protocol='shares'"
+)
+
+
 def federated_ecdf(
     owner_values: Sequence[ArrayLike],
     grid: Grid | ArrayLike,
@@ -258,6 +265,8 @@ def federated_ecdf(
         )
     if protocol == "fss" and servers != 2:
         raise ValueError(f"protocol='fss' uses exactly 2 servers (a two-party DCF), got {servers}")
+    if protocol == "fss" and neighbouring == "add_remove":
+        raise ValueError(_FSS_ADD_REMOVE)
     g = _as_grid(grid)
     N = len(g)
     L = tree_depth(N)
@@ -283,7 +292,9 @@ def federated_ecdf(
     if protocol == "fss":
         from clipless.federated.dcf import fss_publish
 
-        out = fss_publish(leaves, points, ustat, noise, param, noise_levels, noise_index, matrix)
+        out = fss_publish(
+            leaves, points, ustat, noise, param, noise_levels, noise_index, matrix, domain=N
+        )
     else:
         contributions = [prefix_indicators(lv_, points) for lv_ in leaves]
         out = ustat.publish(contributions, noise, param, noise_levels, noise_index, matrix)

@@ -37,7 +37,7 @@ from clipless.federated.prg import AesCtrRandom, _check_key, aes_ecb
 if TYPE_CHECKING:
     from clipless.stats.tree import NoiseKind
 
-__all__ = ["NodeNoise", "SummedNoise", "TaggedNoise", "node_ids", "num_nodes"]
+__all__ = ["NodeNoise", "SummedNoise", "TaggedNoise", "node_ids", "num_nodes", "server_keys"]
 
 TAG_SHIFT = 32
 
@@ -59,6 +59,19 @@ def node_ids(depth: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     return levels, index
 
 
+def server_keys(key: bytes, servers: int) -> list[bytes]:
+    """``servers`` distinct 16-byte keys derived from ``key`` (HKDF-SHA256, one ``info`` per
+    server): the keys of the ``"distributed"`` option from one secret, for reproducible runs."""
+    key = _check_key(key, "key")
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
+    out = []
+    for j in range(servers):
+        info = f"clipless.federated.server-noise-key/{j}".encode()
+        out.append(HKDF(algorithm=hashes.SHA256(), length=16, salt=None, info=info).derive(key))
+    return out
+
+
 class NodeNoise:
     """Exact discrete Laplace / Gaussian noise for each tree node, derived from a 16-byte key.
 
@@ -68,7 +81,11 @@ class NodeNoise:
     :func:`clipless.stats.tree.release_counts`). Node ids do not depend on the depth, so the
     noise of node ``(l, j)`` is the same for every tree that contains it.
 
-    The key is secret: whoever knows it knows the noise. Never reuse a key across datasets.
+    The key is secret: whoever knows it knows the noise. Never reuse a key across datasets,
+    and never across grids or statistics: the noise of node ``(l, j)`` depends on the key, the
+    noise kind and parameter and the node only, so a release on another grid (or a ROC curve
+    next to an ECDF) with the same key and parameter carries the same noise, and the difference
+    of the two releases is exact counts. Reuse a key only for more thresholds of the same tree.
     """
 
     def __init__(self, key: bytes) -> None:

@@ -77,6 +77,10 @@ def federated_roc(
         raise ValueError(f"protocol must be 'local', 'shares' or 'fss', got {protocol!r}")
     if protocol == "fss" and servers != 2:
         raise ValueError(f"protocol='fss' uses exactly 2 servers, got {servers}")
+    if protocol == "fss" and neighbouring == "add_remove":
+        from clipless.federated.ecdf import _FSS_ADD_REMOVE
+
+        raise ValueError(_FSS_ADD_REMOVE)
     if neighbouring not in ("replace_one", "add_remove"):
         raise ValueError(
             f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"

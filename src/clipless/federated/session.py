@@ -519,6 +519,10 @@ def make_session(
         raise ValueError(f"protocol must be 'shares' or 'fss', got {protocol!r}")
     if protocol == "fss" and servers != 2:
         raise ValueError(f"protocol='fss' uses exactly 2 servers, got servers={servers}")
+    if protocol == "fss" and neighbouring == "add_remove":
+        from clipless.federated.ecdf import _FSS_ADD_REMOVE
+
+        raise ValueError(_FSS_ADD_REMOVE)
     if servers < 2:
         raise ValueError(f"servers must be >= 2, got {servers}")
     if owners < 1:
@@ -562,6 +566,11 @@ def make_session(
     nk = [secrets.token_bytes(16) for _ in range(need)] if noise_keys is None else list(noise_keys)
     if len(nk) != need:
         raise ValueError(f"noise_keys must hold {need} key(s), got {len(nk)}")
+    if len(set(map(bytes, nk))) != len(nk):
+        raise ValueError(
+            "noise_keys must be distinct: servers holding the same key add the same noise, so any "
+            "one of them knows the whole noise"
+        )
     if noise_sharing == "dealer":
         secret["dealer 0"]["noise_key"] = nk[0].hex()
     else:

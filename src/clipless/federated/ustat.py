@@ -302,6 +302,12 @@ class UStat:
                 f"noise_sharing={self.noise_sharing!r}; got {len(keys)}"
             )
         self.noise_keys = [_check_key(k, "noise key") for k in keys]
+        if len(set(self.noise_keys)) != len(self.noise_keys):
+            raise ValueError(
+                "noise_keys must be distinct: servers holding the same key add the same noise, "
+                "so any one of them knows the whole noise (and the variance is m times smaller "
+                "than reported)"
+            )
         self.traffic = Traffic()
 
     @property
