@@ -15,6 +15,7 @@ from clipless.federated.dcf import (
     key_bytes,
     server_prefix_shares,
 )
+from clipless.federated.noise import tree_context, tree_key
 from clipless.stats import Grid, ecdf, release_counts
 
 SEED = bytes(range(16))
@@ -102,7 +103,8 @@ def test_fss_release_equals_central_bit_for_bit() -> None:
     grid = Grid(0, 1, size=21)
     key = bytes([5]) * 16
     fed = federated_ecdf(owners, grid, 0.5, protocol="fss", noise_keys=[key])
-    central = ecdf(np.concatenate(owners), grid, 0.5, node_noise=NodeNoise(key))
+    context = tree_context(grid.thresholds, "ecdf")
+    central = ecdf(np.concatenate(owners), grid, 0.5, node_noise=NodeNoise(tree_key(key, context)))
     assert fed.ecdf is not None
     assert fed.ecdf.values.tobytes() == central.values.tobytes()
     # bytes: every value gives one key per server; each server publishes one word per node
@@ -126,7 +128,7 @@ def test_fss_release_equals_central_bit_for_bit() -> None:
     ref = release_counts(
         grid.counts(np.concatenate(owners)),
         0.5,
-        node_noise=SummedNoise([NodeNoise(k) for k in keys]),
+        node_noise=SummedNoise([NodeNoise(tree_key(k, context)) for k in keys]),
     )
     assert fed2.prefix_counts.tolist() == ref.prefix_counts[pts].tolist()
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from clipless.federated import NodeNoise
-from clipless.federated.noise import TaggedNoise
+from clipless.federated.noise import TaggedNoise, tree_context, tree_key
 from clipless.federated.roc import federated_roc, prefix_dcf_keys, prefix_dcf_shares
 from clipless.stats import Grid, nonprivate_roc, release_counts, roc
 from clipless.stats.ecdf import from_release
@@ -28,6 +28,11 @@ def test_prefix_dcf_counts_with_hidden_beta() -> None:
     pts = np.arange(8)
     total = (prefix_dcf_shares(k0, pts) + prefix_dcf_shares(k1, pts)).view(np.int64)
     assert total.tolist() == [int(((leaves <= t) * beta).sum()) for t in pts]
+
+
+def _roc_noise(grid: Grid) -> NodeNoise:
+    """The central equivalent: KEY bound to this grid's ROC tree (noise.tree_key)."""
+    return NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "roc")))
 
 
 @pytest.mark.parametrize("protocol,servers", [("local", 1), ("shares", 3), ("fss", 2)])
@@ -57,7 +62,7 @@ def test_federated_roc_equals_central(protocol: str, servers: int, neighbouring:
             grid.counts(s[y == bool(c)]),
             eps_class,
             "add_remove",
-            node_noise=TaggedNoise(NodeNoise(KEY), c),
+            node_noise=TaggedNoise(_roc_noise(grid), c),
         )
         ref = from_release(rel, grid, n=None, smoothing="isotonic")
         assert curve.values.tobytes() == ref.values.tobytes()
@@ -75,7 +80,7 @@ def test_federated_roc_gaussian_equals_central() -> None:
     for c, curve in ((0, fed.negatives), (1, fed.positives)):
         rel = release_counts(
             grid.counts(s[y == bool(c)]), None, "add_remove", "gaussian", rho=0.15,
-            node_noise=TaggedNoise(NodeNoise(KEY), c),
+            node_noise=TaggedNoise(_roc_noise(grid), c),
         )  # fmt: skip
         ref = from_release(rel, grid, n=None, smoothing="isotonic")
         assert curve.values.tobytes() == ref.values.tobytes()

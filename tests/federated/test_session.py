@@ -9,6 +9,7 @@ import pytest
 
 from clipless.federated import NodeNoise, federated_ecdf
 from clipless.federated.dcf import domain_bits, key_bytes
+from clipless.federated.noise import tree_context, tree_key
 from clipless.federated.session import make_session, simulate
 from clipless.federated.transport import (
     TAG_BYTES,
@@ -33,7 +34,9 @@ def _values(n: int, seed: int = 0) -> list[list[float]]:
 def test_tcp_release_equals_central_and_bytes_match_formula(protocol: str, servers: int) -> None:
     owners, size = _values(6), 10
     res = simulate(protocol, owners, servers, size, 0.8, timeout=20.0, noise_keys=[KEY])
-    central = ecdf(np.concatenate(owners), Grid(0, 1, size=size), 0.8, node_noise=NodeNoise(KEY))
+    grid = Grid(0, 1, size=size)
+    bound = NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf")))
+    central = ecdf(np.concatenate(owners), grid, 0.8, node_noise=bound)
     assert res.ecdf is not None
     assert res.ecdf.values.tobytes() == central.values.tobytes()
     fed = federated_ecdf(

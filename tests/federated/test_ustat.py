@@ -19,6 +19,7 @@ from clipless.federated import (
     prg_words,
     server_keys,
 )
+from clipless.federated.noise import tree_context, tree_key
 from clipless.federated.ustat import owner_messages
 from clipless.stats import Grid, ecdf, release_counts
 from clipless.stats.noise import discrete_laplace_pmf
@@ -141,7 +142,7 @@ def test_federated_equals_central_bit_for_bit(
         grid,
         0.7,
         neighbouring,  # type: ignore[arg-type]
-        node_noise=NodeNoise(KEY),
+        node_noise=NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf"))),
     )
     assert fed.ecdf is not None and fed.release is not None
     for a, b in zip(fed.release.node_counts, central.release.node_counts, strict=True):
@@ -160,7 +161,7 @@ def test_federated_gaussian_and_pointwise_thresholds() -> None:
         "add_remove",
         "gaussian",
         rho=0.5,
-        node_noise=NodeNoise(KEY),
+        node_noise=NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf"))),
     )
     pts = np.array([0, 3, 17, 31])
     fed = federated_ecdf(
@@ -206,10 +207,11 @@ def test_distributed_noise_equals_summed_central() -> None:
         noise_sharing="distributed",
         noise_keys=keys,
     )
+    context = tree_context(grid.thresholds, "ecdf")
     central = release_counts(
         grid.counts(np.concatenate(owners)),
         1.0,
-        node_noise=SummedNoise([NodeNoise(k) for k in keys]),
+        node_noise=SummedNoise([NodeNoise(tree_key(k, context)) for k in keys]),
     )
     assert fed.release is not None
     assert fed.release.prefix_counts.tolist() == central.prefix_counts.tolist()
@@ -271,3 +273,25 @@ def test_fss_key_size_does_not_depend_on_the_values() -> None:
         federated_ecdf(
             [np.array([0.1])], grid, 1.0, protocol="fss", servers=2, neighbouring="add_remove"
         )
+
+
+def test_noise_is_bound_to_the_tree() -> None:
+    """Audit finding: node noise depended only on the key, so releases on a shifted grid, or an
+    ECDF next to a ROC curve, with one key carried the same noise and their difference was exact
+    counts. Now each tree's key is derived from the caller's key and the tree's identity."""
+    owners = _owners(5, 12)
+    grid = Grid(0, 1, size=16)
+    shifted = Grid(0.004, 1.004, size=16)
+    a = federated_ecdf(owners, grid, 1.0, protocol="shares", noise_keys=[KEY], smoothing=None)
+    b = federated_ecdf(owners, shifted, 1.0, protocol="shares", noise_keys=[KEY], smoothing=None)
+    assert a.release is not None and b.release is not None
+    exact_a = np.cumsum(grid.counts(np.concatenate(owners)))
+    exact_b = np.cumsum(shifted.counts(np.concatenate(owners)))
+    noise_a = a.release.prefix_counts - exact_a
+    noise_b = b.release.prefix_counts - exact_b
+    assert not np.array_equal(noise_a, noise_b)  # was equal: the difference told exact counts
+    # the same tree, asked again with the returned key: the same noise (free repeated queries)
+    again = federated_ecdf(owners, grid, 1.0, protocol="shares", noise_keys=a.noise_keys)
+    assert again.release is not None
+    assert again.release.prefix_counts.tolist() == a.release.prefix_counts.tolist()
+    assert tree_context(grid.thresholds, "ecdf") != tree_context(grid.thresholds, "roc")

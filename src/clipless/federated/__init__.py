@@ -18,7 +18,14 @@ owners and a few non-colluding servers, with no trusted curator.
 
 from typing import TYPE_CHECKING, Any
 
-from clipless.federated.noise import NodeNoise, SummedNoise, TaggedNoise, server_keys
+from clipless.federated.noise import (
+    NodeNoise,
+    SummedNoise,
+    TaggedNoise,
+    server_keys,
+    tree_context,
+    tree_key,
+)
 from clipless.federated.prg import AesCtrRandom, prf_words, prg_words, random_seed
 from clipless.federated.ustat import NoiseDealer, ShareServer, Traffic, UStat, combine
 
@@ -59,4 +66,6 @@ __all__ = [
     "prg_words",
     "random_seed",
     "server_keys",
+    "tree_context",
+    "tree_key",
 ]

@@ -372,13 +372,13 @@ def fss_publish(
             j,
             2,
             points.size,
-            noise_key=ustat.noise_keys[j] if ustat.noise_sharing == "distributed" else None,
+            noise_key=ustat.working_keys[j] if ustat.noise_sharing == "distributed" else None,
         )
         for j in range(2)
     ]
     if ustat.noise_sharing == "dealer":
         flat_l, flat_i = _unique_nodes(noise_levels, noise_index)
-        dealer = NoiseDealer(ustat.noise_keys[0], 2)
+        dealer = NoiseDealer(ustat.working_keys[0], 2)
         for srv, msg in zip(servers, dealer.messages(kind, param, flat_l, flat_i), strict=True):
             ustat.traffic.dealer += len(msg)
             srv.receive_noise(msg, flat_l, flat_i)

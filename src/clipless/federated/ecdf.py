@@ -10,7 +10,8 @@ Each owner holds some values; the thresholds ``tau_1 < ... < tau_N`` of a public
   :class:`~clipless.stats.tree.TreeRelease` ``V = theta(c) + eta``, post-processed by
   :func:`clipless.stats.ecdf.from_release` (consistency, smoothing) into the same
   :class:`~clipless.stats.DPECDF` -- bit for bit, given the same keyed noise
-  (:class:`~clipless.federated.NodeNoise`).
+  (:class:`~clipless.federated.NodeNoise` of the caller's key bound to this tree by
+  :func:`~clipless.federated.noise.tree_key`; ``FederatedECDF.noise_source``).
 * ``thresholds=B`` (leaf indices): the thesis's pointwise evaluation (Eq. 6.4.1),
   ``P_i = C_i + sum_l eta_{(l, i >> l)}`` for ``i in B``, equal to the central
   ``release.prefix_counts[B]``. Because the node noise is a PRF of the node id, answering more
@@ -35,7 +36,7 @@ import numpy as np
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
-from clipless.federated.noise import node_ids
+from clipless.federated.noise import NodeNoise, SummedNoise, node_ids, tree_context
 from clipless.federated.ustat import Backend, NoiseSharing, Traffic, UStat
 from clipless.stats.ecdf import DPECDF, Smoothing, _as_grid, from_release
 from clipless.stats.grid import Grid, tree_depth
@@ -124,6 +125,8 @@ class FederatedECDF:
     release: TreeRelease | None = field(repr=False)
     traffic: Traffic
     noise_keys: list[bytes] = field(repr=False)
+    noise_source: NodeNoise | SummedNoise = field(repr=False)
+    """The central equivalent of the released noise (the keys bound to this tree)."""
 
 
 def _points(thresholds: ArrayLike | None, num_leaves: int) -> NDArray[np.int64] | None:
@@ -288,7 +291,10 @@ def federated_ecdf(
         noise_levels, noise_index = path_nodes(points, L)
 
     backend: Backend = "local" if protocol == "local" else "shares"
-    ustat = UStat(backend, servers, noise_sharing, noise_keys)
+    # the noise is bound to this tree (grid and statistic): noise.tree_key
+    ustat = UStat(
+        backend, servers, noise_sharing, noise_keys, tree=tree_context(g.thresholds, "ecdf")
+    )
     if protocol == "fss":
         from clipless.federated.dcf import fss_publish
 
@@ -327,4 +333,5 @@ def federated_ecdf(
         release=release,
         traffic=ustat.traffic,
         noise_keys=list(ustat.noise_keys),
+        noise_source=ustat.noise_source,
     )

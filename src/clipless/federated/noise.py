@@ -37,7 +37,16 @@ from clipless.federated.prg import AesCtrRandom, _check_key, aes_ecb
 if TYPE_CHECKING:
     from clipless.stats.tree import NoiseKind
 
-__all__ = ["NodeNoise", "SummedNoise", "TaggedNoise", "node_ids", "num_nodes", "server_keys"]
+__all__ = [
+    "NodeNoise",
+    "SummedNoise",
+    "TaggedNoise",
+    "node_ids",
+    "num_nodes",
+    "server_keys",
+    "tree_context",
+    "tree_key",
+]
 
 TAG_SHIFT = 32
 
@@ -57,6 +66,32 @@ def node_ids(depth: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         [np.arange(1 << (depth - lev), dtype=np.int64) for lev in range(depth + 1)]
     )
     return levels, index
+
+
+def tree_context(thresholds: object, statistic: str) -> bytes:
+    """The identity of one released tree: the statistic and a SHA-256 of the grid's thresholds
+    (float64, little-endian). :func:`tree_key` binds a noise key to it."""
+    import hashlib
+
+    if statistic not in ("ecdf", "roc"):
+        raise ValueError(f"statistic must be 'ecdf' or 'roc', got {statistic!r}")
+    grid = np.ascontiguousarray(np.asarray(thresholds, dtype="<f8"))
+    return f"{statistic}/{hashlib.sha256(grid.tobytes()).hexdigest()}".encode()
+
+
+def tree_key(key: bytes, context: bytes) -> bytes:
+    """The node-noise key of one tree: ``HKDF-SHA256(key, info = "tree/" || context)``.
+
+    Node ``(l, j)``'s noise depends only on the key, the noise parameter and the node, so two
+    trees released with one key and one parameter (two grids, or an ECDF and a ROC curve of the
+    same scores) would carry the same noise, and their difference would be exact counts. The
+    federated releases therefore derive the key of each tree from the caller's key and the
+    tree's :func:`tree_context`: the same key gives the same noise for more thresholds of the
+    same tree (free repeated queries) and independent noise for any other tree.
+    """
+    key = _check_key(key, "key")
+    info = b"clipless.federated.tree/" + bytes(context)
+    return HKDF(algorithm=hashes.SHA256(), length=16, salt=None, info=info).derive(key)
 
 
 def server_keys(key: bytes, servers: int) -> list[bytes]:

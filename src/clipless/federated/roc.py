@@ -18,7 +18,9 @@ is calibrated with the add/remove sensitivity, at ``epsilon/2`` per class under 
 and ``epsilon`` per class under add/remove; each class normalises by its own released total.
 The two trees use independent node noise from one key (:class:`~clipless.federated.TaggedNoise`,
 tags 0 and 1). With the same keyed noise, the result equals the central composition
-``release_counts(..., node_noise=TaggedNoise(NodeNoise(K), c))`` + ``from_release`` bit for bit.
+``release_counts(..., node_noise=TaggedNoise(NodeNoise(K_roc), c))`` + ``from_release`` bit for
+bit, where ``K_roc = tree_key(K, tree_context(thresholds, "roc"))`` binds the caller's key to this
+tree (:func:`~clipless.federated.noise.tree_key`).
 Whole-grid release only (the curve needs every threshold). Over TCP:
 :func:`clipless.federated.session.simulate` with ``statistic="roc"`` (same result, tested).
 """
@@ -39,7 +41,7 @@ from clipless.federated.ecdf import (
     prefix_indicators,
     tree_query,
 )
-from clipless.federated.noise import TAG_SHIFT, node_ids
+from clipless.federated.noise import TAG_SHIFT, node_ids, tree_context
 from clipless.federated.ustat import NoiseSharing, UStat, _unique_nodes, combine
 from clipless.stats.ecdf import Smoothing, _as_grid
 from clipless.stats.grid import Grid, tree_depth
@@ -110,7 +112,13 @@ def federated_roc(
     noise_levels = np.concatenate([lv, lv + (1 << TAG_SHIFT)])[:, None]
     noise_index = np.concatenate([ix, ix])[:, None]
     backend = "local" if protocol == "local" else "shares"
-    ustat = UStat(backend, servers, noise_sharing, noise_keys)  # type: ignore[arg-type]
+    ustat = UStat(  # the noise is bound to this tree (grid and statistic): noise.tree_key
+        backend,  # type: ignore[arg-type]
+        servers,
+        noise_sharing,
+        noise_keys,
+        tree=tree_context(g.thresholds, "roc"),
+    )
     if protocol == "fss":
         out = _fss_roc(
             leaves, labels, points, ustat, noise, param, noise_levels, noise_index, matrix
@@ -172,13 +180,13 @@ def _fss_roc(
             j,
             2,
             2 * points.size,
-            noise_key=ustat.noise_keys[j] if ustat.noise_sharing == "distributed" else None,
+            noise_key=ustat.working_keys[j] if ustat.noise_sharing == "distributed" else None,
         )
         for j in range(2)
     ]
     if ustat.noise_sharing == "dealer":
         flat_l, flat_i = _unique_nodes(noise_levels, noise_index)
-        dealer = NoiseDealer(ustat.noise_keys[0], 2)
+        dealer = NoiseDealer(ustat.working_keys[0], 2)
         for srv, msg in zip(servers, dealer.messages(noise, param, flat_l, flat_i), strict=True):
             ustat.traffic.dealer += len(msg)
             srv.receive_noise(msg, flat_l, flat_i)

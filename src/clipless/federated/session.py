@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless.federated.noise import tree_context, tree_key
 from clipless.federated.transport import (
     ACK,
     ERROR,
@@ -571,11 +572,14 @@ def make_session(
             "noise_keys must be distinct: servers holding the same key add the same noise, so any "
             "one of them knows the whole noise"
         )
+    # the parties hold the keys bound to this tree (grid and statistic): noise.tree_key
+    context = tree_context(session["thresholds"], statistic)
+    bound = [tree_key(bytes(k), context) for k in nk]
     if noise_sharing == "dealer":
-        secret["dealer 0"]["noise_key"] = nk[0].hex()
+        secret["dealer 0"]["noise_key"] = bound[0].hex()
     else:
         for j in range(servers):
-            secret[f"server {j}"]["noise_key"] = nk[j].hex()
+            secret[f"server {j}"]["noise_key"] = bound[j].hex()
     return session, secret
 
 

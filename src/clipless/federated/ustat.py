@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from clipless.federated.noise import NodeNoise, SummedNoise
+from clipless.federated.noise import NodeNoise, SummedNoise, tree_key
 from clipless.federated.prg import SEED_BYTES, _check_key, prf_words, prg_words, random_seed
 
 if TYPE_CHECKING:
@@ -280,6 +280,7 @@ class UStat:
         servers: int = 2,
         noise_sharing: NoiseSharing = "dealer",
         noise_keys: Sequence[bytes] | None = None,
+        tree: bytes | None = None,
     ) -> None:
         if backend not in ("local", "shares"):
             raise ValueError(f"backend must be 'local' or 'shares', got {backend!r}")
@@ -302,6 +303,11 @@ class UStat:
                 f"noise_sharing={self.noise_sharing!r}; got {len(keys)}"
             )
         self.noise_keys = [_check_key(k, "noise key") for k in keys]
+        #: the keys the noise is drawn with: ``noise_keys`` bound to the released tree
+        #: (:func:`~clipless.federated.noise.tree_key`), or themselves without a ``tree``
+        self.working_keys = (
+            list(self.noise_keys) if tree is None else [tree_key(k, tree) for k in self.noise_keys]
+        )
         if len(set(self.noise_keys)) != len(self.noise_keys):
             raise ValueError(
                 "noise_keys must be distinct: servers holding the same key add the same noise, "
@@ -314,8 +320,8 @@ class UStat:
     def noise_source(self) -> NodeNoise | SummedNoise:
         """The central equivalent of the released noise."""
         if self.noise_sharing == "distributed":
-            return SummedNoise([NodeNoise(k) for k in self.noise_keys])
-        return NodeNoise(self.noise_keys[0])
+            return SummedNoise([NodeNoise(k) for k in self.working_keys])
+        return NodeNoise(self.working_keys[0])
 
     def publish(
         self,
@@ -351,13 +357,13 @@ class UStat:
                 j,
                 m,
                 d,
-                noise_key=self.noise_keys[j] if self.noise_sharing == "distributed" else None,
+                noise_key=self.working_keys[j] if self.noise_sharing == "distributed" else None,
             )
             for j in range(m)
         ]
         if self.noise_sharing == "dealer":
             flat_l, flat_i = _unique_nodes(lev, idx)
-            dealer = NoiseDealer(self.noise_keys[0], m)
+            dealer = NoiseDealer(self.working_keys[0], m)
             for srv, msg in zip(servers, dealer.messages(kind, param, flat_l, flat_i), strict=True):
                 self.traffic.dealer += len(msg)
                 srv.receive_noise(msg, flat_l, flat_i)
