@@ -43,3 +43,11 @@ def test_engine_config_with_threshold_scaling() -> None:
         thresholds=dict.fromkeys(paths, 0.5),
     )
     assert engine.config["thresholds"] == dict.fromkeys(paths, 0.5)
+
+
+def test_a_boolean_sample_rate_is_refused() -> None:
+    """``True`` is an int equal to 1: it passed the range check and meant "every record"."""
+    import pytest
+
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\]"):
+        PrivacyConfig(noise_multiplier=1.0, sample_rate=True, num_samples=10, num_tensors=1)

@@ -148,7 +148,7 @@ class PrivacyConfig:
         if not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"noise_multiplier must be a finite number > 0; got {sigma!r}")
         q = self.sample_rate
-        if not (isinstance(q, int | float) and 0.0 < q <= 1.0):
+        if isinstance(q, bool) or not (isinstance(q, int | float) and 0.0 < q <= 1.0):
             raise ValueError(f"sample_rate must be in (0, 1]; got {q!r}")
         for name in ("num_samples", "num_tensors"):
             value = getattr(self, name)

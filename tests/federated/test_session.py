@@ -145,3 +145,16 @@ def test_tcp_roc_equals_in_process(protocol: str, servers: int) -> None:
     assert res.roc.fpr.tobytes() == ref.fpr.tobytes()
     assert res.roc.tpr.tobytes() == ref.tpr.tobytes()
     assert res.roc.auc() == ref.auc()
+
+
+def test_default_public_n_needs_one_value_per_owner() -> None:
+    """Audit finding: ``init`` sets the public n to the number of owners by default, and three
+    owners holding three values each released an ECDF rising to 3.0 with no error."""
+    from clipless.federated.session import run_owner
+
+    session, secret = make_session("shares", 3, 2, 8, 1.0)
+    assert session["one_value_per_owner"]
+    with pytest.raises(ValueError, match="one value per owner"):
+        run_owner(session, secret["owner 0"], 0, [0.1, 0.2, 0.3])
+    session, _ = make_session("shares", 3, 2, 8, 1.0, n_values=3)
+    assert not session["one_value_per_owner"]  # explicit n: any split among owners

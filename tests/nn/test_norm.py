@@ -99,6 +99,8 @@ def test_bad_arguments() -> None:
         GroupNorm(2, 4, alpha=0.0)
     with pytest.raises(ValueError, match="alpha"):
         GroupNorm(2, 4, alpha=math.inf)
+    with pytest.raises(ValueError, match=r"alpha must be >= 2\^-60"):
+        GroupNorm(2, 4, alpha=1e-320)  # 1/alpha overflowed; alpha^2 underflowed to 0 (NaN)
     with pytest.raises(ValueError, match=r"\[batch, 4"):
         GroupNorm(2, 4)(torch.zeros(2, 3, 5))
 

@@ -215,6 +215,13 @@ def run_owner(
     vals = np.asarray(values, dtype=np.float64)
     if vals.ndim != 1 or not np.all(np.isfinite(vals)):
         raise ValueError(f"owner {index}: values must be finite numbers")
+    if session.get("one_value_per_owner") and vals.size != 1:
+        # the public n defaults to one value per owner; more would be divided by the wrong n
+        raise ValueError(
+            f"owner {index}: this session's public n is {session['n_values']}, one value per "
+            f"owner, but this owner holds {vals.size}; start the session with --n-values (the "
+            "total number of values)"
+        )
     # as Grid.leaf_index: the first threshold >= value, clamped to the grid
     leaves = np.minimum(np.searchsorted(thresholds, vals, side="left"), thresholds.size - 1).astype(
         np.int64
@@ -548,6 +555,8 @@ def make_session(
         "neighbouring": neighbouring,
         "timeout": timeout,
         "n_values": owners if n_values is None else n_values,
+        # the default public n: every owner must then hold exactly one value (checked by owners)
+        "one_value_per_owner": n_values is None,
         "servers_at": [],
     }
     parties = (

@@ -56,6 +56,8 @@ class GroupNorm(LipschitzModule):
                 f"num_channels ({num_channels}) must be divisible by num_groups ({num_groups})"
             )
         self.alpha = _checks.positive_float("alpha", alpha)
+        if self.alpha < 2.0**-60:  # alpha^2 (the variance floor) must stay a normal float32
+            raise ValueError(f"alpha must be >= 2^-60 (alpha^2 floors the variance), got {alpha}")
         self.sample_numel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
