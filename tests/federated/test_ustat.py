@@ -295,3 +295,12 @@ def test_noise_is_bound_to_the_tree() -> None:
     assert again.release is not None
     assert again.release.prefix_counts.tolist() == a.release.prefix_counts.tolist()
     assert tree_context(grid.thresholds, "ecdf") != tree_context(grid.thresholds, "roc")
+
+
+def test_an_empty_federation_is_released_under_add_remove() -> None:
+    """As the central ecdf: n is private under add/remove, so no data-dependent refusal."""
+    grid = Grid(0, 1, size=8)
+    fed = federated_ecdf([np.array([])], grid, 1.0, protocol="shares", neighbouring="add_remove")
+    assert fed.ecdf is not None and bool(np.all(np.isfinite(fed.ecdf.values)))
+    with pytest.raises(ValueError, match="n = 0 is public under replace_one"):
+        federated_ecdf([np.array([])], grid, 1.0, protocol="shares")

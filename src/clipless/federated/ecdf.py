@@ -279,8 +279,8 @@ def federated_ecdf(
     points = np.arange(N, dtype=np.int64) if pts is None else pts
     leaves = owner_leaves(owner_values, g)
     n_total = int(sum(lv.size for lv in leaves))
-    if n_total == 0:
-        raise ValueError("the owners hold no values (an empty dataset has no ECDF)")
+    if n_total == 0 and neighbouring == "replace_one":  # under add/remove n is private
+        raise ValueError("the owners hold no values (n = 0 is public under replace_one)")
 
     if whole:
         matrix: sp.csr_matrix | None = tree_query(N)
