@@ -91,3 +91,12 @@ def test_init_writes_private_secrets(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["federated", "init", "--out", str(tmp_path / "x"), "--owners", "2", "--size",
                  "4", "--epsilon", "1", "--server-at", "nohost"]) == 2  # fmt: skip
     assert "HOST:PORT" in capsys.readouterr().err
+    # a port above 65535 was wrapped modulo 65536 (99999 reached a listener on 34463)
+    assert main(["federated", "init", "--out", str(tmp_path / "y"), "--owners", "2", "--size",
+                 "4", "--epsilon", "1", "--server-at", "127.0.0.1:99999",
+                 "--server-at", "127.0.0.1:7001"]) == 2  # fmt: skip
+    assert "port 1-65535" in capsys.readouterr().err
+    assert main(["federated", "init", "--out", str(tmp_path / "z"), "--owners", "2", "--size",
+                 "4", "--epsilon", "-1", "--server-at", "127.0.0.1:7000",
+                 "--server-at", "127.0.0.1:7001"]) == 2  # fmt: skip
+    assert "epsilon must be > 0" in capsys.readouterr().err

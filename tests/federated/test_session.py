@@ -128,6 +128,15 @@ def test_session_bad_input() -> None:
         make_session("fss", 2, 3, 4, 1.0)
     with pytest.raises(ValueError, match="servers"):
         make_session("shares", 2, 1, 4, 1.0)
+    # checked at init, not by the dealer or the servers mid-run (audit finding)
+    with pytest.raises(ValueError, match="epsilon must be > 0"):
+        make_session("shares", 2, 2, 4, -1.0)
+    with pytest.raises(ValueError, match="epsilon must be finite"):
+        make_session("shares", 2, 2, 4, float("nan"))
+    with pytest.raises(ValueError, match="timeout must be"):
+        make_session("shares", 2, 2, 4, 1.0, timeout=-5)
+    with pytest.raises(ValueError, match=r"points: thresholds must be grid indices in \[0, 4\)"):
+        make_session("shares", 2, 2, 4, 1.0, points=[0, 9])
 
 
 @pytest.mark.parametrize("protocol,servers", [("shares", 3), ("fss", 2)])

@@ -201,9 +201,10 @@ def _init(args: argparse.Namespace) -> int:
     addrs = []
     for a in args.server_at:
         host, _, port = a.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             print(
-                f"clipless federated init: error: --server-at {a!r} is not HOST:PORT",
+                f"clipless federated init: error: --server-at {a!r} is not HOST:PORT "
+                "(port 1-65535)",
                 file=sys.stderr,
             )
             return 2

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import secrets
@@ -537,12 +538,31 @@ def make_session(
         raise ValueError(f"owners must be >= 1, got {owners}")
     if noise_sharing not in ("dealer", "distributed"):
         raise ValueError(f"noise_sharing must be 'dealer' or 'distributed', got {noise_sharing!r}")
+    from clipless.federated.ecdf import _points, noise_parameter
     from clipless.stats.grid import Grid
+    from clipless.stats.tree import tree_depth
+
+    grid = Grid(lower, upper, size=size)
+    if neighbouring not in ("replace_one", "add_remove"):
+        raise ValueError(
+            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
+        )
+    if noise not in ("laplace", "gaussian"):
+        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    # the budget is checked now, not by the dealer or the servers mid-run
+    noise_parameter(tree_depth(len(grid)), neighbouring, noise, epsilon, rho)  # type: ignore[arg-type]
+    if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    if points is not None:
+        try:  # grid indices in [0, size), strictly increasing
+            _points(np.asarray(points), len(grid))
+        except ValueError as exc:
+            raise ValueError(f"points: {exc}") from None
 
     session = {
         "session": secrets.token_hex(16),
         "statistic": statistic,
-        "thresholds": Grid(lower, upper, size=size).thresholds.tolist(),
+        "thresholds": grid.thresholds.tolist(),
         "protocol": protocol,
         "servers": servers,
         "owners": owners,
