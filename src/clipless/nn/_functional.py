@@ -200,8 +200,9 @@ def l2_norm_pool2d(x: torch.Tensor, kernel_size: tuple[int, int]) -> torch.Tenso
     """
     if x.ndim != 4:
         raise ValueError(f"L2NormPool2d expects an input of shape [batch, C, H, W], got {x.shape}")
-    out: torch.Tensor = _L2NormPool.apply(x, int(kernel_size[0]), int(kernel_size[1]))
-    return out
+    out, _ = _L2NormPool.apply(x, int(kernel_size[0]), int(kernel_size[1]))
+    result: torch.Tensor = out
+    return result
 
 
 def _window_sums(x: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
@@ -214,36 +215,43 @@ class _L2NormPool(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, kh: int, kw: int) -> tuple[torch.Tensor, torch.Tensor]:
         sums = _window_sums(x, kh, kw)
         positive = sums > 0
         safe = torch.where(positive, sums, torch.ones_like(sums))
-        return torch.where(positive, torch.sqrt(safe), torch.zeros_like(sums))
+        return torch.where(positive, torch.sqrt(safe), torch.zeros_like(sums)), sums
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x, kh, kw = inputs
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x, output[1])
+        ctx.mark_non_differentiable(output[1])
         ctx.kernel = (kh, kw)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (x,) = ctx.saved_tensors
+    def backward(
+        ctx: Any, grad: torch.Tensor, _unused: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None]:
+        x, sums = ctx.saved_tensors
         kh, kw = ctx.kernel
         k = kh * kw
         info = torch.finfo(x.dtype)
-        eps, smallest = info.eps / 2.0, info.smallest_normal * info.eps
+        u, smallest = info.eps / 2.0, info.smallest_normal * info.eps
         # fl(sum) >= (1 - gamma) sum - (absolute subnormal errors): every square, the division by
-        # k and the product by k round once each (relative eps, or absolute smallest / 2 below
-        # the normal range), the k - 1 additions relative eps each.
-        gamma = (k + 3) * eps / (1.0 - (k + 3) * eps)
-        sums = _window_sums(x.detach(), kh, kw).double()
-        upper = (sums * (1.0 + 2.0 * gamma) + (k + 2) * k * smallest) * (1.0 + 2.0**-50)
-        # the product below rounds once more in x's dtype: divide by (1 + 2 eps) for it
-        scale = grad.double() / (torch.sqrt(upper) * (1.0 + 2.0 * eps + 2.0**-50))
-        scale = torch.where(sums > 0, scale, torch.zeros_like(scale))
-        full = scale.repeat_interleave(kh, dim=2).repeat_interleave(kw, dim=3)
-        pad_h, pad_w = x.shape[2] - full.shape[2], x.shape[3] - full.shape[3]
+        # k and the product by k round once each (relative u, or absolute smallest / 2 below the
+        # normal range), the k - 1 additions relative u each.
+        gamma = (k + 3) * u / (1.0 - (k + 3) * u)
+        wide = sums.double()
+        upper = (wide * (1.0 + 2.0 * gamma) + (k + 2) * k * smallest) * (1.0 + 2.0**-50)
+        # the factor below is rounded to x's dtype and multiplied once more in it: 1 + 4u covers
+        # both roundings (only window-sized tensors are float64)
+        scale = grad.double() / (torch.sqrt(upper) * (1.0 + 4.0 * u + 2.0**-50))
+        scale = torch.where(wide > 0, scale, torch.zeros_like(scale)).to(x.dtype)
+        lead, (hk, wk) = x.shape[:-2], sums.shape[-2:]
+        h, w = hk * kh, wk * kw
+        core = x[..., :h, :w].reshape(*lead, hk, kh, wk, kw) * scale.reshape(*lead, hk, 1, wk, 1)
+        out = core.reshape(*lead, h, w)
+        pad_h, pad_w = x.shape[-2] - h, x.shape[-1] - w
         if pad_h or pad_w:  # rows and columns outside every window get no gradient
-            full = F.pad(full, (0, pad_w, 0, pad_h))
-        return (x.double() * full).to(x.dtype), None, None
+            out = F.pad(out, (0, pad_w, 0, pad_h))
+        return out, None, None
