@@ -439,3 +439,81 @@ def test_loss_must_sum() -> None:
             delta=DELTA,
             progress=False,
         )
+
+
+def _unseeded(ledger_path: Path | None = None) -> tuple[Any, Any, Any, Any, PrivacyEngine]:
+    """As ``_setup`` but with the noise and the sampling from the OS CSPRNG (the default)."""
+    torch.manual_seed(0)
+    model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(4, 8), cnn.GroupSort(2), cnn.Linear(8, 2))
+    loss = cnn.CrossEntropyLoss()
+    engine = PrivacyEngine(accountant="pld")
+    model, optimizer, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(_data(), batch_size=16),
+        loss=loss,
+        noise_multiplier=4.0,
+        input_shape=(4,),
+        ledger_path=ledger_path,
+    )
+    return model, optimizer, loader, loss, engine
+
+
+def _steps_after_the_checkpoint(model: Any, optimizer: Any, loader: Any, loss: Any, k: int) -> None:
+    """Steps taken after the last checkpoint by a run that then crashed."""
+    batches = iter(loader)
+    for _ in range(k):
+        x, y = next(batches)
+        optimizer.zero_grad()
+        loss(model(x), y).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("where", ["ledger_path", "checkpoint copied elsewhere"])
+def test_a_resume_never_forgets_steps_taken_after_the_checkpoint(
+    where: str, tmp_path: Path
+) -> None:
+    """Audit findings: a user ledger_path went from 15 steps back to 11 on resume, and resuming
+    from a copy of an older checkpoint rolled the run folder's ledger back (50 steps taken, 30
+    recorded). The resumed run also redrew the saved generators' noise for new gradients."""
+    run, own = tmp_path / "run", tmp_path / "own-ledger.json"
+    ledger_path = own if where == "ledger_path" else None
+    model, optimizer, loader, loss, engine = _unseeded(ledger_path)
+    fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+        checkpoint_dir=run, progress=False)  # fmt: skip
+    checkpointed = engine.ledger.steps
+    _steps_after_the_checkpoint(model, optimizer, loader, loss, 3)  # then the crash
+    spent = checkpointed + 3
+    written = own if where == "ledger_path" else run / LEDGER_NAME
+    assert PrivacyLedger.from_json(written).steps == spent
+    resume: Path | bool = True
+    if where == "checkpoint copied elsewhere":
+        other = tmp_path / "copy"
+        other.mkdir()
+        (other / CHECKPOINT_NAME).write_bytes((run / CHECKPOINT_NAME).read_bytes())
+        resume = other / CHECKPOINT_NAME
+    saved = load_checkpoint(run / CHECKPOINT_NAME)["engine"]["generator"]
+    model, optimizer, loader, loss, engine = _unseeded(ledger_path)
+    with pytest.warns(UserWarning, match="were spent and stay in the ledger"):
+        result = fit(model, optimizer, loader, loss, engine=engine, epochs=2, delta=DELTA,
+                     checkpoint_dir=run, resume=resume, progress=False)  # fmt: skip
+    # the 3 lost steps stay counted, and epoch 2 adds one epoch (as many steps as epoch 1)
+    assert result.epochs_completed == 2 and checkpointed > 0
+    assert engine.ledger.steps == spent + checkpointed
+    assert PrivacyLedger.from_json(written).steps == engine.ledger.steps
+    # fresh noise after the lost steps, not the checkpoint's generator state again
+    assert not torch.equal(optimizer.generator.get_state(), saved)
+
+
+def test_metrics_files_are_owner_only(tmp_path: Path) -> None:
+    """The per-epoch training loss and accuracy are not DP releases: owner-only, like the
+    checkpoint (audit finding: they were world-readable)."""
+    import stat
+
+    from clipless.training import write_metrics
+
+    record = {"epoch": 1, "train_loss": 0.5, "train_accuracy": 0.9, "epsilon": 0.1}
+    json_path, csv_path = write_metrics({"history": [record]}, tmp_path / "metrics.json")
+    png = plot_training([record], tmp_path / "training.png")
+    for path in (json_path, csv_path, png):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path

@@ -312,14 +312,16 @@ def _jsonable(value: Any) -> Any:
 def write_metrics(result: FitResult | Mapping[str, Any], path: PathLike) -> tuple[Path, Path]:
     """Write ``metrics.json`` (everything) and ``metrics.csv`` (the history) next to each other.
 
-    ``path`` names the JSON file; the CSV gets the same stem with ``.csv``. Both atomically.
+    ``path`` names the JSON file; the CSV gets the same stem with ``.csv``. Both atomically and
+    readable by their owner only (``0o600``): the per-epoch training loss and accuracy are
+    statistics of the private data that no noise covers (not DP releases).
     """
     data = result.to_dict() if isinstance(result, FitResult) else _jsonable(dict(result))
     json_path = Path(path)
     if json_path.suffix != ".json":
         json_path = json_path.with_suffix(".json")
     csv_path = json_path.with_suffix(".csv")
-    atomic_write(json_path, json.dumps(_jsonable(data), indent=2) + "\n")
+    atomic_write(json_path, json.dumps(_jsonable(data), indent=2) + "\n", mode=0o600)
     history: Sequence[Mapping[str, Any]] = data.get("history", [])
     columns: list[str] = []
     for record in history:
@@ -329,7 +331,7 @@ def write_metrics(result: FitResult | Mapping[str, Any], path: PathLike) -> tupl
     writer.writeheader()
     for record in history:
         writer.writerow({k: ("" if record.get(k) is None else record.get(k)) for k in columns})
-    atomic_write(csv_path, buffer.getvalue())
+    atomic_write(csv_path, buffer.getvalue(), mode=0o600)
     return json_path, csv_path
 
 
@@ -392,7 +394,7 @@ def plot_training(
     fig.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_with(target, lambda handle: fig.savefig(handle, format="png"))
+    atomic_write_with(target, lambda handle: fig.savefig(handle, format="png"), mode=0o600)
     return target
 
 
@@ -641,13 +643,32 @@ def fit(
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         engine_state = dict(state["engine"])
-        ledger_file = resume_from.parent / LEDGER_NAME
-        engine_state = _prefer_larger_ledger(engine_state, ledger_file)
+        from clipless.accounting import PrivacyLedger
+
+        checkpointed = PrivacyLedger.from_dict(engine_state["ledger"]).steps
+        # Every ledger file this run may have written since the checkpoint: next to the
+        # checkpoint, in checkpoint_dir (a checkpoint copied from elsewhere), and the
+        # optimizer's own ledger_path. The largest wins: spent steps are never forgotten.
+        candidates = [resume_from.parent / LEDGER_NAME]
+        if ckpt_dir is not None:
+            candidates.append(ckpt_dir / LEDGER_NAME)
+        own = getattr(optimizer, "ledger_path", None)
+        if own is not None:
+            candidates.append(Path(own))
+        for ledger_file in dict.fromkeys(p.resolve() for p in candidates):
+            engine_state = _prefer_larger_ledger(engine_state, ledger_file)
         engine.load_state_dict(engine_state)
+        lost = engine.ledger.steps > checkpointed
         if ema is not None and state.get("ema") is not None:
             ema.load_state_dict(state["ema"])
         _set_rng_state(state["rng"])
         _set_generator_states(train_loader, state.get("loader_generators", {}))
+        if lost and getattr(engine, "seed", None) is None:
+            # Steps after the checkpoint were taken with the noise and batches that the saved
+            # generator states would now draw again: redrawn noise on gradients that differ in
+            # any way (another setting, nondeterministic kernels) would reveal their
+            # difference, and a repeated batch is not a fresh Poisson sample. Fresh randomness.
+            _fresh_randomness(optimizer, train_loader)
         history = [dict(r) for r in state.get("history", [])]
         start_epoch = int(state["epoch"])
         if history and not history[-1].get("complete", True):
@@ -865,6 +886,26 @@ def _refuse_orphan_ledger(ledger_file: Path, resume: bool | PathLike) -> None:
         f"{ledger_file} records {spent}; {why}. Move the folder "
         "aside (its ledger is the record of that spending) or pass another checkpoint_dir"
     )
+
+
+def _fresh_randomness(optimizer: object, loader: object) -> None:
+    """Reseed the noise and the Poisson sampler from the OS CSPRNG (rank 0's, broadcast)."""
+    import secrets
+
+    from clipless.engine import _sampler_generator
+
+    parallel = getattr(optimizer, "data_parallel", None)
+    device = parallel.device if parallel is not None else torch.device("cpu")
+    seeds = torch.tensor([secrets.randbits(63), secrets.randbits(63)], device=device)
+    if parallel is not None:  # the ranks sample one global batch: one seed for all
+        parallel.broadcast([seeds])
+    noise_seed, sampler_seed = (int(v) for v in seeds.tolist())
+    generator = getattr(optimizer, "generator", None)
+    if isinstance(generator, torch.Generator):
+        generator.manual_seed(noise_seed)
+    sampler = _sampler_generator(loader)  # type: ignore[arg-type]
+    if sampler is not None:
+        sampler.manual_seed(sampler_seed)
 
 
 def _prefer_larger_ledger(engine_state: dict[str, Any], ledger_file: Path) -> dict[str, Any]:
