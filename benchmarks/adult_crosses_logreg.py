@@ -13,12 +13,18 @@ minutes on one core).
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import TensorDataset
 
 from clipless.data import data_root, tabular
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import adult
 
 CROSSES = {
     "education x occupation": ("education", "occupation"),
@@ -61,28 +67,10 @@ def cross(rows: list[dict[str, str]], columns: tuple[str, ...]) -> np.ndarray:
 
 
 def logreg(x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt: np.ndarray, l2: float = 0.0) -> float:
-    torch.manual_seed(0)
-    a, at = torch.tensor(x, dtype=torch.float32), torch.tensor(xt, dtype=torch.float32)
-    b, bt = torch.tensor(y), torch.tensor(yt)
-    model = torch.nn.Linear(a.shape[1], 2)
-    opt = torch.optim.LBFGS(
-        model.parameters(),
-        max_iter=500,
-        line_search_fn="strong_wolfe",
-        tolerance_grad=1e-9,
-        tolerance_change=1e-12,
-    )
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        value = torch.nn.functional.cross_entropy(model(a), b) + l2 * (model.weight**2).sum()
-        value.backward()
-        return value
-
-    for _ in range(5):
-        opt.step(closure)  # type: ignore[no-untyped-call]
-    with torch.no_grad():
-        return float((model(at).argmax(1) == bt).float().mean())
+    """``benchmarks/adult.py``'s ``logreg`` method (seed 0) on these arrays."""
+    train = TensorDataset(torch.tensor(x, dtype=torch.float32), torch.tensor(y))
+    test = TensorDataset(torch.tensor(xt, dtype=torch.float32), torch.tensor(yt))
+    return float(adult.run_logreg({"l2": l2}, 0, train, test)["accuracy"])
 
 
 def main() -> None:

@@ -66,6 +66,7 @@ import torch
 from clipless import bounds, constraints, mechanism
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
+from clipless.nn._functional import _wrapped
 
 if TYPE_CHECKING:
     from clipless.accounting import PrivacyLedger
@@ -127,12 +128,32 @@ class _Pass:
     owner: DPOptimizer
     backwards: int = 0
 
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """The guard: enforce the per-row cotangent bound ``L`` (module doc, 2)."""
+        self.owner._on_backward(self)
+        return _enforce_bound(grad, self.plan.output_bound, self.owner)
 
-class _OutputGuard(torch.autograd.Function):
-    """Identity forward; backward enforces the per-row cotangent bound ``L`` (module doc, 2)."""
+
+@dataclasses.dataclass(eq=False)
+class _Unguarded:
+    """A forward whose gradients the noise does not cover, and why (module doc, 1)."""
+
+    owner: DPOptimizer
+    reason: str
+
+    def backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """Taint the running backward pass: every gradient it accumulates into a noised
+        parameter is refused at :meth:`DPOptimizer.step`; input gradients pass unchanged."""
+        self.owner._in_backward(tainted=self.reason)
+        return grad
+
+
+class _OutputMark(torch.autograd.Function):
+    """Identity forward on a model output; its backward is its record's (:class:`_Pass`: the
+    guard; :class:`_Unguarded`: the taint)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, record: _Pass) -> torch.Tensor:
+    def forward(x: torch.Tensor, record: _Pass | _Unguarded) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
@@ -141,9 +162,7 @@ class _OutputGuard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        record: _Pass = ctx.record
-        record.owner._on_backward(record)
-        return _enforce_bound(grad, record.plan.output_bound, record.owner), None
+        return ctx.record.backward(grad), None
 
 
 def _enforce_bound(grad: torch.Tensor, bound: float, owner: DPOptimizer) -> torch.Tensor:
@@ -238,41 +257,9 @@ _LAYER_BACKWARD = (
 )
 
 
-@dataclasses.dataclass(eq=False)
-class _Unguarded:
-    """A forward whose gradients the noise does not cover, and why."""
-
-    owner: DPOptimizer
-    reason: str
-
-
-class _Taint(torch.autograd.Function):
-    """Identity both ways; a backward pass through it taints that backward pass.
-
-    Every gradient accumulated into a noised parameter during a tainted backward pass is refused
-    at :meth:`DPOptimizer.step`. Gradients with respect to inputs (``torch.autograd.grad`` of an
-    evaluation output) are not affected.
-    """
-
-    @staticmethod
-    def forward(x: torch.Tensor, record: _Unguarded) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        ctx.record = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        record: _Unguarded = ctx.record
-        record.owner._in_backward(tainted=record.reason)
-        return grad, None
-
-
 def _is_transformed(x: object) -> bool:
     """True inside ``torch.func`` transforms (vmap/grad): per-sample reference computations."""
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return isinstance(x, torch.Tensor) and callable(check) and bool(check(x))
+    return isinstance(x, torch.Tensor) and _wrapped(x)
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -481,7 +468,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if _is_transformed(x):
             return
         if not module.training:
-            self._stack[-1] = "eval"  # its output refuses a backward pass (_after_forward)
+            self._stack[-1] = "eval"  # its output taints a backward pass (_after_forward)
             return
         if tuple(x.shape[1:]) != self.input_shape:
             raise ValueError(
@@ -531,11 +518,10 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         if not output.requires_grad:
             return None
-        if isinstance(record, str):  # an eval-mode forward with gradients enabled
-            tainted: torch.Tensor = _Taint.apply(output, _Unguarded(self, _EVAL_BACKWARD))
-            return tainted
-        guarded: torch.Tensor = _OutputGuard.apply(output, record)
-        return guarded
+        # an eval-mode forward with gradients enabled is marked "eval": its output taints
+        mark = _Unguarded(self, _EVAL_BACKWARD) if isinstance(record, str) else record
+        marked: torch.Tensor = _OutputMark.apply(output, mark)
+        return marked
 
     def _after_layer_forward(
         self, layer: torch.nn.Module, args: tuple[Any, ...], output: Any
@@ -545,8 +531,8 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         if not output.requires_grad or _is_transformed(output):
             return None
-        tainted: torch.Tensor = _Taint.apply(output, _Unguarded(self, _LAYER_BACKWARD))
-        return tainted
+        marked: torch.Tensor = _OutputMark.apply(output, _Unguarded(self, _LAYER_BACKWARD))
+        return marked
 
     def _on_backward(self, record: _Pass) -> None:
         for p, w in zip(record.params, record.weights, strict=True):
