@@ -13,12 +13,16 @@ node-noise key. Message flow (one message per connection, each acknowledged):
 * analyst -> server ``j``: ``REQUEST``; server -> analyst: ``RESULT`` (its ``8 d``-byte share of
   the output) or ``ERROR`` (the named failure it saw).
 
-Each server waits, until ``timeout`` seconds have passed, for exactly one message from every
-owner (and the dealer); a missing, dropped, slow, tampered or malformed message ends the run
-with an error naming the party -- the release is never computed from partial or unverified
-input. :func:`simulate` launches everything on loopback (``spawn="subprocess"`` runs the
-``clipless federated serve/owner/dealer`` commands, ``spawn="fork"`` forks this process, which
-is faster and what the tests use) and returns the release with the byte counts.
+Each server waits, until ``timeout`` seconds have passed, for exactly one verified message from
+every owner (and the dealer); a missing, dropped, slow, tampered or malformed message ends the
+run with an error naming the party -- the release is never computed from partial or unverified
+input. Unauthenticated connections (which anyone reaching the port can open) are dropped without
+ending or stalling the run: a tampered or cut message is reported at the deadline, an
+authenticated malformed one at once (:class:`_Inbox`).
+
+:func:`simulate` launches everything on loopback (``spawn="subprocess"`` runs the ``clipless
+federated serve/owner/dealer`` commands, ``spawn="fork"`` forks this process, which is faster
+and what the tests use) and returns the release with the byte counts.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import math
 import multiprocessing
 import os
 import secrets
+import selectors
 import signal
 import socket
 import subprocess
@@ -56,6 +61,7 @@ from clipless.federated.transport import (
     Counter,
     FederatedError,
     Frame,
+    FrameReader,
     Party,
     PartyDroppedError,
     PartyTimeoutError,
@@ -175,6 +181,7 @@ def _send_one(
     peer: Party = ("server", j)
     sid = bytes.fromhex(session["session"])
     host, port = _server_addr(session, j)
+    after: Callable[[], None] | None = None
     with connect(host, port, peer, deadline) as sock:
         if fault == "tamper":  # test hook: flip one payload bit after signing
             bad = bytearray(encode_frame(keys[party_name(peer)], sid, me, peer, mtype, payload))
@@ -183,6 +190,9 @@ def _send_one(
             counter.add(me, peer, len(bad))
         elif fault == "short":  # test hook: a well-signed message of the wrong size
             send_frame(sock, keys[party_name(peer)], sid, me, peer, mtype, payload[:-8], counter)
+        elif fault == "stranger":  # test hook: unauthenticated connections around the message
+            after = _stranger(sock, host, port, keys[party_name(peer)], sid, me, peer, mtype,
+                              payload, counter)  # fmt: skip
         elif fault == "die":  # test hook: crash half way through the message
             data = encode_frame(keys[party_name(peer)], sid, me, peer, mtype, payload)
             sock.sendall(data[: len(data) // 2])
@@ -192,6 +202,51 @@ def _send_one(
         reply = recv_frame(sock, keys, sid, me, deadline, party_name(peer))
         if reply.mtype != ACK:
             raise ProtocolError(f"{party_name(peer)} did not acknowledge", party_name(peer))
+    if after is not None:
+        after()
+
+
+def _stranger(
+    sock: socket.socket,
+    host: str,
+    port: int,
+    key: bytes,
+    sid: bytes,
+    me: Party,
+    peer: Party,
+    mtype: int,
+    payload: bytes,
+    counter: Counter,
+) -> Callable[[], None]:
+    """Test hook (``fault="stranger"``): what anyone who can reach a server's port may send.
+
+    Before the owner's real message: an idle connection held open throughout, an HTTP request,
+    a frame in this owner's name signed with a wrong key, a frame addressed to another server,
+    and a frame cut short after its header; after it (and its ACK, read by the caller), a
+    byte-identical replay of the message on a fresh connection (the returned function, called
+    once the ACK is in). None may change the release."""
+    from clipless.federated.transport import encode_frame
+
+    idle = socket.create_connection((host, port))
+    for data in (
+        b"GET / HTTP/1.0\r\n\r\n",
+        encode_frame(secrets.token_bytes(32), sid, me, peer, mtype, payload),
+        encode_frame(key, sid, me, ("server", peer[1] + 1), mtype, payload),
+        encode_frame(key, sid, me, peer, mtype, payload)[:31],  # cut short
+    ):
+        with socket.create_connection((host, port)) as junk:
+            junk.sendall(data)
+    send_frame(sock, key, sid, me, peer, mtype, payload, counter)
+    frame = encode_frame(key, sid, me, peer, mtype, payload)
+
+    def replay() -> None:
+        with contextlib.suppress(OSError), socket.create_connection((host, port)) as again:
+            again.sendall(frame)
+            again.settimeout(5.0)
+            again.recv(1 << 16)
+        idle.close()
+
+    return replay
 
 
 def run_owner(
@@ -276,96 +331,215 @@ def run_dealer(session: dict[str, Any], secret: dict[str, Any]) -> Counter:
     return counter
 
 
+class _Inbox:
+    """A server's listener, multiplexed with :mod:`selectors`: every connection is read
+    incrementally, so no peer can stall the others, and a frame that does not verify closes
+    only its own connection.
+
+    Anyone who can reach the port can open a connection, so nothing unauthenticated may end
+    the run: a connection that sends garbage, a frame claiming an unknown party or failing its
+    HMAC, one that stays idle, or one closed mid-frame is dropped and remembered
+    (:attr:`rejected`, by the party the frame claimed) -- if that party's verified message
+    never arrives, the server's timeout error names it with what was seen. At most ``cap``
+    connections are read at once; beyond that, the oldest unfinished one is dropped."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        keys: dict[str, bytes],
+        sid: bytes,
+        me: Party,
+        cap: int,
+    ) -> None:
+        self.listener, self.keys, self.sid, self.me, self.cap = listener, keys, sid, me, cap
+        self.sel = selectors.DefaultSelector()
+        listener.setblocking(False)
+        self.sel.register(listener, selectors.EVENT_READ, None)
+        self.open: dict[socket.socket, FrameReader] = {}
+        self.rejected: dict[str, FederatedError] = {}
+        self.unidentified = 0
+
+    def _reject(self, conn: socket.socket, exc: FederatedError | None, claimed: str) -> None:
+        self.sel.unregister(conn)
+        del self.open[conn]
+        conn.close()
+        if exc is not None and claimed in self.keys:
+            self.rejected[claimed] = exc
+        else:
+            self.unidentified += 1
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. too many open files: leave it in the backlog for now
+                return
+            if len(self.open) >= self.cap:
+                oldest = next(iter(self.open))
+                self._reject(oldest, None, "")
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.open[conn] = FrameReader(self.keys, self.sid, self.me)
+            self.sel.register(conn, selectors.EVENT_READ, conn)
+
+    def poll(self, until: float) -> list[tuple[socket.socket, Frame]]:
+        """The frames verified before ``until`` (returns as soon as there is one, or at
+        ``until``); their connections are handed over in blocking mode."""
+        done: list[tuple[socket.socket, Frame]] = []
+        while not done:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                break
+            for key, _ in self.sel.select(timeout=remaining):
+                if key.data is None:
+                    self._accept()
+                    continue
+                conn: socket.socket = key.data
+                reader = self.open[conn]
+                try:
+                    chunk = conn.recv(min(max(reader.pending, 1), 1 << 20))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as exc:
+                    chunk, why = b"", f"dropped the connection ({exc})"
+                else:
+                    why = "closed the connection mid-message"
+                if not chunk:
+                    who = reader.claimed or "an unidentified peer"
+                    self._reject(conn, PartyDroppedError(f"{who} {why}", who), reader.claimed)
+                    continue
+                try:
+                    frame = reader.feed(chunk)
+                except FederatedError as exc:
+                    self._reject(conn, exc, reader.claimed or exc.party)
+                    continue
+                if frame is not None:
+                    self.sel.unregister(conn)
+                    del self.open[conn]
+                    conn.setblocking(True)
+                    done.append((conn, frame))
+        return done
+
+    def missing_error(self, index: int, missing: list[str], timeout: float) -> FederatedError:
+        """The error for parties whose verified message did not arrive in time: what was
+        rejected in their name, if anything, else a timeout."""
+        seen = [p for p in missing if p in self.rejected]
+        strangers = (
+            f"; {self.unidentified} unidentified connection(s) were dropped"
+            if self.unidentified
+            else ""
+        )
+        if seen:
+            exc = self.rejected[seen[0]]
+            return type(exc)(
+                f"server {index}: no verified message from {', '.join(missing)} within "
+                f"{timeout} s; a frame claiming to come from {seen[0]} was rejected: {exc}"
+                + strangers,
+                seen[0],
+            )
+        return PartyTimeoutError(
+            f"server {index}: no message from {', '.join(missing)} within {timeout} s (slow, "
+            f"crashed or never started){strangers}",
+            missing[0],
+        )
+
+    def close(self) -> None:
+        for conn in list(self.open):
+            self.sel.unregister(conn)
+            conn.close()
+        self.open.clear()
+        self.sel.unregister(self.listener)
+        self.sel.close()
+
+
 def run_server(
     session: dict[str, Any], secret: dict[str, Any], index: int, listener: socket.socket
 ) -> Counter:
     """Server ``index``: collect one message from every owner (and the dealer), answer the
-    analyst with its output share, or with the named error it saw."""
+    analyst with its output share, or with the named error it saw.
+
+    Only authenticated input can end the run early (a well-signed malformed message, or two
+    different messages from one party); an unauthenticated connection is dropped without
+    effect (:class:`_Inbox`), and a byte-identical replay of an accepted frame is ignored."""
     me: Party = ("server", index)
     keys = _keys(secret)
     sid = bytes.fromhex(session["session"])
     counter = Counter()
     m, n = int(session["servers"]), int(session["owners"])
+    timeout = float(session["timeout"])
     dealer = session["noise_sharing"] == "dealer"
     expected = {f"owner {i}" for i in range(n)} | ({"dealer 0"} if dealer else set())
     got: dict[str, Frame] = {}
-    analyst: tuple[socket.socket, Frame] | None = None
+    analysts: list[tuple[socket.socket, Frame]] = []
     error: FederatedError | None = None
-    deadline = time.monotonic() + float(session["timeout"])
-    while error is None and set(got) != expected:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            missing = sorted(expected - set(got))
-            error = PartyTimeoutError(
-                f"server {index}: no message from {', '.join(missing)} within "
-                f"{session['timeout']} s (slow, crashed or never started)",
-                missing[0],
-            )
-            break
-        listener.settimeout(remaining)
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            continue
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            frame = recv_frame(conn, keys, sid, me, deadline, "an unidentified peer")
-        except FederatedError as exc:
-            error = exc
-            conn.close()
-            break
-        who = party_name(frame.sender)
-        if frame.sender[0] == "analyst":
-            analyst = (conn, frame)
-            continue
-        if who in got or who not in expected:
-            error = ProtocolError(
-                f"server {index}: unexpected or duplicate message from {who}", who
-            )
-        else:
-            got[who] = frame
-            # the message is in and verified; a peer gone before the ACK changes nothing
-            with contextlib.suppress(FederatedError):
-                send_frame(conn, keys[who], sid, me, frame.sender, ACK, b"", counter)
-        conn.close()
-    output: bytes | None = None
-    if error is None:
-        try:
-            output = _server_output(session, secret, index, m, got)
-        except FederatedError as exc:
-            error = exc
-        except ValueError as exc:
-            error = ProtocolError(f"server {index}: invalid message ({exc})")
-    # answer the analyst (wait for it if it has not asked yet; late messages are turned away)
-    wait_until = time.monotonic() + float(session["timeout"])
-    while analyst is None and time.monotonic() < wait_until:
-        listener.settimeout(max(0.01, wait_until - time.monotonic()))
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            break
-        try:
-            frame = recv_frame(conn, keys, sid, me, time.monotonic() + 5.0, "a late peer")
-        except FederatedError:
-            conn.close()
-            continue
-        if frame.sender[0] == "analyst":
-            analyst = (conn, frame)
-        else:
-            conn.close()
-    if analyst is not None:
-        conn, frame = analyst
+    deadline = time.monotonic() + timeout
+    inbox = _Inbox(listener, keys, sid, me, cap=max(64, 4 * (len(keys) + 1)))
+    try:
+        while error is None and set(got) != expected:
+            if time.monotonic() >= deadline:
+                error = inbox.missing_error(index, sorted(expected - set(got)), timeout)
+                break
+            for conn, frame in inbox.poll(deadline):
+                who = party_name(frame.sender)
+                if frame.sender[0] == "analyst":
+                    analysts.append((conn, frame))
+                    continue
+                if who not in expected:
+                    error = error or ProtocolError(
+                        f"server {index}: unexpected message from {who}", who
+                    )
+                elif who in got and (got[who].mtype, got[who].payload) != (
+                    frame.mtype,
+                    frame.payload,
+                ):
+                    error = error or ProtocolError(
+                        f"server {index}: two different messages from {who}", who
+                    )
+                elif error is None:
+                    # new, or a byte-identical replay of an accepted frame (acknowledged again,
+                    # so that a party retrying after a lost ACK succeeds; nothing changes)
+                    got[who] = frame
+                    # the message is in and verified; a peer gone before the ACK changes nothing
+                    conn.settimeout(5.0)
+                    with contextlib.suppress(FederatedError):
+                        send_frame(conn, keys[who], sid, me, frame.sender, ACK, b"", counter)
+                conn.close()
+        output: bytes | None = None
+        if error is None:
+            try:
+                output = _server_output(session, secret, index, m, got)
+            except FederatedError as exc:
+                error = exc
+            except ValueError as exc:
+                error = ProtocolError(f"server {index}: invalid message ({exc})")
+        # answer the analyst (wait for it if it has not asked yet; late messages are turned away)
+        wait_until = time.monotonic() + timeout
+        while not analysts and time.monotonic() < wait_until:
+            for conn, frame in inbox.poll(wait_until):
+                if frame.sender[0] == "analyst":
+                    analysts.append((conn, frame))
+                else:
+                    conn.close()
+    finally:
+        inbox.close()
+    for conn, frame in analysts:
+        # every verified request is answered (a replayed one gets the same share, which the
+        # wire shows anyway): a replay cannot take the analyst's place
         if frame.mtype == REQUEST:
             key = keys[party_name(frame.sender)]
-            if error is None and output is not None:
-                send_frame(conn, key, sid, me, frame.sender, RESULT, output, counter)
-            else:
-                assert error is not None
-                body = (
-                    bytes([error.code])
-                    + json.dumps({"message": str(error), "party": error.party}).encode()
-                )
-                send_frame(conn, key, sid, me, frame.sender, ERROR, body, counter)
+            conn.settimeout(timeout)
+            with contextlib.suppress(FederatedError):
+                if error is None and output is not None:
+                    send_frame(conn, key, sid, me, frame.sender, RESULT, output, counter)
+                else:
+                    assert error is not None
+                    body = (
+                        bytes([error.code])
+                        + json.dumps({"message": str(error), "party": error.party}).encode()
+                    )
+                    send_frame(conn, key, sid, me, frame.sender, ERROR, body, counter)
         conn.close()
     if error is not None:
         raise error
@@ -644,7 +818,7 @@ def simulate(
     ``owner_labels`` (0/1, one per value) with ``statistic="roc"``: the ROC release of
     :func:`clipless.federated.federated_roc` over TCP (result in :attr:`SimulationResult.roc`).
 
-    ``faults`` (tests): ``{"owner 2": "die" | "sleep" | "tamper" | "short"}``;
+    ``faults`` (tests): ``{"owner 2": "die" | "sleep" | "tamper" | "short" | "stranger"}``;
     ``kill_server``: SIGKILL that server once every process has started. Raises the
     :class:`FederatedError` subclass naming the failing party (the analyst's, which carries
     what the servers saw).

@@ -7,8 +7,9 @@ Frame layout (all integers big-endian)::
 
 ``tag = HMAC-SHA256(k_link, session id || header || payload)`` with the pre-shared key of the
 (sender, receiver) link (RFC 2104; :mod:`hmac` with :func:`hmac.compare_digest`). The 16-byte
-session id binds a frame to one run; each party accepts at most one message of each kind from
-each peer per run, so a replayed frame is rejected as a duplicate. Messages are authenticated,
+session id binds a frame to one run; each party accepts at most one message from each peer per
+run, so a replayed frame changes nothing (a server acknowledges a byte-identical replay and
+ignores it; a different second message is an error). Messages are authenticated,
 **not encrypted**: on a network that others can read, run the links inside TLS or an SSH tunnel
 (secret shares and DCF keys must stay confidential; the docs say how).
 
@@ -35,6 +36,7 @@ __all__ = [
     "Counter",
     "FederatedError",
     "Frame",
+    "FrameReader",
     "PartyDroppedError",
     "PartyTimeoutError",
     "ProtocolError",
@@ -197,16 +199,10 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, who: str) -> bytes
     return bytes(buf)
 
 
-def recv_frame(
-    sock: socket.socket,
-    keys: dict[str, bytes],
-    session: bytes,
-    me: Party,
-    deadline: float,
-    expect_from: str = "a peer",
-) -> Frame:
-    """Read and verify one frame; ``keys`` maps peer names (``"owner 3"``) to link keys."""
-    raw = _recv_exact(sock, _HEADER.size, deadline, expect_from)
+def _check_header(
+    raw: bytes, keys: dict[str, bytes], me: Party, expect_from: str
+) -> tuple[int, Party, int]:
+    """The type, claimed sender and payload length of a frame header (nothing verified yet)."""
     magic, mtype, srole, sidx, rrole, ridx, length = _HEADER.unpack(raw)
     if magic != MAGIC or srole >= len(ROLES) or rrole >= len(ROLES):
         raise ProtocolError(f"{expect_from} sent a frame with a bad header", expect_from)
@@ -218,7 +214,15 @@ def recv_frame(
         raise AuthenticationError(f"{who} sent a frame addressed to someone else", who)
     if length > MAX_PAYLOAD:
         raise ProtocolError(f"{who} announced a {length}-byte message (too large)", who)
-    body = _recv_exact(sock, length + TAG_BYTES, deadline, who)
+    return mtype, sender, length
+
+
+def _check_tag(keys: dict[str, bytes], session: bytes, me: Party, raw: bytes, body: bytes) -> Frame:
+    """The frame whose header is ``raw`` and whose payload and tag are ``body``, verified."""
+    _, mtype, srole, sidx, _, _, _ = _HEADER.unpack(raw)
+    sender = (ROLES[srole], sidx)
+    who = party_name(sender)
+    length = len(body) - TAG_BYTES
     payload, tag = body[:length], body[length:]
     if not hmac.compare_digest(tag, _tag(keys[who], session, raw, payload)):
         raise AuthenticationError(
@@ -227,6 +231,56 @@ def recv_frame(
             who,
         )
     return Frame(mtype, sender, payload, len(raw) + len(body))
+
+
+def recv_frame(
+    sock: socket.socket,
+    keys: dict[str, bytes],
+    session: bytes,
+    me: Party,
+    deadline: float,
+    expect_from: str = "a peer",
+) -> Frame:
+    """Read and verify one frame; ``keys`` maps peer names (``"owner 3"``) to link keys."""
+    raw = _recv_exact(sock, _HEADER.size, deadline, expect_from)
+    _, sender, length = _check_header(raw, keys, me, expect_from)
+    body = _recv_exact(sock, length + TAG_BYTES, deadline, party_name(sender))
+    return _check_tag(keys, session, me, raw, body)
+
+
+class FrameReader:
+    """One frame read incrementally from a non-blocking socket (a server's multiplexed loop).
+
+    :meth:`feed` takes the bytes received so far and returns the verified :class:`Frame` once
+    it is whole, ``None`` while it is not; an invalid header or tag raises the same named
+    :class:`FederatedError` as :func:`recv_frame`. :attr:`claimed` is the sender the header
+    names (unauthenticated until the tag verifies)."""
+
+    def __init__(self, keys: dict[str, bytes], session: bytes, me: Party) -> None:
+        self.keys, self.session, self.me = keys, session, me
+        self.buf = bytearray()
+        self.raw: bytes | None = None
+        self.need = _HEADER.size
+        self.claimed = ""
+
+    def feed(self, data: bytes) -> Frame | None:
+        self.buf += data
+        if self.raw is None and len(self.buf) >= _HEADER.size:
+            self.raw = bytes(self.buf[: _HEADER.size])
+            del self.buf[: _HEADER.size]
+            _, sender, length = _check_header(self.raw, self.keys, self.me, "an unidentified peer")
+            self.claimed = party_name(sender)
+            self.need = length + TAG_BYTES
+        if self.raw is None or len(self.buf) < self.need:
+            return None
+        if len(self.buf) > self.need:
+            raise ProtocolError(f"{self.claimed} sent more than one frame", self.claimed)
+        return _check_tag(self.keys, self.session, self.me, self.raw, bytes(self.buf))
+
+    @property
+    def pending(self) -> int:
+        """Bytes still expected (of the header while it is incomplete)."""
+        return self.need - len(self.buf) if self.raw is not None else _HEADER.size - len(self.buf)
 
 
 def connect(host: str, port: int, peer: Party, deadline: float) -> socket.socket:
