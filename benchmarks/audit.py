@@ -149,8 +149,8 @@ def one_run_audits() -> list[dict[str, Any]]:
             result = audit_one_run(
                 xs,
                 ys,
-                canaries=200,
-                guesses=40,
+                canaries=400,
+                guesses=80,
                 epsilon=1.0,
                 epochs=60,
                 batch_size=50,

@@ -148,6 +148,11 @@ def test_bad_input_names_the_argument() -> None:
         mean_gradient(m, _sq_loss, x, y[:2])
     with pytest.raises(ValueError, match="scalar"):
         mean_gradient(m, torch.nn.MSELoss(reduction="none"), x, y)
+    # audit findings: a bare float and a NaN input
+    with pytest.raises(TypeError, match="thresholds must be a sequence"):
+        clipping_profile(m, _sq_loss, x, y, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="finite"):
+        mean_gradient(m, _sq_loss, torch.full_like(x, float("nan")), y)
 
 
 def test_loss_gradient_clip_shifts_the_zero_too() -> None:

@@ -72,6 +72,8 @@ def per_sample_gradients(
             f"x and y must have the same leading (sample) dimension n >= 1, "
             f"got x {tuple(x.shape)} and y {tuple(y.shape)}"
         )
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        raise ValueError("x must hold finite values (a NaN or inf input gives NaN gradients)")
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
     if not params:
         raise ValueError("model has no parameter with requires_grad=True")
@@ -236,7 +238,13 @@ def clipping_profile(
     thesis (section 5.2.4) argues that the difference biases DP-SGD's fixed point; this measures it
     on any model and data. Arguments as in :func:`clipped_mean_gradient`.
     """
-    values = [float(t) for t in thresholds]
+    try:
+        values = [float(t) for t in thresholds]
+    except TypeError:
+        raise TypeError(
+            f"thresholds must be a sequence of max_grad_norm values, e.g. [0.1, 1.0]; got "
+            f"{thresholds!r}"
+        ) from None
     if not values:
         raise ValueError("thresholds must hold at least one max_grad_norm")
     for t in values:

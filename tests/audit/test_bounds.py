@@ -83,3 +83,15 @@ def test_lower_bound_bad_input() -> None:
         epsilon_lower_bound([0.0, 1.0], [0.0, 1.0], 1.5)
     with pytest.raises(ValueError, match="confidence"):
         epsilon_lower_bound([0.0, 1.0], [0.0, 1.0], 1e-5, confidence=1.0)
+
+
+def test_numpy_scalars_are_numbers() -> None:
+    """Audit finding: ``delta=np.float32(1e-5)`` was refused with "delta must be in [0, 1); got
+    np.float32(1e-05)", which contradicts itself."""
+    a, b = np.zeros(200), np.ones(200)
+    d32, c32 = np.float32(1e-5), np.float32(0.95)
+    ref = epsilon_lower_bound(a, b, float(d32), float(c32))
+    got = epsilon_lower_bound(a, b, d32, c32)  # type: ignore[arg-type]
+    assert got.epsilon == ref.epsilon
+    a32 = np.float32(0.05)
+    assert clopper_pearson(3, 10, a32) == clopper_pearson(3, 10, float(a32))  # type: ignore[arg-type]

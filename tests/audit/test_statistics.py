@@ -94,6 +94,33 @@ def test_renyi_divergence_of_integer_orders_is_the_continuous_value() -> None:
     assert gaussian_renyi_divergence(c, c2, sigma2, 2.5) <= 2.5 * changed / (2 * 9 / 4)
 
 
+@pytest.mark.parametrize("sigma2", [0.25, 1.0, 4.0, 9.0])
+@pytest.mark.parametrize("alpha", [4.0, 16.0, 64.0])
+def test_renyi_divergence_is_exact_at_large_orders(sigma2: float, alpha: float) -> None:
+    """Audit finding: the summation window was centred at (1 - alpha) d instead of alpha d, so
+    at alpha = 64, sigma^2 = 1 the divergence came out 39.8 instead of 64 (an underestimate)."""
+    c, c2 = np.array([1, 0]), np.array([0, 1])
+    value = gaussian_renyi_divergence(c, c2, sigma2, alpha)
+    assert value == pytest.approx(2 * alpha / (2 * sigma2), rel=1e-12)
+
+
+def test_bad_input_is_named() -> None:
+    """Audit finding: these came from inside fractions, builtins or numpy, or returned NaN."""
+    with pytest.raises(ValueError, match="scale_factor"):
+        audit_ecdf([0, 1], 1, scale_factor=float("nan"))
+    with pytest.raises(ValueError, match="scale_factor"):
+        audit_ecdf([0, 1], 1, scale_factor=-1.0)
+    with pytest.raises(ValueError, match="alphas"):
+        audit_ecdf([0, 1], 1, epsilon=None, rho=0.5, alphas=())
+    with pytest.raises(ValueError, match="alphas"):
+        audit_ecdf([0, 1], 1, epsilon=None, rho=0.5, alphas=(0.5,))
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="sigma2"):
+            gaussian_renyi_divergence([1], [0], bad, 2.0)
+    with pytest.raises(TypeError, match="parameter"):
+        audit_sampler("laplace", "abc")  # type: ignore[arg-type]
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="size"):
         audit_ecdf([0, 1], 0)

@@ -24,6 +24,7 @@ second half, independent of the choice, gives the reported bound.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +35,7 @@ __all__ = ["ThresholdTest", "clopper_pearson", "epsilon_lower_bound"]
 
 
 def _check_level(alpha: float) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
         raise TypeError(f"alpha must be a number in (0, 1); got {type(alpha).__name__}")
     if not 0.0 < float(alpha) < 1.0:
         raise ValueError(f"alpha must be in (0, 1); got {alpha!r}")
@@ -165,9 +166,9 @@ def epsilon_lower_bound(
     """
     a = _as_scores(scores_without, "scores_without")
     b = _as_scores(scores_with, "scores_with")
-    if isinstance(delta, bool) or not isinstance(delta, int | float) or not 0 <= delta < 1:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= delta < 1:
         raise ValueError(f"delta must be in [0, 1); got {delta!r}")
-    if isinstance(confidence, bool) or not isinstance(confidence, int | float):
+    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real):
         raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
     if not 0.0 < float(confidence) < 1.0:
         raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")

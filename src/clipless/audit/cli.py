@@ -2,7 +2,8 @@
 
 Wired into the main ``clipless`` command by :func:`add_audit_parser`. Prints three lines: the
 mechanism, the claimed epsilon, the empirical lower bound with its confidence
-(:mod:`clipless.audit.step`). Exit status 0 on success, 2 on bad arguments (one line on stderr
+(:mod:`clipless.audit.step`). Exit status 0 when the claim stands, 1 when the audit shows it false
+(exactly, by the canary's contribution, or statistically), 2 on bad arguments (one line on stderr
 naming the argument).
 """
 
@@ -60,7 +61,10 @@ def add_audit_parser(sub: Any) -> None:
             "updates on the most distinguishing direction, and turn a threshold test into an "
             "empirical lower bound on epsilon with Clopper-Pearson confidence (Jagielski et al. "
             "2020; Nasr et al. 2021). A sound mechanism gives a lower bound below the claimed "
-            "epsilon; batch-max scaling (no DP proof) gives one above it."
+            "epsilon; batch-max scaling (no DP proof) gives one above it. The canary's exact "
+            "contribution relative to the calibrated sensitivity is printed too: above 1 proves "
+            "the claim false. Exit status: 0 when the claim stands, 1 when it is shown false, 2 "
+            "on bad arguments."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -132,4 +136,4 @@ def audit_command(args: argparse.Namespace) -> int:
             print(f"clipless audit: error: argument --plot: {exc}", file=sys.stderr)
             return 2
         print(f"plot: {path}")
-    return 0
+    return 1 if result.violated else 0

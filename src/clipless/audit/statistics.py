@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -164,7 +165,9 @@ def _dgauss_renyi_shift(d: int, sigma2: float, alpha: float) -> float:
     if d == 0:
         return 0.0
     sigma = math.sqrt(sigma2)
-    c = (1.0 - alpha) * d
+    # the summand q^alpha p^(1 - alpha) is a Gaussian centred at alpha d (its exponent is
+    # -(z - alpha d)^2 / (2 s2) + const); the window covers it and both distributions
+    c = alpha * d
     lo = math.floor(min(0.0, c, float(d)) - 14.0 * sigma - 10.0)
     hi = math.ceil(max(0.0, c, float(d)) + 14.0 * sigma + 10.0)
     z = np.arange(lo, hi + 1, dtype=np.float64)
@@ -188,12 +191,27 @@ def gaussian_renyi_divergence(
     b = np.asarray(neighbour_counts, dtype=np.int64)
     if a.shape != b.shape or a.ndim != 1 or a.size < 1:
         raise ValueError(f"counts must be two 1-D arrays of one length; got {a.shape}, {b.shape}")
-    if not (isinstance(alpha, int | float) and alpha > 1 and math.isfinite(alpha)):
+    if not (
+        isinstance(alpha, numbers.Real)
+        and not isinstance(alpha, bool)
+        and alpha > 1
+        and math.isfinite(alpha)
+    ):
         raise ValueError(f"alpha must be a finite number > 1; got {alpha!r}")
+    s2 = _positive("sigma2", sigma2)
     depth = tree_depth(int(a.size))
     d = _node_vector(a, depth) - _node_vector(b, depth)
-    s2 = float(sigma2)
     return math.fsum(_dgauss_renyi_shift(int(dj), s2, float(alpha)) for dj in d.tolist() if dj)
+
+
+def _positive(name: str, value: object) -> float:
+    """``value`` as a float, or an error naming ``name`` (a finite number > 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | Fraction):
+        raise TypeError(f"{name} must be a finite number > 0; got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -276,6 +294,18 @@ def audit_ecdf(
 
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 6:
         raise ValueError(f"size must be an integer in [1, 6] (exhaustive audit); got {size!r}")
+    _positive("scale_factor", scale_factor)
+    if rho is not None:
+        alphas = tuple(alphas)
+        if not alphas:
+            raise ValueError("alphas must hold at least one Renyi order > 1")
+        for a in alphas:
+            if (
+                isinstance(a, bool)
+                or not isinstance(a, numbers.Real)
+                or not (math.isfinite(a) and a > 1)
+            ):
+                raise ValueError(f"alphas must be finite numbers > 1; got {a!r}")
     if neighbouring not in ("replace_one", "add_remove"):
         raise ValueError(
             f"neighbouring must be 'replace_one' or 'add_remove'; got {neighbouring!r}"
@@ -405,9 +435,7 @@ def audit_sampler(
             def sampler(p: Any, size: int, r: random.Random) -> Any:
                 return _noise.discrete_gaussian(None, size, r, sigma2=p)
 
-    value = float(parameter)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"parameter must be a finite number > 0; got {parameter!r}")
+    value = _positive("parameter", parameter)
     x = np.asarray(sampler(parameter, samples, gen), dtype=np.int64)
     y = 1 + np.asarray(sampler(parameter, samples, gen), dtype=np.int64)
     if kind == "laplace":
