@@ -326,6 +326,32 @@ def test_half_precision_is_refused() -> None:
         _private(model=_model().to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("how", ["half", "one-layer", "autocast"])
+def test_lower_precision_after_make_private_is_refused(how: str) -> None:
+    """Audit finding: the dtype was checked only at make_private, so a later ``model.half()``
+    stepped with the float32 rounding margin. Now every training forward checks it (and
+    refuses torch.autocast, which lowers the precision without changing the parameters)."""
+    _, m, o, dl = _private()
+    x, y = next(iter(dl))
+    if how == "half":
+        m.to(torch.bfloat16)
+    elif how == "one-layer":
+        m[3].to(torch.bfloat16)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    with pytest.raises(PrivacyContractError, match=r"float32|autocast"):
+        if how == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss(m(x), y).backward()
+        else:
+            loss(m(x.to(torch.bfloat16)), y).backward()
+    assert o.ledger.steps == 0  # nothing was spent
+    # converted back, the model trains again
+    m.to(torch.float32)
+    loss(m(x), y).backward()
+    o.step()
+    assert o.ledger.steps == 1
+
+
 def test_opacus_names() -> None:
     with pytest.raises(TypeError, match="max_grad_norm: there is no per-sample gradient clipping"):
         _private(max_grad_norm=1.0)

@@ -110,7 +110,7 @@ DEVICES = "cpu, cuda, cuda:N, mps, auto"
 _EPILOG = """\
 examples:
   clipless train --dataset breast-cancer --epsilon 1.0 --delta 1e-5 --epochs 30 --out runs/demo
-  clipless train --dataset digits --epsilon 3 --epochs 40 --hidden 128,128 --out runs/digits
+  clipless train --dataset digits --model mlp --hidden 128,128 --epsilon 3 --out runs/digits
   clipless train --dataset digits --model cnn --hidden 8,16 --epsilon 3 --out runs/cnn
   clipless train --out runs/demo --resume            (continue an interrupted run)
   clipless train --out runs/demo --force             (start over; the old run is kept aside)

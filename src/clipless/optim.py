@@ -397,6 +397,30 @@ class DPOptimizer(torch.optim.Optimizer):
                 "PrivacyEngine for the new parameter set"
             )
 
+    def _check_precision(self) -> None:
+        """Refuse a training forward in a precision the rounding margin does not cover.
+
+        The noise plan's rounding margin is that of the dtype the parameters had at
+        ``make_private`` (:func:`clipless.mechanism.rounding_margin`); a later ``model.half()``
+        or a forward under ``torch.autocast`` computes the gradient in a lower precision whose
+        rounding the margin does not cover (audit finding: a ``model.half()`` after
+        ``make_private`` stepped with the float32 margin)."""
+        devices = set()
+        for p, name in self._names.items():
+            if str(p.dtype).removeprefix("torch.") != self._dtype:
+                raise PrivacyContractError(
+                    f"parameter {name!r} is {p.dtype} but the model was made private in "
+                    f"{self._dtype}: the rounding margin of the noise covers only that precision; "
+                    "convert the model before make_private (float32 or float64)"
+                )
+            devices.add(p.device.type)
+        if any(torch.is_autocast_enabled(d) for d in devices):
+            raise PrivacyContractError(
+                "a training forward of the private model under torch.autocast: the gradient "
+                "would be computed in a lower precision than the noise's rounding margin "
+                "covers; train without autocast (float32 or float64)"
+            )
+
     # ------------------------------------------------------------------ plans
     def bound_report(self) -> BoundReport:
         """The certified bounds at the current weights (layer norms are memoised exactly)."""
@@ -476,6 +500,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"but received a batch of shape {tuple(x.shape)}: the certified bounds depend on "
                 "the input shape"
             )
+        self._check_precision()
         k = self._multiplicity
         if k > 1 and x.shape[0] % k:
             raise ValueError(

@@ -302,8 +302,9 @@ class PoissonDataLoader(DataLoader[Any]):
     ) -> PoissonDataLoader:
         """A Poisson loader over ``loader.dataset`` with ``loader``'s collate and worker settings.
 
-        ``sample_rate`` defaults to ``batch_size / len(dataset)`` (capped at 1), as Opacus's
-        ``DPDataLoader.from_data_loader`` does, so the expected batch size equals the original one.
+        ``sample_rate`` defaults to ``batch_size / len(dataset)`` (capped at 1), so the expected
+        batch size equals the original one (Opacus's ``DPDataLoader.from_data_loader`` uses
+        ``1 / len(loader)``, about the same when the loader keeps its last partial batch).
         """
         if not isinstance(loader, DataLoader):
             raise TypeError(f"loader must be a torch DataLoader; got {type(loader).__name__}")

@@ -11,6 +11,8 @@ exact discrete noise, quantiles by inversion, continual counting.
 * :func:`release_prefix_counts` / :class:`CountRelease` -- the counting mechanism as a choice
   (``mechanism="binary" | "k-ary" | "factorization" | "smooth-binary"``,
   :mod:`clipless.stats.counting`).
+* :func:`quantiles` / :class:`QuantileRelease`, :func:`rank_error` -- many quantiles from one
+  released CDF (:mod:`clipless.stats.quantiles`).
 * :class:`ContinualCounter` -- running counts of a stream (Theorem 6.3.2).
 * :func:`isotonic`, :func:`smooth_tree`, :func:`smooth_counts` -- monotone smoothing
   (pool-adjacent-violators; the thesis's problem 6.3.6 in L1 or L2).
@@ -33,6 +35,7 @@ from clipless.stats.noise import (
     secure_rng,
     seeded_rng,
 )
+from clipless.stats.quantiles import QuantileRelease, quantiles, rank_error
 from clipless.stats.roc import DPROC, nonprivate_roc, roc
 from clipless.stats.smoothing import SmoothedCounts, isotonic, smooth_counts, smooth_tree
 from clipless.stats.tree import (
@@ -54,6 +57,7 @@ __all__ = [
     "Grid",
     "HLResult",
     "HorizonExceededError",
+    "QuantileRelease",
     "SmoothedCounts",
     "TreeRelease",
     "consistent_prefix_sums",
@@ -72,6 +76,8 @@ __all__ = [
     "path_sums",
     "poisson_dataset",
     "prefix_variance",
+    "quantiles",
+    "rank_error",
     "release_accuracy",
     "release_counts",
     "release_prefix_counts",
