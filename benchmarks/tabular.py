@@ -11,11 +11,13 @@ Methods (every Lipschitz one is :func:`adult.run_clipless`, the same harness as
 
 * ``lip-per-sample``, ``lip-threshold``, ``lip-bound``: Lip-DP-SGD (thesis Algorithm 8, weight
   clipping ``constraint="clip"``, ``C = 1``) with the three rigorous gradient-scaling modes
-  (DESIGN.md: each sample's layer-``k`` term divided by ``max(||x_k||, T_k)`` with ``T_k = 0``,
-  a public ``T_k = 0.5 X_0`` (half the public input radius), or the propagated public bound);
+  (docs/design.md "Gradient scaling": each sample's layer-``k`` term divided by
+  ``max(||x_k||, T_k)`` with ``T_k = 0``, a public ``T_k = 0.5 X_0`` (half the public input
+  radius), or the propagated public bound);
 * ``fix-lip``: Fix-Lip-DP-SGD (``constraint="fix"``: every layer rescaled to ``C``), per-sample;
 * ``clipless-global``: Clipless DP-SGD, global noise (Bethune et al.: ``scaling="bound"`` -- the
-  true gradient, noise at the certified bound -- with ``constraint="fix"``, DESIGN.md);
+  true gradient, noise at the certified bound -- with ``constraint="fix"``, docs/design.md
+  "One mechanism, many modes");
 * ``cli-default``: what ``clipless train --dataset NAME --epsilon E --delta 1/n`` trains with no
   other option (a linear model with bias, no constraint, Adam 0.01, T 0.1, loss clip 0.3, EMA 0.9,
   batch n/16 clamped to [128, 2048], 30 epochs), reproduced in the harness; **not tuned**;

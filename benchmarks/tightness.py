@@ -9,9 +9,9 @@ Three measurements, printed as tables:
    batch) / (certified bound), per layer type and parameter. 1 means tight. The inputs are random,
    not adversarial, so the ratios are lower bounds on the true tightness.
 2. **conv_norm** -- exact operator norm (SVD of the explicit Jacobian) / bound for the FFT,
-   Frobenius and the seeds' ``sqrt(kh kw) ||K||_F`` bounds on random small layers.
-3. **Cost** -- ``conv_norm`` on a random 64x64x3x3 kernel with 32x32 inputs (DESIGN.md quotes
-   0.45 s with per-frequency SVDs) and ``dense_norm`` on a 2000x1500 matrix.
+   Frobenius and the thesis's ``sqrt(kh kw) ||K||_F`` bounds on random small layers.
+3. **Cost** -- ``conv_norm`` on a random 64x64x3x3 kernel with 32x32 inputs (0.45 s with
+   per-frequency SVDs when first measured on 2 cores) and ``dense_norm`` on a 2000x1500 matrix.
 
 Run from the repository root::
 

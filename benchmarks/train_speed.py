@@ -45,7 +45,7 @@ non-private and clipless configurations, forward, backward and the optimizer ste
 separately; the clipless step broken down with :mod:`cProfile` (noise, inner SGD step, projection,
 bound refresh, accounting, and the exact certifications ``norms.dense_norm`` /
 ``norms.conv_norm``); per layer, the cost of one exact certification and the growth per step of
-the carried bound ``ub + m ||W_new - W_old||_F`` (DESIGN.md "Performance practice").
+the carried bound ``ub + m ||W_new - W_old||_F`` (docs/design.md "Performance practice").
 
 Run ``python benchmarks/train_speed.py --quick`` (batch 64 only, about a minute) or without
 ``--quick`` for the full grid (batch sizes 64, 256, 1024; about ten minutes on two shared cores).
@@ -426,7 +426,7 @@ def split_times(
 def certification_costs(runner: Runner) -> dict[str, Any]:
     """Per parametric layer: the time of one exact certification (``layer.lipschitz()`` with its
     cache cleared), its value, and the growth ``m ||W_new - W_old||_F`` that a carried bound
-    (DESIGN.md "Performance practice") would add over one training step."""
+    (docs/design.md "Performance practice") would add over one training step."""
     layers = {
         path: mod
         for path, mod in runner.model.named_modules()

@@ -1,4 +1,4 @@
-"""Backpropagation for bounds (Clipless DP-SGD seed, Algorithm 1; DESIGN.md "Cotangent bound").
+"""Backpropagation for bounds (Béthune et al. 2024, Algorithm 1; docs/design.md "Cotangent bound").
 
 :func:`report` propagates the public input bound ``X_0`` forwards through a ``clipless.nn`` model
 and the cotangent bound ``G = L`` (Lipschitz constant of the loss in the logits) backwards, and
@@ -50,7 +50,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LayerBound:
-    """Bounds for one parametric layer occurrence (seed Algorithm 1, lines 2, 6 and 7).
+    """Bounds for one parametric layer occurrence (Béthune et al. 2024, Algorithm 1, lines 2, 6, 7).
 
     ``input_bound`` ``X >= ||x||`` for the layer's input, ``cotangent_bound`` ``G >=
     ||dloss/dy||`` for its output (one sample, ``reduction="sum"`` units), ``lipschitz`` its
@@ -97,12 +97,12 @@ class BoundReport:
 
 
 class _Walker:
-    """The two passes of seed Algorithm 1 over a tree of clipless containers.
+    """The two passes of Béthune et al.'s Algorithm 1 over a tree of clipless containers.
 
     ``Sequential`` is walked child by child, ``Residual`` through its branch; every other module is
     a leaf, described by its ``lipschitz()`` and ``output_bound()``. Forward (line 2):
     ``X_out = output_bound(X_in)`` (Residual: ``scale (X + X_branch)``). Backward (line 7; chain
-    rule and submultiplicativity, DESIGN.md "Cotangent bound"): a leaf maps ``G_out`` to
+    rule and submultiplicativity, docs/design.md "Cotangent bound"): a leaf maps ``G_out`` to
     ``G_out Lip``; ``LossGradientClip(c)`` to ``min(G_out, c)`` (its backward clips every sample's
     cotangent to norm ``c``, whatever came from above); a Residual ``scale (x + g(x))`` passes
     ``scale G_out`` into its branch and returns ``min(scale G_out + G_branch_in, G_out Lip)``,
@@ -196,11 +196,11 @@ def _zero_input(model: torch.nn.Module, input_shape: tuple[int, ...]) -> torch.T
 
 
 def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -> BoundReport:
-    """Backpropagation for bounds (Clipless DP-SGD seed, Algorithm 1; DESIGN.md "Cotangent bound").
+    """Backpropagation for bounds (Béthune et al., Algorithm 1; docs/design.md "Cotangent bound").
 
     1. ``clipless.nn.validate(model)``; the model must start with an ``InputNorm``, whose
-       ``max_norm`` is the certified input bound ``X_0`` (seed section 3.1: the model projects
-       every input, so ``X_0`` holds whatever the data).
+       ``max_norm`` is the certified input bound ``X_0`` (Béthune et al., section 3.1: the model
+       projects every input, so ``X_0`` holds whatever the data).
     2. One no-grad forward of ``torch.zeros(1, *input_shape)`` records every module's input shape
        (forward pre-hooks; ``Conv2d``, ``GroupNorm`` and ``Sigmoid`` also record the sizes their
        bounds depend on) and the number of logits per sample.
@@ -211,7 +211,7 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
        ``Sequential``, ``LossGradientClip``). ``Conv2d.lipschitz`` receives the recorded size.
     5. Each parametric layer reports ``gradient_bounds(X_{k-1}, G_k)`` (line 6).
 
-    The seed's ``G = L / b`` (a mean over a batch of ``b``) is left to the caller: every bound
+    The paper's ``G = L / b`` (a mean over a batch of ``b``) is left to the caller: every bound
     here is for one sample's loss (``reduction="sum"``). Bound arithmetic is in Python floats
     (float64), each product and sum rounded upward (:func:`math.nextafter`). A parametric layer
     hidden inside a custom (non-``Sequential``, non-``Residual``) container is not reached:
@@ -315,9 +315,9 @@ def sensitivities(
 ) -> dict[str, float]:
     """Certified bound on one sample's gradient norm for EVERY name of ``model.named_parameters()``.
 
-    From :func:`report` (seed Algorithm 1, ``Delta_d`` of line 6, per parameter tensor, for one
-    sample's loss with ``reduction="sum"`` and no gradient scaling); a layer used several times
-    gets the sum of its occurrences' bounds (triangle inequality). Frozen parameters
+    From :func:`report` (Béthune et al. 2024, Algorithm 1, ``Delta_d`` of line 6, per parameter
+    tensor, for one sample's loss with ``reduction="sum"`` and no gradient scaling); a layer used
+    several times gets the sum of its occurrences' bounds (triangle inequality). Frozen parameters
     (``requires_grad=False``) that no layer bounds get 0: they receive no gradient. Raises
     :class:`ValueError` if a trainable parameter is not covered (e.g. it sits in a custom
     container the walker cannot see through).

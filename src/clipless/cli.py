@@ -1,7 +1,7 @@
 """The ``clipless`` command (user guide: ``docs/cli.md``).
 
 ``clipless train``  trains a Lipschitz MLP or ConvNet with clipless DP-SGD on a registered dataset,
-``clipless data``   lists datasets and fetches them into the cache (``DATA.md``),
+``clipless data``   lists datasets and fetches them into the cache (``docs/data.md``),
 ``clipless ecdf`` / ``clipless roc`` release DP statistics (:mod:`clipless.stats`),
 ``clipless audit``  attacks one private training step (:mod:`clipless.audit`).
 
@@ -321,7 +321,7 @@ def _add_train_parser(sub: Any) -> None:
         "--noise",
         choices=("global", "per-layer"),
         default="global",
-        help="noise allocation across layers (DESIGN.md 'Noise strategies')",
+        help="noise allocation across layers (docs/design.md 'Noise strategies')",
     )
     priv.add_argument(
         "--scaling",
@@ -567,7 +567,7 @@ def _add_stats_parsers(sub: Any) -> None:
         return
     stats_cli.add_ecdf_parser(sub)
     stats_cli.add_roc_parser(sub)
-    # federated DP-ECDF (issue 12): simulate / serve / owner / dealer
+    # federated DP-ECDF: simulate / serve / owner / dealer
     importlib.import_module("clipless.federated.cli").add_federated_parser(sub)
 
 

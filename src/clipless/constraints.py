@@ -1,25 +1,26 @@
 """Weight constraints applied after each optimizer step: ``clip``, ``fix`` and ``orthogonal``.
 
-:func:`project` is the projection ``Pi`` of DESIGN.md "Weight constraints". It runs in place under
-:func:`torch.no_grad` on the weights the optimizer has just produced. Those weights are already a
-private release (noisy gradient, earlier private weights), so projecting them is post-processing
-and costs no privacy. It returns, for every parametric layer (:class:`clipless.nn.Linear`,
-:class:`clipless.nn.Conv2d`), a *certified* upper bound on the layer's Lipschitz constant after the
-projection. That number is the ``Lip_k`` that backpropagation for bounds may use.
+:func:`project` is the projection ``Pi`` of docs/design.md "Weight constraints". It runs in place
+under :func:`torch.no_grad` on the weights the optimizer has just produced. Those weights are
+already a private release (noisy gradient, earlier private weights), so projecting them is
+post-processing and costs no privacy. It returns, for every parametric layer
+(:class:`clipless.nn.Linear`, :class:`clipless.nn.Conv2d`), a *certified* upper bound on the
+layer's Lipschitz constant after the projection. That number is the ``Lip_k`` that
+backpropagation for bounds may use.
 
-Modes (one mechanism with three parameters, DESIGN.md "One mechanism, many modes"):
+Modes (one mechanism with three parameters, docs/design.md "One mechanism, many modes"):
 
 ``"clip"``
-    Lip-DP-SGD's ``ClipWeights`` (dpsgd-weight-clipping seed, Algorithm 1 lines 21-31; thesis
+    Lip-DP-SGD's ``ClipWeights`` (Barczewski & Ramon 2024, Algorithm 1 lines 21-31; thesis
     Algorithm 8): ``c = min(C, ||W||)`` and ``W <- c W / ||W||``. A layer whose certified bound
     is already ``<= C`` is left untouched, bit for bit. A larger one is rescaled so that its
-    certified bound is ``<= C``. As in the seed, ``||.||`` is the operator norm (spectral
+    certified bound is ``<= C``. As in that paper, ``||.||`` is the operator norm (spectral
     normalisation). Here it is always a certified *upper* bound ``ub`` from
     :mod:`clipless.norms`, through the layer's own :meth:`~clipless.nn.Linear.lipschitz`, so the
     result is certified even though ``ub`` may exceed the true norm.
 ``"fix"``
-    Fix-Lip-DP-SGD (same seed, section 4.1: ``u_k <- C`` in line 24 of Algorithm 1) and the
-    Clipless DP-SGD seed, whose constraint ``Pi`` maps onto spectrally normalised weights
+    Fix-Lip-DP-SGD (same paper, section 4.1: ``u_k <- C`` in line 24 of Algorithm 1) and the
+    Clipless DP-SGD paper, whose constraint ``Pi`` maps onto spectrally normalised weights
     (section 1, after eq. 3). Every layer is rescaled so that its certified bound equals ``C``.
     Floating-point rounding makes the result fall a hair below ``C`` (relative gap about
     ``1e-7`` times the ratio ``m ||W||_F / ub`` defined below). A zero weight stays zero.
@@ -33,7 +34,7 @@ Modes (one mechanism with three parameters, DESIGN.md "One mechanism, many modes
     result is multiplied back by ``ub_2``, so the top singular value keeps its scale and the
     others are pulled up to it. Then comes the certified ``clip`` above. This is the GNP
     parametrisation of Anil, Lucas & Grosse 2019 ("Sorting out Lipschitz function
-    approximation", ICML). The Lip-DP-SGD seed also performs a Björck orthogonalisation inside
+    approximation", ICML). The Lip-DP-SGD paper also performs a Björck orthogonalisation inside
     ``ClipWeights`` (section 3.3, "for fast and near-orthogonal convolutions", after Li et al.
     2019, "Orthogonal deep neural networks", IEEE TPAMI). The Björck step is applied *to the
     stored weights*, a few iterations per call, so orthogonality is reached over successive
@@ -64,7 +65,7 @@ Each candidate is *verified* with the inequality above before it is written. If 
 (never observed), the rounded weight is recertified exactly. So the returned bound is certified
 for the weights actually stored.
 
-**Carried bounds (``certify_every > 1``).** DESIGN.md "Performance practice". An exact
+**Carried bounds (``certify_every > 1``).** docs/design.md "Performance practice". An exact
 certification (an SVD, or for a convolution the FFT symbol with one SVD per frequency) can cost
 more than the step itself. After each projection the layer keeps ``(W_ref, ub_ref)``: a copy of
 the projected weight and its certified bound. For the next weight ``W``,
@@ -83,8 +84,8 @@ resets the chain. Rule of thumb: the carried bound grows by ``m ||dW||_F`` per s
 64x64x3x3 convolution ``m ||W||_F / ||W|| ~ 12``, so it pays off while steps change the weight by
 less than about ``tolerance / 12`` (relative, Frobenius).
 
-**Power iteration steers, never certifies** (DESIGN.md "Certified means upper bound"). Each call
-runs a warm-started power iteration (:func:`clipless.norms.power_iteration` /
+**Power iteration steers, never certifies** (docs/design.md "Certified means upper bound"). Each
+call runs a warm-started power iteration (:func:`clipless.norms.power_iteration` /
 :func:`clipless.norms.conv_power_iteration`) whose vector is kept on the layer between calls,
 in :func:`projection_state` (``.vector``, updated in place). Its lower bound decides when an exact
 recertification is worth its cost and reports the tightness ``ub / lb``. It never enters a

@@ -1,15 +1,15 @@
 """``PrivacyEngine``: the one front door to clipless DP training.
 
 ``make_private`` validates the model (every module must have a certified Lipschitz bound), replaces
-the data loader by a Poisson-sampling loader (DESIGN.md, "Adjacency and normalisation"), switches
-the loss to ``reduction="sum"`` (the optimizer divides by the expected batch size), calibrates the
-noise for a target ``(epsilon, delta)`` if asked, projects the initial weights, and wraps the
-optimizer in a :class:`clipless.optim.DPOptimizer`. Accounting lives in a
+the data loader by a Poisson-sampling loader (docs/design.md, "Adjacency and normalisation"),
+switches the loss to ``reduction="sum"`` (the optimizer divides by the expected batch size),
+calibrates the noise for a target ``(epsilon, delta)`` if asked, projects the initial weights, and
+wraps the optimizer in a :class:`clipless.optim.DPOptimizer`. Accounting lives in a
 :class:`clipless.accounting.PrivacyLedger` (torch-free) that records every step.
 
-The mechanism is Clipless DP-SGD (seed Algorithm 1) with ``scaling="bound"`` and Lip-DP-SGD
-(thesis Algorithm 8) with ``scaling="per-sample"`` / ``"threshold"`` and ``constraint="clip"`` or
-``"fix"``; they are modes of one implementation.
+The mechanism is Clipless DP-SGD (Béthune et al. 2024, Algorithm 1) with ``scaling="bound"`` and
+Lip-DP-SGD (thesis Algorithm 8) with ``scaling="per-sample"`` / ``"threshold"`` and
+``constraint="clip"`` or ``"fix"``; they are modes of one implementation.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The privacy argument of one DP step: from certified bounds to a frozen noise plan.
 
 This module and :mod:`clipless.bounds` hold the whole argument from a bound to a noise scale
-(DESIGN notes, "Training: the mathematics"; Clipless DP-SGD seed, Algorithm 1 and its "local" /
+(docs/design.md, "Training: the mathematics"; Béthune et al. 2024, Algorithm 1 and its "local" /
 "global" noise; Lip-DP-SGD, thesis Algorithm 8):
 
 1. :class:`PrivacyConfig` (frozen, serialisable) is the mechanism: sampling rate, noise multiplier
@@ -323,9 +323,9 @@ def thresholds_for(
 
     The threshold only trades bias against variance; it never enters the privacy argument
     (:mod:`clipless.nn._scaled`). ``"bound"``: the certified bound on the norm factor propagated
-    from the input bound (Clipless DP-SGD, seed Algorithm 1 line 2); a module used several times
-    gets the largest of its uses' bounds. ``"per-sample"``: 0. ``"threshold"``: the given value
-    for every parametric module path. ``"batch-max"``: the batch maximum (unproven).
+    from the input bound (Clipless DP-SGD, Béthune et al. 2024, Algorithm 1 line 2); a module used
+    several times gets the largest of its uses' bounds. ``"per-sample"``: 0. ``"threshold"``: the
+    given value for every parametric module path. ``"batch-max"``: the batch maximum (unproven).
     """
     if mode not in SCALING_MODES:
         raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {mode!r}")

@@ -276,7 +276,7 @@ def gnp_convnet(
     ``J J^T = I`` (also on odd sizes: the dropped last row or column only adds zero columns to
     ``J``): ``||J^T g|| = ||g||`` for every cotangent ``g``, the GNP property of Anil, Lucas &
     Grosse 2019 ("Sorting out Lipschitz function approximation", ICML) and of the Clipless DP-SGD
-    seed (section 3.1, "Gradient Norm Preserving networks"). GroupSort is a permutation of each
+    paper (section 3.1, "Gradient Norm Preserving networks"). GroupSort is a permutation of each
     sample's entries (GNP) and the final :class:`clipless.nn.Linear` has orthonormal rows after
     Björck when ``num_classes <=`` its input size. Exactly GNP, therefore, up to (a) the Björck
     iterations' convergence (a few per step, applied to the stored weights) and (b) the

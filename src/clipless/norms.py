@@ -1085,9 +1085,10 @@ def conv_norm(
     <= 1). Needs ``input_size``.
 
     ``"frobenius"``: ``sqrt(k_eff) ||K reshaped (c_out, c_in kh kw)||_2`` with ``k_eff`` from
-    :func:`conv_multiplicity` (proof there). It is never looser than the seeds'
-    ``sqrt(kh kw) ||K||_F`` (``k_eff <= kh kw`` for zero padding and ``||.||_2 <= ||.||_F``), which
-    is also valid. With ``input_size=None`` it uses the size-free ``k_eff``.
+    :func:`conv_multiplicity` (proof there). It is never looser than the
+    ``sqrt(kh kw) ||K||_F`` of the thesis and Barczewski & Ramon 2024 (``k_eff <= kh kw`` for zero
+    padding and ``||.||_2 <= ||.||_F``), which is also valid. With ``input_size=None`` it uses the
+    size-free ``k_eff``.
 
     ``"explicit"``: the exact norm, from the SVD of the layer's matrix (the convolution applied
     in float64 to every basis image: each entry is one kernel weight, or with circular wrap-around

@@ -1,10 +1,10 @@
 """A DP optimizer that wraps any :class:`torch.optim.Optimizer` without per-sample gradients.
 
-DESIGN notes, "Training: the mathematics"; Clipless DP-SGD (seed Algorithm 1, "local" and
-"global" noise) and Lip-DP-SGD (thesis Algorithm 8). The privacy argument of every noise scale is
-in :mod:`clipless.mechanism` (and the bounds it uses in :mod:`clipless.bounds`); this module applies
-the plan and **enforces the assumptions the plan relies on**, so that a hand-written loop cannot
-void the guarantee. One step:
+docs/design.md, "Training: the mathematics"; Clipless DP-SGD (Béthune et al. 2024, Algorithm 1,
+"local" and "global" noise) and Lip-DP-SGD (thesis Algorithm 8). The privacy argument of every
+noise scale is in :mod:`clipless.mechanism` (and the bounds it uses in :mod:`clipless.bounds`); this
+module applies the plan and **enforces the assumptions the plan relies on**, so that a hand-written
+loop cannot void the guarantee. One step:
 
 1. *Forward* (a hook on the model, training mode with gradients enabled): the input's shape is
    checked against ``input_shape`` (the bounds were certified for it); the bound report is

@@ -2,7 +2,7 @@
 
 Every step draws a fresh batch in which each of the ``N`` examples is included *independently*
 with probability ``q`` (the sampled Gaussian mechanism of Abadi et al. 2016, Mironov, Talwar and
-Zhang 2019; DESIGN.md, "Adjacency and normalisation"). Batch sizes are therefore random,
+Zhang 2019; docs/design.md, "Adjacency and normalisation"). Batch sizes are therefore random,
 ``Binomial(N, q)``, and may be **zero**: an empty batch is still a step (the optimizer adds noise to
 a zero gradient and the ledger counts it), so it is yielded, as correctly shaped empty tensors.
 The noisy sum is divided by the *expected* batch size ``q N`` (:attr:`expected_batch_size`),

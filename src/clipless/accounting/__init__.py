@@ -1,6 +1,6 @@
 """Privacy accounting: ``dp_accounting`` events, epsilon, noise calibration, the privacy ledger.
 
-This package imports no torch, directly or indirectly (DESIGN.md, "Principles: accounting is
+This package imports no torch, directly or indirectly (docs/design.md, "Accounting is
 framework-free"); a test imports it in a fresh interpreter and checks ``sys.modules``.
 
 The mechanism
@@ -10,7 +10,7 @@ gradients of a Poisson sample of rate ``q`` (every example included independentl
 probability ``q``). Layer ``k`` receives Gaussian noise of standard deviation ``sigma_k * G_k``
 where ``G_k`` bounds the norm of one example's contribution to that layer. Whitening each layer by
 its noise scale shows that the step is *one* Gaussian mechanism with effective noise multiplier
-``sigma_eff = (sum_k sigma_k^-2)^(-1/2)`` (DESIGN.md, "Noise strategies";
+``sigma_eff = (sum_k sigma_k^-2)^(-1/2)`` (docs/design.md, "Noise strategies";
 :func:`effective_noise_multiplier`). Such a step is the Poisson-subsampled ("sampled") Gaussian
 mechanism of Abadi et al. 2016 (Deep learning with differential privacy) and Mironov, Talwar and
 Zhang 2019 (Renyi differential privacy of the sampled Gaussian mechanism), described here as
@@ -42,7 +42,8 @@ Accountants
 
 Neighbouring relations
 ----------------------
-* ``"add_remove"`` (default; DESIGN.md "Adjacency and normalisation"): add or remove one example.
+* ``"add_remove"`` (default; docs/design.md "Adjacency and normalisation"): add or remove one
+  example.
 * ``"replace_one"``: replace one example by another. Both have contribution norm at most ``G``, so
   their difference has norm up to ``2 G`` ("replace-one doubles sensitivities").
 

@@ -21,7 +21,7 @@ def effective_noise_multiplier(sigmas: Sequence[float] | Iterable[float]) -> flo
 
     Layer ``k`` has sensitivity ``G_k`` and noise ``N(0, (sigma_k G_k)^2 I)``; dividing each layer
     by its noise scale turns the step into one Gaussian mechanism with unit noise and sensitivity
-    ``sqrt(sum_k sigma_k^-2)``, i.e. noise multiplier ``(sum_k sigma_k^-2)^(-1/2)`` (DESIGN.md,
+    ``sqrt(sum_k sigma_k^-2)``, i.e. noise multiplier ``(sum_k sigma_k^-2)^(-1/2)`` (docs/design.md,
     "Noise strategies"). ``global`` allocation (``sigma_k = sigma G / G_k``,
     ``G = sqrt(sum G_k^2)``) gives ``sigma``; ``per-layer`` (``sigma_k = sigma`` for ``D`` layers)
     gives ``sigma / sqrt(D)``.

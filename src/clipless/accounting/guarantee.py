@@ -25,8 +25,9 @@ class PrivacyGuarantee:
 
     ``noise_multiplier`` (effective, ``std / G``) and ``sample_rate`` are ``None`` when the steps
     did not all share one value (``mechanism`` then lists them). ``is_dp_guarantee`` is ``False``
-    when an unproven mode (e.g. batch-max gradient scaling, DESIGN.md) was used: the numbers are
-    then what the accountant *would* report, and ``str()`` says "NOT a DP guarantee".
+    when an unproven mode (e.g. batch-max gradient scaling, docs/design.md "Gradient scaling") was
+    used: the numbers are then what the accountant *would* report, and ``str()`` says "NOT a DP
+    guarantee".
     """
 
     epsilon: float

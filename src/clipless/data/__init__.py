@@ -1,4 +1,4 @@
-"""Dataset registry and offline loaders (see ``DATA.md`` in the design notes).
+"""Dataset registry and offline loaders (see ``docs/data.md``).
 
 >>> from clipless.data import load_dataset
 >>> train, test, info = load_dataset("digits")

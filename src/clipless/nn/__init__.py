@@ -4,8 +4,8 @@ Every layer is a :class:`LipschitzModule` that certifies, from its current weigh
 on its input-Lipschitz constant (``lipschitz()``) and on one sample's output norm
 (``output_bound(X)``); parametric layers (:class:`ParametricLipschitzModule`) also bound one
 sample's parameter gradient (``gradient_bounds(X, G)``). :mod:`clipless.bounds` chains them
-("backpropagation for bounds", Clipless DP-SGD seed, Algorithm 1). Constants follow thesis
-Table 5.1 and DESIGN.md "Layers and losses"; each class's docstring gives its derivation.
+("backpropagation for bounds", Béthune et al. 2024, Algorithm 1). Constants follow thesis
+Table 5.1 and docs/design.md "Layers and losses"; each class's docstring gives its derivation.
 """
 
 from clipless.nn._base import LipschitzModule, ParametricLipschitzModule

@@ -1,7 +1,7 @@
 """The protocol every clipless layer implements.
 
 A clipless layer is a :class:`torch.nn.Module` that can certify, from its current (public) weights
-alone, three things used by "backpropagation for bounds" (Clipless DP-SGD seed, Algorithm 1; thesis
+alone, three things used by "backpropagation for bounds" (Béthune et al. 2024, Algorithm 1; thesis
 Table 5.1):
 
 * :meth:`LipschitzModule.lipschitz` -- an upper bound on its input-Lipschitz constant (L2 -> L2),
@@ -63,7 +63,7 @@ class ParametricLipschitzModule(LipschitzModule):
     ``None``, the layer's forward routes through :mod:`clipless.nn._scaled`, which divides each
     sample's contribution to the parameter gradients by
     ``max(sample_norm_factor(x_i), scaling_threshold)``
-    (DESIGN.md, "Gradient scaling"). The input gradient is never scaled.
+    (docs/design.md, "Gradient scaling"). The input gradient is never scaled.
     """
 
     scaling_threshold: float | str | None = None

@@ -1,7 +1,7 @@
 """Argument validation shared by the layers and losses (private).
 
 Every checker raises :class:`ValueError` (wrong value) or :class:`TypeError` (wrong type) whose
-message names the argument and the accepted range, as DESIGN.md "Bad input" requires.
+message names the argument and the accepted range, as docs/design.md "Bad input" requires.
 """
 
 from __future__ import annotations

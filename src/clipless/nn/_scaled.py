@@ -1,14 +1,15 @@
 """Per-layer gradient scaling kernels: one mechanism with a per-layer threshold ``T_k``.
 
-DESIGN.md, "Gradient scaling"; Lip-DP-SGD (thesis Algorithm 8, line 11) and Clipless DP-SGD (seed
-Algorithm 1, line 2). For a parametric layer ``k`` with input ``x_i`` of sample ``i``, the joint
-gradient of one sample's loss with respect to the layer's parameters satisfies
-``||grad_i|| <= ||dy_i|| * n_i`` where ``n_i = layer.sample_norm_factor(x)[i]`` (``||x_i||`` for a
-dense layer, ``sqrt(||x_i||^2 + 1)`` with a bias, ``sqrt(k_eff ||x_i||^2 (+ P))`` for a convolution;
-see :mod:`clipless.nn`). Dividing each sample's contribution by ``s_i = max(n_i, T_k)`` therefore
-gives every sample a contribution of norm at most ``||dy_i|| <= G_k`` whatever ``T_k`` is, so the
-layer's per-sample sensitivity is ``G_k`` (the cotangent bound of :mod:`clipless.bounds`).
-The threshold only trades bias against variance; it never affects the privacy argument.
+docs/design.md, "Gradient scaling"; Lip-DP-SGD (thesis Algorithm 8, line 11) and Clipless DP-SGD
+(Béthune et al. 2024, Algorithm 1, line 2). For a parametric layer ``k`` with input ``x_i`` of
+sample ``i``, the joint gradient of one sample's loss with respect to the layer's parameters
+satisfies ``||grad_i|| <= ||dy_i|| * n_i`` where ``n_i = layer.sample_norm_factor(x)[i]``
+(``||x_i||`` for a dense layer, ``sqrt(||x_i||^2 + 1)`` with a bias, ``sqrt(k_eff ||x_i||^2 (+ P))``
+for a convolution; see :mod:`clipless.nn`). Dividing each sample's contribution by
+``s_i = max(n_i, T_k)`` therefore gives every sample a contribution of norm at most
+``||dy_i|| <= G_k`` whatever ``T_k`` is, so the layer's per-sample sensitivity is ``G_k`` (the
+cotangent bound of :mod:`clipless.bounds`). The threshold only trades bias against variance; it
+never affects the privacy argument.
 
 The rescale happens inside the layer's backward: ``grad_W = sum_i (dy_i / s_i) x_i^T`` (one
 elementwise rescale of the cotangent, then the usual batched matrix product or
@@ -17,9 +18,9 @@ respect to the layer *input* is not scaled, so cotangents propagate exactly as w
 
 Modes (:func:`clipless.mechanism.thresholds_for` chooses ``T_k``):
 
-* ``"bound"``: ``T_k`` = the certified bound on ``n_i`` propagated from the input norm bound (seed
-  Algorithm 1), so ``s_i = T_k`` for every sample: the true gradient divided by a public constant.
-  This is Clipless DP-SGD.
+* ``"bound"``: ``T_k`` = the certified bound on ``n_i`` propagated from the input norm bound
+  (Béthune et al. 2024, Algorithm 1), so ``s_i = T_k`` for every sample: the true gradient divided
+  by a public constant. This is Clipless DP-SGD.
 * ``"per-sample"``: ``T_k = 0``: each sample normalised by its own factor (a reweighting). Rigorous.
 * ``"threshold"``: user-given ``T_k`` per layer (for instance a DP quantile of activation norms
   released and accounted for separately): samples above it are down-weighted. Rigorous.

@@ -1,4 +1,4 @@
-"""Parameter-free activations with certified constants (thesis Table 5.1; Clipless DP-SGD seed 3.1).
+"""Parameter-free activations with certified constants (thesis Table 5.1; Béthune et al. 2024, 3.1).
 
 For an elementwise ``phi`` with ``|phi'| <= c`` everywhere, the Jacobian is ``diag(phi'(x))`` and
 its spectral norm is ``max_i |phi'(x_i)| <= c``; the map is therefore ``c``-Lipschitz in L2.
@@ -27,7 +27,7 @@ class GroupSort(LipschitzModule):
     dimension 1 must be divisible by ``group_size``.
 
     Lipschitz constant 1 and gradient norm preserving (Anil, Lucas & Grosse 2019; the Clipless
-    DP-SGD seed, section 3.1 and Remark 2, uses it for GNP networks): on each region where the
+    DP-SGD paper, section 3.1 and Remark 2, uses it for GNP networks): on each region where the
     ordering is fixed, GroupSort is a permutation matrix (orthogonal Jacobian); the map is
     continuous and piecewise linear, hence 1-Lipschitz. It permutes entries, so
     ``||GroupSort(x)|| = ||x||`` and the output bound is ``X``.
@@ -86,9 +86,9 @@ class Tanh(LipschitzModule):
 
 
 class Abs(LipschitzModule):
-    """``|x|``: Lipschitz 1 (``| |a| - |b| | <= |a - b|``; DESIGN.md "Layers and losses").
+    """``|x|``: Lipschitz 1 (``| |a| - |b| | <= |a - b|``; docs/design.md "Layers and losses").
 
-    Norm preserving, ``||abs(x)|| = ||x||`` (a GNP activation, Clipless DP-SGD seed, Remark 2).
+    Norm preserving, ``||abs(x)|| = ||x||`` (a GNP activation, Béthune et al. 2024, Remark 2).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The loss-gradient clipping layer (Clipless DP-SGD seed, section 3.1, "hybrid approach")."""
+"""The loss-gradient clipping layer (Béthune et al. 2024, section 3.1, "hybrid approach")."""
 
 from __future__ import annotations
 
@@ -39,14 +39,16 @@ class _ClipCotangent(torch.autograd.Function):
 class LossGradientClip(LipschitzModule):
     """Identity in the forward pass; clips each sample's cotangent to L2 norm ``max_norm``.
 
-    Clipless DP-SGD seed, section 3.1 ("Controlling L with the hybrid approach, loss gradient
+    Béthune et al. 2024, section 3.1 ("Controlling L with the hybrid approach, loss gradient
     clipping"): instead of clipping parameter gradients, the cotangent ``dloss/dy`` flowing back
     through this layer is replaced, for each sample ``i`` (dimension 0), by
     ``dy_i min(1, max_norm / ||dy_i||)`` (norm over all non-batch dims; one vectorised rescale, no
-    per-sample loop). The result is a descent direction rather than a true gradient (seed, [47]).
+    per-sample loop). The result is a descent direction rather than a true gradient (Béthune
+    et al. 2024, after Boyd & Vandenberghe, *Convex Optimization*).
     Placed after the last layer it caps the loss Lipschitz constant ``L``; anywhere, the cotangent
     bound ``G_k`` of every layer before it uses ``max_norm`` in place of the product of the
-    constants after it (DESIGN.md); :mod:`clipless.bounds` handles that through :attr:`max_norm`.
+    constants after it (docs/design.md "Loss-gradient clipping layer"); :mod:`clipless.bounds`
+    handles that through :attr:`max_norm`.
 
     Units: the clip applies to whatever cotangent reaches the layer. Clipless backpropagates
     ``reduction="sum"`` losses (the noisy sum is divided by the *expected* batch size afterwards),

@@ -22,10 +22,10 @@ class Sequential(LipschitzModule, torch.nn.Sequential):
     """:class:`torch.nn.Sequential` of clipless modules (positional modules or an ``OrderedDict``).
 
     Composition: ``Lip(f_D o ... o f_1) <= prod_d Lip(f_d)`` (submultiplicativity; thesis
-    eq. 5.2.9, seed Algorithm 1), and the output bound is propagated layer by layer,
-    ``X_d = f_d.output_bound(X_{d-1})`` (seed Algorithm 1, line 2). The constructor (and
-    ``append`` / ``insert`` / item assignment) checks that every module is a clipless module
-    (:func:`clipless.nn.validate`), raising :class:`TypeError` otherwise.
+    eq. 5.2.9, Béthune et al. 2024, Algorithm 1), and the output bound is propagated layer by
+    layer, ``X_d = f_d.output_bound(X_{d-1})`` (Béthune et al., Algorithm 1, line 2). The
+    constructor (and ``append`` / ``insert`` / item assignment) checks that every module is a
+    clipless module (:func:`clipless.nn.validate`), raising :class:`TypeError` otherwise.
     """
 
     def __init__(self, *args: Any) -> None:
@@ -89,7 +89,7 @@ class Residual(LipschitzModule):
 
     ``branch`` must be a clipless module whose output has the shape of its input.
 
-    Constants (thesis eq. 5.2.7 after Gouk et al. 2020; DESIGN.md): with
+    Constants (thesis eq. 5.2.7 after Gouk et al. 2020; docs/design.md "Layers and losses"): with
     ``L_b = branch.lipschitz()``, ``||x + g(x) - y - g(y)|| <= (1 + L_b) ||x - y||``, so "add" has
     Lipschitz ``1 + L_b`` and output bound ``X + branch.output_bound(X)``; "average" halves both,
     so a 1-Lipschitz branch gives a 1-Lipschitz block (a convex combination of two 1-Lipschitz

@@ -23,22 +23,24 @@ class Conv2d(ParametricLipschitzModule):
     Arguments follow :class:`torch.nn.Conv2d`; ``kernel_size``, ``stride`` and ``padding`` are ints
     or ``(h, w)`` pairs (stored as pairs), ``padding_mode`` is ``"zeros"`` or ``"circular"``. The
     bias defaults to ``False`` because its per-sample gradient sums over all ``P`` output positions
-    (norm up to ``sqrt(P) G``, DESIGN.md). ``input_size=(H, W)`` fixes the spatial input size (a
-    forward with another size then raises); when it is ``None`` the layer records the size of the
-    last forward in :attr:`input_size`, and the bounds below use it.
+    (norm up to ``sqrt(P) G``, docs/design.md "Per-sample parameter gradient").
+    ``input_size=(H, W)`` fixes the spatial input size (a forward with another size then raises);
+    when it is ``None`` the layer records the size of the last forward in :attr:`input_size`, and
+    the bounds below use it.
 
     Certified constants, for a cotangent ``||dy|| <= G`` and input ``||x|| <= X``:
 
     * input-Lipschitz constant: the operator norm of the convolution, certified by
       :func:`clipless.norms.conv_norm` (FFT symbol for a known input size; the size-free
-      ``sqrt(k_eff) ||K||_2`` otherwise). This replaces the seeds' ``sqrt(h'w') ||K||_F``
-      (thesis Theorem 5.2.1, Table 5.1), which is valid but much looser (DESIGN.md).
+      ``sqrt(k_eff) ||K||_2`` otherwise). This replaces the ``sqrt(h'w') ||K||_F`` of
+      the thesis (Theorem 5.2.1, Table 5.1) and of Barczewski & Ramon 2024, which is valid but much
+      looser (docs/design.md "Layers and losses").
     * weight gradient: ``grad_K = Dy Patches(x)`` with ``Dy`` the ``out x P`` cotangent and
       ``Patches(x)`` the ``P x (in h' w')`` patch matrix, so
       ``||grad_K||_F <= ||Dy||_F ||Patches(x)||_F <= G sqrt(k_eff) X``, where every input pixel is
       read by at most ``k_eff`` (output position, kernel offset) pairs
       (:func:`clipless.norms.conv_multiplicity`; ``k_eff = h'w'`` at stride 1 with zero padding,
-      the seeds' ``sqrt(h'w')`` of Theorem 5.2.1).
+      the ``sqrt(h'w')`` of thesis Theorem 5.2.1).
     * bias gradient: ``grad_b[o] = sum_p dy[o, p]``, so ``||grad_b|| <= sqrt(P) G`` (Cauchy-Schwarz
       over the ``P = H_out W_out`` positions).
     * jointly ``||(grad_K, grad_b)|| <= ||dy|| ||[Patches(x), 1_P]||_F

@@ -1,4 +1,4 @@
-"""Input pre-processing that certifies the input bound ``X_0`` (Clipless DP-SGD seed, 3.1)."""
+"""Input pre-processing that certifies the input bound ``X_0`` (Béthune et al. 2024, 3.1)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class InputNorm(LipschitzModule):
     ``max_norm`` here is the *input radius* ``X_0``; the ``max_norm`` of
     :meth:`clipless.PrivacyEngine.make_private` is the layers' operator-norm constraint ``C``.
 
-    Requirement 2 of the Clipless DP-SGD seed (bounded input, ``||x|| <= X_0``) enforced by the
+    Requirement 2 of the Clipless DP-SGD paper (bounded input, ``||x|| <= X_0``) enforced by the
     model itself; section 3.1, "Controlling X_0 with input pre-processing": projection onto the
     ball ("norm clipping", ``mode="ball"``: ``x min(1, R / ||x||)``) or onto the sphere
     ("normalization", ``mode="sphere"``: ``R x / ||x||``; a zero sample stays zero). As the first

@@ -16,7 +16,7 @@ __all__ = ["Linear"]
 class Linear(ParametricLipschitzModule):
     """``y = x W^T + b`` on inputs of shape ``[batch, in_features]``, with certified bounds.
 
-    Certified constants (thesis Table 5.1 "Dense", eq. 5.2.3; Clipless DP-SGD seed, Algorithm 1):
+    Certified constants (thesis Table 5.1 "Dense", eq. 5.2.3; Béthune et al. 2024, Algorithm 1):
 
     * input-Lipschitz constant: the spectral norm ``||W||_2``, certified by
       :func:`clipless.norms.dense_norm` (exact SVD for small matrices, a Cholesky certificate of

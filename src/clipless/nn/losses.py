@@ -1,8 +1,8 @@
 """Losses that are Lipschitz in the logits, with certified constants.
 
-Requirement 1 of the Clipless DP-SGD seed: ``z -> loss(z, y)`` must be ``L``-Lipschitz in the
-logits ``z`` for *every* label ``y``; ``L`` starts the backpropagation of bounds (seed
-Algorithm 1, line 4; thesis Table 5.1, section 2.5). Conventions shared by every loss here:
+Requirement 1 of the Clipless DP-SGD paper: ``z -> loss(z, y)`` must be ``L``-Lipschitz in the
+logits ``z`` for *every* label ``y``; ``L`` starts the backpropagation of bounds (Béthune et al.
+2024, Algorithm 1, line 4; thesis Table 5.1, section 2.5). Conventions shared by every loss here:
 
 * each sample has its own loss ``l_i`` (a sum over its outputs where the loss is elementwise);
   ``reduction="none"`` returns ``[l_1, ..., l_b]`` (shape ``[batch]``; note that torch's
@@ -211,7 +211,7 @@ class CrossEntropyLoss(LipschitzLoss):
     Anything else raises :class:`ValueError`.
 
     **Lipschitz constant ``sqrt(2) / T``** (thesis Table 5.1, "Softmax Cross-entropy";
-    Clipless DP-SGD seed, Requirement 1). The gradient is ``(p - y) / T`` with ``p = softmax(z/T)``
+    Béthune et al. 2024, Requirement 1). The gradient is ``(p - y) / T`` with ``p = softmax(z/T)``
     and ``y`` a point of the probability simplex; two points of the simplex are at most ``sqrt(2)``
     apart (for a one-hot ``y``: ``||p - e_y||^2 = (1 - p_y)^2 + sum_{j != y} p_j^2
     <= 2 (1 - p_y)^2 <= 2``). Tight as a supremum (``p`` concentrating on a wrong class). The thesis
@@ -246,11 +246,11 @@ class BCEWithLogitsLoss(LipschitzLoss):
     ``l_i = sum_j [-y_j log sigma(z_j) - (1 - y_j) log(1 - sigma(z_j))]`` with ``y_j in [0, 1]``;
     ``target`` has the shape of ``input`` (``[batch]`` or ``[batch, K]``).
 
-    **Lipschitz constant ``sqrt(K)``** (``K = num_logits``; 1 for one logit, DESIGN.md). The
-    gradient is ``sigma(z) - y`` with each entry in ``(-1, 1)`` since ``y_j in [0, 1]``, so its norm
-    is below ``sqrt(K)``; tight as a supremum (``y_j = 0``, ``z_j -> +inf``). Summing (rather than
-    averaging, as torch's ``reduction="mean"`` does over outputs) keeps one sample's loss a
-    function of its own logit vector.
+    **Lipschitz constant ``sqrt(K)``** (``K = num_logits``; 1 for one logit, docs/design.md
+    "Layers and losses"). The gradient is ``sigma(z) - y`` with each entry in ``(-1, 1)`` since
+    ``y_j in [0, 1]``, so its norm is below ``sqrt(K)``; tight as a supremum (``y_j = 0``,
+    ``z_j -> +inf``). Summing (rather than averaging, as torch's ``reduction="mean"`` does over
+    outputs) keeps one sample's loss a function of its own logit vector.
     """
 
     def per_sample(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -353,7 +353,7 @@ class L1Loss(LipschitzLoss):
     """Absolute error summed over each sample's outputs: ``sum_j |z_j - y_j|`` (MAE).
 
     **Lipschitz constant ``sqrt(K)``**: the gradient is ``sign(z - y)``, entries in ``[-1, 1]``
-    (DESIGN.md: "MAE 1" for one output). Attained.
+    (1 for one output; docs/design.md "Layers and losses"). Attained.
     """
 
     def per_sample(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -371,8 +371,8 @@ class HuberLoss(LipschitzLoss):
 
     ``h(r) = r^2 / 2`` for ``|r| <= delta``, ``delta (|r| - delta / 2)`` otherwise.
 
-    **Lipschitz constant ``delta sqrt(K)``**: ``h'(r) = clamp(r, -delta, delta)`` (DESIGN.md:
-    "Huber delta" for one output). Attained when every ``|r_j| >= delta``.
+    **Lipschitz constant ``delta sqrt(K)``**: ``h'(r) = clamp(r, -delta, delta)`` (``delta`` for
+    one output; docs/design.md "Layers and losses"). Attained when every ``|r_j| >= delta``.
     """
 
     def __init__(self, delta: float = 1.0, reduction: str = "mean") -> None:

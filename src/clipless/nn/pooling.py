@@ -1,4 +1,4 @@
-"""Pooling layers with certified constants (DESIGN.md "Layers and losses")."""
+"""Pooling layers with certified constants (docs/design.md "Layers and losses")."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ def _check_input(name: str, x: torch.Tensor, kernel_size: tuple[int, int]) -> No
 class AvgPool2d(LipschitzModule):
     """Average over non-overlapping ``kh x kw`` windows (stride = kernel, no padding).
 
-    **Lipschitz constant ``1 / sqrt(kh kw)``** (``1/k`` for ``k x k`` windows, DESIGN.md). Proof:
-    the map is linear; for one window ``w`` with entries ``x_1..x_q`` (``q = kh kw``),
-    ``mean^2 <= (1/q) sum x_j^2`` (Cauchy-Schwarz), so summing over the disjoint windows
-    ``||y||^2 <= ||x||^2 / q``. Equality for a constant input: the constant is exact. Entries left
-    over when the size is not a multiple of the kernel are dropped (floor mode), which only lowers
-    the norm. Output bound ``X / sqrt(kh kw)``.
+    **Lipschitz constant ``1 / sqrt(kh kw)``** (``1/k`` for ``k x k`` windows; docs/design.md
+    "Layers and losses"). Proof: the map is linear; for one window ``w`` with entries ``x_1..x_q``
+    (``q = kh kw``), ``mean^2 <= (1/q) sum x_j^2`` (Cauchy-Schwarz), so summing over the disjoint
+    windows ``||y||^2 <= ||x||^2 / q``. Equality for a constant input: the constant is exact.
+    Entries left over when the size is not a multiple of the kernel are dropped (floor mode), which
+    only lowers the norm. Output bound ``X / sqrt(kh kw)``.
     """
 
     def __init__(self, kernel_size: int | tuple[int, int]) -> None:
@@ -58,8 +58,8 @@ class L2NormPool2d(LipschitzModule):
     """L2 norm of each non-overlapping ``kh x kw`` window (stride = kernel, no padding).
 
     Equivalently ``sqrt(kh kw)`` times the window's root mean square: the "L2-norm pooling scaled
-    by k" of DESIGN.md (``torch.nn.LPPool2d(2, kernel_size)`` computes the same values), the
-    Lipschitz replacement for max pooling.
+    by k" of docs/design.md "Layers and losses" (``torch.nn.LPPool2d(2, kernel_size)`` computes the
+    same values), the Lipschitz replacement for max pooling.
 
     **Lipschitz constant 1.** Per window, ``| ||a|| - ||b|| | <= ||a - b||`` (reverse triangle
     inequality); summing squares over the disjoint windows gives ``||f(x) - f(y)|| <= ||x - y||``.

@@ -1,8 +1,8 @@
 """``validate(module)``: reject models containing modules without a certified bound.
 
-Clipless DP-SGD derives every layer's sensitivity from certified constants (DESIGN.md, "A privacy
-claim is a proof obligation"); one uncertified module (a ``torch.nn.BatchNorm2d``, a plain
-``torch.nn.Linear``, a ``Dropout``) silently voids the guarantee. Like Opacus's
+Clipless DP-SGD derives every layer's sensitivity from certified constants (docs/design.md,
+"A privacy claim is a proof obligation"); one uncertified module (a ``torch.nn.BatchNorm2d``, a
+plain ``torch.nn.Linear``, a ``Dropout``) silently voids the guarantee. Like Opacus's
 ``ModuleValidator``, :func:`validate` walks the whole tree and reports *every* offending module at
 once, with the clipless replacement where one exists.
 """

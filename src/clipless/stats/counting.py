@@ -116,7 +116,7 @@ offer it). Under ``replace_one`` the estimate is conditioned on ``C_N = n`` (pos
 ``(j, .)`` iff both have bit ``j`` set and agree above it), so there the variances are no
 longer flat (and lower). No least squares over the redundant nodes is done.
 
-**Which one.** ``docs/statistics.md`` and ``benchmarks/RESULTS.md`` (issue 14) give the
+**Which one.** ``docs/statistics.md`` and ``benchmarks/RESULTS.md`` (sections 9 and 10) give the
 measurements behind :func:`default_mechanism`.
 """
 
@@ -192,7 +192,7 @@ def _check_mechanism(mechanism: str) -> None:
 
 def default_mechanism(noise: NoiseKind) -> Mechanism:
     """The most accurate mechanism per privacy model, from the measurements in
-    ``benchmarks/RESULTS.md`` (issue 14): ``"k-ary"`` (with optimised level shares) for pure DP,
+    ``benchmarks/RESULTS.md`` (section 9): ``"k-ary"`` (with optimised level shares) for pure DP,
     ``"factorization"`` for zCDP (about 2-3x lower variance than the k-ary tree there)."""
     if noise not in ("laplace", "gaussian"):
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")

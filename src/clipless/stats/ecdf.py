@@ -421,7 +421,7 @@ def from_release(
         # factorisation: unweighted, i.e. the Euclidean projection onto the closed convex set
         # {non-decreasing, within [0, 1]}, which contains the true CDF; a projection onto a
         # convex set is non-expansive, so smoothing never increases the squared error of any
-        # release (every noise draw), the guarantee issue 14 asks for.
+        # release (every noise draw).
         top = float(np.max(variance)) if consistency else 0.0
         if isinstance(release, CountRelease):
             top = 0.0

@@ -15,7 +15,7 @@ error of all ``m`` quantiles together grows only like ``sqrt(log m)`` (a maximum
 deviations). The exponential-mechanism algorithms (JointExp, Gillenwater, Joseph, Kulesza, ICML
 2021; the recursive approximate quantiles of Kaplan, Schnapp, Stemmer, ICML 2022) spend the
 budget on the quantiles themselves and win when ``m`` is small and the domain is huge;
-``benchmarks/RESULTS.md`` (issue 14) measures this release's rank error against OpenDP and
+``benchmarks/RESULTS.md`` (section 9) measures this release's rank error against OpenDP and
 diffprivlib on the same data. (The exponential-mechanism variants are not implemented here.)
 
 Privacy: exactly that of the one ECDF release; the inversion reads only released values.

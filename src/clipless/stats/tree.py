@@ -41,8 +41,8 @@ prefix counts. (``p_l`` is a multiple of ``2^(l+1)``, so each block is a tree no
 
 ``tests/stats/test_tree.py`` verifies both bounds exhaustively for every ``N <= 64``. The
 replace-one bound ``L+1`` is *attained* by this node-level release (e.g. ``L = 1``: leaf 1 is
-``+root``, leaf 2 is ``+leaf2``), so the tighter constant ``L`` mentioned in DESIGN.md (it holds
-for the prefix vector alone, with a representation chosen per neighbouring pair) is not used.
+``+root``, leaf 2 is ``+leaf2``), so the tighter constant ``L`` of docs/design.md "Tree noise" (it
+holds for the prefix vector alone, with a representation chosen per neighbouring pair) is not used.
 
 **Noise.** The node vector has integer L1 sensitivity ``Delta`` (above) and L2 sensitivity
 ``sqrt(Delta)`` (``Delta`` entries of ``+-1``). Laplace: exact discrete Laplace of scale
