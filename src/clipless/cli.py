@@ -178,6 +178,19 @@ def _nonnegative_int(text: str) -> int:
     return value
 
 
+def _bounded(parse: Any, high: float, why: str) -> Any:
+    """``parse`` with an upper end ``high`` (named in the error with ``why``)."""
+
+    def check(text: str) -> Any:
+        value = parse(text)
+        if value > high:
+            top = f"{int(high)}" if float(high).is_integer() else f"{high:g}"
+            raise argparse.ArgumentTypeError(f"expected at most {top} ({why}), got {text!r}")
+        return value
+
+    return check
+
+
 def _unit_interval(text: str) -> float:
     try:
         value = float(text)
@@ -216,7 +229,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default:" in text or "(None:" in text:
+        if "default:" in text.lower() or "(none:" in text.lower():
             return text
         return super()._get_help_string(action)
 
@@ -306,7 +319,13 @@ def _add_train_parser(sub: Any) -> None:
         help=f"where to train: {DEVICES} (auto: cuda if available, else mps, else cpu)",
     )
     priv = p.add_argument_group("privacy")
-    priv.add_argument("--epsilon", type=_positive_float, default=1.0, help="epsilon budget")
+    priv.add_argument(
+        "--epsilon",
+        type=_positive_float,
+        default=1.0,
+        help="epsilon budget (at most 50 with --accountant pld, whose calibration beyond it "
+        "is intractable)",
+    )
     priv.add_argument("--delta", type=_probability, default=1e-5, help="delta")
     priv.add_argument(
         "--accountant", choices=("pld", "rdp"), default="pld", help="privacy accountant"
@@ -347,8 +366,10 @@ def _add_train_parser(sub: Any) -> None:
         "--input-norm",
         type=_positive_float,
         default=None,
-        help="input norm bound X_0 enforced by InputNorm (None: a public bound of the dataset's "
-        "fixed transform, sqrt(number of features) for features in [-1, 1])",
+        help="input norm bound X_0 enforced by InputNorm (default: a public bound of the "
+        "dataset's fixed transform: sqrt(17) for adult with public-bins, sqrt(13) with "
+        "public-ranges, sqrt(20) for german-credit, max(1, sqrt(pixels) / 4) for images, "
+        "sqrt(number of features) otherwise; 2 with a --features front-end)",
     )
     priv.add_argument(
         "--input-mode",
@@ -435,7 +456,10 @@ def _add_train_parser(sub: Any) -> None:
         help="cnn pooling and resnet downsampling: L2-norm pooling (Lipschitz 1) or average "
         "pooling (Lipschitz 1/2)",
     )
-    tr.add_argument("--epochs", type=_positive_int, default=30, help="epochs")
+    tr.add_argument(
+        "--epochs", type=_bounded(_positive_int, 100_000, "a run's steps"), default=30,
+        help="epochs",
+    )  # fmt: skip
     tr.add_argument(
         "--batch-size",
         type=_positive_int,
@@ -445,7 +469,7 @@ def _add_train_parser(sub: Any) -> None:
     )
     tr.add_argument(
         "--lr",
-        type=_positive_float,
+        type=_bounded(_positive_float, 1e4, "a step beyond float32's range"),
         default=None,
         help=f"learning rate (default: {DEFAULT_LR:g}; {ADULT_LR:g} for adult, the best "
         f"validation trial of benchmarks/RESULTS.md section 16; {FEATURES_LR:g} with --features, "
@@ -468,9 +492,10 @@ def _add_train_parser(sub: Any) -> None:
         "--bias",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="biases on the linear layers (default: on for --model linear, whose bias shares its "
-        "weight's sensitivity; off for mlp and cnn, where each bias is one more noised tensor; "
-        "the cnn's convolutions stay bias-free)",
+        help="biases on the linear layers (default: on for --model linear without a --features "
+        "front-end, whose bias shares its weight's sensitivity; off with a front-end and for "
+        "mlp and cnn, where each bias is one more noised tensor; the cnn's convolutions stay "
+        "bias-free)",
     )
     tr.add_argument(
         "--temperature",
@@ -495,10 +520,13 @@ def _add_train_parser(sub: Any) -> None:
         default=0.9,
         help="EMA decay of the weights; the EMA model is evaluated and saved (0: no EMA)",
     )
-    tr.add_argument("--seed", type=_nonnegative_int, default=0, help="seed of the initial weights")
+    tr.add_argument(
+        "--seed", type=_bounded(_nonnegative_int, 2**32 - 1, "numpy's seed range"), default=0,
+        help="seed of the initial weights",
+    )  # fmt: skip
     tr.add_argument(
         "--unsafe-seed",
-        type=_nonnegative_int,
+        type=_bounded(_nonnegative_int, 2**62, "torch's seed range"),
         default=None,
         help="ALSO seed the batch sampling and the DP noise (reproducible runs for testing; "
         "anyone who knows it can recompute the noise, so the epsilon is no guarantee against "
@@ -506,7 +534,7 @@ def _add_train_parser(sub: Any) -> None:
     )
     tr.add_argument(
         "--threads",
-        type=_positive_int,
+        type=_bounded(_positive_int, 1024, "torch's thread pool"),
         default=1,
         help="torch intra-op threads (small models run fastest on one)",
     )
@@ -653,6 +681,9 @@ Fashion-MNIST 0.1 beat 0.3 at epsilon 3 (89.85% against 89.70%, medians of 3 see
 epsilon 1 (``benchmarks/RESULTS.md`` sections 14 and 17)."""
 
 FEATURES_INPUT_NORM = 2.0
+# the largest --epsilon calibrated with the PLD accountant (epsilon 60 took 26 s and 1 GB on
+# breast-cancer; 100 did not finish in 40 s)
+PLD_MAX_EPSILON = 50.0
 """Default ``--input-norm`` with a feature front-end: the sphere radius. With Adam the logits move
 ``lr * radius`` per step, so radius 2 at lr 0.01 is the measured best radius 1 at lr 0.02 (on
 whitened features, radius 2 at the default lr 0.005 is the harness's best radius 1 at lr 0.01)."""
@@ -1077,6 +1108,13 @@ def _run_train(args: argparse.Namespace) -> int:
             f"{args.model} needs an image dataset (digits, fashion-mnist, mnist-10k); "
             f"{info.name} has input shape {tuple(info.input_shape)} (use --model mlp)",
         )
+    if args.accountant == "pld" and args.epsilon > PLD_MAX_EPSILON:
+        raise _ArgError(
+            "--epsilon",
+            f"at most {PLD_MAX_EPSILON:g} with the PLD accountant (its calibration at the tiny "
+            f"noise of a larger budget does not finish); got {args.epsilon:g}: use --accountant "
+            "rdp for such budgets",
+        )
     if args.input_norm is None:
         args.input_norm = (
             _default_input_norm(info.name, info.input_shape, args.preprocessing)
@@ -1491,6 +1529,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # disk full, permissions...: one line, exit 1 (the run failed)
         print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the ledger is written before every step's noise: nothing is lost
+        out = getattr(args, "out", None)
+        where = f"; the privacy ledger is in {out}, continue with --resume" if out else ""
+        print(f"clipless {args.command}: interrupted{where}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # python -m clipless.cli (python -m clipless is the same)

@@ -382,6 +382,8 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """The engine's resumable state (its privacy ledger and noise/sampler generators);
+        save it with the model and optimizer and restore it with :meth:`load_state_dict`."""
         opt = self._opt()
         state: dict[str, Any] = {
             "ledger": self.ledger.to_dict(),

@@ -40,10 +40,15 @@ def test_simulate_roc_prints_auc(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--servers", "1"], "--servers must be >= 2"),
+        (["--servers", "1"], "argument --servers: expected an integer >= 2"),
         (["--protocol", "fss", "--servers", "3"], "exactly 2 servers"),
-        (["--epsilon", "0"], "--epsilon must be > 0"),
+        (["--epsilon", "0"], "argument --epsilon: expected a finite number > 0"),
         (["--noise-key", "abc"], "--noise-key"),
+        # audit findings: tracebacks before
+        (["--epsilon", "inf"], "argument --epsilon"),
+        (["--timeout", "nan"], "argument --timeout"),
+        (["--data-seed", "-1"], "argument --data-seed"),
+        (["--protocol", "fss", "--neighbouring", "add_remove"], "needs neighbouring='replace_one'"),
     ],
 )
 def test_simulate_bad_arguments(
@@ -99,4 +104,55 @@ def test_init_writes_private_secrets(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["federated", "init", "--out", str(tmp_path / "z"), "--owners", "2", "--size",
                  "4", "--epsilon", "-1", "--server-at", "127.0.0.1:7000",
                  "--server-at", "127.0.0.1:7001"]) == 2  # fmt: skip
-    assert "epsilon must be > 0" in capsys.readouterr().err
+    assert "argument --epsilon: expected a finite number > 0" in capsys.readouterr().err
+
+
+def _init(out: Path, *extra: str) -> int:
+    return main([
+        "federated", "init", "--out", str(out), "--owners", "2", "--size", "4", "--epsilon", "1",
+        "--server-at", "127.0.0.1:7001", "--server-at", "127.0.0.1:7002", *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "{run}/session.json", "--secret", "{run}/secrets/server-0.json", "--index",
+          "0", "--port", "70000"], "argument --port: expected an integer [0, 65535]"),
+        (["serve", "{tmp}/bad.json", "--secret", "{run}/secrets/server-0.json", "--index", "0"],
+         "is not a JSON file"),
+        (["serve", "{run}/session.json", "--secret", "{run}/secrets/owner-0.json", "--index",
+          "0"], "is not a server's secret"),
+        (["serve", "{run}/session.json", "--secret", "{run}/secrets/server-0.json", "--index",
+          "5"], "--index 5: this session has servers 0..1"),
+        (["owner", "{run}/session.json", "--secret", "{run}/secrets/owner-0.json", "--index",
+          "7", "--values", "0.5"], "--index 7: this session has owners 0..1"),
+        (["owner", "{run}/session.json", "--secret", "{run}/secrets/server-0.json", "--index",
+          "0", "--values", "0.5"], "a server's secret?"),
+        (["owner", "{run}/session.json", "--secret", "{run}/secrets/owner-0.json", "--index",
+          "0", "--values", "nan"], "values must be finite"),
+        (["owner", "{run}/session.json", "--secret", "{run}/secrets/owner-0.json", "--index",
+          "0", "--values", "0.5", "--labels", "1"], "labels are for roc"),
+        (["init", "--out", "{run}", "--owners", "2", "--size", "4", "--epsilon", "1",
+          "--server-at", "h:1", "--server-at", "h:2"], "--out"),
+        (["init", "--out", "{tmp}/new", "--owners", "2", "--size", "4", "--epsilon", "1",
+          "--n-values", "0", "--server-at", "h:1", "--server-at", "h:2"], "--n-values"),
+        (["init", "--out", "{tmp}/new", "--owners", "2", "--size", "4", "--epsilon", "1",
+          "--server-at", "h:1", "--server-at", "h:1"], "two servers at one address"),
+    ],
+)  # fmt: skip
+def test_party_bad_input_is_one_line_before_anything_runs(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Audit findings: a port out of range, a malformed or wrong file, an index out of range
+    and bad values gave tracebacks, or ran until the timeout; --n-values 0 ran the protocol and
+    lost the release."""
+    run = tmp_path / "run"
+    assert _init(run) == 0
+    (tmp_path / "bad.json").write_text("{bad")
+    capsys.readouterr()
+    argv = [a.replace("{run}", str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["federated", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err and err.count("\n") <= 12  # usage lines at most, no traceback

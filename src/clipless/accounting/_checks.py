@@ -13,7 +13,10 @@ from typing import Literal
 
 from dp_accounting.rdp import rdp_privacy_accountant
 
+#: Which ``dp_accounting`` accountant composes the events: privacy loss distributions (tight,
+#: the default) or Renyi DP (an upper bound; refuses replace-one under subsampling).
 AccountantKind = Literal["pld", "rdp"]
+#: The neighbouring relation of the guarantee: add or remove one example, or replace one.
 Neighbouring = Literal["add_remove", "replace_one"]
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")

@@ -62,6 +62,7 @@ class LedgerEntry:
         return self.start_step + self.count
 
     def to_dict(self) -> dict[str, Any]:
+        """The entry as JSON-ready values (an infinite multiplier is the string ``"inf"``)."""
         sigma: float | str = self.noise_multiplier
         if math.isinf(self.noise_multiplier):
             sigma = "inf"  # strict JSON has no Infinity
@@ -89,6 +90,7 @@ class LedgerRelease:
     label: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The release as JSON-ready values."""
         return {"noise_multiplier": self.noise_multiplier, "label": self.label}
 
 
@@ -170,10 +172,12 @@ class PrivacyLedger:
 
     @property
     def value_discretization_interval(self) -> float:
+        """The PLD accountant's discretisation of the privacy loss (smaller: tighter, slower)."""
         return self._vdi
 
     @property
     def entries(self) -> tuple[LedgerEntry, ...]:
+        """Every recorded event, oldest first (runs of identical steps are one entry)."""
         return tuple(self._entries)
 
     @property

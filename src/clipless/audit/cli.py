@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from clipless.audit.step import AUDIT_MODES, audit_step
@@ -77,7 +78,7 @@ def add_audit_parser(sub: Any) -> None:
     p.add_argument("--noise", choices=("global", "per-layer"), default="global", help="noise")
     p.add_argument(
         "--sigma",
-        type=_number("a finite number > 0", 0.0, math.inf),
+        type=_number("a number in [0.001, 1e6)", 1e-3, 1e6, open_low=False),
         default=2.0,
         help="noise multiplier",
     )
@@ -90,7 +91,10 @@ def add_audit_parser(sub: Any) -> None:
     p.add_argument(
         "--steps", type=_integer(1, 10_000), default=1, help="steps composed (fixed weights)"
     )
-    p.add_argument("--delta", type=_number("a number in (0, 1)", 0.0, 1.0), default=1e-5)
+    p.add_argument(
+        "--delta", type=_number("a number in [1e-100, 1)", 1e-100, 1.0, open_low=False),
+        default=1e-5,
+    )  # fmt: skip
     p.add_argument(
         "--confidence",
         type=_number("a number in (0, 1)", 0.0, 1.0),
@@ -116,6 +120,14 @@ def audit_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.plot:  # checked before the audit runs, not after
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        suffix = Path(args.plot).suffix[1:].lower() or "png"
+        if suffix not in FigureCanvasAgg.get_supported_filetypes():
+            print(f"clipless audit: error: argument --plot: .{suffix} is not an image format "
+                  "(use .png, .pdf or .svg)", file=sys.stderr)  # fmt: skip
+            return 2
     result = audit_step(
         args.mode,
         noise=args.noise,
@@ -132,7 +144,7 @@ def audit_command(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             path = result.plot(args.plot)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             print(f"clipless audit: error: argument --plot: {exc}", file=sys.stderr)
             return 2
         print(f"plot: {path}")

@@ -104,6 +104,7 @@ class OneRunAudit:
     test_accuracy: float
 
     def lines(self) -> list[str]:
+        """Human-readable report: the claim and the one-run lower bound."""
         return [
             f"claimed epsilon: {self.claimed_epsilon:.4f} (delta {self.delta:g})",
             f"one-run lower bound: {self.epsilon_lower_bound:.4f} ({100 * self.confidence:g}% "

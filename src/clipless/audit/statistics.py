@@ -81,6 +81,7 @@ class PrivacyLossDistribution:
 
     @property
     def losses(self) -> NDArray[np.float64]:
+        """The privacy-loss values of the support (``steps * unit``), as floats."""
         return self.steps.astype(np.float64) * float(self.unit)
 
     @property
@@ -379,6 +380,7 @@ class SamplerAudit:
 
     @property
     def epsilon_lower_bound(self) -> float:
+        """The sampled epsilon lower bound (with probability ``test.confidence``)."""
         return self.test.epsilon
 
 

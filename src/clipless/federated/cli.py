@@ -1,17 +1,19 @@
-"""``clipless federated simulate | serve | owner | dealer`` (see :mod:`clipless.federated.session`).
+"""``clipless federated simulate | init | serve | owner | dealer | analyst``.
 
 ``simulate`` launches ``--servers`` servers, ``--owners`` owners (one synthetic value each,
 Beta(2, 5) on [0, 1] from ``--data-seed``) and, for ``--noise-sharing dealer``, a noise dealer,
 each a separate process on 127.0.0.1, then acts as the analyst: it prints the released ECDF,
-the wall time, one line ``total: N bytes`` and the bytes sent by each role. ``serve``, ``owner``
-and ``dealer`` run one party from a public session file and its own secret file (docs/federated.md
-shows how to run them on several machines).
+the wall time, one line ``total: N bytes`` and the bytes sent by each role. ``init`` writes a
+public session file and one secret file per party; ``serve``, ``owner``, ``dealer`` and
+``analyst`` run one party from the session file and its own secret file (docs/federated.md shows
+how to run them on several machines; the protocol is :mod:`clipless.federated.session`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import sys
 from pathlib import Path
@@ -21,21 +23,53 @@ from clipless.federated.noise import server_keys
 
 __all__ = ["add_federated_parser", "main"]
 
+# the module docstring without its reST markup, for --help
+_DESCRIPTION = (__doc__ or "").replace("``", "").replace(":mod:`", "").replace("`", "")
+
+
+def _int_in(low: int, high: int | None = None) -> Any:
+    """An argparse type: an integer in ``[low, high]`` (``high=None``: no upper end)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            span = f"[{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _finite_positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
 
 def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "federated",
         help="federated DP-ECDF: secret sharing or FSS among processes over TCP",
-        description=__doc__,
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="federated_command", metavar="ACTION")
     s = sub.add_parser("simulate", help="run owners, servers and the analyst on loopback")
-    s.add_argument("--owners", type=int, default=20, help="number of data owners (default 20)")
-    s.add_argument("--servers", type=int, default=2, help="number of servers m (default 2)")
+    s.add_argument(
+        "--owners", type=_int_in(1), default=20, help="number of data owners (default 20)"
+    )
+    s.add_argument("--servers", type=_int_in(2), default=2, help="number of servers m (default 2)")
     s.add_argument("--protocol", choices=["shares", "fss"], default="shares")
-    s.add_argument("--size", type=int, default=16, help="number of grid thresholds |B|")
-    s.add_argument("--epsilon", type=float, default=1.0, help="privacy budget (> 0)")
+    s.add_argument("--size", type=_int_in(2), default=16, help="number of grid thresholds |B|")
+    s.add_argument("--epsilon", type=_finite_positive, default=1.0, help="privacy budget (> 0)")
     s.add_argument(
         "--noise-sharing",
         choices=["dealer", "distributed"],
@@ -43,8 +77,12 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="who holds the tree-node noise (docs/federated.md: threat model)",
     )
     s.add_argument("--neighbouring", choices=["replace_one", "add_remove"], default="replace_one")
-    s.add_argument("--timeout", type=float, default=60.0, help="per-phase timeout in seconds")
-    s.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic owner data")
+    s.add_argument(
+        "--timeout", type=_finite_positive, default=60.0, help="per-phase timeout in seconds"
+    )
+    s.add_argument(
+        "--data-seed", type=_int_in(0), default=0, help="seed of the synthetic owner data"
+    )
     s.add_argument("--noise-key", default=None, help="hex 16-byte node-noise key (reproducible)")
     s.add_argument("--spawn", choices=["subprocess", "fork"], default="subprocess")
     s.add_argument(
@@ -56,16 +94,16 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.set_defaults(func=_simulate)
     i = sub.add_parser("init", help="write a session file and one secret file per party")
     i.add_argument("--out", required=True, help="directory to create (session.json, secrets/)")
-    i.add_argument("--owners", type=int, required=True)
-    i.add_argument("--servers", type=int, default=2)
+    i.add_argument("--owners", type=_int_in(1), required=True)
+    i.add_argument("--servers", type=_int_in(2), default=2)
     i.add_argument("--protocol", choices=["shares", "fss"], default="shares")
-    i.add_argument("--size", type=int, required=True, help="number of grid thresholds")
+    i.add_argument("--size", type=_int_in(2), required=True, help="number of grid thresholds")
     i.add_argument("--lower", type=float, default=0.0, help="grid lower bound (default 0)")
     i.add_argument("--upper", type=float, default=1.0, help="grid upper bound (default 1)")
-    i.add_argument("--epsilon", type=float, required=True)
+    i.add_argument("--epsilon", type=_finite_positive, required=True)
     i.add_argument("--noise-sharing", choices=["dealer", "distributed"], default="dealer")
     i.add_argument("--neighbouring", choices=["replace_one", "add_remove"], default="replace_one")
-    i.add_argument("--timeout", type=float, default=600.0)
+    i.add_argument("--timeout", type=_finite_positive, default=600.0)
     i.add_argument(
         "--statistic",
         choices=["ecdf", "roc"],
@@ -74,7 +112,7 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     i.add_argument(
         "--n-values",
-        type=int,
+        type=_int_in(1),
         default=None,
         help="public total number of values (replace_one; default: one per owner)",
     )
@@ -96,10 +134,12 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         q.add_argument("session", help="public session JSON")
         q.add_argument("--secret", required=True, help="this party's secret JSON (link keys)")
         if name in ("serve", "owner"):
-            q.add_argument("--index", type=int, required=True, help="party index")
+            q.add_argument("--index", type=_int_in(0), required=True, help="party index")
         if name == "serve":
             q.add_argument("--host", default="127.0.0.1")
-            q.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
+            q.add_argument(
+                "--port", type=_int_in(0, 65535), default=0, help="0: any free port (printed)"
+            )
         if name == "owner":
             q.add_argument("--values", required=True, help="comma-separated values")
             q.add_argument("--labels", default=None, help="comma-separated 0/1 labels (roc)")
@@ -180,6 +220,9 @@ def _simulate(args: argparse.Namespace) -> int:
     except FederatedError as exc:
         print(f"clipless federated simulate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # the session's arguments (checked before anything starts)
+        print(f"clipless federated simulate: error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"released {args.statistic.upper()} ({args.protocol}, {args.owners} owners, "
         f"{args.servers} servers, noise {args.noise_sharing}, epsilon={args.epsilon:g}, "
@@ -226,9 +269,18 @@ def _init(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"clipless federated init: error: {exc}", file=sys.stderr)
         return 2
+    if len({(h, p) for h, p in addrs}) != len(addrs):
+        print("clipless federated init: error: --server-at: two servers at one address",
+              file=sys.stderr)  # fmt: skip
+        return 2
     sess["servers_at"] = addrs
     out = Path(args.out)
-    (out / "secrets").mkdir(parents=True, exist_ok=False)
+    try:
+        (out / "secrets").mkdir(parents=True, exist_ok=False)
+    except OSError as exc:
+        print(f"clipless federated init: error: --out {str(out)!r}: {exc.strerror or exc} "
+              "(choose a new directory)", file=sys.stderr)  # fmt: skip
+        return 2
     (out / "session.json").write_text(json.dumps(sess, indent=1))
     for name, sec in secrets_.items():
         path = out / "secrets" / f"{name.replace(' ', '-')}.json"
@@ -258,9 +310,12 @@ def _party(args: argparse.Namespace) -> int:
     from clipless.federated import session as fs
     from clipless.federated.transport import FederatedError
 
-    sess = json.loads(Path(args.session).read_text())
-    secret = json.loads(Path(args.secret).read_text())
     cmd = args.federated_command
+    try:
+        sess, secret = _load_party(args)
+    except ValueError as exc:
+        print(f"clipless federated {cmd}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         if cmd == "serve":
             listener = socket.create_server((args.host, args.port))
@@ -294,8 +349,60 @@ def _party(args: argparse.Namespace) -> int:
         print(json.dumps({"sent": {}, "error": [exc.code, str(exc), exc.party]}), flush=True)
         print(f"clipless federated {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # e.g. the port is taken, or the host is not this machine's
+        print(f"clipless federated {cmd}: error: --host/--port: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # this party's input (values, labels) against the session
+        print(f"clipless federated {cmd}: error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps({"sent": dict(counter.sent), "error": None}), flush=True)
     return 0
+
+
+_SESSION_KEYS = ("session", "protocol", "servers", "owners", "noise_sharing", "thresholds",
+                 "timeout", "servers_at")  # fmt: skip
+
+
+def _load_party(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The session and this party's secret, checked against each other and ``--index``
+    (a wrong file or index is named now, not at the run's timeout)."""
+    docs = []
+    for flag, path in (("session", args.session), ("--secret", args.secret)):
+        try:
+            doc = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"{flag} {path!r}: {exc.strerror or exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{flag} {path!r} is not a JSON file ({exc})") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"{flag} {path!r} is not a clipless federated file")
+        docs.append(doc)
+    sess, secret = docs
+    missing = [k for k in _SESSION_KEYS if k not in sess]
+    if missing:
+        raise ValueError(f"session {args.session!r} lacks {', '.join(missing)} (not a session "
+                         "written by clipless federated init?)")  # fmt: skip
+    links = secret.get("links")
+    if not isinstance(links, dict) or not links:
+        raise ValueError(f"--secret {args.secret!r} holds no link keys (not a party's secret?)")
+    cmd = args.federated_command
+    m, n = int(sess["servers"]), int(sess["owners"])
+    if cmd == "serve":
+        if args.index >= m:
+            raise ValueError(f"--index {args.index}: this session has servers 0..{m - 1}")
+        expected = {f"owner {i}" for i in range(n)} | {"analyst 0"}
+        if not expected <= set(links):
+            raise ValueError(f"--secret {args.secret!r} is not a server's secret (it has no "
+                             "keys for the owners and the analyst)")  # fmt: skip
+    else:
+        if cmd == "owner" and args.index >= n:
+            raise ValueError(f"--index {args.index}: this session has owners 0..{n - 1}")
+        if set(links) != {f"server {j}" for j in range(m)}:
+            raise ValueError(f"--secret {args.secret!r} is not the secret of a party that talks "
+                             f"to the {m} servers (a server's secret?)")  # fmt: skip
+        if cmd == "owner" and args.labels is not None and sess.get("statistic") != "roc":
+            raise ValueError("--labels: this session releases an ECDF (labels are for roc)")
+    return sess, secret
 
 
 def main(argv: list[str] | None = None) -> int:

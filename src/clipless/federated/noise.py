@@ -184,6 +184,7 @@ class SummedNoise:
         levels: NDArray[np.int64],
         index: NDArray[np.int64],
     ) -> NDArray[np.int64]:
+        """The summed noise of nodes ``(levels[k], index[k])`` over every source, int64."""
         total = np.zeros(np.asarray(levels).size, dtype=np.int64)
         for src in self.sources:
             total = total + src.nodes(kind, param, levels, index)
@@ -212,6 +213,7 @@ class TaggedNoise:
         levels: NDArray[np.int64],
         index: NDArray[np.int64],
     ) -> NDArray[np.int64]:
+        """The noise of this tree's nodes ``(levels[k], index[k])``, int64."""
         lev = np.asarray(levels, dtype=np.int64) + (self.tag << TAG_SHIFT)
         return self.source.nodes(kind, param, lev, index)
 

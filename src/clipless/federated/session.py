@@ -662,6 +662,7 @@ class SimulationResult:
 
     @property
     def total(self) -> int:
+        """Bytes sent on all links (whole frames)."""
         return sum(self.sent.values())
 
     def by_role(self) -> dict[str, int]:
@@ -725,6 +726,10 @@ def make_session(
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
     # the budget is checked now, not by the dealer or the servers mid-run
     noise_parameter(tree_depth(len(grid)), neighbouring, noise, epsilon, rho)  # type: ignore[arg-type]
+    if n_values is not None and (
+        isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1
+    ):
+        raise ValueError(f"n_values must be an integer >= 1 or None; got {n_values!r}")
     if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     if points is not None:

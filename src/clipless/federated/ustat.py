@@ -178,6 +178,7 @@ class ShareServer:
 
     @property
     def is_last(self) -> bool:
+        """Whether this is the last server (it receives explicit shares, not seeds)."""
         return self.index == self.servers - 1
 
     def receive_share(self, payload: bytes) -> None:
@@ -263,6 +264,7 @@ class Traffic:
 
     @property
     def total(self) -> int:
+        """Bytes sent on all links."""
         return self.owners + self.dealer + self.servers
 
 

@@ -114,6 +114,7 @@ class ConversionReport:
 
     @property
     def removed(self) -> tuple[ConversionEntry, ...]:
+        """The entries of modules that were removed (not replaced) by the conversion."""
         return tuple(e for e in self.entries if e.kind == "removed")
 
     @property

@@ -159,10 +159,12 @@ class Grid:
 
     @property
     def lower(self) -> float:
+        """The first threshold."""
         return float(self._thresholds[0])
 
     @property
     def upper(self) -> float:
+        """The last threshold."""
         return float(self._thresholds[-1])
 
     def __len__(self) -> int:

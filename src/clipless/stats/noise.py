@@ -136,7 +136,11 @@ def conservative_scale(scale: Fraction, bits: int = 61) -> Fraction:
         return scale
     k = bits - (-(-scale.numerator // scale.denominator)).bit_length()
     if k < 0:
-        raise ValueError(f"scale {float(scale)} is too large")
+        digits = len(str(scale.numerator // scale.denominator))
+        raise ValueError(
+            f"the noise scale (about 10^{digits - 1}) is too large for the exact sampler: epsilon "
+            "(or rho) is too small"
+        )
     return Fraction(-(-scale.numerator * (1 << k) // scale.denominator), 1 << k)
 
 
