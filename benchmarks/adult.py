@@ -90,7 +90,10 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     "loss": "ce",
     "margin": 1.0,
     "ema": None,  # decay of an EMA of the weights (evaluated instead of the last iterate)
-    "schedule": "constant",  # or "cosine": lr * (1 + cos(pi t / T)) / 2
+    "schedule": "constant",  # or "cosine": lr * (1 + cos(pi t / T)) / 2, or "step": lr until
+    # drop_at * T steps, then lr * drop
+    "drop_at": 0.5,
+    "drop": 0.1,
     "freeze_first": False,  # a public random first layer, not trained (its weights never noised)
     "features": "none",  # or "scatter": clipless.features.Scattering2d before the model
     "input_mode": "ball",  # InputNorm: "ball" (clip to input_norm) or "sphere" (normalise to it)
@@ -337,11 +340,14 @@ def run_clipless(
     )
     ema = WeightEMA(model, cfg["ema"]) if cfg["ema"] else None
     total = cfg["epochs"] * len(loader)
-    sched = (
-        torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / total)))
-        if cfg["schedule"] == "cosine"
-        else None
-    )
+    sched: torch.optim.lr_scheduler.LambdaLR | None = None
+    if cfg["schedule"] == "cosine":
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / total))
+        )
+    elif cfg["schedule"] == "step":
+        at, drop = float(cfg["drop_at"]) * total, float(cfg["drop"])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 if t < at else drop)
     start = time.perf_counter()
     for _ in range(cfg["epochs"]):
         for x, y in loader:
