@@ -716,3 +716,31 @@ def test_default_batch_size() -> None:
         2035,
         2048,
     ]
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda c: c.pop("noise_multiplier"), "noise_multiplier"),
+        (lambda c: c.update(noise_multiplier=-1.0), "noise_multiplier"),
+        (lambda c: c["options"].update(hidden=5), "--hidden"),
+        (lambda c: c["options"].update(lr="fast"), "--lr"),
+        (lambda c: c["options"].update(epsilon=[1.0]), "--epsilon"),
+        (lambda c: c["options"].update(scaling="batch-max!"), "--scaling"),
+        (lambda c: c["options"].update(bias="yes"), "--bias"),
+    ],
+)
+def test_resume_names_a_damaged_config(
+    edit: Any, named: str, run_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Audit finding: a config.json edited into wrong contents gave a KeyError or TypeError
+    traceback on --resume; it is named, and nothing starts."""
+    path = run_copy / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    steps = PrivacyLedger.from_json(run_copy / "ledger.json").steps
+    assert main(["train", "--out", str(run_copy), "--resume", "--no-progress", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err
+    assert PrivacyLedger.from_json(run_copy / "ledger.json").steps == steps

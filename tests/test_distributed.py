@@ -199,3 +199,43 @@ def test_cli_nproc_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         mp.setenv("RANK", "0")
         assert main([*CLI_RUN, "--out", str(tmp_path / "x"), "--nproc", "2"]) == 2
         assert "must be 1 under torchrun" in capsys.readouterr().err
+
+
+def _raises() -> int:
+    raise ValueError("boom in a rank")
+
+
+def test_an_exception_in_a_rank_is_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    """Audit finding: an exception inside a spawned rank reached the user as the rank's
+    traceback wrapped in the launcher's; now one line naming the rank, exit status 1."""
+    from clipless.distributed import spawn
+
+    assert spawn(2, _raises) == 1
+    err = capfd.readouterr().err
+    assert "ValueError: boom in a rank" in err
+    assert "ProcessRaisedException" not in err
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR is not set"),
+        ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK='x' must be an integer"),
+        ({"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29613"},
+         "need 0 <= RANK < WORLD_SIZE"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"},
+         "MASTER_PORT=99999"),
+    ],
+)  # fmt: skip
+def test_a_malformed_torchrun_environment_is_named(
+    env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Audit finding: these gave tracebacks, and RANK >= WORLD_SIZE hung in the rendezvous."""
+    from clipless.distributed import init_from_env
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        init_from_env("cpu")

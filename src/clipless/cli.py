@@ -825,7 +825,48 @@ def _read_run_config(out: Path) -> dict[str, Any]:
     ]
     if missing:
         raise _ArgError("--resume", f"{path} lacks {', '.join(missing)}")
+    sigma = saved.get("noise_multiplier")
+    if (
+        isinstance(sigma, bool)
+        or not isinstance(sigma, int | float)
+        or not (math.isfinite(sigma) and sigma > 0)
+    ):
+        raise _ArgError("--resume", f"{path}: noise_multiplier must be a number > 0, got {sigma!r}")
+    _check_saved_types(path, saved["options"])
     return saved
+
+
+def _check_saved_types(path: Path, options: Mapping[str, Any]) -> None:
+    """Every saved run option passes the command line's own check (a config.json edited into
+    the wrong types is named, not a traceback later)."""
+    actions = {}
+    for action in build_parser()._actions:  # argparse has no public accessor
+        if isinstance(action, argparse._SubParsersAction):
+            actions = {a.dest: a for a in action.choices["train"]._actions}
+    for dest, flag in RUN_OPTIONS.items():
+        if dest not in options or options[dest] is None or dest not in actions:
+            continue
+        value, action = options[dest], actions[dest]
+        try:
+            if dest == "hidden":
+                if not isinstance(value, list) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value
+                ):
+                    raise ValueError
+            elif dest == "bias":
+                if not isinstance(value, bool):
+                    raise ValueError
+            elif isinstance(value, bool | list | dict):
+                raise ValueError
+            else:
+                if action.choices is not None and value not in action.choices:
+                    raise ValueError
+                if callable(action.type):
+                    action.type(str(value))
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            raise _ArgError(
+                "--resume", f"{path}: the saved {flag} ({value!r}) is not a valid value"
+            ) from None
 
 
 def _check_resumable(out: Path) -> None:
@@ -987,8 +1028,17 @@ def _run_train(args: argparse.Namespace) -> int:
 
     # data parallel (clipless.distributed): --nproc N runs this function in N spawned ranks; under
     # torchrun the ranks come from its environment. Only rank 0 touches the run folder.
-    if distributed.launched_by_torchrun() and args.nproc > 1:
+    try:
+        torchrun = distributed.launched_by_torchrun()
+    except ValueError as exc:
+        raise _ArgError("environment", str(exc)) from None
+    if torchrun and args.nproc > 1:
         raise _ArgError("--nproc", "must be 1 under torchrun (torchrun starts the ranks)")
+    try:  # a malformed torchrun environment is named now, not by a hang or a traceback
+        if torchrun:
+            distributed.check_env()
+    except ValueError as exc:
+        raise _ArgError("environment", str(exc)) from None
     if args.nproc > 1 and not distributed.launched_by_torchrun():
         _check_out_folder(Path(args.out), args)  # one clear error before any process starts
         return distributed.spawn(args.nproc, _train_rank, args)

@@ -165,9 +165,37 @@ def shard(*tensors: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, ...]
 
 
 # ------------------------------------------------------------------------------- launching
+def _env_int(name: str, default: str | None = None) -> int:
+    text = os.environ.get(name, default)
+    try:
+        return int(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"environment variable {name}={text!r} must be an integer (set by torchrun)"
+        ) from None
+
+
+def check_env() -> None:
+    """Refuse a malformed ``torchrun``-style environment with a named error (before joining a
+    group that would hang): integer ``RANK`` in ``[0, WORLD_SIZE)``, ``LOCAL_RANK`` >= 0,
+    ``MASTER_ADDR`` set and ``MASTER_PORT`` in 1..65535."""
+    world, rank = _env_int("WORLD_SIZE", "1"), _env_int("RANK")
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(
+            f"environment variables RANK={rank} and WORLD_SIZE={world}: need 0 <= RANK < WORLD_SIZE"
+        )
+    if _env_int("LOCAL_RANK", "0") < 0:
+        raise ValueError("environment variable LOCAL_RANK must be >= 0")
+    if not os.environ.get("MASTER_ADDR"):
+        raise ValueError("environment variable MASTER_ADDR is not set (torchrun sets it)")
+    port = _env_int("MASTER_PORT", "")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"environment variable MASTER_PORT={port} must be in 1..65535")
+
+
 def launched_by_torchrun() -> bool:
     """Whether this process is one rank of a ``torchrun`` launch (``WORLD_SIZE`` > 1 is set)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    return _env_int("WORLD_SIZE", "1") > 1 and "RANK" in os.environ
 
 
 def init_from_env(device: torch.device | str = "cpu") -> torch.device:
@@ -186,6 +214,7 @@ def init_from_env(device: torch.device | str = "cpu") -> torch.device:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local % max(torch.cuda.device_count(), 1))
     if not dist.is_initialized():
+        check_env()
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -196,7 +225,7 @@ def current_rank() -> int:
     """This process's rank: the group's, else ``RANK`` under torchrun, else 0 (one process)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ["RANK"]) if launched_by_torchrun() else 0
+    return _env_int("RANK") if launched_by_torchrun() else 0
 
 
 def _free_port() -> int:
@@ -243,4 +272,9 @@ def spawn(nproc: int, fn: Callable[..., int], *args: Any) -> int:
         )
     except torch.multiprocessing.ProcessExitedException as exc:
         return int(exc.exit_code) if exc.exit_code and exc.exit_code > 0 else 1
+    except torch.multiprocessing.ProcessRaisedException as exc:
+        # one line, not the rank's traceback wrapped in the launcher's
+        last = [line for line in str(exc).strip().splitlines() if line.strip()][-1:]
+        print(f"rank {exc.error_index}: {last[0] if last else exc}", file=sys.stderr)
+        return 1
     return 0
