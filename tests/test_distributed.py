@@ -20,9 +20,7 @@ from clipless import nn as cnn
 STEPS = 4
 
 
-def _run(
-    parallel: bool, ledger_path: Path | None = None, seed: int | None = 7
-) -> tuple[dict[str, Any], float, int]:
+def _setup(parallel: bool, ledger_path: Path | None = None, seed: int | None = 7) -> Any:
     torch.manual_seed(0)
     model = cnn.Sequential(
         cnn.InputNorm(1.0), cnn.Linear(10, 16), cnn.GroupSort(2), cnn.Linear(16, 3)
@@ -43,6 +41,13 @@ def _run(
     )
     if parallel:
         distributed.make_data_parallel(opt, loader)
+    return model, opt, loader, loss, engine
+
+
+def _run(
+    parallel: bool, ledger_path: Path | None = None, seed: int | None = 7
+) -> tuple[dict[str, Any], float, int]:
+    model, opt, loader, loss, engine = _setup(parallel, ledger_path, seed)
     rows = 0
     for step, (xb, yb) in enumerate(loader):
         if step == STEPS:
@@ -79,6 +84,20 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         except clipless.optim.PrivacyContractError:
             caught = True
         torch.save(caught, Path(out) / f"caught{rank}.pt")
+        # fit(checkpoint_dir=...) called on every rank (the Python API): only rank 0 writes
+        import clipless.training as training
+
+        real_save = training.save_checkpoint
+
+        def spy(path: Any, state: Any) -> Any:
+            (Path(out) / f"wrote{rank}").write_text("checkpoint")
+            return real_save(path, state)
+
+        training.save_checkpoint = spy  # type: ignore[assignment]
+        model, opt, loader, loss, engine = _setup(True)
+        training.fit(model, opt, loader, loss, engine=engine, epochs=1, delta=1e-5,
+                     checkpoint_dir=Path(out) / "fit", metrics_path=Path(out) / "fit" / "m.json",
+                     progress=False)  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -95,6 +114,10 @@ def _free_port() -> int:
 def test_two_processes_match_one_process(tmp_path: Path) -> None:
     torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    # only rank 0 wrote the checkpoint and the metrics (audit finding: every rank calling
+    # fit(checkpoint_dir=...) wrote them, the last rename winning, its generator states included)
+    assert (tmp_path / "wrote0").is_file() and not (tmp_path / "wrote1").exists()
+    assert (tmp_path / "fit" / "checkpoint.pt").is_file()
     single_state, single_eps, single_rows = _run(False)
     # Replicas are bitwise identical (rank 0's noisy gradient is broadcast).
     for key in single_state:

@@ -612,6 +612,8 @@ def fit(
     for ``resume=False`` over such a ledger, :class:`FileExistsError` (a new run would forget
     privacy already spent). ``metrics_path``
     (``.json``; a ``.csv`` of the history is written beside it) is rewritten every epoch.
+    Under :mod:`clipless.distributed` only rank 0 writes the checkpoint, its ledger and the
+    metrics; every rank may pass the same ``checkpoint_dir`` (and reads it on ``resume``).
     """
     _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult)
     reduction = getattr(loss, "reduction", "sum")
@@ -702,8 +704,13 @@ def fit(
     epsilon = _epsilon(engine, delta) if _ledger_steps(engine) else 0.0
     epochs_completed = sum(1 for r in history if r.get("complete"))
 
+    # under clipless.distributed only rank 0 writes (a checkpoint written by every rank to one
+    # shared folder would be whichever rank renamed last, its generator states included)
+    dp = getattr(optimizer, "data_parallel", None)
+    writer = dp is None or dp.writes_ledger
+
     def checkpoint(epoch_index: int, reason: str | None) -> None:
-        if ckpt_dir is None:
+        if ckpt_dir is None or not writer:
             return
         _write_ledger(engine, ckpt_dir / LEDGER_NAME)
         save_checkpoint(
@@ -723,7 +730,7 @@ def fit(
         )
 
     def publish(result: FitResult) -> None:
-        if metrics_file is not None:
+        if metrics_file is not None and writer:
             write_metrics(result, metrics_file)
 
     def make_result() -> FitResult:
