@@ -2,9 +2,9 @@
 
 The thesis's tabular protocol (Table 5.4) on Adult: the fixed train/test split, the library's
 public per-record transform (:func:`clipless.data.load_adult`: numeric features scaled by public
-ranges, one-hot categories with ``'?'`` encoded as all zeros; 104 features, or 138 with the public
-bins of ``preprocessing=public-bins``, the CLI's default), delta = 1/n, Poisson sampling, the
-final epoch's test accuracy (no selection on the test set).
+ranges, one-hot categories with ``'?'`` encoded as all zeros; 104 features, 138 with the public
+bins of ``preprocessing=public-bins``, 146 with ``public-bins-fine``, the CLI's default), delta =
+1/n, Poisson sampling, the final epoch's test accuracy (no selection on the test set).
 
 * ``clipless``: a :mod:`clipless.models` MLP (or a linear model, ``hidden=()``), every setting of
   the privacy mechanism a knob (``constraint``, ``scaling``, ``noise``, the output-cotangent clip
@@ -107,7 +107,7 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     "whiten": None,
     "shrink": 1.0,  # whitening's shrinkage (clipless.features.whitening)
     "floor": True,  # lift by at least the release noise's spectral norm (whitening's floor)
-    "preprocessing": None,  # Adult's transform (None: the loader's default; "public-bins")
+    "preprocessing": None,  # Adult's transform (None: the loader's default; "public-bins", ...)
     "device": "cpu",  # where the model and each batch live ("cuda" on a GPU machine)
     # "flip": every training sample is two rows, the image and its horizontal mirror (through the
     # feature front-end), and its gradient contribution is their mean (augmentation multiplicity

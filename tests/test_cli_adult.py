@@ -54,20 +54,20 @@ def _train(root: Path, out: Path, *extra: str) -> list[str]:
     return [*argv, "--epsilon", "1", "--epochs", "1", "--no-progress", "--quiet", *extra]
 
 
-def test_adult_default_is_public_bins_recorded_and_the_model_takes_its_features(
+def test_adult_default_is_public_bins_fine_recorded_and_the_model_takes_its_features(
     adult_root: Path, tmp_path: Path
 ) -> None:
-    assert ADULT_PREPROCESSING == "public-bins"
+    assert ADULT_PREPROCESSING == "public-bins-fine"
     out = tmp_path / "run"
     assert main(_train(adult_root, out, "--unsafe-seed", "1")) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["preprocessing"] == "public-bins"
-    assert config["options"]["preprocessing"] == "public-bins"
-    assert config["input_shape"] == [138]
-    assert config["input_norm"] == math.sqrt(17.0) == tab.adult_max_norm("public-bins")
+    assert config["preprocessing"] == "public-bins-fine"
+    assert config["options"]["preprocessing"] == "public-bins-fine"
+    assert config["input_shape"] == [146]
+    assert config["input_norm"] == math.sqrt(17.0) == tab.adult_max_norm("public-bins-fine")
     assert config["lr"] == ADULT_LR == 0.003  # adult's own default (other datasets: 0.01)
     state = torch.load(out / "model.pt", weights_only=True)
-    assert state["architecture"]["preprocessing"] == "public-bins"
+    assert state["architecture"]["preprocessing"] == "public-bins-fine"
     model = load_trained_model(out / "model.pt")
     _, test, _ = tab.load_adult(adult_root, False, state["architecture"]["preprocessing"])
     assert model(test.tensors[0]).shape == (16, 2)

@@ -94,10 +94,12 @@ _LEGACY_OPTIONS = {
     "whiten_shrink": None,
     "preprocessing": None,  # adult: "public-ranges" (_legacy_preprocessing)
 }
-ADULT_PREPROCESSING = "public-bins"
+ADULT_PREPROCESSING = "public-bins-fine"
 """``--preprocessing`` default for adult: public one-hot bins of the numeric columns on top of the
-scaled values (``clipless.data.tabular.ADULT_BINS``); at epsilon 0.414 the linear model gains
-~0.8 points over "public-ranges" (``benchmarks/RESULTS.md`` section 16)."""
+scaled values, the capital columns on a quarter-decade log grid
+(``clipless.data.tabular.ADULT_BINS_FINE``); at epsilon 0.414 the linear model gains ~0.8 points
+from the bins (``benchmarks/RESULTS.md`` section 16) and ~0.35 more from the finer capital grid
+(section 23e)."""
 DEFAULT_LR = 0.01
 ADULT_LR = 0.003
 """``--lr`` default for adult (Adam): its best validation trial in ``benchmarks/adult_bins.py``."""
@@ -285,13 +287,14 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--dataset", default="breast-cancer", choices=datasets, help="dataset name")
     p.add_argument(
         "--preprocessing",
-        choices=("public-ranges", "public-bins", "public-bins-only"),
+        choices=("public-ranges", "public-bins", "public-bins-only", "public-bins-fine"),
         default=None,
         help="adult only: its fixed public per-record transform (clipless.data.load_adult): "
         "public-ranges = scaled numeric columns + one-hot categories; public-bins = the same plus "
-        "one-hot bins of age, hours and capital at public edges; public-bins-only = without the "
-        f"scaled columns. No statistic of the data, no privacy cost. Default: "
-        f"{ADULT_PREPROCESSING} (benchmarks/RESULTS.md section 16)",
+        "one-hot bins of age, hours and capital at public edges (capital: half-decades); "
+        "public-bins-only = without the scaled columns; public-bins-fine = public-bins with the "
+        "capital columns on quarter-decades. No statistic of the data, no privacy cost. Default: "
+        f"{ADULT_PREPROCESSING} (benchmarks/RESULTS.md sections 16 and 23e)",
     )
     p.add_argument(
         "--data-root",
@@ -367,7 +370,7 @@ def _add_train_parser(sub: Any) -> None:
         type=_positive_float,
         default=None,
         help="input norm bound X_0 enforced by InputNorm (default: a public bound of the "
-        "dataset's fixed transform: sqrt(17) for adult with public-bins, sqrt(13) with "
+        "dataset's fixed transform: sqrt(17) for adult with public-bins(-fine), sqrt(13) with "
         "public-ranges, sqrt(20) for german-credit, max(1, sqrt(pixels) / 4) for images, "
         "sqrt(number of features) otherwise; 2 with a --features front-end)",
     )
@@ -717,7 +720,7 @@ def _default_input_norm(
     features = math.prod(int(s) for s in input_shape)
     if dataset == "adult":
         # features in [0, 1], at most one 1 per one-hot group: sqrt(13) for public-ranges (5
-        # numeric + 8 categorical columns), sqrt(17) with public-bins (+ 4 binned columns)
+        # numeric + 8 categorical columns), sqrt(17) with public-bins(-fine) (+ 4 binned columns)
         from clipless.data.tabular import adult_max_norm
 
         return adult_max_norm(preprocessing or "public-ranges")

@@ -148,6 +148,40 @@ def test_capital_bins_half_decades_and_the_top_code(dollars: int, expected: str)
     assert _hot(loss, "capital-gain") == ["capital-gain<1"]
 
 
+@pytest.mark.parametrize(
+    ("dollars", "expected"),
+    [
+        (0, "<1"),
+        (999, "[1,1000)"),
+        (1000, "[1000,1778.28)"),
+        (1778, "[1000,1778.28)"),
+        (1779, "[1778.28,3162.28)"),
+        (5623, "[3162.28,5623.41)"),
+        (5624, "[5623.41,10000)"),
+        (10000, "[10000,17782.8)"),
+        (56234, "[31622.8,56234.1)"),
+        (56235, "[56234.1,99999)"),
+        (99998, "[56234.1,99999)"),
+        (99999, ">=99999"),
+    ],
+)
+def test_fine_capital_bins_are_quarter_decades(dollars: int, expected: str) -> None:
+    """``public-bins-fine``: the capital columns on 10**(k/4) edges; the rest as public-bins."""
+    (fine,) = _parse([_row(capital_gain=dollars, capital_loss=dollars)], "public-bins-fine")
+    for column in ("capital-gain", "capital-loss"):
+        bins = tab._adult_bin_names(column, tab.ADULT_BINS_FINE)
+        assert len(bins) == 11 and all(fine[b] in (0.0, 1.0) for b in bins)
+        assert [b for b in bins if fine[b] == 1.0] == [column + expected]
+    assert len(tab._adult_feature_names("public-bins-fine")) == 146
+    (coarse,) = _parse([_row(capital_gain=dollars, capital_loss=dollars)], "public-bins")
+    capital_bins = {
+        *tab._adult_bin_names("capital-gain"), *tab._adult_bin_names("capital-loss")
+    }  # fmt: skip
+    for name, value in coarse.items():  # every other feature unchanged
+        if name not in capital_bins:
+            assert fine[name] == value, name
+
+
 def test_one_record_exactly() -> None:
     """Every feature of one hand-made record, '?' values included."""
     row = _row(
@@ -201,7 +235,8 @@ def _random_rows(rng: np.random.Generator, n: int) -> list[str]:
 
 @pytest.mark.parametrize("preprocessing", tab.ADULT_PREPROCESSING)
 def test_max_norm_is_the_largest_possible_record_norm(preprocessing: str) -> None:
-    expected = {"public-ranges": 13, "public-bins": 17, "public-bins-only": 12}[preprocessing]
+    expected = {"public-ranges": 13, "public-bins": 17, "public-bins-only": 12,
+                "public-bins-fine": 17}[preprocessing]  # fmt: skip
     assert tab.adult_max_norm(preprocessing) == math.sqrt(expected)
     rows = _random_rows(np.random.default_rng(0), 300)
     x, _ = tab._parse_adult("\n".join(rows) + "\n", preprocessing)
