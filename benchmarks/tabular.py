@@ -284,7 +284,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="continue the saved JSON")
     parser.add_argument(
         "--adult-preprocessing",
-        choices=("public-ranges", "public-bins", "public-bins-only"),
+        choices=("public-ranges", "public-bins", "public-bins-only", "public-bins-fine"),
         default=None,
         help="Adult's public transform for every method (clipless.data.load_adult; default: the "
         "loader's, public-ranges)",
