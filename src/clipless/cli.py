@@ -543,7 +543,7 @@ def _add_train_parser(sub: Any) -> None:
     )
     tr.add_argument(
         "--nproc",
-        type=_positive_int,
+        type=_bounded(_positive_int, 256, "local processes"),
         default=1,
         help="data-parallel training in this many local processes (torch.distributed, gloo on "
         "the CPU; the same model and epsilon as one process, docs/distributed.md); under "

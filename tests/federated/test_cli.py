@@ -156,3 +156,22 @@ def test_party_bad_input_is_one_line_before_anything_runs(
     err = capsys.readouterr().err
     assert message in err, err
     assert "Traceback" not in err and err.count("\n") <= 12  # usage lines at most, no traceback
+
+
+def test_process_counts_are_capped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Audit finding: `simulate --owners` and `train --nproc` started one process each with no
+    cap (5000 owners drove this machine's load to 200). Nothing may start here."""
+    import clipless.distributed
+    import clipless.federated.session
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("processes were started")
+
+    monkeypatch.setattr(clipless.federated.session, "simulate", never)
+    monkeypatch.setattr(clipless.distributed, "spawn", never)
+    assert main(["federated", "simulate", "--owners", "5000"]) == 2
+    assert "argument --owners: expected an integer [1, 1000]" in capsys.readouterr().err
+    assert main(["train", "--nproc", "1000"]) == 2
+    assert "argument --nproc" in capsys.readouterr().err

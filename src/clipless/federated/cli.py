@@ -64,7 +64,11 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="federated_command", metavar="ACTION")
     s = sub.add_parser("simulate", help="run owners, servers and the analyst on loopback")
     s.add_argument(
-        "--owners", type=_int_in(1), default=20, help="number of data owners (default 20)"
+        "--owners",
+        type=_int_in(1, 1000),
+        default=20,
+        help="number of data owners, one process each (default 20, at most 1000; "
+        "clipless.federated.federated_ecdf takes any number in one process)",
     )
     s.add_argument("--servers", type=_int_in(2), default=2, help="number of servers m (default 2)")
     s.add_argument("--protocol", choices=["shares", "fss"], default="shares")
