@@ -185,3 +185,42 @@ def test_default_public_n_needs_one_value_per_owner() -> None:
         run_owner(session, secret["owner 0"], 0, [0.1, 0.2, 0.3])
     session, _ = make_session("shares", 3, 2, 8, 1.0, n_values=3)
     assert not session["one_value_per_owner"]  # explicit n: any split among owners
+
+
+def test_the_inbox_survives_more_connections_than_its_cap() -> None:
+    """Review finding: dropping the oldest connection at the cap while it had an event later in
+    the same batch raised KeyError (a crash any stranger could cause). Here the listener becomes
+    ready (a third connection) before the oldest connection sends more bytes, so one select
+    returns both, in that order; the verified frame still arrives afterwards."""
+    import socket
+    import time
+
+    from clipless.federated.session import _Inbox
+    from clipless.federated.transport import encode_frame
+
+    key, sid = bytes(32), bytes(16)
+    me, peer = ("server", 0), ("owner", 0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    inbox = _Inbox(listener, {"owner 0": key}, sid, me, cap=2)
+    port = listener.getsockname()[1]
+    first = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    for c in first:
+        c.sendall(b"CL")  # half a magic: accepted and registered, then pending
+    assert inbox.poll(time.monotonic() + 0.3) == []
+    third = socket.create_connection(("127.0.0.1", port))  # the listener is ready first...
+    time.sleep(0.05)
+    first[0].sendall(b"F1")  # ...then the oldest connection, dropped when the third is accepted
+    time.sleep(0.05)
+    assert inbox.poll(time.monotonic() + 0.3) == []
+    good = socket.create_connection(("127.0.0.1", port))
+    good.sendall(encode_frame(key, sid, peer, me, 1, b"payload"))
+    got: list = []
+    deadline = time.monotonic() + 5.0
+    while not got and time.monotonic() < deadline:
+        got = inbox.poll(min(deadline, time.monotonic() + 0.5))
+    assert [f.payload for _, f in got] == [b"payload"]
+    assert inbox.unidentified >= 2  # dropped at the cap, never an exception
+    inbox.close()
+    for c in [*first, third, good, *(conn for conn, _ in got)]:
+        c.close()
+    listener.close()

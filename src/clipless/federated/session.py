@@ -397,7 +397,9 @@ class _Inbox:
                     self._accept()
                     continue
                 conn: socket.socket = key.data
-                reader = self.open[conn]
+                reader = self.open.get(conn)
+                if reader is None:  # dropped earlier in this batch of events (the cap)
+                    continue
                 try:
                     chunk = conn.recv(min(max(reader.pending, 1), 1 << 20))
                 except (BlockingIOError, InterruptedError):
