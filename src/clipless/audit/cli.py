@@ -51,6 +51,14 @@ def _integer(minimum: int, maximum: int) -> Any:
     return parse
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where the help text already states one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "default:" in text.lower() else super()._get_help_string(action)
+
+
 def add_audit_parser(sub: Any) -> None:
     """Add the ``audit`` sub-command to the ``clipless`` parser's sub-parsers."""
     p = sub.add_parser(
@@ -67,7 +75,7 @@ def add_audit_parser(sub: Any) -> None:
             "the claim false. Exit status: 0 when the claim stands, 1 when it is shown false, 2 "
             "on bad arguments."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--mode", choices=AUDIT_MODES, default="per-sample", help="gradient scaling")
     p.add_argument(
@@ -93,7 +101,7 @@ def add_audit_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--delta", type=_number("a number in [1e-100, 1)", 1e-100, 1.0, open_low=False),
-        default=1e-5,
+        default=1e-5, help="delta of the claimed epsilon and of the lower bound",
     )  # fmt: skip
     p.add_argument(
         "--confidence",
@@ -107,7 +115,11 @@ def add_audit_parser(sub: Any) -> None:
         default=None,
         help="reproducible model, canary and noise (default: fresh randomness)",
     )
-    p.add_argument("--plot", default=None, help="write the two score histograms to this PNG")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write the two score histograms to this image (.png, .pdf, .svg)",
+    )
     p.set_defaults(func=audit_command)
 
 
