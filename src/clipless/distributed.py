@@ -245,6 +245,11 @@ def _spawned(local_rank: int, world: int, port: int, fn: Callable[..., int], arg
     )
     try:
         code = int(fn(*args))
+        if dist.is_initialized():
+            # every rank done before any tears down: rank 0 still writes the run folder when the
+            # others return, and a peer's closed gloo connection can abort a rank's background
+            # thread ("terminate called without an active exception", seen once in CI)
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
