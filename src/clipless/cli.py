@@ -842,10 +842,7 @@ def _read_run_config(out: Path) -> dict[str, Any]:
 def _check_saved_types(path: Path, options: Mapping[str, Any]) -> None:
     """Every saved run option passes the command line's own check (a config.json edited into
     the wrong types is named, not a traceback later)."""
-    actions = {}
-    for action in build_parser()._actions:  # argparse has no public accessor
-        if isinstance(action, argparse._SubParsersAction):
-            actions = {a.dest: a for a in action.choices["train"]._actions}
+    actions = {a.dest: a for a in _train_actions(build_parser())}
     for dest, flag in RUN_OPTIONS.items():
         if dest not in options or options[dest] is None or dest not in actions:
             continue
@@ -1556,13 +1553,18 @@ def _given_options(argv: Sequence[str] | None) -> set[str]:
     """The ``train`` options written on the command line (not defaulted): parse once more with
     every default suppressed, so that only what was given lands in the namespace."""
     parser = build_parser()
-    for action in parser._actions:  # argparse has no public accessor
-        if isinstance(action, argparse._SubParsersAction):
-            train = action.choices["train"]
-            for option in train._actions:
-                if option.dest != "help":
-                    option.default = argparse.SUPPRESS
+    for option in _train_actions(parser):
+        if option.dest != "help":
+            option.default = argparse.SUPPRESS
     return set(vars(parser.parse_args(argv))) - {"command", "func"}
+
+
+def _train_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The ``train`` sub-command's actions (argparse has no public accessor)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices["train"]._actions)
+    raise RuntimeError("the parser has no train sub-command")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,45 +10,14 @@ naming the argument).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from clipless._argtypes import integer, number
 from clipless.audit.step import AUDIT_MODES, audit_step
 
 __all__ = ["add_audit_parser", "audit_command"]
-
-
-def _number(kind: str, low: float, high: float, *, open_low: bool = True) -> Any:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
-        ok = math.isfinite(value) and (value > low if open_low else value >= low) and value < high
-        if not ok:
-            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _integer(minimum: int, maximum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer in [{minimum}, {maximum}], got {text!r}"
-            ) from None
-        if not minimum <= value <= maximum:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer in [{minimum}, {maximum}], got {text!r}"
-            )
-        return value
-
-    return parse
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -86,32 +55,32 @@ def add_audit_parser(sub: Any) -> None:
     p.add_argument("--noise", choices=("global", "per-layer"), default="global", help="noise")
     p.add_argument(
         "--sigma",
-        type=_number("a number in [0.001, 1e6)", 1e-3, 1e6, open_low=False),
+        type=number("a number in [0.001, 1e6)", 1e-3, 1e6, open_low=False),
         default=2.0,
         help="noise multiplier",
     )
     p.add_argument(
         "--trials",
-        type=_integer(20, 10_000_000),
+        type=integer(20, 10_000_000),
         default=20000,
         help="releases simulated on each neighbouring dataset",
     )
     p.add_argument(
-        "--steps", type=_integer(1, 10_000), default=1, help="steps composed (fixed weights)"
+        "--steps", type=integer(1, 10_000), default=1, help="steps composed (fixed weights)"
     )
     p.add_argument(
-        "--delta", type=_number("a number in [1e-100, 1)", 1e-100, 1.0, open_low=False),
+        "--delta", type=number("a number in [1e-100, 1)", 1e-100, 1.0, open_low=False),
         default=1e-5, help="delta of the claimed epsilon and of the lower bound",
     )  # fmt: skip
     p.add_argument(
         "--confidence",
-        type=_number("a number in (0, 1)", 0.0, 1.0),
+        type=number("a number in (0, 1)", 0.0, 1.0),
         default=0.95,
         help="confidence of the lower bound",
     )
     p.add_argument(
         "--seed",
-        type=_integer(0, 2**62),
+        type=integer(0, 2**62),
         default=None,
         help="reproducible model, canary and noise (default: fresh randomness)",
     )

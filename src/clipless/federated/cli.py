@@ -19,39 +19,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from clipless._argtypes import integer, number
 from clipless.federated.noise import server_keys
 
 __all__ = ["add_federated_parser", "main"]
 
+_FINITE_POSITIVE = number("a finite number > 0", 0.0, math.inf)
+
 # the module docstring without its reST markup, for --help
 _DESCRIPTION = (__doc__ or "").replace("``", "").replace(":mod:`", "").replace("`", "")
-
-
-def _int_in(low: int, high: int | None = None) -> Any:
-    """An argparse type: an integer in ``[low, high]`` (``high=None``: no upper end)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low or (high is not None and value > high):
-            span = f"[{low}, {high}]" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _finite_positive(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
 
 
 def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -65,15 +41,15 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="run owners, servers and the analyst on loopback")
     s.add_argument(
         "--owners",
-        type=_int_in(1, 1000),
+        type=integer(1, 1000),
         default=20,
         help="number of data owners, one process each (default 20, at most 1000; "
         "clipless.federated.federated_ecdf takes any number in one process)",
     )
-    s.add_argument("--servers", type=_int_in(2), default=2, help="number of servers m (default 2)")
+    s.add_argument("--servers", type=integer(2), default=2, help="number of servers m (default 2)")
     s.add_argument("--protocol", choices=["shares", "fss"], default="shares")
-    s.add_argument("--size", type=_int_in(2), default=16, help="number of grid thresholds |B|")
-    s.add_argument("--epsilon", type=_finite_positive, default=1.0, help="privacy budget (> 0)")
+    s.add_argument("--size", type=integer(2), default=16, help="number of grid thresholds |B|")
+    s.add_argument("--epsilon", type=_FINITE_POSITIVE, default=1.0, help="privacy budget (> 0)")
     s.add_argument(
         "--noise-sharing",
         choices=["dealer", "distributed"],
@@ -82,10 +58,10 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     s.add_argument("--neighbouring", choices=["replace_one", "add_remove"], default="replace_one")
     s.add_argument(
-        "--timeout", type=_finite_positive, default=60.0, help="per-phase timeout in seconds"
+        "--timeout", type=_FINITE_POSITIVE, default=60.0, help="per-phase timeout in seconds"
     )
     s.add_argument(
-        "--data-seed", type=_int_in(0), default=0, help="seed of the synthetic owner data"
+        "--data-seed", type=integer(0), default=0, help="seed of the synthetic owner data"
     )
     s.add_argument("--noise-key", default=None, help="hex 16-byte node-noise key (reproducible)")
     s.add_argument("--spawn", choices=["subprocess", "fork"], default="subprocess")
@@ -98,16 +74,16 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.set_defaults(func=_simulate)
     i = sub.add_parser("init", help="write a session file and one secret file per party")
     i.add_argument("--out", required=True, help="directory to create (session.json, secrets/)")
-    i.add_argument("--owners", type=_int_in(1), required=True)
-    i.add_argument("--servers", type=_int_in(2), default=2)
+    i.add_argument("--owners", type=integer(1), required=True)
+    i.add_argument("--servers", type=integer(2), default=2)
     i.add_argument("--protocol", choices=["shares", "fss"], default="shares")
-    i.add_argument("--size", type=_int_in(2), required=True, help="number of grid thresholds")
+    i.add_argument("--size", type=integer(2), required=True, help="number of grid thresholds")
     i.add_argument("--lower", type=float, default=0.0, help="grid lower bound (default 0)")
     i.add_argument("--upper", type=float, default=1.0, help="grid upper bound (default 1)")
-    i.add_argument("--epsilon", type=_finite_positive, required=True)
+    i.add_argument("--epsilon", type=_FINITE_POSITIVE, required=True)
     i.add_argument("--noise-sharing", choices=["dealer", "distributed"], default="dealer")
     i.add_argument("--neighbouring", choices=["replace_one", "add_remove"], default="replace_one")
-    i.add_argument("--timeout", type=_finite_positive, default=600.0)
+    i.add_argument("--timeout", type=_FINITE_POSITIVE, default=600.0)
     i.add_argument(
         "--statistic",
         choices=["ecdf", "roc"],
@@ -116,7 +92,7 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     i.add_argument(
         "--n-values",
-        type=_int_in(1),
+        type=integer(1),
         default=None,
         help="public total number of values (replace_one; default: one per owner)",
     )
@@ -138,11 +114,11 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         q.add_argument("session", help="public session JSON")
         q.add_argument("--secret", required=True, help="this party's secret JSON (link keys)")
         if name in ("serve", "owner"):
-            q.add_argument("--index", type=_int_in(0), required=True, help="party index")
+            q.add_argument("--index", type=integer(0), required=True, help="party index")
         if name == "serve":
             q.add_argument("--host", default="127.0.0.1")
             q.add_argument(
-                "--port", type=_int_in(0, 65535), default=0, help="0: any free port (printed)"
+                "--port", type=integer(0, 65535), default=0, help="0: any free port (printed)"
             )
         if name == "owner":
             q.add_argument("--values", required=True, help="comma-separated values")
