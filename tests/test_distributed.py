@@ -135,6 +135,83 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
     assert all(torch.load(tmp_path / f"caught{r}.pt") for r in range(2))
 
 
+def _fit(out: Path, folder: Path, epochs: int, resume: bool) -> dict[str, Any]:
+    import clipless.training as training
+
+    model, opt, loader, loss, engine = _setup(True)
+    training.fit(model, opt, loader, loss, engine=engine, epochs=epochs, delta=1e-5,
+                 checkpoint_dir=folder, resume=resume, progress=False)  # fmt: skip
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "steps": engine.ledger.steps,
+        "epsilon": engine.get_epsilon(1e-5),
+    }
+
+
+def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
+    import shutil
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    root = Path(out)
+    run, shared = root / "run", root / "shared"
+    # rank 1's "machine": a copy of the run folder one epoch behind, or no folder at all
+    stale, missing = root / "stale", root / f"missing{rank}"
+    try:
+        _fit(root, run, epochs=1, resume=False)
+        dist.barrier()
+        if rank == 0:
+            shutil.copytree(run, stale)
+        dist.barrier()
+        _fit(root, run, epochs=2, resume=True)
+        dist.barrier()
+        if rank == 0:
+            shutil.copytree(run, shared)
+        dist.barrier()
+        # reference: every rank reads the same folder (a shared file system)
+        result = {"shared": _fit(root, shared, epochs=3, resume=True)}
+        # rank 1 reads a stale copy, then no folder: rank 0's checkpoint is loaded everywhere
+        for name, other in (("stale", stale), ("missing", missing)):
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(root / name, ignore_errors=True)
+                shutil.copytree(run, root / name)
+            dist.barrier()
+            result[name] = _fit(root, root / name if rank == 0 else other, epochs=3, resume=True)
+        # rank 0's refusal (a new run over a spent ledger) is raised on every rank, not a hang
+        dist.barrier()
+        try:
+            _fit(root, run if rank == 0 else missing, epochs=1, resume=False)
+            result["refused"] = None
+        except FileExistsError as exc:
+            result["refused"] = str(exc)
+        torch.save(result, root / f"resume{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+# two spawned processes (~15 s idle): a multi-machine --resume where only rank 0's machine holds
+# the run folder (before: each rank loaded its own copy; a stale one desynchronised the replicas)
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_a_resume_loads_rank_0s_checkpoint_on_every_rank(tmp_path: Path) -> None:
+    torch.multiprocessing.spawn(_resume_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"resume{r}.pt") for r in range(2)]
+    reference = ranks[0]["shared"]
+    assert reference["steps"] > 0
+    for rank in ranks:
+        for name in ("shared", "stale", "missing"):
+            assert rank[name]["steps"] == reference["steps"], name
+            assert rank[name]["epsilon"] == reference["epsilon"], name
+            for key, value in reference["state"].items():
+                assert torch.equal(rank[name]["state"][key], value), (name, key)
+        assert rank["refused"] is not None and "private steps already taken" in rank["refused"]
+    assert ranks[0]["refused"] == ranks[1]["refused"]
+    # rank 1 never wrote: its "machine" has no checkpoint, its stale copy is unchanged
+    assert not (tmp_path / "missing1" / "checkpoint.pt").exists()
+
+
 def test_make_data_parallel_needs_an_initialised_group() -> None:
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is already initialised")
@@ -222,6 +299,19 @@ def test_cli_nproc_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         mp.setenv("RANK", "0")
         assert main([*CLI_RUN, "--out", str(tmp_path / "x"), "--nproc", "2"]) == 2
         assert "must be 1 under torchrun" in capsys.readouterr().err
+    # a --resume whose options conflict with the saved run: one error, before any process starts
+    # (it was printed once per rank, by the ranks)
+    run = tmp_path / "run"
+    assert main([*CLI_RUN, "--out", str(run)]) == 0
+    capsys.readouterr()
+    spawned: list[int] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distributed, "spawn", lambda n, *a: spawned.append(n) or 0)
+        assert main([*CLI_RUN, "--epochs", "3", "--out", str(run), "--resume", "--nproc", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("planned with other values") == 1 and "--epochs" in err
+        assert main([*CLI_RUN, "--out", str(run), "--resume", "--nproc", "2"]) == 0
+    assert spawned == [2]  # only the consistent resume started the ranks
 
 
 def _raises() -> int:

@@ -12,6 +12,7 @@ argument), 1 when the run fails (for instance a dataset that is not available of
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -1041,6 +1042,15 @@ def _run_train(args: argparse.Namespace) -> int:
         raise _ArgError("environment", str(exc)) from None
     if args.nproc > 1 and not distributed.launched_by_torchrun():
         _check_out_folder(Path(args.out), args)  # one clear error before any process starts
+        if args.resume:  # the same for a resumed run whose saved options conflict
+            out = Path(args.out)
+            _check_resumable(out)
+            _adopt_saved_options(
+                copy.deepcopy(args),
+                _read_run_config(out),
+                set(getattr(args, "given", RUN_OPTIONS)),
+                out,
+            )
         return distributed.spawn(args.nproc, _train_rank, args)
     lead = distributed.current_rank() == 0
     args.quiet, args.no_progress = args.quiet or not lead, args.no_progress or not lead
@@ -1054,7 +1064,8 @@ def _run_train(args: argparse.Namespace) -> int:
     saved: dict[str, Any] | None = None
     if args.resume:
         saved = _read_run_config(out)
-        _check_resumable(out)
+        if lead:  # the other ranks load what rank 0 reads (fit: DataParallel.from_rank0)
+            _check_resumable(out)
         _adopt_saved_options(args, saved, given, out)
     if args.model is None:
         args.model = "linear"

@@ -94,6 +94,37 @@ class DataParallel:
         for t in tensors:
             dist.broadcast(t, src=src, group=self.group)
 
+    def from_rank0(self, read: Callable[[], Any]) -> Any:
+        """Call ``read()`` on rank 0 only and return its result on every rank.
+
+        Used for what rank 0 alone may decide, e.g. the checkpoint a run resumes from (only rank
+        0's machine need hold the run folder). If ``read`` raises on rank 0, every rank raises
+        (rank 0 its own exception, the others one of the same type and message) instead of the
+        others waiting for a collective that never comes. The result travels pickled
+        (``broadcast_object_list``): it must hold CPU tensors and plain values.
+        """
+        payload: list[Any] = [None]
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                payload[0] = ("ok", read())
+            except Exception as exc:
+                error = exc
+                payload[0] = ("error", type(exc), str(exc))
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast_object_list(payload, src=src, group=self.group, device=self.device)
+        kind, *rest = payload[0]
+        if kind == "ok":
+            return rest[0]
+        if error is not None:
+            raise error
+        kind_of, message = rest
+        try:
+            raised = kind_of(message)
+        except Exception:  # an exception type whose constructor needs more than a message
+            raised = RuntimeError(f"{kind_of.__name__} on rank 0: {message}")
+        raise raised
+
 
 def make_data_parallel(optimizer: DPOptimizer, data_loader: Any, group: Any = None) -> DPOptimizer:
     """Make ``optimizer`` one replica of a data-parallel private run (module docstring).

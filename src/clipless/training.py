@@ -613,7 +613,10 @@ def fit(
     privacy already spent). ``metrics_path``
     (``.json``; a ``.csv`` of the history is written beside it) is rewritten every epoch.
     Under :mod:`clipless.distributed` only rank 0 writes the checkpoint, its ledger and the
-    metrics; every rank may pass the same ``checkpoint_dir`` (and reads it on ``resume``).
+    metrics; every rank may pass the same ``checkpoint_dir``. On ``resume`` rank 0 alone reads
+    the checkpoint (and the largest ledger) and every rank loads what it read, so the folder need
+    only exist on rank 0's machine; an error there (e.g. a new run over a spent ledger) is raised
+    on every rank.
     """
     _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult)
     reduction = getattr(loss, "reduction", "sum")
@@ -637,30 +640,21 @@ def fit(
         # Write-ahead accounting (clipless.optim): every step is on disk before its noise exists.
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         optimizer.ledger_path = ckpt_dir / LEDGER_NAME  # type: ignore[attr-defined]
-    resume_from = _resume_path(resume, ckpt_dir)
-    if resume_from is None and ckpt_dir is not None:
-        _refuse_orphan_ledger(ckpt_dir / LEDGER_NAME, resume)
-    if resume_from is not None:
-        state = load_checkpoint(resume_from)
+    dp = getattr(optimizer, "data_parallel", None)
+    own_ledger = getattr(optimizer, "ledger_path", None)
+
+    def read_resume() -> tuple[dict[str, Any], bool] | None:
+        return _read_resume(resume, ckpt_dir, own_ledger)
+
+    # Under clipless.distributed rank 0's run folder is the only truth: it reads the checkpoint
+    # (and the largest ledger) and every rank loads what it read, so a rank on another machine
+    # needs no copy of the folder, and a stale copy there cannot make the replicas disagree.
+    loaded = read_resume() if dp is None else dp.from_rank0(read_resume)
+    if loaded is not None:
+        state, lost = loaded
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        engine_state = dict(state["engine"])
-        from clipless.accounting import PrivacyLedger
-
-        checkpointed = PrivacyLedger.from_dict(engine_state["ledger"]).steps
-        # Every ledger file this run may have written since the checkpoint: next to the
-        # checkpoint, in checkpoint_dir (a checkpoint copied from elsewhere), and the
-        # optimizer's own ledger_path. The largest wins: spent steps are never forgotten.
-        candidates = [resume_from.parent / LEDGER_NAME]
-        if ckpt_dir is not None:
-            candidates.append(ckpt_dir / LEDGER_NAME)
-        own = getattr(optimizer, "ledger_path", None)
-        if own is not None:
-            candidates.append(Path(own))
-        for ledger_file in dict.fromkeys(p.resolve() for p in candidates):
-            engine_state = _prefer_larger_ledger(engine_state, ledger_file)
-        engine.load_state_dict(engine_state)
-        lost = engine.ledger.steps > checkpointed
+        engine.load_state_dict(state["engine"])
         if ema is not None and state.get("ema") is not None:
             ema.load_state_dict(state["ema"])
         _set_rng_state(state["rng"])
@@ -706,7 +700,6 @@ def fit(
 
     # under clipless.distributed only rank 0 writes (a checkpoint written by every rank to one
     # shared folder would be whichever rank renamed last, its generator states included)
-    dp = getattr(optimizer, "data_parallel", None)
     writer = dp is None or dp.writes_ledger
 
     def checkpoint(epoch_index: int, reason: str | None) -> None:
@@ -860,6 +853,35 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return "-" if value is None else f"{float(value):.{digits}f}"
 
 
+def _read_resume(
+    resume: bool | PathLike, ckpt_dir: Path | None, own_ledger: object
+) -> tuple[dict[str, Any], bool] | None:
+    """The checkpoint to resume from, its ledger replaced by the largest one on disk, and whether
+    steps were taken after it (``None``: a new run, after refusing one over a spent ledger)."""
+    resume_from = _resume_path(resume, ckpt_dir)
+    if resume_from is None:
+        if ckpt_dir is not None:
+            _refuse_orphan_ledger(ckpt_dir / LEDGER_NAME, resume)
+        return None
+    from clipless.accounting import PrivacyLedger
+
+    state = load_checkpoint(resume_from)
+    engine_state = dict(state["engine"])
+    checkpointed = PrivacyLedger.from_dict(engine_state["ledger"]).steps
+    # Every ledger file this run may have written since the checkpoint: next to the checkpoint,
+    # in checkpoint_dir (a checkpoint copied from elsewhere), and the optimizer's own
+    # ledger_path. The largest wins: spent steps are never forgotten.
+    candidates = [resume_from.parent / LEDGER_NAME]
+    if ckpt_dir is not None:
+        candidates.append(ckpt_dir / LEDGER_NAME)
+    if own_ledger is not None:
+        candidates.append(Path(own_ledger))  # type: ignore[arg-type]
+    for ledger_file in dict.fromkeys(p.resolve() for p in candidates):
+        engine_state = _prefer_larger_ledger(engine_state, ledger_file)
+    lost = PrivacyLedger.from_dict(engine_state["ledger"]).steps > checkpointed
+    return {**state, "engine": engine_state}, lost
+
+
 def _refuse_orphan_ledger(ledger_file: Path, resume: bool | PathLike) -> None:
     """Refuse to start a fresh run over a ledger that records spent privacy.
 
@@ -931,7 +953,7 @@ def _prefer_larger_ledger(engine_state: dict[str, Any], ledger_file: Path) -> di
         warnings.warn(
             f"{ledger_file} records {on_disk.steps} steps but the checkpoint only "
             f"{in_ckpt.steps}: the steps after the checkpoint were spent and stay in the ledger",
-            stacklevel=3,
+            stacklevel=5,  # fit's caller (_read_resume, its closure and fit are in between)
         )
         engine_state = dict(engine_state)
         engine_state["ledger"] = on_disk.to_dict()
