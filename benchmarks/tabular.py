@@ -21,27 +21,33 @@ Methods (every Lipschitz one is :func:`adult.run_clipless`, the same harness as
 * ``cli-default``: what ``clipless train --dataset NAME --epsilon E --delta 1/n`` trains with no
   other option (a linear model with bias, no constraint, Adam 0.01, T 0.1, loss clip 0.3, EMA 0.9,
   batch n/16 clamped to [128, 2048], 30 epochs), reproduced in the harness; **not tuned**;
+* ``cli-tuned``: ``cli-default``'s model given the Lipschitz methods' three learning rates (the
+  same number of trials as Opacus);
 * ``opacus``: Opacus 1.6 ``make_private_with_epsilon`` (PRV accountant, Poisson sampling, flat
   clipping at 1) on the plain twin MLP (``Linear-ReLU-Linear``, 32 hidden, biases);
+* ``opacus-linear``: the same on the twin of the CLI's model (one linear layer with bias), with
+  Opacus's three trials;
 * ``nonprivate``: the plain MLP with Adam, the ceiling (not tested).
 
 Every method uses the CLI's default expected batch ``n/16`` clamped to [128, 2048] and 30 epochs.
 
 Hyper-parameters: **three trials per method** (``cli-default``: one, its defaults): the
-Lipschitz methods try Adam learning rates 0.003 / 0.01 / 0.03; Opacus tries SGD lr 2 (the issue's
-reference setting), SGD lr 0.5 and Adam lr 0.01. Each trial trains on 80% of the training split
-and is scored on the other 20% (``stratified_split(labels, 0.2, seed=1)``), mean over the
-validation seeds; the best trial is then trained on the whole training split with seeds 0..9 and
-scored on the test split. Tuning is not accounted in epsilon (as in the thesis).
+Lipschitz methods and ``cli-tuned`` try Adam learning rates 0.003 / 0.01 / 0.03; both Opacus twins
+try SGD lr 2 (the issue's reference setting), SGD lr 0.5 and Adam lr 0.01. Each trial trains
+on 80% of the training split and is scored on the other 20% (``stratified_split(labels, 0.2,
+seed=1)``), mean over the validation seeds; the best trial is then trained on the whole training
+split with seeds 0..9 and scored on the test split. Tuning is not accounted in epsilon (as in the
+thesis).
 
 Statistics: for each method, the median and inter-quartile range of the test accuracies, and the
 two-sided Wilcoxon signed-rank test (``scipy.stats.wilcoxon``, exact for these sizes) of its
-accuracies against Opacus's, paired by seed (the seed sets the initial weights, the sampling and
-the noise of both).
+accuracies against each Opacus twin's that ran, paired by seed (the seed sets the initial
+weights, the sampling and the noise of both).
 
 Run ``python benchmarks/tabular.py --datasets german-credit breast-cancer`` (minutes on one
 core); Adult is slower: ``--datasets adult --few-seeds 3`` gives the full 10 seeds only to
-``cli-default``, Opacus and the Lipschitz mode with the best validation accuracy. Results:
+``cli-default``, ``cli-tuned``, the Opacus twins and the Lipschitz mode with the best validation
+accuracy. Results:
 ``benchmarks/out/tabular_<dataset>.json`` (written after every method; ``--resume`` continues) and
 a Markdown table on stdout.
 """
@@ -105,23 +111,31 @@ METHODS: dict[str, dict[str, Any]] = {
         "ratios": False,
     },
     "opacus": {"hidden": HIDDEN, "max_grad_norm": 1.0, "momentum": 0.0, "epochs": 30},
+    # the twin of the CLI's model: a linear layer with bias
+    "opacus-linear": {"hidden": (), "max_grad_norm": 1.0, "momentum": 0.0, "epochs": 30},
     "nonprivate": {"hidden": HIDDEN, "epochs": 30},
 }
+METHODS["cli-tuned"] = METHODS["cli-default"]  # the same model, tuned like the others
+OPACUS_TRIALS: list[dict[str, Any]] = [
+    {"optimizer": "sgd", "lr": 2.0},
+    {"optimizer": "sgd", "lr": 0.5},
+    {"optimizer": "adam", "lr": 0.01},
+]
 TRIALS: dict[str, list[dict[str, Any]]] = {
     **{name: LIP_TRIALS for name in METHODS if name.startswith(("lip-", "fix-", "clipless-"))},
     "cli-default": [{}],
-    "opacus": [
-        {"optimizer": "sgd", "lr": 2.0},
-        {"optimizer": "sgd", "lr": 0.5},
-        {"optimizer": "adam", "lr": 0.01},
-    ],
+    "cli-tuned": LIP_TRIALS,
+    "opacus": OPACUS_TRIALS,
+    "opacus-linear": OPACUS_TRIALS,
     "nonprivate": [{}],
 }
 LIP_MODES = ("lip-per-sample", "lip-threshold", "lip-bound")
 
 
 def runner(method: str) -> str:
-    return method if method in ("opacus", "nonprivate") else "clipless"
+    if method.startswith("opacus"):
+        return "opacus"
+    return method if method == "nonprivate" else "clipless"
 
 
 ADULT_PREPROCESSING: str | None = None
@@ -174,14 +188,25 @@ def wilcoxon(a: dict[int, float], b: dict[int, float]) -> dict[str, Any]:
     return out
 
 
+REFERENCES = ("opacus", "opacus-linear")
+"""The baselines every clipless method is tested against: Opacus on the MLP twin and on the
+linear twin (the CLI's model)."""
+
+
 def table(dataset: str, result: dict[str, Any]) -> str:
-    ref = result["methods"].get("opacus", {}).get("test", {})
+    refs = {
+        r: {int(k): v for k, v in result["methods"][r]["test"].items()}
+        for r in REFERENCES
+        if result["methods"].get(r, {}).get("test")
+    }
     lines = [
         f"{dataset}: epsilon {result['epsilon']}, delta 1/{result['n_train']}, "
         f"batch {result['batch']}",
         "",
-        "| method | trial chosen (val acc) | seeds | median | IQR | vs Opacus: median diff, p |",
-        "|---|---|---|---|---|---|",
+        "| method | trial chosen (val acc) | seeds | median | IQR | "
+        + " | ".join(f"vs {r}: median diff, p" for r in refs)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(refs),
     ]
     for name, m in result["methods"].items():
         test = {int(k): v for k, v in m["test"].items()}
@@ -189,16 +214,18 @@ def table(dataset: str, result: dict[str, Any]) -> str:
             continue
         accs = list(test.values())
         s = summary(accs)
-        if name in ("opacus", "nonprivate") or not ref:
-            vs = "—"
-        else:
-            w = wilcoxon(test, {int(k): v for k, v in ref.items()})
+        cells = []
+        for ref in refs.values():
+            if runner(name) != "clipless":
+                cells.append("—")
+                continue
+            w = wilcoxon(test, ref)
             p = "n/a" if w["p_value"] is None else f"{w['p_value']:.3g}"
-            vs = f"{w['median_diff']:+.4f}, p = {p} ({w['pairs']} pairs)"
+            cells.append(f"{w['median_diff']:+.4f}, p = {p} ({w['pairs']} pairs)")
         chosen = json.dumps(m["chosen"]) if m["chosen"] else "defaults"
         lines.append(
             f"| {name} | {chosen} ({m['val_best']:.4f}) | {len(accs)} | {s['median']:.4f} | "
-            f"{s['iqr']:.4f} | {vs} |"
+            f"{s['iqr']:.4f} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
 
@@ -242,7 +269,7 @@ def run_dataset(
         m["chosen"], m["val_best"] = best["trial"], statistics.fmean(best["val"])
         path.write_text(json.dumps(result, indent=1))
     # 2. the chosen trial on the test split, paired seeds
-    full = {"cli-default", "opacus"}
+    full = {"cli-default", "cli-tuned", "opacus", "opacus-linear"}
     lip = [name for name in LIP_MODES if name in result["methods"]]
     if lip:
         full.add(max(lip, key=lambda name: result["methods"][name]["val_best"]))
@@ -256,14 +283,17 @@ def run_dataset(
             m["test"][str(s)] = run(method, cfg, s, train, test)
             path.write_text(json.dumps(result, indent=1))
         print(f"{dataset} {method} test: {m['test']}", flush=True)
-    result["wilcoxon_vs_opacus"] = {
-        name: wilcoxon(
-            {int(k): v for k, v in m["test"].items()},
-            {int(k): v for k, v in result["methods"]["opacus"]["test"].items()},
-        )
-        for name, m in result["methods"].items()
-        if name not in ("opacus", "nonprivate") and "opacus" in result["methods"]
-    }
+    for ref in REFERENCES:
+        if ref not in result["methods"]:
+            continue
+        result[f"wilcoxon_vs_{ref}"] = {
+            name: wilcoxon(
+                {int(k): v for k, v in m["test"].items()},
+                {int(k): v for k, v in result["methods"][ref]["test"].items()},
+            )
+            for name, m in result["methods"].items()
+            if runner(name) == "clipless"
+        }
     path.write_text(json.dumps(result, indent=1))
     return result
 
@@ -277,8 +307,8 @@ def main() -> None:
         "--few-seeds",
         type=int,
         default=None,
-        help="give only this many seeds to the methods other than cli-default, Opacus, the "
-        "non-private ceiling and the best Lip-DP-SGD mode (for Adult on a slow machine)",
+        help="give only this many seeds to the methods other than cli-default, cli-tuned, the two "
+        "Opacus twins and the best Lip-DP-SGD mode (for Adult on a slow machine)",
     )
     parser.add_argument("--val-seeds", type=int, default=2, help="seeds per trial (1000, ...)")
     parser.add_argument("--resume", action="store_true", help="continue the saved JSON")

@@ -188,6 +188,7 @@ def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
         except FileExistsError as exc:
             result["refused"] = str(exc)
         torch.save(result, root / f"resume{rank}.pt")
+        dist.barrier()  # neither rank tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
