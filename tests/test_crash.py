@@ -38,13 +38,13 @@ _real = optim.draw_noise
 _log = os.environ["CLIPLESS_NOISE_LOG"]
 
 
-def draw_noise(plan, name, shape, generator, dtype, std=None):
+def draw_noise(plan, name, shape, generator, dtype, std=None, out=None):
     if name == plan.names[0]:  # once per step, before any of its noise exists
         fd = os.open(_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         os.write(fd, b"1\n")
         os.fsync(fd)
         os.close(fd)
-    return _real(plan, name, shape, generator, dtype, std)
+    return _real(plan, name, shape, generator, dtype, std, out)
 
 
 optim.draw_noise = draw_noise
@@ -138,13 +138,13 @@ def _forked_main(argv: list[str], log: str) -> None:
 
     real = optim.draw_noise
 
-    def draw_noise(plan, name, shape, generator, dtype, std=None):  # the DRIVER's wrapper
+    def draw_noise(plan, name, shape, generator, dtype, std=None, out=None):  # the DRIVER's wrapper
         if name == plan.names[0]:
             fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             os.write(fd, b"1\n")
             os.fsync(fd)
             os.close(fd)
-        return real(plan, name, shape, generator, dtype, std)
+        return real(plan, name, shape, generator, dtype, std, out)
 
     optim.draw_noise = draw_noise
     with open(os.devnull, "w") as sink:

@@ -104,7 +104,7 @@ from typing import Literal
 
 import torch
 
-from clipless import _certified, norms
+from clipless import _certified, _workspace, norms
 from clipless import nn as cnn
 from clipless._certified import NUMERIC_MARGIN, UNIT_ROUNDOFF, inflate
 from clipless.nn import Conv2d, Linear
@@ -380,20 +380,27 @@ def _rescale(layer: _Layer, ub: float, max_norm: float, m: float) -> tuple[float
     Returns ``(certified bound after, scale used)``; see "Rounding" in the module docstring.
     """
     weight = layer.weight
-    w64 = weight.detach().to(torch.float64)  # exact
+    shape = tuple(weight.shape)
+    # Reused buffers (clipless._workspace: no page faults per step). A float64 weight needs its
+    # own copy too: the candidates below are written to other buffers, the weight only at the end.
+    w64 = _workspace.scratch("float64.weight", shape, torch.float64, weight.device)
+    w64.copy_(weight.detach())  # exact
     n = w64.numel()
     fro = _fro_upper(w64)
     u, sub = _unit_roundoff(weight.dtype)
     target = max_norm / (1.0 + 4.0 * NUMERIC_MARGIN)
+    work = _workspace.scratch("float64.work", shape, torch.float64, weight.device)
+    candidate = _workspace.scratch("weight.draft", shape, weight.dtype, weight.device)
 
-    def certify(scale: float) -> tuple[float, torch.Tensor]:
-        scaled = w64 * scale
-        candidate = scaled.to(weight.dtype)
+    def certify(scale: float) -> float:
+        torch.mul(w64, scale, out=work)  # s W, one float64 rounding per entry
+        candidate.copy_(work)  # fl(s W) in the weight's dtype
         if not norms.all_finite(candidate):
-            return math.inf, candidate
+            return math.inf
         # ||fl(sW) - sW||_F: float64 residual (one rounding in s*W, one in the difference).
-        resid = _fro_upper(candidate.to(torch.float64) - scaled) + _EPS64 * scale * fro
-        return inflate(scale * ub + m * resid), candidate
+        work.sub_(candidate)  # s W - fl(s W), one more float64 rounding per entry
+        resid = _fro_upper(work) + _EPS64 * scale * fro
+        return inflate(scale * ub + m * resid)
 
     # Slack per unit scale: first 3/4 of the a-priori rounding bound (typical rounding errors
     # are about half of it, so one candidate usually verifies), then what that candidate
@@ -401,12 +408,12 @@ def _rescale(layer: _Layer, ub: float, max_norm: float, m: float) -> tuple[float
     apriori = m * ((u + 2.0 * _EPS64) * fro) * 1.01
     subnormal = m * math.sqrt(n) * sub  # absolute rounding error of subnormal entries
     scale = max(target - subnormal, 0.0) / (ub + 0.75 * apriori)
-    bound, candidate = certify(scale)
+    bound = certify(scale)
     measured = max(0.0, bound / (1.0 + NUMERIC_MARGIN) / scale - ub) if scale > 0 else apriori
     for slack in [None, 2.0 * measured + 0.5 * apriori, apriori]:
         if slack is not None:
             scale = max(target - subnormal, 0.0) / (ub + slack)
-            bound, candidate = certify(scale)
+            bound = certify(scale)
         if bound <= max_norm:
             weight.copy_(candidate)
             return bound, scale

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
-from clipless import _certified
+from clipless import _certified, _workspace
 from clipless._certified import UNIT_ROUNDOFF, inflate
 from clipless._certified import gamma as _gamma
 
@@ -83,7 +83,7 @@ def all_finite(t: torch.Tensor) -> bool:
     if t.numel() == 0:
         return True
     if t.is_complex():
-        t = torch.view_as_real(t)
+        t = torch.view_as_real(t.resolve_conj())
     if not t.is_floating_point():
         return True
     lo, hi = _aminmax(t.detach())
@@ -299,29 +299,38 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     the estimate, which ARPACK computes to ``~1e-6`` (residual tolerance): the bound is within
     ``~3e-6`` of the exact norm.
     """
-    if w.device.type != "cpu" or w.is_complex():
+    if w.device.type != "cpu" or w.is_complex() or not w.is_floating_point():
         return None
     import numpy as np
     from scipy.linalg import blas, lapack
 
-    if w.shape[0] < w.shape[1]:
-        w = w.mT
-    k, n = int(w.shape[0]), int(w.shape[1])
+    src = w.mT if w.shape[0] < w.shape[1] else w
+    k, n = int(src.shape[0]), int(src.shape[1])
+    # The float64 copy, row-major, in a reused buffer (clipless._workspace: no page faults per
+    # step); every real floating dtype converts to float64 exactly.
+    w = _workspace.scratch("float64.weight", (k, n), torch.float64)
+    w.copy_(src)
     lo, hi = _aminmax(w)
     biggest = max(-float(lo), float(hi))
     if biggest == 0.0:
         return 0.0, v0
     e = -math.frexp(biggest)[1] + 1  # 2^e * biggest in [1, 2)
-    # Exact power-of-two factors (two when a single 2.0**e would overflow); much faster than
-    # torch.ldexp. Underflow of entries when scaling down (at most one rounding per factor),
-    # and of the result when scaling back (subnormal), are covered by ``underflow``.
-    one_factor = -1022 <= e <= 1023  # 2^e normal: one multiplication, one temporary
-    w = w * 2.0**e if one_factor else w * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)
+    # Exact power-of-two factors (two when a single 2.0**e would overflow), in place; much
+    # faster than torch.ldexp. Underflow of entries when scaling down (at most one rounding
+    # per factor), and of the result when scaling back (subnormal), are covered by
+    # ``underflow``.
+    if -1022 <= e <= 1023:  # 2^e normal: one multiplication
+        w.mul_(2.0**e)
+    else:
+        w.mul_(2.0 ** (e // 2)).mul_(2.0 ** (e - e // 2))
     underflow = (2.0 * math.sqrt(w.numel()) + 1.0) * 2.0**-1074
-    # W^T W by BLAS dsyrk (upper triangle only: half the work of a general product). The
-    # k x n row-major W is the column-major n x k matrix W^T, so no copy is made.
+    # W^T W by BLAS dsyrk (upper triangle only: half the work of a general product), written
+    # into a reused column-major buffer (beta = 0: its old content is not read; its lower
+    # triangle is never read either). The k x n row-major W is the column-major n x k matrix
+    # W^T, so no copy is made.
     wt = np.asarray(w.numpy()).T
-    gram = blas.dsyrk(1.0, wt, trans=0, lower=0)
+    gram_out = _workspace.scratch("float64.work", (n, n), torch.float64).numpy().T
+    gram = blas.dsyrk(1.0, wt, beta=0.0, c=gram_out, trans=0, lower=0, overwrite_c=1)
     estimate = _top_eigenvalue_estimate(gram, v0)
     if estimate is None:
         return None
@@ -333,9 +342,10 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
         return None
     absolute = 8.0 * (k + n + 2) * n * _TINY
     grow_n = 1.0 + (n + 4) * 2.0 * UNIT_ROUNDOFF
+    b_out = _workspace.scratch("float64.factor", (n, n), torch.float64).numpy().T
     for lift in _CHOLESKY_MARGINS:
         c2 = max(estimate.value, 0.0) * (1.0 + lift) + absolute
-        b = np.negative(gram, order="F")
+        b = np.negative(gram, out=b_out)  # column-major, reused: factorised in place
         b[np.diag_indices(n)] += c2
         _, info = lapack.dpotrf(b, lower=0, clean=0, overwrite_a=1)
         if int(info) != 0:
@@ -406,12 +416,15 @@ def dense_norm(
                 method = "eigh" if small <= _SVD_MAX_DIM else "gram"
         if method == "gram":
             return float(gram_iteration(w, gram_iters).item())
-        w = w.to(torch.complex128 if w.is_complex() else torch.float64)
         if not all_finite(w):
             raise ValueError("weight must be finite")
-        if method == "cholesky":
+        if method == "cholesky":  # copies the weight into float64 itself
             result = _cholesky_norm(w)
-            return result[0] if result is not None else _eigh_norm(w)
+            if result is not None:
+                return result[0]
+        w = w.to(torch.complex128 if w.is_complex() else torch.float64)
+        if method == "cholesky":
+            return _eigh_norm(w)
         if method == "eigh":
             return _eigh_norm(w)
         return inflate(float(torch.linalg.matrix_norm(w, ord=2).item()))

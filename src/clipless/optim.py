@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clipless import bounds, constraints, mechanism
+from clipless import _workspace, bounds, constraints, mechanism
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.nn._functional import _wrapped
@@ -90,6 +90,7 @@ def draw_noise(
     generator: torch.Generator,
     dtype: torch.dtype,
     std: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gaussian noise of the plan's standard deviation for the noised tensor ``name``.
 
@@ -97,16 +98,21 @@ def draw_noise(
     privacy audit, :mod:`clipless.audit`, releases thousands of steps at once through this
     function). Drawn on ``generator``'s device. ``std`` replaces the plan's only where the
     caller holds a larger one (data-parallel replicas agree on the largest, never a smaller one).
+    ``out`` (of ``shape`` and ``dtype``, on the generator's device) receives the draw instead of
+    a new tensor: the same values from the same generator state.
     """
     if std is not None and std < plan.stds[name]:
         raise ValueError(f"std {std} for {name} is below the plan's {plan.stds[name]}")
+    scale = plan.stds[name] if std is None else std
+    if out is not None:
+        if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != generator.device:
+            raise ValueError(
+                f"out must have shape {tuple(shape)}, dtype {dtype} and device "
+                f"{generator.device}; got {tuple(out.shape)}, {out.dtype}, {out.device}"
+            )
+        return torch.normal(0.0, scale, size=shape, generator=generator, out=out)
     return torch.normal(
-        0.0,
-        plan.stds[name] if std is None else std,
-        size=shape,
-        generator=generator,
-        device=generator.device,
-        dtype=dtype,
+        0.0, scale, size=shape, generator=generator, device=generator.device, dtype=dtype
     )
 
 
@@ -706,9 +712,10 @@ class DPOptimizer(torch.optim.Optimizer):
             if parallel is not None and not parallel.adds_noise:
                 p.grad.div_(plan.expected_batch_size)
                 continue
-            noise = draw_noise(
-                plan, name, tuple(p.shape), self.generator, p.grad.dtype, std=stds[name]
-            )
+            shape, dtype = tuple(p.shape), p.grad.dtype
+            # a reused buffer (clipless._workspace: no page faults per step), consumed here
+            buffer = _workspace.scratch("weight.draft", shape, dtype, self.generator.device)
+            noise = draw_noise(plan, name, shape, self.generator, dtype, std=stds[name], out=buffer)
             p.grad.add_(noise.to(p.grad.device))
             p.grad.div_(plan.expected_batch_size)
         observe = getattr(self.original_optimizer, "set_noise_variance", None)
