@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,14 @@ def _run(
     return state, engine.get_epsilon(1e-5), rows
 
 
+def _exit_rank() -> None:
+    """End a rank that succeeded without the interpreter's finalisation, as
+    ``clipless.distributed.spawn`` does (gloo's threads can abort it there)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -98,8 +107,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         training.fit(model, opt, loader, loss, engine=engine, epochs=1, delta=1e-5,
                      checkpoint_dir=Path(out) / "fit", metrics_path=Path(out) / "fit" / "m.json",
                      progress=False)  # fmt: skip
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    _exit_rank()
 
 
 def _free_port() -> int:
@@ -191,6 +202,7 @@ def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.barrier()  # neither rank tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
+    _exit_rank()
 
 
 # two spawned processes (~15 s idle): a multi-machine --resume where only rank 0's machine holds

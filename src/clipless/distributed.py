@@ -284,8 +284,13 @@ def _spawned(local_rank: int, world: int, port: int, fn: Callable[..., int], arg
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if code:
-        sys.exit(code)
+    # End the rank here, without the interpreter's finalisation: gloo's worker threads may still
+    # hold objects whose destruction during finalisation aborts the process ("terminate called
+    # without an active exception": seen twice in CI after a rank had returned 0; PyTorch's
+    # pull request 179291 describes the mechanism). Everything the rank wrote is closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn(nproc: int, fn: Callable[..., int], *args: Any) -> int:
@@ -296,7 +301,10 @@ def spawn(nproc: int, fn: Callable[..., int], *args: Any) -> int:
     so ``fn`` calls :func:`init_from_env` exactly as under ``torchrun``. ``fn`` returns an exit
     status. Returns 0 when every rank returned 0, else the first failing rank's status (the
     other ranks are then stopped: they would wait for it in a collective). ``fn`` and ``args``
-    must be picklable (processes are started with the ``spawn`` method).
+    must be picklable (processes are started with the ``spawn`` method). After ``fn`` returns,
+    the ranks meet at a barrier, leave the group and end with ``os._exit`` (stdout and stderr
+    flushed): interpreter finalisation, where gloo's threads can abort a rank, is skipped, so
+    ``fn`` must close or flush what it opened (``atexit`` handlers do not run in the ranks).
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer; got {nproc!r}")
