@@ -119,3 +119,37 @@ def test_noise_drawn_into_a_buffer_is_the_same_draw() -> None:
     for bad in (torch.empty(3, 6), torch.empty(shape, dtype=torch.float64)):
         with pytest.raises(ValueError, match="out must have shape"):
             draw_noise(plan, name, shape, torch.Generator(), torch.float32, out=bad)
+
+
+def test_a_first_use_under_inference_mode_does_not_poison_the_pool() -> None:
+    """Review finding: a buffer first made under torch.inference_mode was an inference tensor,
+    and every later certification outside it failed ('Inplace update to inference tensor')."""
+    _workspace.release()
+    w = torch.randn(100, 96, generator=torch.Generator().manual_seed(4)) / 10
+    with torch.inference_mode():
+        inside = norms.dense_norm(w, method="cholesky")
+    assert not _workspace.scratch("float64.weight", (100, 96), torch.float64).is_inference()
+    assert norms.dense_norm(w, method="cholesky") == inside
+    layer = cnn.Linear(96, 100, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(w * 20)
+    constraints.project(cnn.Sequential(layer), mode="clip", max_norm=1.0)
+    assert float(torch.linalg.matrix_norm(layer.weight.detach().double(), ord=2)) <= 1.0
+
+
+def test_pooled_buffers_stay_on_the_cpu_under_another_default_device() -> None:
+    """Review finding: the pooled path followed torch.set_default_device."""
+    _workspace.release()
+    with torch.device("meta"):
+        buf = _workspace.scratch("t.device", (8, 8), torch.float64, "cpu")
+    assert buf.device.type == "cpu"
+    w = torch.randn(70, 66, generator=torch.Generator().manual_seed(6))
+    with torch.device("meta"):
+        _workspace.release()
+        bound = norms.dense_norm(w, method="cholesky")
+    assert bound == norms.dense_norm(w, method="cholesky")
+
+
+def test_integer_weights_take_the_same_certificate_as_their_float64_copy() -> None:
+    w = torch.randint(-5, 6, (90, 70), generator=torch.Generator().manual_seed(8))
+    assert norms.dense_norm(w, method="cholesky") == norms.dense_norm(w.double(), method="cholesky")

@@ -198,6 +198,19 @@ def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
             result["refused"] = None
         except FileExistsError as exc:
             result["refused"] = str(exc)
+        # any exception of rank 0's read arrives intact (review finding: KeyError's message was
+        # quoted twice, UnicodeDecodeError became a RuntimeError, so `except ValueError` missed it)
+        parallel = distributed.DataParallel()
+        result["raised"] = []
+        for error in (KeyError("engine"), UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad")):
+
+            def fail(error: Exception = error) -> None:
+                raise error
+
+            try:
+                parallel.from_rank0(fail)
+            except Exception as exc:  # the type and message are what is checked
+                result["raised"].append((type(exc).__name__, str(exc)))
         torch.save(result, root / f"resume{rank}.pt")
         dist.barrier()  # neither rank tears the group down while the other still uses it
     finally:
@@ -221,6 +234,8 @@ def test_a_resume_loads_rank_0s_checkpoint_on_every_rank(tmp_path: Path) -> None
                 assert torch.equal(rank[name]["state"][key], value), (name, key)
         assert rank["refused"] is not None and "private steps already taken" in rank["refused"]
     assert ranks[0]["refused"] == ranks[1]["refused"]
+    assert ranks[0]["raised"] == ranks[1]["raised"]
+    assert [kind for kind, _ in ranks[1]["raised"]] == ["KeyError", "UnicodeDecodeError"]
     # rank 1 never wrote: its "machine" has no checkpoint, its stale copy is unchanged
     assert not (tmp_path / "missing1" / "checkpoint.pt").exists()
 

@@ -50,7 +50,11 @@ def scratch(
         pool = _local.pool = {}
     flat = pool.get((slot, dtype))
     if flat is None or flat.numel() < numel:
-        flat = torch.empty(numel, dtype=dtype)
+        # A normal tensor even when first asked for under torch.inference_mode (an inference
+        # tensor could not be written in place afterwards), and on the CPU whatever
+        # torch.set_default_device says.
+        with torch.inference_mode(False):
+            flat = torch.empty(numel, dtype=dtype, device="cpu")
         pool[(slot, dtype)] = flat
     return flat[:numel].view(shape)
 

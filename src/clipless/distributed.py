@@ -36,6 +36,7 @@ loopback and compares with one process.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -99,9 +100,10 @@ class DataParallel:
 
         Used for what rank 0 alone may decide, e.g. the checkpoint a run resumes from (only rank
         0's machine need hold the run folder). If ``read`` raises on rank 0, every rank raises
-        (rank 0 its own exception, the others one of the same type and message) instead of the
-        others waiting for a collective that never comes. The result travels pickled
-        (``broadcast_object_list``): it must hold CPU tensors and plain values.
+        (rank 0 its own exception, the others a copy of it, pickled; a ``RuntimeError`` naming it
+        if it cannot be pickled) instead of the others waiting for a collective that never
+        comes. The result travels pickled (``broadcast_object_list``): it must hold CPU tensors
+        and plain values.
         """
         payload: list[Any] = [None]
         error: BaseException | None = None
@@ -110,20 +112,17 @@ class DataParallel:
                 payload[0] = ("ok", read())
             except Exception as exc:
                 error = exc
-                payload[0] = ("error", type(exc), str(exc))
+                try:
+                    pickle.loads(pickle.dumps(exc))
+                    payload[0] = ("error", exc)
+                except Exception:  # an exception that does not survive pickling
+                    payload[0] = ("error", RuntimeError(f"{type(exc).__name__} on rank 0: {exc}"))
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(payload, src=src, group=self.group, device=self.device)
-        kind, *rest = payload[0]
+        kind, value = payload[0]
         if kind == "ok":
-            return rest[0]
-        if error is not None:
-            raise error
-        kind_of, message = rest
-        try:
-            raised = kind_of(message)
-        except Exception:  # an exception type whose constructor needs more than a message
-            raised = RuntimeError(f"{kind_of.__name__} on rank 0: {message}")
-        raise raised
+            return value
+        raise error if error is not None else value
 
 
 def make_data_parallel(optimizer: DPOptimizer, data_loader: Any, group: Any = None) -> DPOptimizer:

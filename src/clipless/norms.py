@@ -299,7 +299,7 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     the estimate, which ARPACK computes to ``~1e-6`` (residual tolerance): the bound is within
     ``~3e-6`` of the exact norm.
     """
-    if w.device.type != "cpu" or w.is_complex() or not w.is_floating_point():
+    if w.device.type != "cpu" or w.is_complex():
         return None
     import numpy as np
     from scipy.linalg import blas, lapack
@@ -307,7 +307,8 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     src = w.mT if w.shape[0] < w.shape[1] else w
     k, n = int(src.shape[0]), int(src.shape[1])
     # The float64 copy, row-major, in a reused buffer (clipless._workspace: no page faults per
-    # step); every real floating dtype converts to float64 exactly.
+    # step); the conversion is the one ``Tensor.to(torch.float64)`` makes (exact for every
+    # floating dtype).
     w = _workspace.scratch("float64.weight", (k, n), torch.float64)
     w.copy_(src)
     lo, hi = _aminmax(w)
