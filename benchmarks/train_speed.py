@@ -32,7 +32,8 @@ the step, of the bytes of live torch CPU tensors. The minimum is reached right a
 ``zero_grad(set_to_none=True)``, when only persistent state is live (parameters, the data batch,
 optimizer state, cached bounds); gradients and Opacus's per-sample gradients (which Opacus keeps
 alive between steps until the next ``zero_grad``) are freed there and re-created by the step, so
-they count. It is computed exactly from the allocator events of ``torch.profiler``
+they count, and so do clipless's scratch buffers (``clipless._workspace``), which stay allocated
+between steps and are added. It is computed exactly from the allocator events of ``torch.profiler``
 (``profile_memory=True``) over two steps, the second one measured. It counts activations saved
 for backward, gradients, per-sample gradients, noise and temporaries of the bound computations
 (LAPACK/FFT work arrays allocated through torch included); memory that BLAS/LAPACK allocate
@@ -287,8 +288,14 @@ def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float | N
 
 # ------------------------------------------------------------------------------------ memory
 def step_peak_bytes(runner: Runner) -> int:
-    """Peak minus minimum of the live-tensor bytes during one step (module docstring)."""
+    """Peak minus minimum of the live-tensor bytes during one step (module docstring), plus the
+    scratch buffers that clipless keeps between steps (``clipless._workspace``: live at the
+    minimum, so the difference alone would not count them)."""
     from torch.profiler import ProfilerActivity, profile, record_function
+
+    from clipless import _workspace
+
+    _workspace.release()  # only this runner's buffers are counted
 
     with (
         warnings.catch_warnings(),
@@ -315,7 +322,7 @@ def step_peak_bytes(runner: Runner) -> int:
         level += nbytes
         if t >= start:
             inside.append(level)
-    return max(inside) - min(inside) if inside else 0
+    return (max(inside) - min(inside) if inside else 0) + _workspace.pooled_bytes()
 
 
 def param_bytes(model: torch.nn.Module) -> int:

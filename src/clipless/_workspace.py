@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-__all__ = ["MAX_BYTES", "release", "scratch"]
+__all__ = ["MAX_BYTES", "pooled_bytes", "release", "scratch"]
 
 MAX_BYTES = 16 * 2**20
 """Largest pooled buffer (16 MiB: a float64 ``1448 x 1448`` matrix); larger ones are not kept."""
@@ -62,3 +62,9 @@ def scratch(
 def release() -> None:
     """Free this thread's scratch buffers (they are made again on the next use)."""
     _local.pool = {}
+
+
+def pooled_bytes() -> int:
+    """Bytes held by this thread's pool (kept between steps; memory benchmarks add them)."""
+    pool = getattr(_local, "pool", None) or {}
+    return sum(t.numel() * t.element_size() for t in pool.values())
