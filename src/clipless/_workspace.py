@@ -15,8 +15,9 @@ two live tensors need two slots. Functions that never run inside one another sha
 bounds what is kept: ``"float64.weight"``, ``"float64.work"`` and ``"float64.factor"`` (the dense
 certificate, then the projection's rescale) and ``"weight.draft"`` in the weight's dtype (the
 noise, then the rescaled candidate). For the benchmark's 1024-wide MLP that is 28 MiB kept
-between steps, which the step allocated and freed anyway. Pools are per thread
-(``threading.local``). Only CPU tensors of at most :data:`MAX_BYTES` are pooled; larger ones
+between steps; the step's peak is no higher than when they were freed every step (the Gram
+matrix and factor were NumPy arrays then: ``benchmarks/RESULTS.md`` section 24c). Pools are per
+thread (``threading.local``). Only CPU tensors of at most :data:`MAX_BYTES` are pooled; larger ones
 (whose page faults are small next to their ``O(n^3)`` certification), and other devices (whose
 allocators cache already), get a fresh ``torch.empty``. :func:`release` frees this thread's pool.
 """
