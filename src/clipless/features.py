@@ -390,7 +390,9 @@ class Scattering2d(torch.nn.Module):
 
     @property
     def natural_norm(self) -> float:
-        """``sqrt(numel)`` of one output: a bound on the feature norm after group normalisation."""
+        """``sqrt(numel)`` of one output: the feature norm after group normalisation is at most
+        this in exact arithmetic (float32 evaluation may exceed it by rounding, ~1e-7 relative).
+        Not a privacy bound: the model's :class:`clipless.nn.InputNorm` enforces its own."""
         return math.sqrt(math.prod(self.output_shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -449,6 +451,26 @@ def _library_versions() -> str:
     return f"torch {torch.__version__}, kymatio {kymatio}"
 
 
+def _clipless_sources(features: torch.nn.Module) -> bytes:
+    """The source files of the clipless modules that define the map's classes (its ``forward``
+    and the helpers beside it: a change there changes the features without changing ``repr``)."""
+    import inspect
+    import sys
+
+    files: dict[str, bytes] = {}
+    for module in features.modules():
+        name = type(module).__module__
+        if name.split(".")[0] != "clipless":
+            continue  # torch and kymatio are covered by their versions
+        try:
+            path = inspect.getsourcefile(sys.modules[name])
+        except (KeyError, TypeError):
+            path = None
+        if path and path not in files:
+            files[path] = Path(path).read_bytes()
+    return b"".join(hashlib.sha256(files[p]).digest() for p in sorted(files))
+
+
 def _hash_tensor(h: hashlib._Hash, name: str, t: torch.Tensor) -> None:
     t = t.detach().to("cpu").contiguous()
     h.update(f"{name} {t.dtype} {tuple(t.shape)}\n".encode())
@@ -460,10 +482,12 @@ def feature_cache_key(features: torch.nn.Module, x: torch.Tensor, batch_size: in
 
     It covers everything the output depends on: the map's class and configuration, with every
     submodule's (``repr``, which nests the children's ``extra_repr``), its training mode, every
-    tensor of its state (a scattering's filter bank), the torch and kymatio versions, the batch
-    size, and the input's dtype, shape and bytes. Two calls with the same key compute the same
-    features, so a cached tensor can stand in for the computation. A map whose output depends on
-    plain attributes that its ``repr`` does not show is not covered: give it an ``extra_repr``.
+    tensor of its state (a scattering's filter bank), the source files of the clipless modules
+    that define its classes (so an edited ``forward`` or constant does not reuse old features),
+    the torch and kymatio versions, the batch size, and the input's dtype, shape and bytes. Two
+    calls with the same key compute the same features, so a cached tensor can stand in for the
+    computation. A map whose output depends on plain attributes that its ``repr`` does not show
+    is not covered: give it an ``extra_repr``.
     """
     h = hashlib.sha256()
     modes = "".join("t" if m.training else "e" for m in features.modules())
@@ -471,6 +495,7 @@ def feature_cache_key(features: torch.nn.Module, x: torch.Tensor, batch_size: in
         f"{FEATURE_CACHE_FORMAT}\n{type(features).__module__}.{type(features).__qualname__}\n"
         f"{features!r}\nmodes {modes}\n{_library_versions()}\nbatch_size {batch_size}\n".encode()
     )
+    h.update(_clipless_sources(features))
     for name, t in sorted(features.state_dict().items()):
         _hash_tensor(h, f"state {name}", t)
     _hash_tensor(h, "input", x)
