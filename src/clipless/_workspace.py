@@ -43,8 +43,7 @@ def scratch(
     """An uninitialised contiguous tensor of ``shape``, backed by ``slot``'s reused buffer."""
     device = torch.device(device)
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or numel == 0 or numel * itemsize > MAX_BYTES:
+    if device.type != "cpu" or numel == 0 or numel * dtype.itemsize > MAX_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     pool: dict[tuple[str, torch.dtype], torch.Tensor] | None = getattr(_local, "pool", None)
     if pool is None:

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import functools
 import io
 import json
 import math
@@ -641,11 +642,9 @@ def fit(
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         optimizer.ledger_path = ckpt_dir / LEDGER_NAME  # type: ignore[attr-defined]
     dp = getattr(optimizer, "data_parallel", None)
-    own_ledger = getattr(optimizer, "ledger_path", None)
-
-    def read_resume() -> tuple[dict[str, Any], bool] | None:
-        return _read_resume(resume, ckpt_dir, own_ledger)
-
+    read_resume = functools.partial(
+        _read_resume, resume, ckpt_dir, getattr(optimizer, "ledger_path", None)
+    )
     # Under clipless.distributed rank 0's run folder is the only truth: it reads the checkpoint
     # (and the largest ledger) and every rank loads what it read, so a rank on another machine
     # needs no copy of the folder, and a stale copy there cannot make the replicas disagree.
@@ -953,7 +952,7 @@ def _prefer_larger_ledger(engine_state: dict[str, Any], ledger_file: Path) -> di
         warnings.warn(
             f"{ledger_file} records {on_disk.steps} steps but the checkpoint only "
             f"{in_ckpt.steps}: the steps after the checkpoint were spent and stay in the ledger",
-            stacklevel=5,  # fit's caller (_read_resume, its closure and fit are in between)
+            stacklevel=4,  # fit's caller (_read_resume and fit are in between)
         )
         engine_state = dict(engine_state)
         engine_state["ledger"] = on_disk.to_dict()
