@@ -62,9 +62,8 @@ def test_stale_buffers_do_not_change_the_dense_certificate(shape: tuple[int, int
     fresh = norms.dense_norm(w, method="cholesky")
     k, n = max(shape), min(shape)
     for slot, size in [
-        ("float64.weight", (k, n)),
+        ("float64.rows", (k, n)),
         ("float64.work", (n, n)),
-        ("float64.factor", (n, n)),
     ]:
         _workspace.scratch(slot, size, torch.float64).fill_(float("nan"))
     assert norms.dense_norm(w, method="cholesky") == fresh
@@ -83,7 +82,7 @@ def test_stale_buffers_do_not_change_the_projection() -> None:
         with torch.no_grad():
             layer.weight.copy_(weights)
         if stale:
-            for slot in ("float64.weight", "float64.work"):
+            for slot in ("float64.rows", "float64.work"):
                 _workspace.scratch(slot, (96, 80), torch.float64).fill_(float("nan"))
             _workspace.scratch("weight.draft", (96, 80), torch.float32).fill_(7.0)
         bound = constraints.project(cnn.Sequential(layer), mode="clip", max_norm=1.0)
@@ -128,7 +127,7 @@ def test_a_first_use_under_inference_mode_does_not_poison_the_pool() -> None:
     w = torch.randn(100, 96, generator=torch.Generator().manual_seed(4)) / 10
     with torch.inference_mode():
         inside = norms.dense_norm(w, method="cholesky")
-    assert not _workspace.scratch("float64.weight", (100, 96), torch.float64).is_inference()
+    assert not _workspace.scratch("float64.rows", (100, 96), torch.float64).is_inference()
     assert norms.dense_norm(w, method="cholesky") == inside
     layer = cnn.Linear(96, 100, bias=False)
     with torch.no_grad():

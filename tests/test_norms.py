@@ -569,3 +569,25 @@ def test_gram_iteration_is_sound_at_every_float64_scale(exponent: int) -> None:
         scaled = bound * 2.0 ** (-exponent)  # exact: both are normal numbers
         assert bool((scaled >= exact).all())
         assert bool((scaled <= exact * 3.0).all())  # rank 5: at most sqrt(5) loose at iters 0
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (200, 300), (129, 64), (1000, 70)])
+def test_cholesky_norm_over_blocks_of_rows(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int]
+) -> None:
+    """The float64 copy of W is made 64+ rows at a time and the Gram product accumulated over
+    the blocks: the same certificate up to the order of the sums (last bits), never below the
+    exact norm, including when a failed level forms the Gram matrix again."""
+    mat = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) / 10
+    exact = exact_norm(mat)
+    whole = dense_norm(mat, method="cholesky")
+    monkeypatch.setattr(norms, "_GRAM_BLOCK_BYTES", 1)  # 64 rows per block
+    blocked = dense_norm(mat, method="cholesky")
+    assert exact <= blocked <= exact * (1 + 1e-5)
+    assert blocked == pytest.approx(whole, rel=1e-14)
+    e = -math.frexp(float(mat.abs().max()))[1] + 1
+    low = norms._Estimate(exact**2 * 4.0**e * (1 - 1e-3), None)  # the first two lifts fail
+    monkeypatch.setattr(norms, "_top_eigenvalue_estimate", lambda g, v0=None: low)
+    result = norms._cholesky_norm(mat)
+    assert result is not None
+    assert exact <= result[0] <= exact * 1.006

@@ -1,6 +1,6 @@
 """Reusable CPU scratch tensors for the work every private step repeats.
 
-Every step of a dense Lipschitz layer makes the same large temporaries: the float64 copy of the
+Every step of a dense Lipschitz layer makes the same large temporaries: float64 rows of the
 weight and its Gram matrix for the certificate (:func:`clipless.norms.dense_norm`), the scaled
 candidates of the clip projection (:mod:`clipless.constraints`) and the noise
 (:class:`clipless.optim.DPOptimizer`). On Linux, glibc serves blocks of this size with ``mmap``
@@ -10,16 +10,17 @@ the 1024-wide MLP of the speed benchmark that was about a fifth of the clipless 
 unchanged: a scratch tensor is only ever fully overwritten before it is read.
 
 Rules for callers: a slot's tensor is valid until the next :func:`scratch` call with the same slot
-in the same thread, so it must never escape the function that asked for it (copy it out), and
-two live tensors need two slots. Functions that never run inside one another share slots, which
-bounds what is kept: ``"float64.weight"``, ``"float64.work"`` and ``"float64.factor"`` (the dense
-certificate, then the projection's rescale) and ``"weight.draft"`` in the weight's dtype (the
-noise, then the rescaled candidate). For the benchmark's 1024-wide MLP that is 28 MiB kept
-between steps; the step's peak is no higher than when they were freed every step (the Gram
-matrix and factor were NumPy arrays then: ``benchmarks/RESULTS.md`` section 24c). Pools are per
-thread (``threading.local``). Only CPU tensors of at most :data:`MAX_BYTES` are pooled; larger ones
-(whose page faults are small next to their ``O(n^3)`` certification), and other devices (whose
-allocators cache already), get a fresh ``torch.empty``. :func:`release` frees this thread's pool.
+in the same thread, so it must never escape the function that asked for it (copy it out), and two
+live tensors need two slots. Functions that never run inside one another share slots, which bounds
+what is kept: ``"float64.rows"`` (about 1 MiB of float64 rows of the weight), ``"float64.work"``
+(the Gram matrix, factorised in place, then the projection's float64 candidate) and
+``"weight.draft"`` in the weight's dtype (the noise, then the rescaled candidate). For the
+benchmark's 1024-wide MLP that is 13 MiB kept between steps (28 MiB before the certificate converted
+the weight by blocks of rows and factorised in place: ``benchmarks/RESULTS.md`` section 25a). Pools
+are per thread (``threading.local``). Only CPU tensors of at most :data:`MAX_BYTES` are pooled;
+larger ones (whose page faults are small next to their ``O(n^3)`` certification), and other devices
+(whose allocators cache already), get a fresh ``torch.empty``. :func:`release` frees this thread's
+pool.
 """
 
 from __future__ import annotations

@@ -381,19 +381,18 @@ def _rescale(layer: _Layer, ub: float, max_norm: float, m: float) -> tuple[float
     """
     weight = layer.weight
     shape = tuple(weight.shape)
-    # Reused buffers (clipless._workspace: no page faults per step). A float64 weight needs its
-    # own copy too: the candidates below are written to other buffers, the weight only at the end.
-    w64 = _workspace.scratch("float64.weight", shape, torch.float64, weight.device)
-    w64.copy_(weight.detach())  # exact
-    n = w64.numel()
-    fro = _fro_upper(w64)
-    u, sub = _unit_roundoff(weight.dtype)
-    target = max_norm / (1.0 + 4.0 * NUMERIC_MARGIN)
+    # Reused buffers (clipless._workspace: no page faults per step). The weight is written only
+    # at the end, so each candidate starts again from its exact float64 copy in ``work``.
     work = _workspace.scratch("float64.work", shape, torch.float64, weight.device)
     candidate = _workspace.scratch("weight.draft", shape, weight.dtype, weight.device)
+    work.copy_(weight.detach())  # exact
+    n = work.numel()
+    fro = _fro_upper(work)
+    u, sub = _unit_roundoff(weight.dtype)
+    target = max_norm / (1.0 + 4.0 * NUMERIC_MARGIN)
 
     def certify(scale: float) -> float:
-        torch.mul(w64, scale, out=work)  # s W, one float64 rounding per entry
+        work.copy_(weight.detach()).mul_(scale)  # s W, one float64 rounding per entry
         candidate.copy_(work)  # fl(s W) in the weight's dtype
         if not norms.all_finite(candidate):
             return math.inf

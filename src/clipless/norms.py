@@ -210,6 +210,7 @@ def gram_iteration(mats: torch.Tensor, iters: int) -> torch.Tensor:
 
 _CHOLESKY_MARGINS = (3e-6, 1e-4, 1e-2)  # relative lift of the target c^2 above the estimate
 _TINY = 2.0**-1022  # smallest normal float64: absolute allowance for underflow
+_GRAM_BLOCK_BYTES = 2**20  # rows of W converted to float64 at a time by the Cholesky certificate
 
 
 class _Estimate(NamedTuple):
@@ -274,7 +275,8 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
 
     1. ``G~ = fl(W^T W) = W^T W + E1`` (BLAS ``dsyrk``, upper triangle; the factorisation reads
        no other entry) with ``|E1| <= gamma_k |W|^T |W|`` entrywise (any order of the inner
-       products, conventional BLAS), so ``||E1|| <= ||E1||_F <= gamma_k ||W||_F^2``.
+       products, conventional BLAS; accumulating the product over blocks of rows of ``W`` is one
+       such order), so ``||E1|| <= ||E1||_F <= gamma_k ||W||_F^2``.
     2. ``B = fl(c^2 I - G~)`` rounds only the diagonal: ``B = c^2 I - G~ + E2`` with ``E2``
        diagonal, ``|E2_ii| <= u |B_ii|``.
     3. Cholesky of ``B`` runs to completion (``info = 0``): by Higham, *Accuracy and Stability of
@@ -293,11 +295,13 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
        ``1 + (n + 4) 2^-52``, which covers the rounding of their sums; the final
        ``sqrt(c^2 + tau) 2^-e`` is rounded up and inflated by ``1 + NUMERIC_MARGIN``.
 
-    Cost: one ``n x n`` Gram product (``k n^2`` multiply-adds), a few dozen Lanczos
-    matrix-vector products and one Cholesky factorisation (``n^3 / 3``): about 0.6 of
-    ``eigvalsh`` on the same Gram matrix. Tightness: ``c`` is within ``1.5e-6`` (relative) of
-    the estimate, which ARPACK computes to ``~1e-6`` (residual tolerance): the bound is within
-    ``~3e-6`` of the exact norm.
+    Cost: one ``n x n`` Gram product (``k n^2`` multiply-adds), a few dozen Lanczos matrix-vector
+    products and one Cholesky factorisation (``n^3 / 3``): about 0.6 of ``eigvalsh`` on the same
+    Gram matrix. Memory: one ``n x n`` float64 buffer (the Gram matrix, factorised in place; a
+    failed level forms it again) and about 1 MiB of float64 rows of ``W``, both reused across calls
+    (:mod:`clipless._workspace`). Tightness: ``c`` is within ``1.5e-6`` (relative) of the estimate,
+    which ARPACK computes to ``~1e-6`` (residual tolerance): the bound is within ``~3e-6`` of the
+    exact norm.
     """
     if w.device.type != "cpu" or w.is_complex():
         return None
@@ -306,12 +310,10 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
 
     src = w.mT if w.shape[0] < w.shape[1] else w
     k, n = int(src.shape[0]), int(src.shape[1])
-    # The float64 copy, row-major, in a reused buffer (clipless._workspace: no page faults per
-    # step); the conversion is the one ``Tensor.to(torch.float64)`` makes (exact for every
-    # floating dtype).
-    w = _workspace.scratch("float64.weight", (k, n), torch.float64)
-    w.copy_(src)
-    lo, hi = _aminmax(w)
+    # The largest entry, read from the weight itself: its float64 conversion below is monotone
+    # (exact for every floating dtype, round-to-nearest for integers), so it converts to the
+    # largest entry of the float64 copy.
+    lo, hi = _aminmax(src)
     biggest = max(-float(lo), float(hi))
     if biggest == 0.0:
         return 0.0, v0
@@ -320,39 +322,69 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
     # faster than torch.ldexp. Underflow of entries when scaling down (at most one rounding
     # per factor), and of the result when scaling back (subnormal), are covered by
     # ``underflow``.
-    if -1022 <= e <= 1023:  # 2^e normal: one multiplication
-        w.mul_(2.0**e)
-    else:
-        w.mul_(2.0 ** (e // 2)).mul_(2.0 ** (e - e // 2))
-    underflow = (2.0 * math.sqrt(w.numel()) + 1.0) * 2.0**-1074
-    # W^T W by BLAS dsyrk (upper triangle only: half the work of a general product), written
-    # into a reused column-major buffer (beta = 0: its old content is not read; its lower
-    # triangle is never read either). The k x n row-major W is the column-major n x k matrix
-    # W^T, so no copy is made.
-    wt = np.asarray(w.numpy()).T
-    gram_out = _workspace.scratch("float64.work", (n, n), torch.float64).numpy().T
-    gram = blas.dsyrk(1.0, wt, beta=0.0, c=gram_out, trans=0, lower=0, overwrite_c=1)
+    factors = [2.0**e] if -1022 <= e <= 1023 else [2.0 ** (e // 2), 2.0 ** (e - e // 2)]
+    underflow = (2.0 * math.sqrt(k * n) + 1.0) * 2.0**-1074
+    # Reused buffers (clipless._workspace: no page faults per step): the float64 copy of W is
+    # made a block of rows at a time (about 1 MiB), and one n x n buffer holds the Gram matrix
+    # and then, in place, its Cholesky factor. The k x n row-major block is the column-major
+    # n x k matrix block^T, so dsyrk reads it without a copy.
+    rows = min(k, max(64, _GRAM_BLOCK_BYTES // (8 * n)))
+    block = _workspace.scratch("float64.rows", (rows, n), torch.float64)
+    work = _workspace.scratch("float64.work", (n, n), torch.float64).numpy().T  # column-major
+
+    def gram_product() -> tuple[np.ndarray, float]:
+        """``fl(W^T W)`` (upper triangle) of the scaled ``W`` into ``work``, and ``||W||_F^2``.
+
+        ``W^T W = sum_b W_b^T W_b`` over blocks of rows ``W_b``, accumulated by BLAS ``dsyrk``
+        (upper triangle only: half the work of a general product; ``beta = 0`` first, so the
+        buffer's old content is not read, and its lower triangle never is): every entry is a
+        float64 sum of its ``k`` products in some order, which is all step 1 of the proof uses.
+        The squared Frobenius norm is the exactly rounded sum (``math.fsum``) of the blocks'
+        float64 squared norms, within the relative ``(n k + 4) 2^-52`` that ``grow`` allows.
+        """
+        squares = []
+        out = work
+        for r0 in range(0, k, rows):
+            part = block[: min(rows, k - r0)]
+            part.copy_(src[r0 : r0 + rows])  # exact for every floating dtype
+            for f in factors:
+                part.mul_(f)
+            out = blas.dsyrk(
+                1.0,
+                part.numpy().T,
+                beta=0.0 if r0 == 0 else 1.0,
+                c=out,
+                trans=0,
+                lower=0,
+                overwrite_c=1,
+            )
+            squares.append(float(torch.linalg.vector_norm(part).item()) ** 2)
+        assert np.shares_memory(out, work)  # dsyrk wrote into the buffer (F-contiguous)
+        return out, math.fsum(squares)
+
+    gram, fro2 = gram_product()
     estimate = _top_eigenvalue_estimate(gram, v0)
     if estimate is None:
         return None
-    fro2 = float(torch.linalg.vector_norm(w).item()) ** 2
-    grow = 1.0 + (w.numel() + 4) * 2.0 * UNIT_ROUNDOFF
+    grow = 1.0 + (k * n + 4) * 2.0 * UNIT_ROUNDOFF
     gamma_k = k * UNIT_ROUNDOFF / (1.0 - k * UNIT_ROUNDOFF)
     gamma_n = (n + 1) * UNIT_ROUNDOFF / (1.0 - (n + 1) * UNIT_ROUNDOFF)
     if gamma_n >= 0.5 or gamma_k >= 0.5:
         return None
     absolute = 8.0 * (k + n + 2) * n * _TINY
     grow_n = 1.0 + (n + 4) * 2.0 * UNIT_ROUNDOFF
-    b_out = _workspace.scratch("float64.factor", (n, n), torch.float64).numpy().T
-    for lift in _CHOLESKY_MARGINS:
+    for attempt, lift in enumerate(_CHOLESKY_MARGINS):
+        if attempt > 0:  # the factorisation overwrote the Gram matrix: form it again
+            gram, _ = gram_product()
         c2 = max(estimate.value, 0.0) * (1.0 + lift) + absolute
-        b = np.negative(gram, out=b_out)  # column-major, reused: factorised in place
+        g_diag = np.diagonal(gram).copy()
+        b = np.negative(gram, out=gram)  # B = c^2 I - G, factorised in place (upper triangle)
         b[np.diag_indices(n)] += c2
         _, info = lapack.dpotrf(b, lower=0, clean=0, overwrite_a=1)
         if int(info) != 0:
             continue
-        # dpotrf overwrote the upper triangle (diagonal included): recompute B's diagonal.
-        b_diag = c2 - np.diagonal(gram)
+        # dpotrf overwrote the upper triangle (diagonal included): B's diagonal again.
+        b_diag = c2 - g_diag
         trace = float(math.fsum(b_diag.tolist())) * grow_n
         bmax = float(np.abs(b_diag).max()) * grow_n
         tau = (
