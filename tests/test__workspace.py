@@ -152,3 +152,19 @@ def test_pooled_buffers_stay_on_the_cpu_under_another_default_device() -> None:
 def test_integer_weights_take_the_same_certificate_as_their_float64_copy() -> None:
     w = torch.randint(-5, 6, (90, 70), generator=torch.Generator().manual_seed(8))
     assert norms.dense_norm(w, method="cholesky") == norms.dense_norm(w.double(), method="cholesky")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_chunked_residual_is_bitwise_sub(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+    """The rescale's residual ``sW - fl(sW)`` converts the candidate ~1 MiB at a time (a whole
+    float64 copy was the step's memory peak): bitwise the same as ``sub_``, whatever the chunk."""
+    gen = torch.Generator().manual_seed(9)
+    exact = torch.randn(301, 97, generator=gen, dtype=torch.float64) * 0.37
+    rounded = exact.to(dtype)
+    expected = exact - rounded.to(torch.float64)
+    for chunk in (2**17, 1000, 97):
+        monkeypatch.setattr(constraints, "_CHUNK", chunk)
+        _workspace.scratch("float64.rows", (chunk,), torch.float64).fill_(float("nan"))
+        work = exact.clone()
+        constraints._subtract(work, rounded)
+        assert torch.equal(work, expected), chunk

@@ -374,6 +374,29 @@ def _certified_bound(
     return ub
 
 
+_CHUNK = 2**17  # float64 entries (1 MiB) converted at a time by _subtract
+
+
+def _subtract(work: torch.Tensor, other: torch.Tensor) -> None:
+    """``work -= other`` for a float64 ``work``, converting ``other`` about 1 MiB at a time.
+
+    ``work.sub_(other)`` would first make a float64 copy of all of ``other`` (as large as the
+    weight's float64 copy: 8 MiB for a ``1024 x 1024`` layer, the step's memory peak). The
+    conversion is exact and each entry is subtracted once either way, so the result is bitwise
+    the same. Contiguous CPU tensors only; others take ``sub_``.
+    """
+    if work.device.type != "cpu" or not (work.is_contiguous() and other.is_contiguous()):
+        work.sub_(other)
+        return
+    flat, src = work.view(-1), other.view(-1)
+    n = flat.numel()
+    buffer = _workspace.scratch("float64.rows", (min(n, _CHUNK),), torch.float64)
+    for start in range(0, n, _CHUNK):
+        part = buffer[: min(_CHUNK, n - start)]
+        part.copy_(src[start : start + _CHUNK])
+        flat[start : start + _CHUNK].sub_(part)
+
+
 def _rescale(layer: _Layer, ub: float, max_norm: float, m: float) -> tuple[float, float]:
     """Rescale ``layer.weight`` (certified bound ``ub``) so the stored weight's bound is ``<= C``.
 
@@ -397,7 +420,7 @@ def _rescale(layer: _Layer, ub: float, max_norm: float, m: float) -> tuple[float
         if not norms.all_finite(candidate):
             return math.inf
         # ||fl(sW) - sW||_F: float64 residual (one rounding in s*W, one in the difference).
-        work.sub_(candidate)  # s W - fl(s W), one more float64 rounding per entry
+        _subtract(work, candidate)  # s W - fl(s W), one more float64 rounding per entry
         resid = _fro_upper(work) + _EPS64 * scale * fro
         return inflate(scale * ub + m * resid)
 

@@ -106,6 +106,7 @@ class ParametricLipschitzModule(LipschitzModule):
         stays bitwise equal.
         """
         param = getattr(self, "weight")  # noqa: B009
+        self.__dict__.pop("_bound_cache", None)  # freed before the copy: no second copy at once
         self.__dict__["_bound_cache"] = (param.detach().clone(), self._bound_key(), float(value))
 
     def bound_state(self) -> dict[str, object] | None:
@@ -163,6 +164,7 @@ class ParametricLipschitzModule(LipschitzModule):
             ):
                 return float(value)
         value = float(compute())
+        self.__dict__.pop("_bound_cache", None)  # freed before the copy: no second copy at once
         self.__dict__["_bound_cache"] = (weight.clone(), key, value)
         return value
 
