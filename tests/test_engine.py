@@ -352,6 +352,66 @@ def test_ledger_written_before_noise(tmp_path, monkeypatch) -> None:
     assert on_disk.epsilon(1e-5) == pytest.approx(engine.get_epsilon(1e-5), rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63 - 1, 2**64 - 1])
+def test_a_seed_out_of_range_is_named(seed: int) -> None:
+    """Audit finding: seed=2**64-1 was accepted, then make_private failed in torch with
+    'Overflow when unpacking long long' (the sampler takes seed + 1)."""
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63 - 1\)"):
+        clipless.PrivacyEngine(seed=seed)
+    clipless.PrivacyEngine(seed=2**63 - 2)
+
+
+def test_a_fresh_run_refuses_a_ledger_path_that_records_spending(tmp_path) -> None:
+    """Audit finding: make_private(ledger_path=P) over P recording 50 steps overwrote it with
+    its own 1-step ledger at the first step (the file is the record of what was spent)."""
+    from clipless.accounting import PrivacyLedger
+
+    path = tmp_path / "ledger.json"
+    _, m, o, dl = _private(ledger_path=path)
+    _train_steps(m, o, dl, o.loss, 5)
+    spent = path.read_bytes()
+    _, m2, o2, dl2 = _private(ledger_path=path)
+    with pytest.raises(FileExistsError, match="records 5 private steps"):
+        _train_steps(m2, o2, dl2, o2.loss, 1)
+    assert path.read_bytes() == spent  # untouched, and nothing was noised or stepped
+    assert PrivacyLedger.from_json(path).steps == 5
+    path.write_text("{not json")  # an unreadable file may record spending too
+    with pytest.raises(ValueError, match="cannot be read"):
+        _train_steps(m2, o2, dl2, o2.loss, 1)
+
+
+@pytest.mark.parametrize("seed", [0, None])
+def test_a_hand_written_resume_keeps_the_larger_ledger_file(tmp_path, seed) -> None:
+    """Audit finding: restoring an older checkpoint with engine.load_state_dict under the same
+    ledger_path rolled the file back to the checkpoint's steps and replayed the saved generator
+    states. The file's ledger is kept; without a seed the generators are reseeded."""
+    import copy
+
+    from clipless.accounting import PrivacyLedger
+
+    path = tmp_path / "ledger.json"
+    engine, m, o, dl = _private(ledger_path=path, seed=seed)
+    _train_steps(m, o, dl, o.loss, 4)
+    ckpt = {
+        "model": copy.deepcopy(m.state_dict()),
+        "optimizer": copy.deepcopy(o.state_dict()),
+        "engine": copy.deepcopy(engine.state_dict()),
+    }
+    _train_steps(m, o, dl, o.loss, 6)  # ... then the process dies
+    assert PrivacyLedger.from_json(path).steps == 10
+    engine2, m2, o2, dl2 = _private(ledger_path=path, seed=seed)
+    m2.load_state_dict(ckpt["model"])
+    o2.load_state_dict(ckpt["optimizer"])
+    with pytest.warns(UserWarning, match="records 10 steps but the checkpoint only 4"):
+        engine2.load_state_dict(ckpt["engine"])
+    assert engine2.ledger.steps == 10
+    restored = torch.equal(o2.generator.get_state(), ckpt["engine"]["generator"])
+    assert restored == (seed is not None)  # a seeded (reproducible) run keeps its states
+    _train_steps(m2, o2, dl2, o2.loss, 1)
+    assert PrivacyLedger.from_json(path).steps == 11
+    assert engine2.get_epsilon(1e-5) == pytest.approx(PrivacyLedger.from_json(path).epsilon(1e-5))
+
+
 def test_bounds_follow_weights_changed_through_data() -> None:
     """Sensitivities are recomputed from the weights the forward uses, even after .data writes."""
     _, m, o, _ = _private(constraint=None)

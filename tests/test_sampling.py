@@ -53,6 +53,23 @@ def test_inclusion_frequency_is_q() -> None:
     assert abs(freq - q) < 4 * math.sqrt(q * (1 - q) / (n * steps))
 
 
+def test_the_inclusion_probability_is_never_above_q(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit finding: ``u < q`` on the grid ``k 2^-53`` includes with probability
+    ``ceil(q 2^53) 2^-53``, a hair above the accounted ``q``. The grid point just below ``q``
+    (for a ``q`` off the grid) must not be included; the one below that must be."""
+    q = 0.1
+    assert q * 2**53 != math.floor(q * 2**53)  # q is off the grid
+    edge = math.floor(q * 2**53) * 2.0**-53  # u = edge < q: included by u < q
+    below = edge - 2.0**-53
+    monkeypatch.setattr(
+        sampling.torch,
+        "rand",
+        lambda n, **kw: torch.tensor([edge, below, 0.0, q], dtype=torch.float64),
+    )
+    batch = PoissonSampler(4, q, steps=1, generator=_gen(0)).sample()
+    assert batch.tolist() == [1, 2]
+
+
 def test_inclusions_independent_across_examples() -> None:
     n, q, steps = 8, 0.5, 4000
     mat = np.zeros((steps, n))

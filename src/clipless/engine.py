@@ -28,7 +28,7 @@ from clipless import accounting, bounds, constraints, mechanism
 from clipless.mechanism import PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.norms import all_finite
-from clipless.optim import DPOptimizer
+from clipless.optim import DPOptimizer, read_ledger_file, records_more
 
 __all__ = ["PrivacyEngine"]
 
@@ -65,8 +65,10 @@ class PrivacyEngine:
     >>> engine.get_epsilon(1e-5)                           # doctest: +SKIP
 
     ``accountant`` is ``"pld"`` (default) or ``"rdp"``. ``secure_mode`` exists for Opacus
-    compatibility: the batch choice is always drawn from the OS CSPRNG; ``secure_mode=True``
-    (floating-point noise hardened against Mironov 2012) is not implemented and refused.
+    compatibility: the Poisson batch choice and the noise come from torch generators seeded from
+    the OS CSPRNG (unless ``seed`` is given: reproducible experiments only, never for a release);
+    ``secure_mode=True`` (a cryptographically secure generator and floating-point noise hardened
+    against Mironov 2012) is not implemented and refused.
     After ``make_private``, :attr:`accountant` is the :class:`clipless.accounting.PrivacyLedger`
     (``engine.accountant.get_epsilon(delta)`` works as in Opacus) and :attr:`config` the frozen
     :class:`clipless.mechanism.PrivacyConfig`.
@@ -79,12 +81,16 @@ class PrivacyEngine:
             raise ValueError(f"accountant must be 'pld' or 'rdp'; got {accountant!r}")
         if secure_mode:
             raise ValueError(
-                "secure_mode=True is not supported: clipless always draws the Poisson batch choice "
-                "from the OS CSPRNG, but its floating-point Gaussian noise is not hardened against "
-                "floating-point attacks (Mironov 2012), so it will not claim to be"
+                "secure_mode=True is not supported: clipless seeds its batch sampler and noise "
+                "generators from the OS CSPRNG, but the generators themselves are not "
+                "cryptographically secure and its floating-point Gaussian noise is not hardened "
+                "against floating-point attacks (Mironov 2012), so it will not claim to be"
             )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None; got {type(seed).__name__}")
+        if seed is not None and not 0 <= seed < 2**63 - 1:
+            # the noise generator takes seed, the Poisson sampler seed + 1 (torch: < 2^64)
+            raise ValueError(f"seed must be an int in [0, 2**63 - 1) or None; got {seed!r}")
         self.accountant_kind = accountant
         self.seed = seed
         self.ledger = accounting.PrivacyLedger(
@@ -383,7 +389,12 @@ class PrivacyEngine:
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The engine's resumable state (its privacy ledger and noise/sampler generators);
-        save it with the model and optimizer and restore it with :meth:`load_state_dict`."""
+        save it with the model and optimizer and restore it with :meth:`load_state_dict`.
+
+        **Keep it secret** (as secret as the training data): the generator states let whoever
+        holds them regenerate every batch choice and noise draw of the run, and so remove the
+        noise from the released weights. Publish weights and the ledger, never this state.
+        """
         opt = self._opt()
         state: dict[str, Any] = {
             "ledger": self.ledger.to_dict(),
@@ -404,9 +415,13 @@ class PrivacyEngine:
         """Restore a checkpoint taken by :meth:`state_dict` of an engine with the same config.
 
         The ledger never goes backwards: a checkpoint whose ledger has fewer steps than this
-        engine has already recorded is refused (those steps were spent). The mechanism must be
-        the same (a checkpoint of another configuration is refused, naming the difference); a
-        longer plan saved by :meth:`extend` is kept.
+        engine has already recorded is refused (those steps were spent). With a ``ledger_path``
+        whose file records more than the checkpoint (steps taken after it, before a crash), the
+        file's ledger is kept (with a warning) and, unless this engine has a ``seed``, the noise
+        and sampler generators are reseeded from the OS CSPRNG: the saved states would draw the
+        lost steps' noise and batches again (as :func:`clipless.training.fit` does on resume).
+        The mechanism must be the same (a checkpoint of another configuration is refused, naming
+        the difference); a longer plan saved by :meth:`extend` is kept.
         """
         opt = self._opt()
         ledger = accounting.PrivacyLedger.from_dict(state["ledger"])
@@ -415,6 +430,34 @@ class PrivacyEngine:
             self.ledger.neighbouring,
         ):
             raise ValueError("checkpoint ledger uses a different accountant or neighbouring")
+        lost = False
+        writes = opt.data_parallel is None or opt.data_parallel.writes_ledger
+        path = opt.ledger_path
+        on_disk = read_ledger_file(path) if path is not None and writes else None
+        if path is not None and on_disk is not None and records_more(on_disk, ledger):
+            same = (on_disk.accountant, on_disk.neighbouring) == (
+                ledger.accountant,
+                ledger.neighbouring,
+            )
+            if not same:
+                raise ValueError(
+                    f"ledger_path {os.fspath(path)!r} records more than the checkpoint "
+                    "with another accountant or neighbouring relation: it is not this run's ledger"
+                )
+            if opt.data_parallel is not None:
+                raise ValueError(
+                    f"ledger_path {os.fspath(path)!r} records {on_disk.steps} steps but "
+                    f"the checkpoint only {ledger.steps}: under clipless.distributed resume with "
+                    "clipless.training.fit(resume=...), which gives every rank rank 0's largest "
+                    "ledger and fresh randomness"
+                )
+            warnings.warn(
+                f"{os.fspath(path)} records {on_disk.steps} steps but the checkpoint "
+                f"only {ledger.steps}: the steps after the checkpoint were spent and stay in the "
+                "ledger",
+                stacklevel=2,
+            )
+            ledger, lost = on_disk, True
         if ledger.steps < self.ledger.steps:
             raise ValueError(
                 f"the checkpoint's ledger records {ledger.steps} steps but this engine has "
@@ -450,6 +493,9 @@ class PrivacyEngine:
         sampler_gen = _sampler_generator(self.data_loader)
         if sampler_gen is not None and "sampler_generator" in state:
             sampler_gen.set_state(state["sampler_generator"])
+        if lost and self.seed is None:
+            fresh_randomness(opt, self.data_loader)
+        opt._ledger_file_checked = None  # the next write reads the file again
 
 
 def input_releases(module: torch.nn.Module) -> tuple[float, ...]:
@@ -551,6 +597,22 @@ def _validate_dataset(dataset: Any, num_logits: int) -> None:
         if tensors:
             check(offset, tensors)
             offset += int(tensors[0].shape[0])
+
+
+def fresh_randomness(optimizer: object, loader: object) -> None:
+    """Reseed the noise and the Poisson sampler from the OS CSPRNG (rank 0's, broadcast)."""
+    parallel = getattr(optimizer, "data_parallel", None)
+    device = parallel.device if parallel is not None else torch.device("cpu")
+    seeds = torch.tensor([secrets.randbits(63), secrets.randbits(63)], device=device)
+    if parallel is not None:  # the ranks sample one global batch: one seed for all
+        parallel.broadcast([seeds])
+    noise_seed, sampler_seed = (int(v) for v in seeds.tolist())
+    generator = getattr(optimizer, "generator", None)
+    if isinstance(generator, torch.Generator):
+        generator.manual_seed(noise_seed)
+    sampler = _sampler_generator(loader)  # type: ignore[arg-type]
+    if sampler is not None:
+        sampler.manual_seed(sampler_seed)
 
 
 def _sampler_generator(loader: DataLoader[Any] | None) -> torch.Generator | None:

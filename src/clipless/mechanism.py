@@ -255,7 +255,13 @@ class PrivacyConfig:
         )
         sigma_eff = sigma_acc / self.sensitivity_factor
         sigma = sigma_eff if self.noise == "global" else sigma_eff * math.sqrt(self.num_tensors)
-        return dataclasses.replace(self, noise_multiplier=sigma, steps=int(steps))
+        out = dataclasses.replace(self, noise_multiplier=sigma, steps=int(steps))
+        # The conversion rounds: the multiplier the ledger records (converted back) must not
+        # fall below the calibrated one, whose epsilon was checked (at most a few ulps).
+        while out.accounting_noise_multiplier < sigma_acc:
+            sigma = math.nextafter(sigma, math.inf)
+            out = dataclasses.replace(out, noise_multiplier=sigma)
+        return out
 
     def with_steps(self, steps: int | None) -> PrivacyConfig:
         """A copy planned for ``steps`` steps (used to extend a run explicitly)."""

@@ -291,8 +291,9 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
        ``tau = gamma_{n+1} / (1 - gamma_{n+1}) tr(B) + u max_i |B_ii| + gamma_k ||W||_F^2`` plus
        an absolute allowance ``8 (k + n + 2) n 2^-1022`` for underflow in the products (the
        bounds above assume none; entries are at most 2 after the scaling, so nothing overflows).
-       ``tr(B)``, ``max |B_ii|`` and ``||W||_F^2`` are evaluated in float64 and inflated by
-       ``1 + (n + 4) 2^-52``, which covers the rounding of their sums; the final
+       ``tr(B)`` and ``max |B_ii|`` are evaluated in float64 and inflated by
+       ``1 + (n + 4) 2^-52``, ``||W||_F^2`` (the ``math.fsum`` of the blocks' float64 squared
+       norms) by ``1 + (k n + 4) 2^-52``, which covers the rounding of their sums; the final
        ``sqrt(c^2 + tau) 2^-e`` is rounded up and inflated by ``1 + NUMERIC_MARGIN``.
 
     Cost: one ``n x n`` Gram product (``k n^2`` multiply-adds), a few dozen Lanczos matrix-vector

@@ -307,6 +307,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.config = config
         self.ledger = ledger
         self.ledger_path = ledger_path
+        self._ledger_file_checked: object = None  # the ledger_path read before its first write
         self.certify_every = int(certify_every)
         self._names = self._noised_parameters()
         if len(self._names) != config.num_tensors:
@@ -783,10 +784,19 @@ class DPOptimizer(torch.optim.Optimizer):
                 )
             # Write-ahead accounting: the step is recorded (and persisted, with a ledger_path)
             # before any noisy value exists, so a crash can only over-count, never under-count.
+            writes = self.data_parallel is None or self.data_parallel.writes_ledger
+            if (
+                self.ledger_path is not None
+                and writes
+                and self._ledger_file_checked != self.ledger_path
+            ):
+                # Before the first write: the file must not record more than this ledger (a
+                # fresh run, or a hand-written resume from an older checkpoint, would forget it).
+                refuse_spent_ledger_file(self.ledger_path, self.ledger)
+                self._ledger_file_checked = self.ledger_path
             self.ledger.record(
                 plan.accounting_noise_multiplier, plan.sample_rate, proven=plan.proven
             )
-            writes = self.data_parallel is None or self.data_parallel.writes_ledger
             if self.ledger_path is not None and writes:
                 self.ledger.to_json(self.ledger_path)
             self.add_noise(plan)
@@ -925,3 +935,45 @@ class AdamBC(torch.optim.Optimizer):
                 denom = (state["exp_avg_sq"] / c2).sub_(phi).clamp_(min=floor).sqrt_()
                 p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1.0 - b1**t))
         return loss
+
+
+def read_ledger_file(path: str | os.PathLike[str]) -> PrivacyLedger | None:
+    """The privacy ledger saved at ``path`` (``None`` if there is no file); an unreadable file
+    is refused, since it may record privacy already spent."""
+    from clipless.accounting import PrivacyLedger
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        return PrivacyLedger.from_json(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"ledger_path {os.fspath(path)!r} cannot be read ({exc}); it may record privacy "
+            "already spent: move it aside, or pass another ledger_path"
+        ) from None
+
+
+def records_more(on_disk: PrivacyLedger, ledger: PrivacyLedger) -> bool:
+    """Does ``on_disk`` record steps or releases that ``ledger`` does not?"""
+    return on_disk.steps > ledger.steps or len(on_disk.releases) > len(ledger.releases)
+
+
+def refuse_spent_ledger_file(path: str | os.PathLike[str], ledger: PrivacyLedger) -> None:
+    """Refuse to write ``ledger`` over a file at ``path`` that records more spending.
+
+    The ledger file is the record of the privacy spent on the data. Overwriting it with a smaller
+    ledger (a fresh run given an old run's ``ledger_path``, or a hand-written resume from a
+    checkpoint older than the file) would forget spent steps. ``engine.load_state_dict`` adopts
+    such a file when it restores a checkpoint; :func:`clipless.training.fit` does the same.
+    This is a check before the first write, not a lock: two runs must not share one path.
+    """
+    on_disk = read_ledger_file(path)
+    if on_disk is None or not records_more(on_disk, ledger):
+        return
+    raise FileExistsError(
+        f"ledger_path {os.fspath(path)!r} records {on_disk.steps} private steps and "
+        f"{len(on_disk.releases)} release(s), more than this run's ledger ({ledger.steps} steps, "
+        f"{len(ledger.releases)} release(s)): writing it would forget privacy already spent. "
+        "To continue that run, restore its checkpoint with engine.load_state_dict (the larger "
+        "ledger is kept); otherwise move the file aside or pass another ledger_path"
+    )

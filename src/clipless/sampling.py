@@ -8,14 +8,16 @@ a zero gradient and the ledger counts it), so it is yielded, as correctly shaped
 The noisy sum is divided by the *expected* batch size ``q N`` (:attr:`expected_batch_size`),
 never by the realised one.
 
-Sampling is vectorised: one ``torch.rand(N)`` in float64 per step, compared with ``q`` (inclusion
-probability ``q`` up to ``2^-53``), then ``nonzero``. The sampling randomness comes from a
+Sampling is vectorised: one ``torch.rand(N)`` in float64 per step (uniform on the grid
+``k 2^-53``), compared with ``q`` rounded down to that grid (inclusion probability at most ``q``,
+and within ``2^-53`` of it), then ``nonzero``. The sampling randomness comes from a
 ``torch.Generator`` kept on the sampler (``loader.batch_sampler.generator``) so checkpoints can save
 and restore it; it is not a cryptographically secure source.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -114,7 +116,10 @@ class PoissonSampler(Sampler[list[int]]):
         u = torch.rand(
             self.num_samples, generator=self.generator, dtype=torch.float64, device="cpu"
         )
-        return torch.nonzero(u < self.sample_rate, as_tuple=True)[0]
+        # u is uniform on the grid k 2^-53: u < floor(q 2^53) 2^-53 has probability
+        # floor(q 2^53) 2^-53 <= q exactly (u < q would be ceil(q 2^53) 2^-53, a hair above q).
+        threshold = math.floor(self.sample_rate * 2.0**53) * 2.0**-53
+        return torch.nonzero(u < threshold, as_tuple=True)[0]
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):

@@ -526,10 +526,20 @@ def _epsilon(engine: PrivacyEngine, delta: float) -> float:
 
 
 def _write_ledger(engine: PrivacyEngine, path: Path) -> None:
+    """Save the engine's ledger at ``path``, unless the file there records more (never forget)."""
+    from clipless.optim import read_ledger_file, records_more
+
     ledger = getattr(engine, "ledger", None)
-    if ledger is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ledger.to_json(path)
+    if ledger is None:
+        return
+    try:
+        on_disk = read_ledger_file(path)
+    except ValueError:
+        on_disk = None  # unreadable: this run's own file (checked before its first step)
+    if on_disk is not None and records_more(on_disk, ledger):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ledger.to_json(path)
 
 
 def _validate(
@@ -659,11 +669,13 @@ def fit(
         _set_rng_state(state["rng"])
         _set_generator_states(train_loader, state.get("loader_generators", {}))
         if lost and getattr(engine, "seed", None) is None:
+            from clipless.engine import fresh_randomness
+
             # Steps after the checkpoint were taken with the noise and batches that the saved
             # generator states would now draw again: redrawn noise on gradients that differ in
             # any way (another setting, nondeterministic kernels) would reveal their
             # difference, and a repeated batch is not a fresh Poisson sample. Fresh randomness.
-            _fresh_randomness(optimizer, train_loader)
+            fresh_randomness(optimizer, train_loader)
         history = [dict(r) for r in state.get("history", [])]
         start_epoch = int(state["epoch"])
         if history and not history[-1].get("complete", True):
@@ -835,12 +847,12 @@ def fit(
                 break
     except BaseException:
         # A crash loses no accounting: the steps taken so far were spent.
-        if ckpt_dir is not None:
+        if ckpt_dir is not None and writer:
             _write_ledger(engine, ckpt_dir / LEDGER_NAME)
         raise
     finally:
         bar.close()
-    if ckpt_dir is not None:
+    if ckpt_dir is not None and writer:
         _write_ledger(engine, ckpt_dir / LEDGER_NAME)
     epsilon = _epsilon(engine, delta) if _ledger_steps(engine) else epsilon
     result = make_result()
@@ -914,26 +926,6 @@ def _refuse_orphan_ledger(ledger_file: Path, resume: bool | PathLike) -> None:
         f"{ledger_file} records {spent}; {why}. Move the folder "
         "aside (its ledger is the record of that spending) or pass another checkpoint_dir"
     )
-
-
-def _fresh_randomness(optimizer: object, loader: object) -> None:
-    """Reseed the noise and the Poisson sampler from the OS CSPRNG (rank 0's, broadcast)."""
-    import secrets
-
-    from clipless.engine import _sampler_generator
-
-    parallel = getattr(optimizer, "data_parallel", None)
-    device = parallel.device if parallel is not None else torch.device("cpu")
-    seeds = torch.tensor([secrets.randbits(63), secrets.randbits(63)], device=device)
-    if parallel is not None:  # the ranks sample one global batch: one seed for all
-        parallel.broadcast([seeds])
-    noise_seed, sampler_seed = (int(v) for v in seeds.tolist())
-    generator = getattr(optimizer, "generator", None)
-    if isinstance(generator, torch.Generator):
-        generator.manual_seed(noise_seed)
-    sampler = _sampler_generator(loader)  # type: ignore[arg-type]
-    if sampler is not None:
-        sampler.manual_seed(sampler_seed)
 
 
 def _prefer_larger_ledger(engine_state: dict[str, Any], ledger_file: Path) -> dict[str, Any]:

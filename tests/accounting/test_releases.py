@@ -117,7 +117,32 @@ def test_ledger_round_trips_releases_and_reads_ledgers_without_them(tmp_path) ->
 
 def test_record_release_refuses_bad_values() -> None:
     ledger = PrivacyLedger()
-    with pytest.raises(ValueError, match="noise_multiplier"):
+    with pytest.raises(ValueError, match=r"^noise_multiplier must be > 0"):  # not "...[0]"
         ledger.record_release(0.0)
     with pytest.raises(TypeError, match="label"):
         ledger.record_release(1.0, label=3)  # type: ignore[arg-type]
+
+
+def test_an_infinite_release_survives_the_file(tmp_path) -> None:
+    """Audit finding: record_release(inf) was accepted ((0, inf] as for steps) but the ledger
+    could then not be saved (strict JSON has no Infinity), which would stop training."""
+    ledger = PrivacyLedger()
+    ledger.record_release(math.inf, label="nothing released")
+    ledger.record(1.0, 0.01, 5)
+    path = tmp_path / "ledger.json"
+    ledger.to_json(path)
+    back = PrivacyLedger.from_json(path)
+    assert back.releases[0].noise_multiplier == math.inf
+    assert back.epsilon(1e-5) == ledger.epsilon(1e-5)
+    plain = PrivacyLedger()
+    plain.record(1.0, 0.01, 5)
+    assert back.epsilon(1e-5) == plain.epsilon(1e-5)  # it releases nothing
+
+
+def test_delta_of_an_extreme_ledger_is_a_bound_not_a_crash() -> None:
+    """Audit finding: epsilon() reported inf for sigma = 1e-300 but delta() raised
+    OverflowError; 1 is the sound bound."""
+    ledger = PrivacyLedger()
+    ledger.record(1e-300, 0.5)
+    assert ledger.epsilon(1e-5) == math.inf
+    assert ledger.delta(1.0) == 1.0

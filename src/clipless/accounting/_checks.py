@@ -73,13 +73,15 @@ def _check_releases(value: object, name: str = "releases") -> tuple[float, ...]:
     """Noise multipliers of one-shot (``q = 1``) Gaussian releases: each in ``(0, inf]``."""
     if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be a sequence of noise multipliers; got {value!r}")
-    out = []
-    for i, raw in enumerate(value):
-        sigma = _check_noise_multiplier(raw, f"{name}[{i}]")
-        if sigma == 0.0:
-            raise ValueError(f"{name}[{i}] must be > 0 (0 means no privacy); got {raw!r}")
-        out.append(sigma)
-    return tuple(out)
+    return tuple(_check_release(raw, f"{name}[{i}]") for i, raw in enumerate(value))
+
+
+def _check_release(value: object, name: str) -> float:
+    """The noise multiplier of one one-shot Gaussian release: in ``(0, inf]``."""
+    sigma = _check_noise_multiplier(value, name)
+    if sigma == 0.0:
+        raise ValueError(f"{name} must be > 0 (0 means no privacy); got {value!r}")
+    return sigma
 
 
 def _check_count(value: object, name: str, *, minimum: int) -> int:

@@ -25,7 +25,7 @@ from clipless.accounting._checks import (
     _check_neighbouring,
     _check_noise_multiplier,
     _check_orders,
-    _check_releases,
+    _check_release,
     _check_sample_rate,
 )
 from clipless.accounting.accountant import Accountant
@@ -90,8 +90,11 @@ class LedgerRelease:
     label: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The release as JSON-ready values."""
-        return {"noise_multiplier": self.noise_multiplier, "label": self.label}
+        """The release as JSON-ready values (an infinite multiplier is the string ``"inf"``)."""
+        sigma: float | str = self.noise_multiplier
+        if math.isinf(self.noise_multiplier):
+            sigma = "inf"  # strict JSON has no Infinity
+        return {"noise_multiplier": sigma, "label": self.label}
 
 
 _RELEASE_KEYS = frozenset(("noise_multiplier", "label"))
@@ -198,7 +201,7 @@ class PrivacyLedger:
 
     def record_release(self, noise_multiplier: float, *, label: str | None = None) -> None:
         """Record one Gaussian release of a statistic of the whole dataset (``q = 1``)."""
-        (sigma,) = _check_releases([noise_multiplier], "noise_multiplier")
+        sigma = _check_release(noise_multiplier, "noise_multiplier")
         if label is not None and not isinstance(label, str):
             raise TypeError(f"label must be a str or None; got {type(label).__name__}")
         self._checker.check_supported(gaussian_step_event(sigma, 1.0))
@@ -298,13 +301,16 @@ class PrivacyLedger:
         return self.epsilon(delta)
 
     def delta(self, epsilon: float) -> float:
-        """Delta spent so far at ``epsilon``."""
+        """Delta spent so far at ``epsilon`` (1, a sound bound, where dp_accounting overflows)."""
         acc = self._make_accountant()
-        for (sigma, q), n in self._groups().items():
-            acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
-        for r in self._releases:
-            acc.compose(gaussian_step_event(r.noise_multiplier, 1.0))
-        return acc.delta(epsilon)
+        try:
+            for (sigma, q), n in self._groups().items():
+                acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
+            for r in self._releases:
+                acc.compose(gaussian_step_event(r.noise_multiplier, 1.0))
+            return float(acc.delta(epsilon))
+        except (OverflowError, FloatingPointError):  # extreme multipliers, as in _epsilon_of
+            return 1.0
 
     def guarantee(self, delta: float, mechanism: str | None = None) -> PrivacyGuarantee:
         """A frozen :class:`PrivacyGuarantee` for everything recorded so far."""
@@ -551,8 +557,11 @@ class PrivacyLedger:
                     f"malformed privacy ledger: releases[{i}] must have exactly the keys "
                     f"{sorted(_RELEASE_KEYS)}; got {keys}"
                 )
+            sigma_raw = raw["noise_multiplier"]
             try:
-                ledger.record_release(raw["noise_multiplier"], label=raw["label"])
+                ledger.record_release(
+                    math.inf if sigma_raw == "inf" else sigma_raw, label=raw["label"]
+                )
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"malformed privacy ledger: releases[{i}]: {exc}") from exc
         return ledger
