@@ -103,6 +103,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             return real_save(path, state)
 
         training.save_checkpoint = spy  # type: ignore[assignment]
+        real_write = training._write_ledger
+
+        def spy_ledger(engine: Any, path: Any) -> None:
+            (Path(out) / f"ledger_write{rank}").write_text("ledger")
+            real_write(engine, path)
+
+        training._write_ledger = spy_ledger  # type: ignore[assignment]
         model, opt, loader, loss, engine = _setup(True)
         training.fit(model, opt, loader, loss, engine=engine, epochs=1, delta=1e-5,
                      checkpoint_dir=Path(out) / "fit", metrics_path=Path(out) / "fit" / "m.json",
@@ -128,6 +135,9 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
     # only rank 0 wrote the checkpoint and the metrics (audit finding: every rank calling
     # fit(checkpoint_dir=...) wrote them, the last rename winning, its generator states included)
     assert (tmp_path / "wrote0").is_file() and not (tmp_path / "wrote1").exists()
+    # nor the ledger at the end of fit (audit finding: the final and crash-path writes ran on
+    # every rank)
+    assert (tmp_path / "ledger_write0").is_file() and not (tmp_path / "ledger_write1").exists()
     assert (tmp_path / "fit" / "checkpoint.pt").is_file()
     single_state, single_eps, single_rows = _run(False)
     # Replicas are bitwise identical (rank 0's noisy gradient is broadcast).
