@@ -376,13 +376,17 @@ def test_carried_bound_recertifies_when_too_loose() -> None:
     assert s_lax is not None and s_lax.exact_certifications == 1
 
 
-@pytest.mark.parametrize(("increment", "expected"), [(0.005, 1), (0.05, 7)])
+@pytest.mark.parametrize(("increment", "expected"), [(0.005, 3), (0.05, 7)])
 def test_small_rescales_use_the_carried_bound(increment: float, expected: int) -> None:
-    """``clip`` at the boundary: a carried rescale by less than ``1 + tolerance`` is accepted.
+    """``clip`` at the boundary: a carried rescale by less than ``1 + tolerance`` is accepted,
+    until the rescales compound past it.
 
-    Each step raises the carried bound by ``increment`` (``m ||dW||_F``); with the default
-    tolerance 0.01 the slack exceeds it after two steps of 0.005, yet every rescale stays below
-    ``1.01``, so no early certification happens; steps of 0.05 force one every call.
+    Each step raises the carried bound by ``increment`` (``m ||dW||_F``) and the exact norm by
+    less. With the default tolerance 0.01 every single rescale of the 0.005 steps stays below
+    ``1.01``, but what they may have shrunk beyond need compounds (``clip`` never scales back
+    up): an exact certification is made once the product would pass ``1.01`` (calls 2 and 5
+    here; before the audit's fix none was, and the weight drifted below ``C``). Steps of 0.05
+    force one every call.
     """
     layer = make_conv(2, 3, 3, 1, 1, "zeros", 5, 3.0, 10)
     project(layer, "clip", 1.0, certify_every=100)
@@ -392,6 +396,7 @@ def test_small_rescales_use_the_carried_bound(increment: float, expected: int) -
         bound = project(layer, "clip", 1.0, certify_every=100)[""]
         assert conv_exact(layer) <= bound * (1 + 1e-12)
         assert bound <= 1.0
+        assert conv_exact(layer) >= 1.0 / 1.01**2
     state = projection_state(layer)
     assert state is not None and state.exact_certifications == expected
 
@@ -621,3 +626,86 @@ def test_projection_seeds_the_layer_bound_cache(monkeypatch: pytest.MonkeyPatch)
         model[1].weight.add_(0.01)
     model[1].lipschitz()
     assert calls  # a changed weight is certified afresh
+
+
+# --------------------------------------------------------------------------------------------
+# Findings of an audit of the projections (each failed before its fix)
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_saved_conv_bound_is_not_restored_at_another_input_size() -> None:
+    """bound_state held the value and the weight's digest but not the geometry: a bound certified
+    at 4x4 was restored onto the same weight at 16x16 (0.99999993 reported, exact 1.1734)."""
+    gen = torch.Generator().manual_seed(0)
+    small = cnn.Conv2d(2, 3, 3, padding=1, input_size=(4, 4))
+    with torch.no_grad():
+        small.weight.copy_(torch.randn(small.weight.shape, generator=gen) * 0.3)
+    project(cnn.Sequential(small), mode="clip", max_norm=1.0)
+    state = small.bound_state()
+    assert state is not None and state["key"] == repr(small._bound_key())
+    big = cnn.Conv2d(2, 3, 3, padding=1, input_size=(16, 16))
+    same = cnn.Conv2d(2, 3, 3, padding=1, input_size=(4, 4))
+    for layer in (big, same):
+        with torch.no_grad():
+            layer.weight.copy_(small.weight)
+    assert not big.load_bound_state(state)
+    assert big.lipschitz() >= conv_exact(big) > 1.1
+    assert same.load_bound_state(state) and same.lipschitz() == state["value"]
+    assert not same.load_bound_state({k: v for k, v in state.items() if k != "key"})
+
+
+@pytest.mark.parametrize("scale", [1e-165, 1e-300, 1e155, 1e300])
+def test_the_carried_gap_and_the_rescale_at_extreme_magnitudes(scale: float) -> None:
+    """_fro_upper squared without scaling: float64 entries near 1e-165 gave a gap of 0 and a
+    carried bound of 0 (exact 5e-165); entries near 1e155 gave inf, and the rescale then wrote
+    an all-zero weight."""
+    gen = torch.Generator().manual_seed(1)
+    step = torch.randn(12, 10, generator=gen, dtype=torch.float64) * scale
+    assert constraints._fro_upper(step) >= float(torch.linalg.vector_norm(step / scale)) * scale
+    layer = cnn.Linear(10, 12, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        layer.weight.zero_()
+    model = cnn.Sequential(layer)
+    for _ in range(3):
+        with torch.no_grad():
+            layer.weight.add_(torch.randn(12, 10, generator=gen, dtype=torch.float64) * scale)
+        bound = project(model, mode="clip", max_norm=1.0, certify_every=4)["0"]
+        truth = dense_exact(layer.weight)
+        assert truth > 0.0 and bound >= truth and layer.lipschitz() >= truth
+        assert truth <= 1.0
+
+
+def test_a_rescale_beyond_the_dtype_is_an_error_not_a_zero_weight() -> None:
+    layer = cnn.Linear(8, 8, bias=False).to(torch.float16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"overflows its dtype torch\.float16"):
+        project(cnn.Sequential(layer), mode="fix", max_norm=1e5)  # float16 max 65504
+
+
+def test_carried_rescales_do_not_compound_past_the_tolerance() -> None:
+    """Each carried call could shrink by up to 1 + tolerance and 'clip' never scales back up:
+    noise-like steps of 0.77% of C left the weight at 0.869 C after one chain of 20."""
+    gen = torch.Generator().manual_seed(0)
+    layer = cnn.Linear(64, 64)
+    model = cnn.Sequential(layer)
+    for _ in range(20):
+        with torch.no_grad():
+            layer.weight.add_(torch.randn(64, 64, generator=gen) * 1.2e-4)
+        project(model, mode="clip", max_norm=1.0, certify_every=20, tolerance=0.01)
+    state = projection_state(layer)
+    assert state is not None and state.carried_waste <= 1.01
+    assert dense_exact(layer.weight) > 0.96  # 0.869 before
+
+
+def test_project_returns_fresh_values_for_a_shared_weight() -> None:
+    a = cnn.Conv2d(2, 3, 3, padding=1, input_size=(6, 6))
+    b = cnn.Conv2d(2, 3, 3, stride=2, padding=1, input_size=(6, 6))
+    b.weight = a.weight
+    model = cnn.Sequential(a, b)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        with torch.no_grad():
+            a.weight.add_(torch.randn(a.weight.shape, generator=gen) * 0.1)
+        out = project(model, mode="fix", max_norm=1.0, certify_every=3, tolerance=1e9)
+        assert out["0"] >= conv_exact(a) and out["1"] >= conv_exact(b)

@@ -419,3 +419,23 @@ def test_bounds_follow_weights_changed_through_data() -> None:
     m[3].weight.data.mul_(3.0)  # bypasses version counters
     after = o.sensitivities()["1.weight"]
     assert after == pytest.approx(3.0 * before, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [2.9, 0.5, "3", True, 0])
+def test_dpoptimizer_refuses_a_bad_certify_every(bad) -> None:
+    """Audit finding: DPOptimizer coerced certify_every with int() (2.9 became 2, 0.5 became 0,
+    whose error then came from the projection after the step was recorded and the weight
+    updated, leaving it unprojected)."""
+    from clipless.optim import DPOptimizer
+
+    _, _, o, _ = _private()
+    with pytest.raises(ValueError, match="certify_every must be an integer >= 1"):
+        DPOptimizer(
+            o.original_optimizer,
+            module=o.module,
+            loss=o.loss,
+            input_shape=o.input_shape,
+            config=o.config,
+            ledger=o.ledger,
+            certify_every=bad,
+        )

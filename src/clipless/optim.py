@@ -308,7 +308,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.ledger = ledger
         self.ledger_path = ledger_path
         self._ledger_file_checked: object = None  # the ledger_path read before its first write
-        self.certify_every = int(certify_every)
+        bad = isinstance(certify_every, bool) or not isinstance(certify_every, int)
+        if bad or certify_every < 1:
+            raise ValueError(f"certify_every must be an integer >= 1; got {certify_every!r}")
+        self.certify_every = certify_every
         self._names = self._noised_parameters()
         if len(self._names) != config.num_tensors:
             raise ValueError(

@@ -112,10 +112,12 @@ class ParametricLipschitzModule(LipschitzModule):
     def bound_state(self) -> dict[str, object] | None:
         """The memoised certified bound of the current weight, for checkpoints (or None).
 
-        ``{"value": bound, "sha256": digest of the weight's bytes}``: :meth:`load_bound_state`
-        restores it only onto a bitwise-equal weight, so a resumed run plans exactly the noise an
-        uninterrupted run would (the bound a projection seeded can differ in its last bits from a
-        fresh certification of the same weight; both are certified).
+        ``{"value": bound, "sha256": digest of the weight's bytes, "key": the geometry}``:
+        :meth:`load_bound_state` restores it only onto a bitwise-equal weight of the same
+        geometry (a convolution's bound depends on its input size, stride and padding), so a
+        resumed run plans exactly the noise an uninterrupted run would (the bound a projection
+        seeded can differ in its last bits from a fresh certification of the same weight; both
+        are certified).
         """
         cached = self.__dict__.get("_bound_cache")
         weight = getattr(self, "weight")  # noqa: B009
@@ -125,11 +127,15 @@ class ParametricLipschitzModule(LipschitzModule):
         w = weight.detach()
         if key != self._bound_key() or w_ref.shape != w.shape or not torch.equal(w_ref, w):
             return None
-        return {"value": float(value), "sha256": _digest(w)}
+        return {"value": float(value), "sha256": _digest(w), "key": repr(key)}
 
     def load_bound_state(self, state: Mapping[str, object] | None) -> bool:
-        """Restore :meth:`bound_state` if the current weight is the one it was certified for."""
+        """Restore :meth:`bound_state` if the current weight is the one it was certified for, in
+        the same geometry (a state without its geometry, or of another one, is not restored:
+        the bound is then certified again)."""
         if not state:
+            return False
+        if state.get("key") != repr(self._bound_key()):
             return False
         weight = getattr(self, "weight")  # noqa: B009
         if not isinstance(weight, torch.Tensor) or state.get("sha256") != _digest(weight.detach()):
