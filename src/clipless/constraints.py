@@ -228,18 +228,19 @@ def _fro_upper(t: torch.Tensor) -> float:
     if n == 0:
         return 0.0
     t = t.to(torch.float64)
+    value = float(torch.linalg.vector_norm(t).item())
+    if 2.0**-400 <= value < math.inf:
+        # No square overflowed (the sum would be infinite); squares that underflow (entries
+        # below 2^-537) lower the sum by at most n 2^-1074, i.e. the norm by sqrt(n) 2^-537,
+        # inside the relative allowance: (n + 4) 2^-53 value >= (n + 4) 2^-453 is left after
+        # the sum's rounding.
+        return value * (1.0 + (n + 4) * _EPS64)
     lo, hi = norms._aminmax(t)
     biggest = max(-float(lo), float(hi))
     if not math.isfinite(biggest):
         return math.inf
     if biggest == 0.0:
         return 0.0
-    if 2.0**-400 <= biggest <= 2.0**400:
-        # No square overflows; squares below 2^-1074 (entries below 2^-537) move the sum by at
-        # most n 2^-1074, i.e. the norm by sqrt(n) 2^-537, inside the relative allowance
-        # (n + 4) 2^-52 ||t|| >= (n + 4) 2^-452.
-        value = float(torch.linalg.vector_norm(t).item())
-        return value * (1.0 + (n + 4) * _EPS64)
     # Entries so small that their squares underflow (or so large that they overflow): scale by
     # the exact power of two bringing the largest into [1, 2) (entries that underflow when
     # scaling down move the norm by at most sqrt(n) 2^-1074), then the same argument, with the

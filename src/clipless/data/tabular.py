@@ -139,7 +139,8 @@ def load_breast_cancer(
         features = _breast_cancer_public_transform(x)
         description = (
             "log1p, then min-max to [-1, 1] by the dataset's published feature ranges, clamped "
-            "(fixed per-record transform; no statistic of the training data)"
+            "(fixed per-record transform; the curators computed those ranges over all 569 "
+            "records, training rows included, and they are treated as public)"
         )
         notes = ()
     elif preprocessing == "standardize":
