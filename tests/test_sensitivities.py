@@ -559,3 +559,89 @@ def test_conv_layers_get_their_recorded_input_size() -> None:
         conv.weight, stride=1, padding=1, padding_mode="circular", input_size=None
     )
     assert rep.layers[0].lipschitz < size_free
+
+
+# --------------------------------------------------------------------------------------------
+# Findings of an audit of the layer bounds (each gave a per-sample contribution above the
+# planned sensitivity, or a wrong bound, before its fix)
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_leading_input_norm_used_again_is_refused() -> None:
+    """The walker took every use of the leading InputNorm as 1-Lipschitz: reused after a layer
+    in sphere mode it amplifies by R / ||h|| (580x the planned sensitivity in the audit)."""
+    norm = cnn.InputNorm(1.0, "sphere")
+    model = cnn.Sequential(norm, cnn.Linear(4, 4, bias=False), norm, cnn.Linear(4, 2, bias=False))
+    with pytest.raises(ValueError, match="leading InputNorm is applied more than once"):
+        report(model, cnn.CrossEntropyLoss(), (4,))
+    other = cnn.Sequential(
+        cnn.InputNorm(1.0, "sphere"),
+        cnn.Linear(4, 4, bias=False),
+        cnn.InputNorm(1.0, "sphere"),
+        cnn.Linear(4, 2, bias=False),
+    )
+    assert report(other, cnn.CrossEntropyLoss(), (4,)).sensitivities()["1.weight"] == math.inf
+
+
+def test_a_container_with_its_own_forward_is_refused() -> None:
+    """A Sequential subclass looping over its children was certified for one pass (3.5x)."""
+
+    class Looped(cnn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(2):
+                for module in self:
+                    x = module(x)
+            return x
+
+    model = cnn.Sequential(
+        cnn.InputNorm(1.0),
+        cnn.Linear(4, 4, bias=False),
+        Looped(cnn.Linear(4, 4, bias=False), cnn.GroupSort(2)),
+        cnn.Linear(4, 2, bias=False),
+    )
+    with pytest.raises(ValueError, match=r"module '2\.0' ran 2 time\(s\)"):
+        report(model, cnn.CrossEntropyLoss(), (4,))
+
+
+def test_a_conv_weight_of_another_kernel_size_is_refused() -> None:
+    """Bounds read kernel_size, the forward the weight: a 1x1 layer tied to a 3x3 weight was
+    certified with k_eff = 1 instead of 9 (1.58x)."""
+    a = cnn.Conv2d(1, 1, 3, padding=1)
+    b = cnn.Conv2d(1, 1, 1)
+    b.weight = a.weight
+    model = cnn.Sequential(cnn.InputNorm(1.0), b, cnn.Flatten(), cnn.Linear(16, 2, bias=False))
+    with pytest.raises(ValueError, match=r"Conv2d\.weight has shape \(1, 1, 3, 3\)"):
+        report(model, cnn.CrossEntropyLoss(), (1, 6, 6))
+    with pytest.raises(ValueError, match="declared geometry"):
+        b.multiplicity()
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "groupnorm"])
+def test_a_size_dependent_layer_used_at_two_sizes_is_refused(kind: str) -> None:
+    """Sigmoid's and GroupNorm's output bounds use the last forward's number of features: a
+    Sigmoid shared between 64 and 2 features bounded the next input by 0.957 (true 4.05)."""
+    if kind == "sigmoid":
+        shared = cnn.Sigmoid()
+        model = cnn.Sequential(
+            cnn.InputNorm(1.0),
+            cnn.Linear(4, 64, bias=False),
+            shared,
+            cnn.Linear(64, 2, bias=False),
+            shared,
+            cnn.Linear(2, 2, bias=False),
+        )
+        shape: tuple[int, ...] = (4,)
+    else:
+        shared = cnn.GroupNorm(1, 2)
+        model = cnn.Sequential(
+            cnn.InputNorm(1.0),
+            cnn.Conv2d(1, 2, 3, padding=1),
+            shared,
+            cnn.Conv2d(2, 2, 2, stride=2),
+            shared,
+            cnn.Flatten(),
+            cnn.Linear(2 * 4 * 4, 2, bias=False),
+        )
+        shape = (1, 8, 8)
+    with pytest.raises(ValueError, match="is applied to inputs of 2 shapes"):
+        report(model, cnn.CrossEntropyLoss(), shape)

@@ -115,6 +115,7 @@ class _Walker:
         self.input_bounds: dict[tuple[str, int], float] = {}
         self.entries: list[tuple[str, torch.nn.Module, float, float]] = []
         self.cache: dict[int, float] = {}
+        self.visits: dict[int, int] = {}
 
     def lipschitz(self, module: torch.nn.Module) -> float:
         """Certified constant (cached: the weights do not change during one report)."""
@@ -143,6 +144,7 @@ class _Walker:
 
     def forward(self, module: torch.nn.Module, path: str, x_bound: float) -> float:
         self.input_bounds[(path, id(module))] = x_bound
+        self.visits[id(module)] = self.visits.get(id(module), 0) + 1
         if isinstance(module, cnn.Sequential):
             for name, child in _children(module):
                 x_bound = self.forward(child, _join(path, name), x_bound)
@@ -243,12 +245,16 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
 
     shapes: dict[int, tuple[int, ...]] = {}
     reused: dict[int, set[tuple[int, ...]]] = {}
+    calls: dict[int, int] = {}
 
     def hook(module: torch.nn.Module, args: tuple[object, ...]) -> None:
+        calls[id(module)] = calls.get(id(module), 0) + 1
         if args and isinstance(args[0], torch.Tensor):
             new = tuple(int(d) for d in args[0].shape[1:])
             old = shapes.setdefault(id(module), new)
-            if old != new and isinstance(module, cnn.Conv2d):
+            # modules whose bounds depend on the input size (Conv2d's operator norm and k_eff,
+            # Sigmoid's and GroupNorm's sample_numel) are certified for ONE size
+            if old != new and (isinstance(module, cnn.Conv2d) or hasattr(module, "sample_numel")):
                 reused.setdefault(id(module), {old}).add(new)
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
@@ -261,11 +267,18 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     if reused:
         paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         key, sizes = next(iter(reused.items()))
+        kind = type(next(m for m in model.modules() if id(m) == key)).__name__
         raise ValueError(
-            f"Conv2d {paths.get(key, '?')!r} is applied to inputs of {len(sizes)} shapes "
-            f"{sorted(sizes)}: its certified norm and gradient bounds depend on the input size, "
-            "and one module is certified for one size; use one Conv2d per size (they may share "
-            "their weight: tied weights add their bounds)"
+            f"{kind} {paths.get(key, '?')!r} is applied to inputs of {len(sizes)} shapes "
+            f"{sorted(sizes)}: its certified bounds depend on the input size, and one module is "
+            f"certified for one size; use one {kind} per size (Conv2d layers may share their "
+            "weight: tied weights add their bounds)"
+        )
+    if calls.get(id(first), 0) > 1:
+        raise ValueError(
+            "the model's leading InputNorm is applied more than once: only its first use is "
+            "certified as the input projection (its later uses are not 1-Lipschitz); use "
+            "another InputNorm instance where the model normalises again"
         )
     if not isinstance(output, torch.Tensor) or output.dim() < 1:
         raise ValueError("the model must return a tensor of shape [batch, ...]")
@@ -278,6 +291,18 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     walker = _Walker(shapes, first)
     walker.forward(model, "", x0)
     walker.backward(model, "", loss_lip)
+    # The walk follows the containers' children lists: a module that the forward ran more (or
+    # fewer) times than the walk visits it (a Sequential subclass with its own forward, a loop
+    # over a block) would be certified for a model that is not the one that runs.
+    for module_id, visits in walker.visits.items():
+        if calls.get(module_id, 0) != visits:
+            paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+            raise ValueError(
+                f"module {paths.get(module_id, '?') or '<root>'!r} ran {calls.get(module_id, 0)} "
+                f"time(s) in a forward pass but the bound computation follows the containers' "
+                f"children and visits it {visits} time(s): a clipless Sequential or Residual "
+                "must not override forward (write the composition as nested containers)"
+            )
 
     layers: list[LayerBound] = []
     for path, module, x_bound, g_bound in reversed(walker.entries):

@@ -138,6 +138,7 @@ class Conv2d(ParametricLipschitzModule):
         return F.conv2d(x, weight, bias, self.stride, self.padding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_weight()
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ValueError(
                 f"Conv2d expects an input of shape [batch, {self.in_channels}, H, W], got "
@@ -158,7 +159,23 @@ class Conv2d(ParametricLipschitzModule):
         return self._conv_forward(x, self.weight, self.bias)
 
     # ------------------------------------------------------------------ geometry
+    def _check_weight(self) -> None:
+        """The bounds read ``kernel_size`` and the channels: the weight must have that shape.
+
+        A weight replaced by (or tied to) one of another kernel size would otherwise be certified
+        with the declared geometry (``k_eff`` of a 1x1 kernel for a 3x3 weight: 1.58x above the
+        planned sensitivity in an audit).
+        """
+        expected = (self.out_channels, self.in_channels, *self.kernel_size)
+        if tuple(self.weight.shape) != expected:
+            raise ValueError(
+                f"Conv2d.weight has shape {tuple(self.weight.shape)} but the layer was built for "
+                f"{expected} (out_channels, in_channels, *kernel_size): its bounds use the "
+                "declared geometry; build a Conv2d of the weight's shape instead"
+            )
+
     def _size(self, input_size: tuple[int, int] | None) -> tuple[int, int] | None:
+        self._check_weight()
         if input_size is None:
             return self.input_size
         size = _checks.int_pair("input_size", input_size, 1)
