@@ -559,3 +559,104 @@ def test_sample_multiplicity_needs_whole_samples() -> None:
     _, m, o, _ = _private()
     with o.sample_multiplicity(3), pytest.raises(ValueError, match="not a multiple of 3"):
         m(_data().tensors[0][:20])
+
+
+# --------------------------------------------------------------------------------------------
+# Findings of an audit of the optimizer's contract (each passed silently before its fix)
+# --------------------------------------------------------------------------------------------
+
+
+def _scale100(*args):
+    """A hook of any kind that multiplies what it sees by 100 (the audit's 70x-7000x cases)."""
+    last = args[-1]
+    if isinstance(last, tuple):
+        return tuple(None if t is None else 100 * t for t in last)
+    return 100 * last if isinstance(last, torch.Tensor) else None
+
+
+HOOKS = {
+    "tensor hook": lambda m: m[1].weight.register_hook(_scale100),
+    "post-accumulate hook": lambda m: m[1].weight.register_post_accumulate_grad_hook(
+        lambda p: p.grad.mul_(100)
+    ),
+    "forward hook": lambda m: m[2].register_forward_hook(_scale100),
+    "forward pre-hook": lambda m: m[3].register_forward_pre_hook(_scale100),
+    "backward hook": lambda m: m[3].register_full_backward_hook(_scale100),
+    "backward pre-hook": lambda m: m[3].register_full_backward_pre_hook(_scale100),
+    "global forward hook": lambda m: torch.nn.modules.module.register_module_forward_hook(
+        _scale100
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(HOOKS))
+def test_hooks_inside_the_guarded_pass_are_refused(kind: str) -> None:
+    _, m, o, _ = _private()
+    handle = HOOKS[kind](m)
+    try:
+        x, y = _one()
+        o.zero_grad()
+        with pytest.raises(PrivacyContractError, match="hook"):
+            o.loss(m(x), y).backward()
+            o.step()
+    finally:
+        handle.remove()
+    o.zero_grad()
+    o.loss(m(x), y).backward()  # without the hook the same step is accepted
+    o.step()
+
+
+def test_saved_tensor_hooks_around_the_model_are_refused() -> None:
+    _, m, o, _ = _private()
+    x, y = _one()
+    o.zero_grad()
+    with (
+        pytest.raises(PrivacyContractError, match="saved-tensor hooks"),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: 100 * t),
+    ):
+        o.loss(m(x), y).backward()
+
+
+def test_load_state_dict_keeps_the_optimizers_connected() -> None:
+    """torch's load_state_dict replaces the wrapped optimizer's lists: the copies the DPOptimizer
+    took went stale (a StepLR on it changed nothing, and add_param_group was no longer seen)."""
+    _, m, o, _ = _private()
+    o.load_state_dict(o.state_dict())
+    assert o.param_groups is o.original_optimizer.param_groups
+    assert o.state is o.original_optimizer.state
+    scheduler = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+    x, y = _one()
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()
+    scheduler.step()
+    assert o.original_optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_the_wrapped_optimizer_refuses_to_step_once_its_dp_optimizer_is_gone() -> None:
+    import gc
+
+    def train_then_drop() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        _, m, o, _ = _private()
+        return m, o.original_optimizer
+
+    m, inner = train_then_drop()
+    gc.collect()
+    x, y = _one()
+    nn.CrossEntropyLoss(reduction="sum")(m(x), y).backward()
+    before = m[1].weight.detach().clone()
+    with pytest.raises(PrivacyContractError, match="no longer exists"):
+        inner.step()
+    assert torch.equal(m[1].weight.detach(), before)
+
+
+def test_step_hooks_on_the_dp_optimizer_run_after_the_noise() -> None:
+    _, m, o, _ = _private()
+    seen: list[str] = []
+    handle = o.register_step_post_hook(lambda opt, args, kwargs: seen.append("post"))
+    x, y = _one()
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()
+    handle.remove()
+    assert seen == ["post"]

@@ -13,6 +13,9 @@ loop cannot void the guarantee. One step:
    An eval-mode forward with gradients enabled, or a trained layer called outside a forward of the
    model (a submodule or a slice such as ``model[1:]``), is marked instead: a backward pass through
    it *taints* every gradient it accumulates into a noised parameter (input gradients are free).
+   A training forward is refused while hooks that clipless did not place could change what the
+   guarded pass computes: forward, backward or gradient hooks on the model's modules and noised
+   parameters, global module hooks, or saved-tensor hooks.
 2. *Backward*: the model output passes through a guard whose backward clips every row's cotangent
    to the certified loss constant ``L`` (norm in float64) and zeroes non-finite rows, so no
    *per-example* loss, scale, reduction or extra term of the output can exceed the sensitivity the
@@ -31,7 +34,8 @@ loop cannot void the guarantee. One step:
    into a gradient that already held something other than zeros or the last released gradient; or
    a gradient changed in place or replaced after the backward pass), parameters added to the
    optimizer after ``make_private``, or a step past the number of steps the budget was planned
-   for. The wrapped optimizer refuses to step on its own (a step pre-hook). Then (write-ahead
+   for. The wrapped optimizer refuses to step on its own (a step pre-hook; also once this
+   optimizer is gone, until :meth:`DPOptimizer.detach`). Then (write-ahead
    accounting) the plan's event is recorded in the ledger with its ``proven`` flag and persisted,
    Gaussian noise of the plan's standard deviations is added on the parameters' device, the sum is
    divided by the *expected* batch size ``q N``, the wrapped optimizer steps, and the weights are
@@ -39,9 +43,10 @@ loop cannot void the guarantee. One step:
 
 What the checks cannot see: a parameter used directly in the same backward pass as the guarded
 output (``loss = loss + f(x, model[1].weight)``: its gradient joins the guarded one before it is
-accumulated), writes through ``.data`` (which bypass autograd's version counters), and losses
-that couple examples (2.). A data-independent term such as an L2 penalty on the weights is
-harmless for privacy, but use the optimizer's ``weight_decay`` instead.
+accumulated), writes through ``.data`` or a NumPy view (which bypass autograd's version
+counters), a second torch optimizer over the same parameters, batches that are not the Poisson
+loader's, and losses that couple examples (2.). A data-independent term such as an L2 penalty on
+the weights is harmless for privacy, but use the optimizer's ``weight_decay`` instead.
 
 The noise comes from :func:`torch.normal` with a dedicated :class:`torch.Generator` (on the
 parameters' device) seeded from the operating system's CSPRNG unless a seed is given. Like Opacus
@@ -58,6 +63,7 @@ import os
 import secrets
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -223,6 +229,13 @@ class _Hook:
     def __call__(self, *args: Any) -> Any:
         owner = self._owner() if self._owner is not None else None
         if owner is None:
+            if self._owner is not None and self._method == "_before_inner_step":
+                # the DPOptimizer is gone but its wrapped optimizer is not: a step now would
+                # apply the raw private gradient
+                raise PrivacyContractError(
+                    "this optimizer was wrapped by a DPOptimizer that no longer exists: step the "
+                    "DPOptimizer, or call its detach() before using the wrapped optimizer alone"
+                )
             return None
         return getattr(owner, self._method)(*args)
 
@@ -276,6 +289,33 @@ class DPOptimizer(torch.optim.Optimizer):
     ``config`` is the frozen :class:`clipless.mechanism.PrivacyConfig` of every step.
     """
 
+    # The wrapped optimizer's own lists, read through (torch's load_state_dict replaces them on
+    # the wrapped optimizer: copies taken at construction went stale, and a scheduler on this
+    # optimizer then changed nothing).
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.original_optimizer.defaults = value
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -296,11 +336,8 @@ class DPOptimizer(torch.optim.Optimizer):
         if not isinstance(config, PrivacyConfig):
             raise TypeError(f"config must be a PrivacyConfig; got {type(config).__name__}")
         self.original_optimizer = optimizer
-        self.param_groups = optimizer.param_groups
-        self.defaults = optimizer.defaults
-        self.state = optimizer.state
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
         self.module = module
         self.loss = loss
         self.input_shape = tuple(input_shape)
@@ -511,6 +548,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "the input shape"
             )
         self._check_precision()
+        self._check_foreign_hooks()
         k = self._multiplicity
         if k > 1 and x.shape[0] % k:
             raise ValueError(
@@ -526,6 +564,54 @@ class DPOptimizer(torch.optim.Optimizer):
             params=params,
             owner=self,
         )
+
+    def _check_foreign_hooks(self) -> None:
+        """Refuse hooks that run inside the guarded pass and that clipless did not place.
+
+        Forward and backward hooks of the model's modules, global module hooks, saved-tensor
+        hooks and tensor hooks of the noised parameters run between the input and the gradient
+        the noise was calibrated for, and can rescale one example's contribution at will (an
+        audit measured 70x to 7000x the planned sensitivity through each kind). Checked before
+        every training-mode forward (a few dictionary lengths).
+        """
+        import torch.nn.modules.module as module_hooks
+
+        for kind in ("forward_pre", "forward", "backward_pre", "backward"):
+            if getattr(module_hooks, f"_global_{kind}_hooks", None):
+                raise PrivacyContractError(
+                    f"a global module {kind.replace('_', '-')} hook is registered (torch.nn."
+                    f"modules.module.register_module_{kind}_hook): it runs inside the private "
+                    "model's guarded pass and can change one example's gradient beyond what the "
+                    "noise covers; remove it while training privately"
+                )
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        if top is not None and top(False) is not None:
+            raise PrivacyContractError(
+                "saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks or "
+                "save_on_cpu around the model): their unpack step feeds the backward pass and can "
+                "change one example's gradient beyond what the noise covers"
+            )
+        for name, sub in self.module.named_modules():
+            for kind in ("forward_pre", "forward", "backward_pre", "backward"):
+                hooks = getattr(sub, f"_{kind}_hooks", None)
+                if hooks and any(not isinstance(h, _Hook) for h in hooks.values()):
+                    raise PrivacyContractError(
+                        f"module {name or '<root>'!r} has a {kind.replace('_', '-')} hook that "
+                        "clipless did not place: it runs inside the guarded pass and can change "
+                        "one example's gradient beyond what the noise covers; remove it (or "
+                        "register it on a copy of the model)"
+                    )
+        for p, name in self._names.items():
+            tensor_hooks = getattr(p, "_backward_hooks", None) or {}
+            after = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+            if any(not isinstance(h, _GradHook) for h in tensor_hooks.values()) or any(
+                not isinstance(h, _Hook) for h in after.values()
+            ):
+                raise PrivacyContractError(
+                    f"parameter {name!r} has a gradient hook that clipless did not place "
+                    "(register_hook / register_post_accumulate_grad_hook): it can change the "
+                    "gradient the noise was calibrated for; remove it"
+                )
 
     def _snapshot(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A copy of ``p`` as this forward uses it, for the check in :meth:`_on_backward`.
@@ -824,6 +910,14 @@ class DPOptimizer(torch.optim.Optimizer):
                 certify_every=self.certify_every,
             )
         return loss
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """Registered on the wrapped optimizer: it runs inside :meth:`step`, after the noise."""
+        return self.original_optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        """Registered on the wrapped optimizer: it runs inside :meth:`step`, after the noise."""
+        return self.original_optimizer.register_step_post_hook(hook)
 
     def state_dict(self) -> dict[str, Any]:
         return self.original_optimizer.state_dict()
