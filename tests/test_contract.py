@@ -660,3 +660,26 @@ def test_step_hooks_on_the_dp_optimizer_run_after_the_noise() -> None:
     o.step()
     handle.remove()
     assert seen == ["post"]
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_a_gradient_written_without_autograd_seeing_it_is_refused(how: str) -> None:
+    """Writes through .data or a NumPy view do not bump the version counter (an audit measured
+    20.9x the planned sensitivity through them); the gradient's exact float64 norm is recorded
+    when it is accumulated and compared at step()."""
+    _, m, o, _ = _private()
+    x, y = _one()
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    grad = m[1].weight.grad
+    version = grad._version
+    if how == "data":
+        grad.data.mul_(100.0)
+    else:
+        grad.numpy()[...] *= 100.0
+    assert grad._version == version  # autograd did not see it
+    with pytest.raises(PrivacyContractError, match=r"changed after the backward pass without"):
+        o.step()
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()  # an untouched gradient steps

@@ -43,9 +43,11 @@ loop cannot void the guarantee. One step:
 
 What the checks cannot see: a parameter used directly in the same backward pass as the guarded
 output (``loss = loss + f(x, model[1].weight)``: its gradient joins the guarded one before it is
-accumulated), writes through ``.data`` or a NumPy view (which bypass autograd's version
-counters), a second torch optimizer over the same parameters, batches that are not the Poisson
-loader's, and losses that couple examples (2.). A data-independent term such as an L2 penalty on
+accumulated), writes through ``.data`` or a NumPy view that keep a gradient's norm (they bypass
+autograd's version counters; the gradient's float64 norm is recorded at accumulation and
+compared at :meth:`DPOptimizer.step`, so a rescaled gradient is refused), a second torch
+optimizer over the same parameters, batches that are not the Poisson loader's, and losses that
+couple examples (2.). A data-independent term such as an L2 penalty on
 the weights is harmless for privacy, but use the optimizer's ``weight_decay`` instead.
 
 The noise comes from :func:`torch.normal` with a dedicated :class:`torch.Generator` (on the
@@ -392,6 +394,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._refusal: dict[torch.nn.Parameter, str] = {}
         self._incoming: dict[torch.nn.Parameter, bool] = {}
         self._accumulated: dict[torch.nn.Parameter, tuple[int, int, bool]] = {}
+        # an exact fingerprint of each accumulated gradient (its float64 norm's bits): writes
+        # through .data or a NumPy view do not bump the version counter
+        self._fingerprints: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._stepping = False
         self._hooks: list[Any] = [
             module.register_forward_pre_hook(_Hook(self, "_before_forward"), with_kwargs=True),
@@ -696,12 +701,30 @@ class DPOptimizer(torch.optim.Optimizer):
         clean = self._incoming.pop(p, False)
         ok = clean and self._guarded_backward and self._tainted is None
         self._accumulated[p] = (id(grad), grad._version, ok)
+        self._fingerprints[p] = _fingerprint(grad)
         if self._tainted is not None:
             self._refusal[p] = f"its backward pass went through {self._tainted}"
         elif not self._guarded_backward:
             self._refusal[p] = "a backward pass outside the private model accumulated into it"
         elif not clean:
             self._refusal[p] = "it already held a gradient from another backward pass"
+
+    def _check_fingerprints(self) -> None:
+        """Refuse a gradient changed in place without bumping its version counter (``.data``,
+        a NumPy view): its float64 norm must be bitwise the one recorded at accumulation."""
+        params = [p for p in self._fingerprints if p.grad is not None]
+        if not params:
+            return
+        before = torch.stack([self._fingerprints[p] for p in params])
+        now = torch.stack([_fingerprint(p.grad) for p in params if p.grad is not None])
+        if torch.equal(before, now):
+            return
+        changed = [self._names[p] for p, a, b in zip(params, before, now, strict=True) if a != b]
+        raise PrivacyContractError(
+            f"the gradient of {changed[0]!r} was changed after the backward pass without autograd "
+            "seeing it (a write through .data or a NumPy view): the noise was calibrated for the "
+            "gradient the guarded backward pass accumulated"
+        )
 
     def _before_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._stepping:
@@ -842,6 +865,7 @@ class DPOptimizer(torch.optim.Optimizer):
                             "terms)"
                         )
                     )
+            self._check_fingerprints()
             return pending[0].plan
         for p, name in self._names.items():
             grad = p.grad
@@ -892,6 +916,7 @@ class DPOptimizer(torch.optim.Optimizer):
         finally:
             self._pending = []
             self._accumulated = {}
+            self._fingerprints = {}
             self._incoming = {}
             self._refusal = {}
         self._stepping = True
@@ -1032,6 +1057,11 @@ class AdamBC(torch.optim.Optimizer):
                 denom = (state["exp_avg_sq"] / c2).sub_(phi).clamp_(min=floor).sqrt_()
                 p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1.0 - b1**t))
         return loss
+
+
+def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
+    """The bits of ``grad``'s float64 norm, on its device (NaN-safe exact comparison)."""
+    return torch.linalg.vector_norm(grad.detach(), dtype=torch.float64).view(torch.int64)
 
 
 def read_ledger_file(path: str | os.PathLike[str]) -> PrivacyLedger | None:
