@@ -651,15 +651,15 @@ def test_the_wrapped_optimizer_refuses_to_step_once_its_dp_optimizer_is_gone() -
 
 
 def test_step_hooks_on_the_dp_optimizer_run_after_the_noise() -> None:
-    _, m, o, _ = _private()
-    seen: list[str] = []
-    handle = o.register_step_post_hook(lambda opt, args, kwargs: seen.append("post"))
+    engine, m, o, _ = _private()
+    seen: list[int] = []  # the ledger's steps when the hook runs: recorded (and noised) before
+    handle = o.register_step_pre_hook(lambda opt, args, kwargs: seen.append(engine.ledger.steps))
     x, y = _one()
     o.zero_grad()
     o.loss(m(x), y).backward()
     o.step()
     handle.remove()
-    assert seen == ["post"]
+    assert seen == [1]
 
 
 @pytest.mark.parametrize("how", ["data", "numpy"])

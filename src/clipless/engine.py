@@ -28,7 +28,7 @@ from clipless import accounting, bounds, constraints, mechanism
 from clipless.mechanism import PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.norms import all_finite
-from clipless.optim import DPOptimizer, read_ledger_file, records_more
+from clipless.optim import DPOptimizer
 
 __all__ = ["PrivacyEngine"]
 
@@ -433,8 +433,8 @@ class PrivacyEngine:
         lost = False
         writes = opt.data_parallel is None or opt.data_parallel.writes_ledger
         path = opt.ledger_path
-        on_disk = read_ledger_file(path) if path is not None and writes else None
-        if path is not None and on_disk is not None and records_more(on_disk, ledger):
+        on_disk = accounting.PrivacyLedger.from_json_if_exists(path) if path and writes else None
+        if path is not None and on_disk is not None and on_disk.records_more_than(ledger):
             same = (on_disk.accountant, on_disk.neighbouring) == (
                 ledger.accountant,
                 ledger.neighbouring,

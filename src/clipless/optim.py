@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.modules.module as _module_hooks
 
 from clipless import _workspace, bounds, constraints, mechanism
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
@@ -579,10 +580,8 @@ class DPOptimizer(torch.optim.Optimizer):
         audit measured 70x to 7000x the planned sensitivity through each kind). Checked before
         every training-mode forward (a few dictionary lengths).
         """
-        import torch.nn.modules.module as module_hooks
-
         for kind in ("forward_pre", "forward", "backward_pre", "backward"):
-            if getattr(module_hooks, f"_global_{kind}_hooks", None):
+            if getattr(_module_hooks, f"_global_{kind}_hooks", None):
                 raise PrivacyContractError(
                     f"a global module {kind.replace('_', '-')} hook is registered (torch.nn."
                     f"modules.module.register_module_{kind}_hook): it runs inside the private "
@@ -716,7 +715,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if not params:
             return
         before = torch.stack([self._fingerprints[p] for p in params])
-        now = torch.stack([_fingerprint(p.grad) for p in params if p.grad is not None])
+        now = torch.stack([_fingerprint(p.grad) for p in params])  # type: ignore[arg-type]
         if torch.equal(before, now):
             return
         changed = [self._names[p] for p, a, b in zip(params, before, now, strict=True) if a != b]
@@ -905,7 +904,7 @@ class DPOptimizer(torch.optim.Optimizer):
             ):
                 # Before the first write: the file must not record more than this ledger (a
                 # fresh run, or a hand-written resume from an older checkpoint, would forget it).
-                refuse_spent_ledger_file(self.ledger_path, self.ledger)
+                self.ledger.check_overwrite(self.ledger_path)
                 self._ledger_file_checked = self.ledger_path
             self.ledger.record(
                 plan.accounting_noise_multiplier, plan.sample_rate, proven=plan.proven
@@ -1062,45 +1061,3 @@ class AdamBC(torch.optim.Optimizer):
 def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
     """The bits of ``grad``'s float64 norm, on its device (NaN-safe exact comparison)."""
     return torch.linalg.vector_norm(grad.detach(), dtype=torch.float64).view(torch.int64)
-
-
-def read_ledger_file(path: str | os.PathLike[str]) -> PrivacyLedger | None:
-    """The privacy ledger saved at ``path`` (``None`` if there is no file); an unreadable file
-    is refused, since it may record privacy already spent."""
-    from clipless.accounting import PrivacyLedger
-
-    if not os.path.isfile(path):
-        return None
-    try:
-        return PrivacyLedger.from_json(path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(
-            f"ledger_path {os.fspath(path)!r} cannot be read ({exc}); it may record privacy "
-            "already spent: move it aside, or pass another ledger_path"
-        ) from None
-
-
-def records_more(on_disk: PrivacyLedger, ledger: PrivacyLedger) -> bool:
-    """Does ``on_disk`` record steps or releases that ``ledger`` does not?"""
-    return on_disk.steps > ledger.steps or len(on_disk.releases) > len(ledger.releases)
-
-
-def refuse_spent_ledger_file(path: str | os.PathLike[str], ledger: PrivacyLedger) -> None:
-    """Refuse to write ``ledger`` over a file at ``path`` that records more spending.
-
-    The ledger file is the record of the privacy spent on the data. Overwriting it with a smaller
-    ledger (a fresh run given an old run's ``ledger_path``, or a hand-written resume from a
-    checkpoint older than the file) would forget spent steps. ``engine.load_state_dict`` adopts
-    such a file when it restores a checkpoint; :func:`clipless.training.fit` does the same.
-    This is a check before the first write, not a lock: two runs must not share one path.
-    """
-    on_disk = read_ledger_file(path)
-    if on_disk is None or not records_more(on_disk, ledger):
-        return
-    raise FileExistsError(
-        f"ledger_path {os.fspath(path)!r} records {on_disk.steps} private steps and "
-        f"{len(on_disk.releases)} release(s), more than this run's ledger ({ledger.steps} steps, "
-        f"{len(ledger.releases)} release(s)): writing it would forget privacy already spent. "
-        "To continue that run, restore its checkpoint with engine.load_state_dict (the larger "
-        "ledger is kept); otherwise move the file aside or pass another ledger_path"
-    )

@@ -527,16 +527,16 @@ def _epsilon(engine: PrivacyEngine, delta: float) -> float:
 
 def _write_ledger(engine: PrivacyEngine, path: Path) -> None:
     """Save the engine's ledger at ``path``, unless the file there records more (never forget)."""
-    from clipless.optim import read_ledger_file, records_more
+    from clipless.accounting import PrivacyLedger
 
     ledger = getattr(engine, "ledger", None)
     if ledger is None:
         return
     try:
-        on_disk = read_ledger_file(path)
+        on_disk = PrivacyLedger.from_json_if_exists(path)
     except ValueError:
         on_disk = None  # unreadable: this run's own file (checked before its first step)
-    if on_disk is not None and records_more(on_disk, ledger):
+    if on_disk is not None and on_disk.records_more_than(ledger):
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     ledger.to_json(path)
@@ -934,13 +934,11 @@ def _prefer_larger_ledger(engine_state: dict[str, Any], ledger_file: Path) -> di
     Steps taken after the last checkpoint (before a crash) were spent; resuming must not forget
     them, even though their weights are lost.
     """
-    if not ledger_file.is_file():
-        return engine_state
     from clipless.accounting import PrivacyLedger
 
-    on_disk = PrivacyLedger.from_json(ledger_file)
+    on_disk = PrivacyLedger.from_json_if_exists(ledger_file)
     in_ckpt = PrivacyLedger.from_dict(engine_state["ledger"])
-    if on_disk.steps > in_ckpt.steps:
+    if on_disk is not None and on_disk.records_more_than(in_ckpt):
         warnings.warn(
             f"{ledger_file} records {on_disk.steps} steps but the checkpoint only "
             f"{in_ckpt.steps}: the steps after the checkpoint were spent and stay in the ledger",

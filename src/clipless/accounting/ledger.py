@@ -586,6 +586,46 @@ class PrivacyLedger:
         except ValueError as exc:
             raise ValueError(f"{os.fspath(path)}: {exc}") from exc
 
+    @classmethod
+    def from_json_if_exists(cls, path: str | os.PathLike[str]) -> PrivacyLedger | None:
+        """:meth:`from_json`, or ``None`` when there is no file at ``path``. An unreadable file
+        is refused (``ValueError`` naming ``ledger_path``): it may record privacy already spent."""
+        if not os.path.isfile(path):
+            return None
+        try:
+            return cls.from_json(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"ledger_path {os.fspath(path)!r} cannot be read ({exc}); it may record privacy "
+                "already spent: move it aside, or pass another ledger_path"
+            ) from None
+
+    def records_more_than(self, other: PrivacyLedger) -> bool:
+        """Does this ledger record steps or releases that ``other`` does not?"""
+        return self.steps > other.steps or len(self._releases) > len(other._releases)
+
+    def check_overwrite(self, path: str | os.PathLike[str]) -> None:
+        """Refuse to write this ledger over a file at ``path`` that records more spending.
+
+        The ledger file is the record of the privacy spent on the data. Overwriting it with a
+        smaller ledger (a fresh run given an old run's ``ledger_path``, or a hand-written resume
+        from a checkpoint older than the file) would forget spent steps; ``FileExistsError``.
+        ``engine.load_state_dict`` adopts such a file when it restores a checkpoint, and
+        :func:`clipless.training.fit` does the same. A check, not a lock: two runs must not
+        share one path.
+        """
+        on_disk = PrivacyLedger.from_json_if_exists(path)
+        if on_disk is None or not on_disk.records_more_than(self):
+            return
+        raise FileExistsError(
+            f"ledger_path {os.fspath(path)!r} records {on_disk.steps} private steps and "
+            f"{len(on_disk.releases)} release(s), more than this run's ledger ({self.steps} "
+            f"steps, {len(self.releases)} release(s)): writing it would forget privacy already "
+            "spent. To continue that run, restore its checkpoint with engine.load_state_dict "
+            "(the larger ledger is kept); otherwise move the file aside or pass another "
+            "ledger_path"
+        )
+
     def __repr__(self) -> str:
         return (
             f"PrivacyLedger(accountant={self._accountant!r}, neighbouring={self._neighbouring!r}, "
