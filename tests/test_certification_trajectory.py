@@ -56,6 +56,7 @@ def _train(certify_every: int, lr: float, dtype: torch.dtype, steps: int) -> lis
         constraint="clip",
         certify_every=certify_every,
     )
+    opt.data_loader = None  # a deterministic trajectory: the test picks the rows
     for step in range(steps):
         idx = torch.arange(32) + 32 * (step % 8)
         opt.zero_grad()
@@ -120,6 +121,7 @@ def test_forward_snapshot_reuses_the_certified_copy() -> None:
         loss=loss,
         noise_multiplier=1.0,
     )
+    opt.data_loader = None  # own rows
     out = model(x[:16])
     layers = [m for m in model.modules() if isinstance(m, cnn.Linear)]
     loss(out, y[:16]).backward()
@@ -165,6 +167,7 @@ def _train_on(device: str) -> list[cnn.Linear]:
         loss=loss,
         noise_multiplier=1.0,
     )
+    opt.data_loader = None  # own rows, on the device
     for step in range(3):
         idx = torch.arange(32, device=device) + 32 * step
         opt.zero_grad()

@@ -52,6 +52,7 @@ def _private(model: torch.nn.Module | None = None, **kw):
         loss=kw.pop("loss", nn.CrossEntropyLoss()),
         **kw,
     )
+    o.data_loader = None  # these tests feed their own rows (test_batches_* check the loader)
     return engine, m, o, dl
 
 
@@ -370,6 +371,7 @@ def test_opacus_names() -> None:
         target_delta=1e-5,
         epochs=1,
     )
+    o.data_loader = None  # own rows
     x, y = _data().tensors[0][:20], _data().tensors[1][:20]
     o.zero_grad()
     o.loss(m(x), y).backward()
@@ -683,3 +685,118 @@ def test_a_gradient_written_without_autograd_seeing_it_is_refused(how: str) -> N
     o.zero_grad()
     o.loss(m(x), y).backward()
     o.step()  # an untouched gradient steps
+
+
+# ---------------------------------------------- the batches the steps train on (the loader's)
+def _loader_private(n: int = N, batch_size: int = 20, **kw):
+    """make_private's default: the optimizer checks the returned Poisson loader."""
+    model = _model()
+    engine = clipless.PrivacyEngine(seed=0)
+    m, o, dl = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(n), batch_size=batch_size),
+        loss=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+        **kw,
+    )
+    assert o.data_loader is dl
+    return engine, m, o, dl
+
+
+def _train_on(m, o, x, y) -> None:
+    o.zero_grad()
+    if x.shape[0]:
+        o.loss(m(x), y).backward()
+    o.step()
+
+
+def test_batches_of_the_returned_loader_step_empty_ones_included() -> None:
+    engine, m, o, dl = _loader_private(n=30, batch_size=1)  # q = 1/30: empty batches occur
+    sizes = []
+    for _ in range(3):
+        for x, y in dl:
+            sizes.append(x.shape[0])
+            _train_on(m, o, x, y)
+    assert 0 in sizes and engine.ledger.steps == len(sizes) == 90
+
+
+def test_batches_of_the_batches_original_loader_are_refused() -> None:
+    """The most common port mistake: training on the loader given to make_private instead of
+    the Poisson loader it returned (fixed-size shuffled batches are not what is accounted)."""
+    engine, m, o, _dl = _loader_private()
+    original = DataLoader(_data(), batch_size=20, shuffle=True)
+    x, y = next(iter(original))
+    o.zero_grad()
+    o.loss(m(x[:0]), y[:0]).backward()  # rows are not the issue here
+    with pytest.raises(PrivacyContractError, match="no batch was drawn from the Poisson loader"):
+        o.step()
+    assert engine.ledger.steps == 0
+
+
+def test_one_batch_stepped_on_twice_is_refused() -> None:
+    engine, m, o, dl = _loader_private()
+    x, y = next(iter(dl))
+    _train_on(m, o, x, y)
+    with pytest.raises(PrivacyContractError, match="no batch was drawn"):
+        _train_on(m, o, x, y)
+    assert engine.ledger.steps == 1
+    x, y = next(iter(dl))  # the refused step consumed nothing more: the next batch steps
+    _train_on(m, o, x, y)
+    assert engine.ledger.steps == 2
+
+
+def test_a_skipped_batch_is_refused() -> None:
+    """Skipping a batch (the usual case: an empty one) is not DP; neither is a peek before the
+    loop counted as free."""
+    engine, m, o, dl = _loader_private()
+    it = iter(dl)
+    next(it)  # skipped
+    x, y = next(it)
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    with pytest.raises(PrivacyContractError, match="2 batches were drawn"):
+        o.step()
+    assert engine.ledger.steps == 0
+
+
+def test_more_rows_than_the_batch_are_refused_at_the_forward() -> None:
+    """An example in several rows contributes several times: a batch concatenated with another
+    (or with itself), or augmented copies without sample_multiplicity (here 2x the sensitivity,
+    which nothing else sees)."""
+    _engine, m, o, dl = _loader_private(sample_rate=1.0)
+    x, y = next(iter(dl))
+    with pytest.raises(PrivacyContractError, match=f"{2 * N} rows but the last batch"):
+        m(torch.cat([x, x + 0.01]))
+    with o.sample_multiplicity(2):  # declared copies are fine
+        out = m(torch.cat([x, x + 0.01]).reshape(2, N, DIM).transpose(0, 1).reshape(2 * N, DIM))
+    o.zero_grad()
+    o.loss(out, y.repeat_interleave(2)).backward()
+    o.step()
+    x, y = next(iter(dl))
+    with o.sample_multiplicity(2), pytest.raises(PrivacyContractError, match="x 2 copies"):
+        m(torch.cat([x, x, x]))  # 3N rows (whole samples of 2 rows) > 2N
+    _train_on(m, o, x[: N // 2], y[: N // 2])  # fewer rows (a shard, dropped rows) are fine
+
+
+def test_a_stopping_loop_can_discard_its_last_batch() -> None:
+    engine, m, o, dl = _loader_private()
+    it = iter(dl)
+    x, y = next(it)
+    _train_on(m, o, x, y)
+    next(it)  # drawn, then training stops (a budget limit) without a step
+    o.discard_batch()
+    x, y = next(it)  # later, training resumes (engine.extend)
+    _train_on(m, o, x, y)
+    assert engine.ledger.steps == 2
+
+
+def test_sampling_yourself_is_an_explicit_opt_out() -> None:
+    engine, m, o, _dl = _loader_private()
+    with pytest.raises(TypeError, match="PoissonDataLoader"):
+        o.data_loader = DataLoader(_data(), batch_size=20)
+    o.data_loader = None
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    _train_on(m, o, x, y)
+    _train_on(m, o, x, y)
+    assert engine.ledger.steps == 2

@@ -324,3 +324,47 @@ def test_loader_bad_input() -> None:
         PoissonDataLoader.from_data_loader(_images())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_size"):
         PoissonDataLoader.from_data_loader(DataLoader(_images(), batch_size=None))
+
+
+# ------------------------------------------------------------------ counting handed-out batches
+def test_the_loader_counts_the_batches_it_hands_out() -> None:
+    """What the optimizer checks: batches handed out (not prefetched) and the last one's rows."""
+    data = TensorDataset(torch.randn(40, 3), torch.arange(40))
+    loader = PoissonDataLoader(data, 0.25, steps=5, generator=torch.Generator().manual_seed(0))
+    assert loader.batches_yielded == 0 and loader.last_batch_rows is None
+    it = iter(loader)
+    assert len(it) == 5
+    x, _ = next(it)
+    assert loader.batches_yielded == 1 and loader.last_batch_rows == x.shape[0]
+    sizes = [x.shape[0]] + [b[0].shape[0] for b in it]
+    assert loader.batches_yielded == 5 and loader.last_batch_rows == sizes[-1]
+    assert len({*sizes}) > 1  # Poisson sizes: the count follows each batch
+    list(loader)  # a second pass counts on
+    assert loader.batches_yielded == 10
+
+
+def test_worker_prefetching_is_not_counted() -> None:
+    data = TensorDataset(torch.randn(40, 3), torch.arange(40))
+    loader = PoissonDataLoader(data, 0.25, steps=6, num_workers=2, prefetch_factor=2)
+    it = iter(loader)
+    next(it)
+    assert loader.batches_yielded == 1  # four more are in flight in the workers
+    del it
+
+
+def test_rows_of_structured_and_tensorless_batches() -> None:
+    class Records(Dataset[Any]):
+        def __len__(self) -> int:
+            return 30
+
+        def __getitem__(self, i: int) -> Any:
+            return {"meta": "r", "x": torch.full((2,), float(i)), "y": i}
+
+    loader = PoissonDataLoader(Records(), 1.0, steps=1)
+    next(iter(loader))
+    assert loader.last_batch_rows == 30  # the first tensor of the mapping
+    words = PoissonDataLoader(
+        Records(), 1.0, steps=1, collate_fn=lambda rows: [r["meta"] for r in rows]
+    )
+    next(iter(words))
+    assert words.batches_yielded == 1 and words.last_batch_rows is None  # no tensor: unknown

@@ -124,6 +124,21 @@ def test_budget_stop_happens_before_exceeding(tmp_path: Path) -> None:
     assert again.stop_reason == "budget" and again.steps == 10
 
 
+def test_training_goes_on_after_a_budget_stop() -> None:
+    """fit draws the batch of the step it then refuses to take: a later fit with a larger budget
+    continues on the same loader (the optimizer checks one Poisson batch per step)."""
+    model, optimizer, loader, loss, engine, _ = _setup(sigma=8.0)
+    probe = PrivacyLedger("pld")
+    probe.record(optimizer.effective_noise_multiplier, optimizer.sample_rate, count=3)
+    first = fit(
+        model, optimizer, loader, loss, engine=engine, epochs=5, delta=DELTA,
+        epsilon_budget=probe.epsilon(DELTA) * 1.0001, progress=False,
+    )  # fmt: skip
+    assert first.stop_reason == "budget" and first.steps == 3
+    more = fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA, progress=False)
+    assert more.steps == 3 + len(loader) and more.stop_reason == "completed"
+
+
 def test_budget_already_spent_takes_no_step() -> None:
     model, optimizer, loader, loss, engine, _ = _setup()
     result = fit(

@@ -279,6 +279,7 @@ class PrivacyEngine:
             generator=generator,
             ledger_path=ledger_path,
             certify_every=certify_every,
+            data_loader=loader,
         )
         self._config = config
         self.data_loader = loader

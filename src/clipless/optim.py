@@ -33,22 +33,25 @@ loop cannot void the guarantee. One step:
    noised parameter see each accumulation: one from another backward pass, from a tainted one, or
    into a gradient that already held something other than zeros or the last released gradient; or
    a gradient changed in place or replaced after the backward pass), parameters added to the
-   optimizer after ``make_private``, or a step past the number of steps the budget was planned
-   for. The wrapped optimizer refuses to step on its own (a step pre-hook; also once this
-   optimizer is gone, until :meth:`DPOptimizer.detach`). Then (write-ahead
-   accounting) the plan's event is recorded in the ledger with its ``proven`` flag and persisted,
-   Gaussian noise of the plan's standard deviations is added on the parameters' device, the sum is
-   divided by the *expected* batch size ``q N``, the wrapped optimizer steps, and the weights are
-   projected (``clip`` / ``fix`` / ``orthogonal``, post-processing).
+   optimizer after ``make_private``, a step that does not follow exactly one batch handed out by
+   the Poisson loader of ``make_private`` (:attr:`DPOptimizer.data_loader`: none means other data
+   or a batch stepped twice, two or more a skipped batch), or a step past the number of steps the
+   budget was planned for. The training forward may not have more rows than that batch (times
+   the sample multiplicity). The wrapped optimizer refuses to step on its own (a step
+   pre-hook; also once this optimizer is gone, until :meth:`DPOptimizer.detach`). Then
+   (write-ahead accounting) the plan's event is recorded in the ledger with its ``proven`` flag
+   and persisted, Gaussian noise of the plan's standard deviations is added on the parameters'
+   device, the sum is divided by the *expected* batch size ``q N``, the wrapped optimizer steps,
+   and the weights are projected (``clip`` / ``fix`` / ``orthogonal``, post-processing).
 
 What the checks cannot see: a parameter used directly in the same backward pass as the guarded
 output (``loss = loss + f(x, model[1].weight)``: its gradient joins the guarded one before it is
 accumulated), writes through ``.data`` or a NumPy view that keep a gradient's norm (they bypass
 autograd's version counters; the gradient's float64 norm is recorded at accumulation and
 compared at :meth:`DPOptimizer.step`, so a rescaled gradient is refused), a second torch
-optimizer over the same parameters, batches that are not the Poisson loader's, and losses that
-couple examples (2.). A data-independent term such as an L2 penalty on
-the weights is harmless for privacy, but use the optimizer's ``weight_decay`` instead.
+optimizer over the same parameters, a batch that is not the one the Poisson loader yielded but
+has no more rows, and losses that couple examples (2.). A data-independent term such as an L2
+penalty on the weights is harmless for privacy, but use the optimizer's ``weight_decay`` instead.
 
 The noise comes from :func:`torch.normal` with a dedicated :class:`torch.Generator` (on the
 parameters' device) seeded from the operating system's CSPRNG unless a seed is given. Like Opacus
@@ -76,6 +79,7 @@ from clipless import _workspace, bounds, constraints, mechanism
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.nn._functional import _wrapped
+from clipless.sampling import PoissonDataLoader
 
 if TYPE_CHECKING:
     from clipless.accounting import PrivacyLedger
@@ -331,6 +335,7 @@ class DPOptimizer(torch.optim.Optimizer):
         generator: torch.Generator | None = None,
         ledger_path: str | os.PathLike[str] | None = None,
         certify_every: int = 1,
+        data_loader: PoissonDataLoader | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -352,6 +357,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if bad or certify_every < 1:
             raise ValueError(f"certify_every must be an integer >= 1; got {certify_every!r}")
         self.certify_every = certify_every
+        self._loader: PoissonDataLoader | None = None
+        self._drawn_at_step = 0
+        self.data_loader = data_loader
         self._names = self._noised_parameters()
         if len(self._names) != config.num_tensors:
             raise ValueError(
@@ -561,6 +569,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"sample_multiplicity({k}): the batch has {x.shape[0]} rows, not a multiple of "
                 f"{k} (every sample occupies {k} consecutive rows)"
             )
+        self._check_rows(int(x.shape[0]), k)
         plan = self.current_plan(k)
         self._apply(plan)
         params = tuple(self._watched)
@@ -570,6 +579,89 @@ class DPOptimizer(torch.optim.Optimizer):
             params=params,
             owner=self,
         )
+
+    @property
+    def data_loader(self) -> PoissonDataLoader | None:
+        """The Poisson loader whose batches the steps train on (``make_private`` sets it).
+
+        With a loader, every step must follow exactly one batch drawn from it, and the training
+        forward may have no more rows than that batch (times :meth:`sample_multiplicity`); a
+        step that breaks either is refused. Set it to ``None`` to sample the batches yourself
+        (e.g. on the GPU): each step must then train on a fresh Poisson sample of rate
+        :attr:`sample_rate` of the :attr:`num_samples` examples, which the accounting assumes and
+        nothing checks.
+        """
+        return self._loader
+
+    @data_loader.setter
+    def data_loader(self, loader: PoissonDataLoader | None) -> None:
+        if loader is not None and not isinstance(loader, PoissonDataLoader):
+            raise TypeError(
+                "data_loader must be the clipless.sampling.PoissonDataLoader the steps train on "
+                f"(or None); got {type(loader).__name__}"
+            )
+        self._loader = loader
+        self._drawn_at_step = 0 if loader is None else loader.batches_yielded
+
+    def _check_rows(self, rows: int, k: int) -> None:
+        """Refuse a training forward with more rows than the last Poisson batch (times ``k``).
+
+        More rows than examples means some example occupies several rows (the batch concatenated
+        with another, or augmented copies without :meth:`sample_multiplicity`), and contributes
+        several times what the noise covers. Fewer rows (a shard under
+        :mod:`clipless.distributed`, rows dropped) are fine.
+        """
+        loader = self.data_loader
+        drawn = None if loader is None else loader.last_batch_rows
+        if drawn is None or rows <= k * drawn:
+            return
+        copies = f" x {k} copies under sample_multiplicity({k})" if k > 1 else ""
+        raise PrivacyContractError(
+            f"the training forward has {rows} rows but the last batch drawn from the Poisson "
+            f"loader had {drawn}{copies}: an example in several rows contributes more than the "
+            "noise covers. Train on the batch the loader yielded; for K augmented copies of each "
+            "example use optimizer.sample_multiplicity(K)"
+        )
+
+    def _check_batch_drawn(self) -> None:
+        """Refuse a step that does not follow exactly one batch of the Poisson loader.
+
+        The accounting composes one subsampled Gaussian per step, each on a fresh, independent
+        Poisson sample of the loader's rate. No new batch means the step trained on other data
+        (another loader, a batch stepped on twice); two or more mean a batch was skipped
+        (skipping an empty batch is not DP: its absence reveals that the batch was empty) or
+        several were trained on at once.
+        """
+        loader = self.data_loader
+        if loader is None:
+            return
+        new = loader.batches_yielded - self._drawn_at_step
+        if new == 1:
+            return
+        if new == 0:
+            raise PrivacyContractError(
+                "no batch was drawn from the Poisson loader make_private returned since the last "
+                "step: the accounting assumes that every step trains on a fresh Poisson sample of "
+                "rate q from that loader (a batch from another loader, or one batch stepped on "
+                "twice, is not covered); iterate the returned loader, one step per batch"
+            )
+        raise PrivacyContractError(
+            f"{new} batches were drawn from the Poisson loader since the last step: the "
+            "accounting assumes one step per Poisson batch. Skipping a batch is not covered (an "
+            "empty one too: take the step, it adds noise and counts), nor is training on several "
+            "at once; draw other data (shapes, evaluation) from the original loader or dataset"
+        )
+
+    def discard_batch(self) -> None:
+        """Forget the batches drawn since the last step, before *stopping* training.
+
+        For a loop that draws a batch and then stops before stepping (:func:`clipless.training.fit`
+        at a budget limit), so that training resumed later (after ``engine.extend``) starts
+        clean. Never call it to skip a batch and go on: whether a batch is skipped must not depend
+        on its content (an empty batch's absence reveals that it was empty).
+        """
+        if self.data_loader is not None:
+            self._drawn_at_step = self.data_loader.batches_yielded
 
     def _check_foreign_hooks(self) -> None:
         """Refuse hooks that run inside the guarded pass and that clipless did not place.
@@ -894,6 +986,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     "longer, call engine.extend(steps=...) (it re-accounts and reports the new "
                     "epsilon)"
                 )
+            self._check_batch_drawn()
             # Write-ahead accounting: the step is recorded (and persisted, with a ledger_path)
             # before any noisy value exists, so a crash can only over-count, never under-count.
             writes = self.data_parallel is None or self.data_parallel.writes_ledger
@@ -913,6 +1006,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 self.ledger.to_json(self.ledger_path)
             self.add_noise(plan)
         finally:
+            if self.data_loader is not None:  # a refused step consumes its batch too
+                self._drawn_at_step = self.data_loader.batches_yielded
             self._pending = []
             self._accumulated = {}
             self._fingerprints = {}

@@ -214,6 +214,39 @@ class EmptyBatchCollate:
         return self.collate_fn(list(batch))
 
 
+def _leading_rows(batch: Any) -> int | None:
+    """The batch dimension of the first tensor in ``batch`` (depth first), or ``None``."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    items: Any = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(items, tuple | list) or isinstance(batch, Mapping):
+        for item in items:
+            rows = _leading_rows(item)
+            if rows is not None:
+                return rows
+    return None
+
+
+class _CountingIterator:
+    """The loader's iterator, counting the batches it hands out (:class:`PoissonDataLoader`)."""
+
+    def __init__(self, loader: PoissonDataLoader, inner: Iterator[Any]) -> None:
+        self._loader = loader
+        self._inner = inner
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        self._loader._yielded += 1
+        self._loader._last_rows = _leading_rows(batch)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+
 class PoissonDataLoader(DataLoader[Any]):
     """A ``DataLoader`` whose batches are Poisson samples of rate ``sample_rate``.
 
@@ -225,7 +258,9 @@ class PoissonDataLoader(DataLoader[Any]):
     for ``DataLoader``'s own ``generator`` (worker seeds).
 
     Attributes: :attr:`sample_rate` ``q``, :attr:`num_samples` ``N``, :attr:`expected_batch_size`
-    ``q N``, :attr:`steps` (``len(loader)``).
+    ``q N``, :attr:`steps` (``len(loader)``), :attr:`batches_yielded` and :attr:`last_batch_rows`
+    (what the optimizer of :meth:`clipless.engine.PrivacyEngine.make_private` checks: one Poisson
+    batch per step, and no more rows in the training forward than the batch had).
     """
 
     def __init__(
@@ -275,6 +310,23 @@ class PoissonDataLoader(DataLoader[Any]):
             **kwargs,
         )
         self.poisson_sampler = sampler
+        self._yielded = 0
+        self._last_rows: int | None = None
+
+    def __iter__(self) -> _CountingIterator:  # type: ignore[override]
+        """DataLoader's iterator, counting the batches handed out (after any prefetching)."""
+        return _CountingIterator(self, super().__iter__())
+
+    @property
+    def batches_yielded(self) -> int:
+        """Batches this loader has handed out so far, over all its iterations."""
+        return self._yielded
+
+    @property
+    def last_batch_rows(self) -> int | None:
+        """The leading dimension of the first tensor of the last batch handed out (``None``
+        before the first batch, or when a custom collate returns no tensor)."""
+        return self._last_rows
 
     @property
     def sample_rate(self) -> float:

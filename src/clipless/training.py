@@ -765,6 +765,8 @@ def fit(
                     epsilon_budget is not None and engine.would_exceed(epsilon_budget, delta)
                 ):
                     budget_hit = True  # stop before the step that would overspend
+                    if isinstance(optimizer, DPOptimizer):
+                        optimizer.discard_batch()  # drawn, not trained on, and training stops
                     break
                 x, y = _split_batch(batch)
                 if parallel is not None:  # clipless.distributed: this rank's rows of the batch
