@@ -76,6 +76,7 @@ import torch
 import torch.nn.modules.module as _module_hooks
 
 from clipless import _workspace, bounds, constraints, mechanism
+from clipless._bits import same_bits
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.nn._functional import _wrapped
@@ -753,7 +754,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _on_backward(self, record: _Pass) -> None:
         for p, w in zip(record.params, record.weights, strict=True):
-            if not torch.equal(p.detach(), w):
+            if not same_bits(p.detach(), w):
                 raise PrivacyContractError(
                     f"parameter {self._watched[p]!r} changed between the forward and the backward "
                     "pass: the noise was planned for the weights the forward used"

@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable, Mapping
 import torch
 
 from clipless import _certified
+from clipless._bits import same_bits
 
 __all__ = [
     "LipschitzModule",
@@ -125,7 +126,7 @@ class ParametricLipschitzModule(LipschitzModule):
             return None
         w_ref, key, value = cached
         w = weight.detach()
-        if key != self._bound_key() or w_ref.shape != w.shape or not torch.equal(w_ref, w):
+        if key != self._bound_key() or not same_bits(w_ref, w):
             return None
         return {"value": float(value), "sha256": _digest(w), "key": repr(key)}
 
@@ -151,8 +152,8 @@ class ParametricLipschitzModule(LipschitzModule):
 
         A certified bound is a function of the weight's values (and of public geometry in
         ``key``), so it is reused only when the current weight is *bitwise equal* to the copy the
-        bound was computed for (``torch.equal``, O(n), far cheaper than an SVD or FFT). Version
-        counters are not trusted: writes through ``.data`` do not bump them.
+        bound was computed for (:func:`clipless._bits.same_bits`, O(n), far cheaper than an SVD
+        or FFT). Version counters are not trusted: writes through ``.data`` do not bump them.
         """
         param = getattr(self, "weight")  # noqa: B009 - typed as Tensor | Module by nn.Module
         if not isinstance(param, torch.Tensor):
@@ -161,13 +162,7 @@ class ParametricLipschitzModule(LipschitzModule):
         cached = self.__dict__.get("_bound_cache")
         if cached is not None:
             w_ref, key_ref, value = cached
-            if (
-                key_ref == key
-                and w_ref.shape == weight.shape
-                and w_ref.dtype == weight.dtype
-                and w_ref.device == weight.device
-                and torch.equal(w_ref, weight)
-            ):
+            if key_ref == key and same_bits(w_ref, weight):
                 return float(value)
         value = float(compute())
         self.__dict__.pop("_bound_cache", None)  # freed before the copy: no second copy at once
