@@ -224,3 +224,144 @@ def test_the_inbox_survives_more_connections_than_its_cap() -> None:
     for c in [*first, third, good, *(conn for conn, _ in got)]:
         c.close()
     listener.close()
+
+
+def test_add_remove_sessions_publish_no_n() -> None:
+    """Audit finding: under add/remove the number of values is private (neighbours differ in
+    it), but the session published it (``n_values`` = the owners, one value each, or
+    ``--n-values``). Now there is none; owners hold any number of values, and the TCP release
+    equals the central add/remove one."""
+    session, _ = make_session("shares", 3, 2, 8, 1.0, neighbouring="add_remove")
+    assert session["n_values"] is None and not session["one_value_per_owner"]
+    with pytest.raises(ValueError, match="n_values must be None under neighbouring='add_remove'"):
+        make_session("shares", 3, 2, 8, 1.0, neighbouring="add_remove", n_values=3)
+    owners, size = [[0.1, 0.35], [], [0.5, 0.52, 0.9]], 10
+    res = simulate(
+        "shares", owners, 2, size, 0.8, timeout=20.0, noise_keys=[KEY], neighbouring="add_remove"
+    )
+    grid = Grid(0, 1, size=size)
+    bound = NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf")))
+    central = ecdf(np.concatenate(owners), grid, 0.8, node_noise=bound, neighbouring="add_remove")
+    assert res.ecdf is not None
+    assert res.ecdf.values.tobytes() == central.values.tobytes()
+
+
+def _run_parties(session, secret, owners) -> None:
+    import multiprocessing as mp
+    import socket
+
+    from clipless.federated.session import run_analyst, run_dealer, run_owner, run_server
+
+    ctx = mp.get_context("fork")
+    procs = []
+    for j in range(int(session["servers"])):
+        listener = socket.create_server(("127.0.0.1", 0))
+        session["servers_at"].append(["127.0.0.1", listener.getsockname()[1]])
+        procs.append(
+            ctx.Process(target=run_server, args=(session, secret[f"server {j}"], j, listener))
+        )
+        procs[-1].start()
+        listener.close()
+    procs.append(ctx.Process(target=run_dealer, args=(session, secret["dealer 0"])))
+    procs[-1].start()
+    for i, values in enumerate(owners):
+        procs.append(ctx.Process(target=run_owner, args=(session, secret[f"owner {i}"], i, values)))
+        procs[-1].start()
+    try:
+        run_analyst(session, secret["analyst 0"])
+    finally:
+        for p in procs:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+
+
+def test_fss_servers_check_the_public_n() -> None:
+    """Audit finding: a public n (``n_values``) other than the owners' total scaled the released
+    ECDF silently (1.5 at the top of the grid). The fss servers receive one key per value, so
+    they know the total and refuse a wrong n."""
+    session, secret = make_session("fss", 2, 2, 8, 1.0, n_values=2, timeout=10.0)
+    with pytest.raises(ProtocolError, match=r"sent 3 DCF keys .* public n is 2"):
+        _run_parties(session, secret, [[0.1, 0.2], [0.3]])
+
+
+def test_a_flood_of_idle_connections_does_not_push_out_a_party() -> None:
+    """Audit finding: at the inbox's cap the *oldest* unfinished connection was dropped, so a
+    stranger opening idle connections pushed out an owner part-way through its message. The
+    connection with the fewest bytes received goes now."""
+    import socket
+    import time
+
+    from clipless.federated.session import _Inbox
+    from clipless.federated.transport import encode_frame
+
+    key, sid = bytes(32), bytes(16)
+    me, peer = ("server", 0), ("owner", 0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    inbox = _Inbox(listener, {"owner 0": key}, sid, me, cap=4)
+    port = listener.getsockname()[1]
+    frame = encode_frame(key, sid, peer, me, 1, b"x" * 4096)
+    owner = socket.create_connection(("127.0.0.1", port))
+    owner.sendall(frame[:100])  # part-way through its message
+    assert inbox.poll(time.monotonic() + 0.2) == []
+    flood = []
+    for _ in range(12):  # three times the cap, idle
+        flood.append(socket.create_connection(("127.0.0.1", port)))
+        inbox.poll(time.monotonic() + 0.05)
+    owner.sendall(frame[100:])
+    got: list = []
+    deadline = time.monotonic() + 5.0
+    while not got and time.monotonic() < deadline:
+        got = inbox.poll(min(deadline, time.monotonic() + 0.5))
+    assert [f.payload for _, f in got] == [b"x" * 4096]
+    assert inbox.unidentified >= 8  # the idle strangers were dropped instead
+    inbox.close()
+    for c in [owner, *flood, *(conn for conn, _ in got)]:
+        c.close()
+    listener.close()
+
+
+def test_a_party_resends_after_its_connection_drops() -> None:
+    """A connection that drops before the ACK is opened again and the message resent."""
+    import socket
+    import threading
+    import time
+
+    from clipless.federated.session import _send_one
+    from clipless.federated.transport import ACK, Counter, recv_frame, send_frame
+
+    key, sid = bytes(32), bytes(16)
+    listener = socket.create_server(("127.0.0.1", 0))
+    session = {"session": sid.hex(), "servers_at": [["127.0.0.1", listener.getsockname()[1]]]}
+    received = []
+
+    def server() -> None:
+        first, _ = listener.accept()
+        first.recv(10)  # a few bytes, then the connection is dropped
+        first.close()
+        conn, _ = listener.accept()
+        frame = recv_frame(conn, {"owner 0": key}, sid, ("server", 0), time.monotonic() + 5, "o")
+        received.append(frame.payload)
+        send_frame(conn, key, sid, ("server", 0), ("owner", 0), ACK, b"", Counter())
+        conn.close()
+
+    thread = threading.Thread(target=server)
+    thread.start()
+    counter = Counter()
+    _send_one(
+        session, {"server 0": key}, ("owner", 0), 0, 1, b"y" * 200_000, counter,
+        time.monotonic() + 10.0,
+    )  # fmt: skip
+    thread.join(10)
+    listener.close()
+    assert received == [b"y" * 200_000]
+
+
+@pytest.mark.parametrize("keys", ["00" * 16, bytes(16)])
+def test_one_key_instead_of_a_list_is_named(keys) -> None:
+    with pytest.raises(TypeError, match="noise_keys must be a list of 16-byte keys"):
+        make_session("shares", 2, 2, 8, 1.0, noise_keys=keys)
+    with pytest.raises(TypeError, match="noise_keys must be a list of 16-byte keys"):
+        federated_ecdf([[0.1]], Grid(0, 1, size=8), 1.0, noise_keys=keys)
+    with pytest.raises(ValueError, match="smoothing must be None"):
+        federated_ecdf([[0.1]], Grid(0, 1, size=8), 1.0, smoothing="foo")  # type: ignore[arg-type]

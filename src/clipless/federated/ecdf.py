@@ -270,6 +270,8 @@ def federated_ecdf(
         raise ValueError(f"protocol='fss' uses exactly 2 servers (a two-party DCF), got {servers}")
     if protocol == "fss" and neighbouring == "add_remove":
         raise ValueError(_FSS_ADD_REMOVE)
+    if smoothing not in (None, "isotonic", "l1", "l2"):
+        raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
     g = _as_grid(grid)
     N = len(g)
     L = tree_depth(N)

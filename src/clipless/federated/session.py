@@ -175,7 +175,34 @@ def _send_one(
     deadline: float,
     fault: str = "",
 ) -> None:
-    """Connect to server ``j``, send one frame, wait for its ``ACK``."""
+    """Connect to server ``j``, send one frame, wait for its ``ACK``.
+
+    A connection that drops before the ``ACK`` (e.g. pushed out of a flooded server's inbox)
+    is opened again and the same message resent until ``deadline``; the server acknowledges a
+    byte-identical replay again and changes nothing."""
+    wait = 0.05
+    while True:
+        try:
+            _send_once(session, keys, me, j, mtype, payload, counter, deadline, fault)
+            return
+        except PartyDroppedError:
+            if fault or time.monotonic() + wait >= deadline:
+                raise
+            time.sleep(wait)
+            wait = min(2 * wait, 0.5)
+
+
+def _send_once(
+    session: dict[str, Any],
+    keys: dict[str, bytes],
+    me: Party,
+    j: int,
+    mtype: int,
+    payload: bytes,
+    counter: Counter,
+    deadline: float,
+    fault: str = "",
+) -> None:
     from clipless.federated.transport import encode_frame
 
     peer: Party = ("server", j)
@@ -341,7 +368,10 @@ class _Inbox:
     HMAC, one that stays idle, or one closed mid-frame is dropped and remembered
     (:attr:`rejected`, by the party the frame claimed) -- if that party's verified message
     never arrives, the server's timeout error names it with what was seen. At most ``cap``
-    connections are read at once; beyond that, the oldest unfinished one is dropped."""
+    connections are read at once; beyond that, the one that has received the fewest bytes
+    (the oldest of those) is dropped, so that idle connections opened by a stranger cannot push
+    out a party part-way through its message (parties also reconnect and resend until their
+    deadline: :func:`_send_one`)."""
 
     def __init__(
         self,
@@ -376,9 +406,9 @@ class _Inbox:
                 return
             except OSError:  # e.g. too many open files: leave it in the backlog for now
                 return
-            if len(self.open) >= self.cap:
-                oldest = next(iter(self.open))
-                self._reject(oldest, None, "")
+            if len(self.open) >= self.cap:  # the least progress (the oldest among equals)
+                victim = min(self.open, key=lambda c: self.open[c].received)
+                self._reject(victim, None, "")
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.open[conn] = FrameReader(self.keys, self.sid, self.me)
@@ -591,6 +621,13 @@ def _server_output(
                 )
             except ValueError as exc:
                 raise ProtocolError(f"server {index}: malformed DCF keys ({exc})") from None
+            if session["n_values"] is not None and len(keys) != int(session["n_values"]):
+                # one key per value: the true total is known here (public under replace-one)
+                raise ProtocolError(
+                    f"server {index}: the owners sent {len(keys)} DCF keys (one per value) but "
+                    f"the session's public n is {session['n_values']}: the ECDF would be divided "
+                    "by the wrong n; start a session with the right --n-values"
+                )
             srv.add_plain(server_prefix_shares(keys, pts))
     else:
         for w in owners:
@@ -732,6 +769,12 @@ def make_session(
         isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1
     ):
         raise ValueError(f"n_values must be an integer >= 1 or None; got {n_values!r}")
+    if n_values is not None and neighbouring == "add_remove":
+        raise ValueError(
+            "n_values must be None under neighbouring='add_remove': add/remove neighbours differ "
+            "in the number of values, so it is private (the release is normalised by its noisy "
+            "total instead); a public n is for 'replace_one'"
+        )
     if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
         raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     if points is not None:
@@ -755,9 +798,12 @@ def make_session(
         "noise": noise,
         "neighbouring": neighbouring,
         "timeout": timeout,
-        "n_values": owners if n_values is None else n_values,
-        # the default public n: every owner must then hold exactly one value (checked by owners)
-        "one_value_per_owner": n_values is None,
+        # replace-one: the public n (by default one value per owner, checked by the owners);
+        # add/remove: none (the number of values is private, and owners hold any number)
+        "n_values": None
+        if neighbouring == "add_remove"
+        else (owners if n_values is None else n_values),
+        "one_value_per_owner": neighbouring == "replace_one" and n_values is None,
         "servers_at": [],
     }
     parties = (
@@ -774,6 +820,11 @@ def make_session(
                 secret[p]["links"][f"server {j}"] = k
                 secret[f"server {j}"]["links"][p] = k
     need = servers if noise_sharing == "distributed" else 1
+    if isinstance(noise_keys, str | bytes | bytearray):
+        raise TypeError(
+            "noise_keys must be a list of 16-byte keys (bytes), one per noise source; got a "
+            f"single {type(noise_keys).__name__}"
+        )
     nk = [secrets.token_bytes(16) for _ in range(need)] if noise_keys is None else list(noise_keys)
     if len(nk) != need:
         raise ValueError(f"noise_keys must hold {need} key(s), got {len(nk)}")
@@ -834,7 +885,9 @@ def simulate(
         raise ValueError(f"spawn must be 'fork' or 'subprocess', got {spawn!r}")
     faults = faults or {}
     n = len(owner_values)
-    n_values = sum(len(v) for v in owner_values)
+    n_values: int | None = sum(len(v) for v in owner_values)
+    if session_kwargs.get("neighbouring") == "add_remove":
+        n_values = None  # private: the release normalises by its noisy total
     session, secret = make_session(
         protocol, n, servers, size, epsilon, n_values=n_values, **session_kwargs
     )
@@ -927,7 +980,7 @@ def _finish(
     nb, eps, rho = _budget(session)
     if not _is_roc(session):
         counts, values, release, F = assemble(
-            out, _grid(session), pts, whole, int(session["n_values"]), session["noise"],
+            out, _grid(session), pts, whole, int(session["n_values"] or 0), session["noise"],
             param, var * m_noise, delta, eps, rho, nb,  # type: ignore[arg-type]
             smoothing, consistency,  # type: ignore[arg-type]
         )  # fmt: skip

@@ -278,6 +278,11 @@ class FrameReader:
         return _check_tag(self.keys, self.session, self.me, self.raw, bytes(self.buf))
 
     @property
+    def received(self) -> int:
+        """Bytes received so far (header included): how far this connection has got."""
+        return len(self.buf) + (len(self.raw) if self.raw is not None else 0)
+
+    @property
     def pending(self) -> int:
         """Bytes still expected (of the header while it is incomplete)."""
         return self.need - len(self.buf) if self.raw is not None else _HEADER.size - len(self.buf)

@@ -298,6 +298,11 @@ class UStat:
         self.servers = servers if backend == "shares" else 1
         self.noise_sharing: NoiseSharing = noise_sharing if backend == "shares" else "dealer"
         need = self.servers if self.noise_sharing == "distributed" else 1
+        if isinstance(noise_keys, str | bytes | bytearray):
+            raise TypeError(
+                "noise_keys must be a list of 16-byte keys (bytes), one per noise source; got a "
+                f"single {type(noise_keys).__name__}"
+            )
         keys = [random_seed() for _ in range(need)] if noise_keys is None else list(noise_keys)
         if len(keys) != need:
             raise ValueError(
