@@ -406,7 +406,7 @@ def test_a_hand_written_resume_keeps_the_larger_ledger_file(tmp_path, seed) -> N
     m2.load_state_dict(ckpt["model"])
     o2.load_state_dict(ckpt["optimizer"])
     with pytest.warns(UserWarning, match="records 10 steps but the checkpoint only 4"):
-        engine2.load_state_dict(ckpt["engine"])
+        engine2.load_state_dict(ckpt["engine"])  # (seeded: a second warning, the replay)
     assert engine2.ledger.steps == 10
     restored = torch.equal(o2.generator.get_state(), ckpt["engine"]["generator"])
     assert restored == (seed is not None)  # a seeded (reproducible) run keeps its states
@@ -442,3 +442,23 @@ def test_dpoptimizer_refuses_a_bad_certify_every(bad) -> None:
             ledger=o.ledger,
             certify_every=bad,
         )
+
+
+def test_two_hand_written_resumes_of_one_checkpoint_draw_fresh_noise() -> None:
+    """Audit finding (fit's, the same in engine.load_state_dict): with no step lost after the
+    checkpoint, an unseeded engine restored the saved generator states, so two runs resumed from
+    one checkpoint drew the same noise (and batches) on different gradients."""
+    import copy
+
+    engine, m, o, dl = _private(seed=None)
+    _train_steps(m, o, dl, o.loss, 2)
+    saved = copy.deepcopy(engine.state_dict())
+    states = []
+    for _ in range(2):
+        engine2, _m2, o2, dl2 = _private(seed=None)
+        engine2.load_state_dict(saved)
+        states.append((o2.generator.get_state(), dl2.batch_sampler.generator.get_state()))
+    for noise, sampler in states:
+        assert not torch.equal(noise, saved["generator"])
+        assert not torch.equal(sampler, saved["sampler_generator"])
+    assert not torch.equal(states[0][0], states[1][0])

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -532,3 +533,109 @@ def test_metrics_files_are_owner_only(tmp_path: Path) -> None:
     png = plot_training([record], tmp_path / "training.png")
     for path in (json_path, csv_path, png):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+# ------------------------------------------------------------- audit of fit (twelfth session)
+def test_two_resumes_of_one_checkpoint_draw_fresh_noise(tmp_path: Path) -> None:
+    """Audit finding: two runs resumed from one checkpoint (two variants, a copied folder)
+    restored the same generator states when no step was lost, so they drew the same noise and
+    batches and the difference of their releases cancelled the noise. Unseeded, a resume now
+    always reseeds."""
+    run = tmp_path / "run"
+    model, optimizer, loader, loss, engine = _unseeded()
+    fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+        checkpoint_dir=run, progress=False)  # fmt: skip
+    saved = load_checkpoint(run / CHECKPOINT_NAME)
+    states = []
+    for branch in ("b", "c"):
+        folder = tmp_path / branch
+        folder.mkdir()
+        for name in (CHECKPOINT_NAME, LEDGER_NAME):
+            (folder / name).write_bytes((run / name).read_bytes())
+        model, optimizer, loader, loss, engine = _unseeded()
+        fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+            checkpoint_dir=folder, resume=True, progress=False)  # fmt: skip
+        states.append((optimizer.generator.get_state(), loader.batch_sampler.generator.get_state()))
+    for noise, sampler in states:
+        assert not torch.equal(noise, saved["engine"]["generator"])
+        assert not torch.equal(sampler, saved["engine"]["sampler_generator"])
+    assert not torch.equal(states[0][0], states[1][0])
+
+
+def test_a_resume_reads_the_runs_own_ledger_path_from_the_checkpoint(tmp_path: Path) -> None:
+    """Audit finding: with make_private(ledger_path=own), a hard kill after the checkpoint left
+    the steps in ``own`` only, and a resume that did not pass ``own`` again forgot them."""
+    run, own = tmp_path / "run", tmp_path / "own-ledger.json"
+    model, optimizer, loader, loss, engine = _unseeded(own)
+    fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+        checkpoint_dir=run, progress=False)  # fmt: skip
+    checkpointed = engine.ledger.steps
+    _steps_after_the_checkpoint(model, optimizer, loader, loss, 3)  # then a hard kill
+    assert PrivacyLedger.from_json(run / LEDGER_NAME).steps == checkpointed
+    model, optimizer, loader, loss, engine = _unseeded()  # resumed without ledger_path
+    with pytest.warns(UserWarning, match="were spent and stay in the ledger"):
+        fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+            checkpoint_dir=run, resume=True, progress=False)  # fmt: skip
+    assert engine.ledger.steps == checkpointed + 3
+
+
+def test_resume_in_the_same_process_after_an_interruption(tmp_path: Path) -> None:
+    """Audit finding: after Ctrl-C inside fit, fit(resume=True) on the same objects was refused
+    ("2 batches were drawn"): the batch drawn before the interruption was never trained on."""
+    model, optimizer, loader, loss, engine, _ = _setup()
+    calls = {"n": 0}
+
+    def interrupt_at_6(x: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt  # during epoch 2 (4 steps per epoch)
+        return x
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(model, optimizer, loader, loss, engine=engine, epochs=3, delta=DELTA,
+            checkpoint_dir=tmp_path, augment=interrupt_at_6, progress=False)  # fmt: skip
+    with pytest.warns(UserWarning, match="were spent"):
+        result = fit(model, optimizer, loader, loss, engine=engine, epochs=3, delta=DELTA,
+                     checkpoint_dir=tmp_path, resume=True, progress=False)  # fmt: skip
+    assert result.stop_reason == "completed" and result.epochs_completed == 3
+
+
+def test_bad_fit_arguments_fail_before_the_first_step(tmp_path: Path) -> None:
+    """Audit findings: a non-callable on_epoch_end and a metrics path over the ledger failed
+    (or destroyed the ledger) after an epoch of privacy was spent; NumPy scalars were refused
+    with messages that contradicted their values."""
+    model, optimizer, loader, loss, engine, _ = _setup()
+    with pytest.raises(TypeError, match="on_epoch_end must be callable"):
+        fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+            on_epoch_end=1, progress=False)  # type: ignore[arg-type]  # fmt: skip
+    with pytest.raises(ValueError, match="the run's ledger or checkpoint"):
+        fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+            checkpoint_dir=tmp_path, metrics_path=tmp_path / "ledger", progress=False)  # fmt: skip
+    assert engine.ledger.steps == 0
+    result = fit(model, optimizer, loader, loss, engine=engine, epochs=np.int64(1),  # type: ignore[arg-type]
+                 delta=np.float32(1e-5), ema_decay=np.float32(0.9),  # type: ignore[arg-type]
+                 metrics_path=tmp_path / "out" / "metrics", progress=False)  # fmt: skip
+    assert result.metrics_path == tmp_path / "out" / "metrics.json"
+    assert result.metrics_path.is_file() and result.steps == len(loader)
+
+
+def test_a_resume_checks_epochs_and_starts_the_ema_from_the_resumed_weights(
+    tmp_path: Path,
+) -> None:
+    """Audit findings: epochs below the checkpoint's returned "completed" silently, and an EMA
+    added on resume started from the initial weights instead of the checkpoint's."""
+    model, optimizer, loader, loss, engine, _ = _setup()
+    fit(model, optimizer, loader, loss, engine=engine, epochs=2, delta=DELTA,
+        checkpoint_dir=tmp_path, progress=False)  # fmt: skip
+    model, optimizer, loader, loss, engine, _ = _setup()
+    with pytest.raises(ValueError, match="completed 2 epochs but epochs=1"):
+        fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+            checkpoint_dir=tmp_path, resume=True, progress=False)  # fmt: skip
+    model, optimizer, loader, loss, engine, _ = _setup()
+    with pytest.warns(UserWarning, match="without an EMA"):
+        result = fit(model, optimizer, loader, loss, engine=engine, epochs=2, delta=DELTA,
+                     checkpoint_dir=tmp_path, resume=True, ema_decay=0.9,
+                     progress=False)  # fmt: skip
+    assert result.ema_model is not None
+    for a, b in zip(result.ema_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)  # the resumed weights, not the initial ones

@@ -1597,7 +1597,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:  # the ledger is written before every step's noise: nothing is lost
         out = getattr(args, "out", None)
-        where = f"; the privacy ledger is in {out}, continue with --resume" if out else ""
+        where = ""
+        if out:
+            from clipless.training import CHECKPOINT_NAME
+
+            where = (
+                f"; the privacy ledger is in {out}, continue with --resume"
+                if (Path(out) / CHECKPOINT_NAME).is_file()
+                else f"; the privacy ledger is in {out}, but the run stopped before its first "
+                "checkpoint (end of epoch 1): it cannot be continued; start over with --force "
+                "(the old folder, with its ledger, is kept aside)"
+            )
         print(f"clipless {args.command}: interrupted{where}", file=sys.stderr)
         return 130
 

@@ -418,9 +418,12 @@ class PrivacyEngine:
         The ledger never goes backwards: a checkpoint whose ledger has fewer steps than this
         engine has already recorded is refused (those steps were spent). With a ``ledger_path``
         whose file records more than the checkpoint (steps taken after it, before a crash), the
-        file's ledger is kept (with a warning) and, unless this engine has a ``seed``, the noise
-        and sampler generators are reseeded from the OS CSPRNG: the saved states would draw the
-        lost steps' noise and batches again (as :func:`clipless.training.fit` does on resume).
+        file's ledger is kept (with a warning). Unless this engine has a ``seed``, the noise and
+        sampler generators are then reseeded from the OS CSPRNG instead of taking the saved
+        states (as :func:`clipless.training.fit` does on resume): those would draw the lost
+        steps' noise and batches again, and two runs resumed from one checkpoint would draw the
+        same noise on different gradients (their difference would cancel it). A seeded engine
+        restores them (bit-identical resume, for experiments).
         The mechanism must be the same (a checkpoint of another configuration is refused, naming
         the difference); a longer plan saved by :meth:`extend` is kept.
         """
@@ -494,8 +497,14 @@ class PrivacyEngine:
         sampler_gen = _sampler_generator(self.data_loader)
         if sampler_gen is not None and "sampler_generator" in state:
             sampler_gen.set_state(state["sampler_generator"])
-        if lost and self.seed is None:
+        if self.seed is None:
             fresh_randomness(opt, self.data_loader)
+        elif lost:
+            warnings.warn(
+                "this engine is seeded: the restored generators draw the noise and batches of "
+                "the steps lost after the checkpoint again (experiments only)",
+                stacklevel=2,
+            )
         opt._ledger_file_checked = None  # the next write reads the file again
 
 

@@ -48,12 +48,18 @@ Checkpoints and resume
 Each epoch (and at a budget stop) ``checkpoint_dir/checkpoint.pt`` is written atomically with the
 model, optimizer, engine (ledger and noise-generator state), EMA, the torch / Python / NumPy global
 RNG states, the states of the generators found on the data loader (Poisson sampling), the epoch and
-the metrics. ``checkpoint_dir/ledger.json`` is also written by the optimizer *before* every step's
-noise is drawn (write-ahead accounting), so even a hard kill loses no accounting. ``resume=True``
-(or a path) continues from it; with the same seeds the resumed run is step-for-step the run that
-was never interrupted (same ledger, same epsilon, same weights). After a crash, a resume keeps the
-larger of the two ledgers: steps taken after the last checkpoint were spent, even though their
-weights are lost.
+the metrics. The optimizer writes its ledger *before* every step's noise is drawn (write-ahead
+accounting): to ``checkpoint_dir/ledger.json``, or to the ``ledger_path`` given to
+``make_private``, whose path the checkpoint records; so even a hard kill loses no accounting.
+``resume=True`` (or a path) continues from the checkpoint, keeping the largest of the ledgers
+(the checkpoint's, ``checkpoint_dir``'s, the recorded and the current ``ledger_path``): steps
+taken after the last checkpoint were spent, even though their weights are lost. A seeded engine
+resumes step for step as the run that was never interrupted (same ledger, same epsilon, same
+weights). An unseeded one (the default) reseeds its noise and sampling generators from the OS
+CSPRNG on every resume: the saved states would draw a lost step's noise again, and two runs
+resumed from one checkpoint would draw the same noise on different gradients (subtracting their
+releases would cancel it). The EMA continues from the checkpoint's (or starts from the resumed
+weights); ``epochs`` counts from the start of the run.
 Checkpoints are read with ``torch.load(weights_only=True)``.
 """
 
@@ -65,6 +71,7 @@ import functools
 import io
 import json
 import math
+import numbers
 import os
 import random
 import time
@@ -318,10 +325,7 @@ def write_metrics(result: FitResult | Mapping[str, Any], path: PathLike) -> tupl
     statistics of the private data that no noise covers (not DP releases).
     """
     data = result.to_dict() if isinstance(result, FitResult) else _jsonable(dict(result))
-    json_path = Path(path)
-    if json_path.suffix != ".json":
-        json_path = json_path.with_suffix(".json")
-    csv_path = json_path.with_suffix(".csv")
+    json_path, csv_path = _metrics_paths(path)
     atomic_write(json_path, json.dumps(_jsonable(data), indent=2) + "\n", mode=0o600)
     history: Sequence[Mapping[str, Any]] = data.get("history", [])
     columns: list[str] = []
@@ -549,27 +553,67 @@ def _validate(
     ema_decay: float | None,
     augment: Augment | None,
     augmult: int,
+    on_epoch_end: object = None,
 ) -> None:
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+    if isinstance(epochs, bool) or not isinstance(epochs, numbers.Integral) or epochs < 1:
         raise ValueError(f"epochs must be a positive integer; got {epochs!r}")
-    if not (isinstance(delta, float | int) and 0.0 < float(delta) < 1.0):
+    if not (_real(delta) and 0.0 < float(delta) < 1.0):
         raise ValueError(f"delta must be in (0, 1); got {delta!r}")
     if epsilon_budget is not None and not (
-        isinstance(epsilon_budget, float | int)
-        and math.isfinite(epsilon_budget)
-        and epsilon_budget > 0
+        _real(epsilon_budget) and math.isfinite(epsilon_budget) and epsilon_budget > 0
     ):
         raise ValueError(
             f"epsilon_budget must be a finite number > 0 or None; got {epsilon_budget!r}"
         )
-    if ema_decay is not None and not (isinstance(ema_decay, float | int) and 0.0 < ema_decay < 1.0):
+    if ema_decay is not None and not (_real(ema_decay) and 0.0 < ema_decay < 1.0):
         raise ValueError(f"ema_decay must be in (0, 1) or None; got {ema_decay!r}")
-    if isinstance(augmult, bool) or not isinstance(augmult, int) or augmult < 1:
+    if isinstance(augmult, bool) or not isinstance(augmult, numbers.Integral) or augmult < 1:
         raise ValueError(f"augmult must be a positive integer; got {augmult!r}")
     if augmult > 1 and augment is None:
         raise ValueError("augmult > 1 needs augment= (K identical copies would change nothing)")
     if augment is not None and not callable(augment):
         raise TypeError(f"augment must be callable (a batch of inputs -> a batch); got {augment!r}")
+    if on_epoch_end is not None and not callable(on_epoch_end):
+        raise TypeError(
+            f"on_epoch_end must be callable (record -> True to stop) or None; got {on_epoch_end!r}"
+        )
+
+
+def _real(value: object) -> bool:
+    """A real number (NumPy scalars included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_metrics_path(metrics_file: Path | None, ckpt_dir: Path | None, writer: bool) -> None:
+    """Refuse a metrics path that would overwrite the run's ledger or checkpoint, and make its
+    folder (the writing rank): a path that cannot be written fails before the first step, not
+    after an epoch of privacy."""
+    if metrics_file is None:
+        return
+    json_path, csv_path = _metrics_paths(metrics_file)
+    if ckpt_dir is not None:
+        taken = {(ckpt_dir / n).resolve() for n in (LEDGER_NAME, CHECKPOINT_NAME)}
+        clash = [p for p in (json_path, csv_path) if p.resolve() in taken]
+        if clash:
+            raise ValueError(
+                f"metrics_path would write {clash[0]}, the run's ledger or checkpoint; "
+                "choose another name (e.g. metrics.json)"
+            )
+    if writer:
+        try:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(
+                f"metrics_path's folder {json_path.parent} cannot be made: {exc}"
+            ) from None
+
+
+def _metrics_paths(path: PathLike) -> tuple[Path, Path]:
+    """The JSON and CSV files :func:`write_metrics` writes for ``path``."""
+    json_path = Path(path)
+    if json_path.suffix != ".json":
+        json_path = json_path.with_suffix(".json")
+    return json_path, json_path.with_suffix(".csv")
 
 
 def _resume_path(resume: bool | PathLike, checkpoint_dir: Path | None) -> Path | None:
@@ -629,7 +673,9 @@ def fit(
     only exist on rank 0's machine; an error there (e.g. a new run over a spent ledger) is raised
     on every rank.
     """
-    _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult)
+    _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult, on_epoch_end)
+    epochs = int(epochs)
+    augmult = int(augmult)
     reduction = getattr(loss, "reduction", "sum")
     if reduction != "sum":
         raise ValueError(
@@ -640,9 +686,8 @@ def fit(
 
     delta = float(delta)
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    metrics_file = Path(metrics_path) if metrics_path is not None else None
+    metrics_file = _metrics_paths(metrics_path)[0] if metrics_path is not None else None
     device = _device_of(model)
-    ema = WeightEMA(model, float(ema_decay)) if ema_decay is not None else None
     history: list[dict[str, Any]] = []
     start_epoch = 0
     stop_reason = "completed"
@@ -651,7 +696,9 @@ def fit(
         # Write-ahead accounting (clipless.optim): every step is on disk before its noise exists.
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         optimizer.ledger_path = ckpt_dir / LEDGER_NAME  # type: ignore[attr-defined]
+    own_ledger = getattr(optimizer, "ledger_path", None)
     dp = getattr(optimizer, "data_parallel", None)
+    _check_metrics_path(metrics_file, ckpt_dir, dp is None or dp.writes_ledger)
     read_resume = functools.partial(
         _read_resume, resume, ckpt_dir, getattr(optimizer, "ledger_path", None)
     )
@@ -659,31 +706,55 @@ def fit(
     # (and the largest ledger) and every rank loads what it read, so a rank on another machine
     # needs no copy of the folder, and a stale copy there cannot make the replicas disagree.
     loaded = read_resume() if dp is None else dp.from_rank0(read_resume)
+    saved_ema = None
     if loaded is not None:
-        state, lost = loaded
+        state, _lost = loaded
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         engine.load_state_dict(state["engine"])
-        if ema is not None and state.get("ema") is not None:
-            ema.load_state_dict(state["ema"])
+        saved_ema = state.get("ema")
         _set_rng_state(state["rng"])
         _set_generator_states(train_loader, state.get("loader_generators", {}))
-        if lost and getattr(engine, "seed", None) is None:
+        if getattr(engine, "seed", None) is None:
             from clipless.engine import fresh_randomness
 
-            # Steps after the checkpoint were taken with the noise and batches that the saved
-            # generator states would now draw again: redrawn noise on gradients that differ in
-            # any way (another setting, nondeterministic kernels) would reveal their
-            # difference, and a repeated batch is not a fresh Poisson sample. Fresh randomness.
+            # Unseeded, the saved generator states are never drawn from again: two runs resumed
+            # from one checkpoint (two variants, a copied folder) would draw the same noise on
+            # gradients that differ, and their difference would cancel it; steps lost after the
+            # checkpoint would be drawn again. Seeded runs resume bit for bit (experiments).
             fresh_randomness(optimizer, train_loader)
+        if isinstance(optimizer, DPOptimizer):
+            optimizer.discard_batch()  # e.g. drawn before an interruption: never trained on
         history = [dict(r) for r in state.get("history", [])]
         start_epoch = int(state["epoch"])
+        if start_epoch > epochs:
+            raise ValueError(
+                f"the checkpoint has completed {start_epoch} epochs but epochs={epochs}: pass "
+                f"epochs >= {start_epoch} to continue (epochs counts from the start of the run)"
+            )
         if history and not history[-1].get("complete", True):
             # Stopped inside an epoch (budget): that epoch is run again as a fresh pass.
             history.pop()
         refresh = getattr(optimizer, "refresh", None)
         if callable(refresh):
             refresh()
+    # The EMA starts from the weights training continues from (the checkpoint's, on resume).
+    ema = WeightEMA(model, float(ema_decay)) if ema_decay is not None else None
+    if ema is not None and saved_ema is not None:
+        ema.load_state_dict(saved_ema)
+    elif loaded is not None and (ema is None) != (saved_ema is None):
+        warnings.warn(
+            "the checkpoint was written "
+            + ("without" if saved_ema is None else "with")
+            + " an EMA of the weights and this call has ema_decay="
+            + repr(ema_decay)
+            + (
+                ": the EMA starts from the resumed weights"
+                if ema is not None
+                else ": it is dropped"
+            ),
+            stacklevel=2,
+        )
 
     try:
         steps_per_epoch: int | None = len(train_loader)  # type: ignore[arg-type]
@@ -730,6 +801,11 @@ def fit(
                 "rng": _rng_state(),
                 "loader_generators": _generator_states(train_loader),
                 "history": [_jsonable(r) for r in history],
+                # read on resume with the other ledger files: steps written there after this
+                # checkpoint (a hard kill) are never forgotten
+                "ledger_path": None
+                if own_ledger is None
+                else os.fspath(Path(own_ledger).resolve()),
             },
         )
 
@@ -889,6 +965,8 @@ def _read_resume(
         candidates.append(ckpt_dir / LEDGER_NAME)
     if own_ledger is not None:
         candidates.append(Path(own_ledger))  # type: ignore[arg-type]
+    if isinstance(state.get("ledger_path"), str):  # the run's own ledger_path, when it had one
+        candidates.append(Path(state["ledger_path"]))
     for ledger_file in dict.fromkeys(p.resolve() for p in candidates):
         engine_state = _prefer_larger_ledger(engine_state, ledger_file)
     lost = PrivacyLedger.from_dict(engine_state["ledger"]).steps > checkpointed
