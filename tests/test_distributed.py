@@ -390,3 +390,85 @@ def test_a_malformed_torchrun_environment_is_named(
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
         init_from_env("cpu")
+
+
+def _audit_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The twelfth session's audit findings, each on both ranks."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen: dict[str, Any] = {}
+    try:
+        # 1. shard() forgotten: every rank trains on the whole batch (world x the sensitivity)
+        model, opt, loader, loss, _ = _setup(True)
+        xb, yb = next(iter(loader))
+        try:
+            model(xb)
+            seen["whole batch"] = "accepted"
+        except clipless.optim.PrivacyContractError as exc:
+            seen["whole batch"] = str(exc)
+        # 3. an empty batch is sharded (fit takes its noisy step) with and without the loader
+        empty = (xb[:0], yb[:0])
+        seen["empty"] = [distributed.shard(*empty)[0].shape[0],
+                         distributed.shard(*empty, loader=loader)[0].shape[0]]  # fmt: skip
+        # 4. per-rank random transforms of the same examples: the indices agree
+        noisy = xb + 0.01 * rank
+        part = distributed.shard(noisy, yb, loader=loader)
+        seen["transformed"] = int(part[0].shape[0])
+        # 5. the same batch with a NaN, no loader: agreed, not "different batches"
+        nan = xb.clone()
+        nan[0, 0] = float("nan")
+        seen["nan"] = int(distributed.shard(nan)[0].shape[0])
+        # 7. a callback that stops on rank 0 only stops every rank (no rank left waiting)
+        import clipless.training as training
+
+        model, opt, loader, loss, _ = _setup(True)
+        result = training.fit(model, opt, loader, loss, engine=_, epochs=3, delta=1e-5,
+                              on_epoch_end=lambda record: rank == 0, progress=False)  # fmt: skip
+        seen["callback"] = (result.stop_reason, result.epochs_completed)
+        torch.save(seen, Path(out) / f"audit{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    _exit_rank()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_data_parallel_audit_findings(tmp_path: Path) -> None:
+    torch.multiprocessing.spawn(_audit_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        seen = torch.load(tmp_path / f"audit{rank}.pt")
+        assert "this rank's share" in seen["whole batch"]
+        assert seen["empty"] == [0, 0]
+        assert seen["transformed"] > 0 and seen["nan"] > 0
+        assert seen["callback"] == ("callback", 1)
+
+
+_HANG = """
+import sys, torch, torch.distributed as dist
+from clipless import distributed
+
+def fn():
+    distributed.init_from_env()
+    if dist.get_rank() == 0:
+        return 3  # a failed rank (e.g. a full disk): its status, no exception
+    t = torch.zeros(1)
+    dist.recv(t, src=0)  # waits for rank 0, which will never send
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(distributed.spawn(2, fn))
+"""
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_a_rank_returning_a_failure_ends_the_run(tmp_path: Path) -> None:
+    """Audit finding: a rank whose function returned a non-zero status waited at the final
+    barrier while the others waited for it in a collective (gloo's 30-minute timeout)."""
+    import subprocess
+
+    script = tmp_path / "hang.py"
+    script.write_text(_HANG)
+    done = subprocess.run([sys.executable, str(script)], timeout=120, capture_output=True)
+    assert done.returncode == 3

@@ -35,6 +35,7 @@ loopback and compares with one process.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -141,6 +142,12 @@ def make_data_parallel(optimizer: DPOptimizer, data_loader: Any, group: Any = No
             f"optimizer must be a clipless DPOptimizer (from PrivacyEngine.make_private); got "
             f"{type(optimizer).__name__}"
         )
+    own = optimizer.data_loader
+    if own is not None and data_loader is not own:
+        raise TypeError(
+            "data_loader must be the Poisson loader make_private returned with this optimizer "
+            "(optimizer.data_loader): its sampler is the one synchronised across ranks"
+        )
     sampler = getattr(data_loader, "batch_sampler", None)
     generator = getattr(sampler, "generator", None)
     if not isinstance(generator, torch.Generator):
@@ -164,24 +171,43 @@ def make_data_parallel(optimizer: DPOptimizer, data_loader: Any, group: Any = No
     return optimizer
 
 
-def shard(*tensors: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, ...]:
+def shard(
+    *tensors: torch.Tensor, group: Any = None, loader: Any = None
+) -> tuple[torch.Tensor, ...]:
     """This rank's share (rows ``rank::world``) of a batch drawn identically on every rank.
 
-    Checks (one small all-reduce) that every rank holds a batch of the same size and the same
-    float64 checksum, and raises :class:`clipless.optim.PrivacyContractError` otherwise (the
-    batches were not drawn identically, e.g. the loader was not given to
-    :func:`make_data_parallel`).
+    Checks (one small all-reduce) that every rank holds the same batch, and raises
+    :class:`clipless.optim.PrivacyContractError` otherwise (the batches were not drawn
+    identically, e.g. the loader was not given to :func:`make_data_parallel`). With ``loader``
+    (the Poisson loader the batch came from, as :func:`clipless.training.fit` passes) the check
+    compares the batch's *indices* (:attr:`clipless.sampling.PoissonDataLoader.
+    last_batch_fingerprint`), so random per-example transforms in the dataset may differ between
+    ranks; without it, the batch size and a float64 checksum of the contents (non-finite values
+    counted apart). The check runs on the group's device (CUDA for NCCL).
     """
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     if not tensors:
         return ()
-    device = tensors[0].device
     stats = [float(tensors[0].shape[0])]
-    for t in tensors:
-        flat = t.detach().reshape(t.shape[0], -1).to(torch.float64)
-        weights = torch.arange(1, flat.shape[0] + 1, dtype=torch.float64, device=flat.device)
-        stats.append(float((flat.sum(dim=1) * weights).sum()) if flat.numel() else 0.0)
+    fingerprint = getattr(loader, "last_batch_fingerprint", None)
+    if fingerprint is not None:
+        stats += [float(fingerprint), float(loader.batches_yielded)]
+    else:
+        for t in tensors:
+            n = t.shape[0]
+            flat = t.detach().reshape(n, math.prod(t.shape[1:])).to(torch.float64)
+            bad = ~torch.isfinite(flat)
+            flat = torch.where(bad, 0.0, flat)
+            weights = torch.arange(1, n + 1, dtype=torch.float64, device=flat.device)
+            stats.append(float((flat.sum(dim=1) * weights).sum()) if flat.numel() else 0.0)
+            stats.append(float((bad.sum(dim=1) * weights).sum()) if flat.numel() else 0.0)
+    backend = dist.get_backend(group)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
     mine = torch.tensor(stats, dtype=torch.float64, device=device)
     low, high = mine.clone(), mine.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
@@ -273,8 +299,14 @@ def _spawned(local_rank: int, world: int, port: int, fn: Callable[..., int], arg
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
     )
+    code = int(fn(*args))
+    if code != 0:
+        # a failed rank leaves at once: the others may be waiting in a collective it will never
+        # join (a barrier here would wait for them, and they for it); spawn then stops them
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     try:
-        code = int(fn(*args))
         if dist.is_initialized():
             # every rank done before any tears down: rank 0 still writes the run folder when the
             # others return, and a peer's closed gloo connection can abort a rank's background
@@ -300,10 +332,12 @@ def spawn(nproc: int, fn: Callable[..., int], *args: Any) -> int:
     so ``fn`` calls :func:`init_from_env` exactly as under ``torchrun``. ``fn`` returns an exit
     status. Returns 0 when every rank returned 0, else the first failing rank's status (the
     other ranks are then stopped: they would wait for it in a collective). ``fn`` and ``args``
-    must be picklable (processes are started with the ``spawn`` method). After ``fn`` returns,
+    must be picklable (processes are started with the ``spawn`` method). After ``fn`` returns 0,
     the ranks meet at a barrier, leave the group and end with ``os._exit`` (stdout and stderr
     flushed): interpreter finalisation, where gloo's threads can abort a rank, is skipped, so
-    ``fn`` must close or flush what it opened (``atexit`` handlers do not run in the ranks).
+    ``fn`` must close or flush what it opened (``atexit`` handlers do not run in the ranks). A
+    rank whose ``fn`` returns another status ends at once, without the barrier (the others may
+    be waiting for it in a collective), and the others are stopped.
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer; got {nproc!r}")

@@ -609,19 +609,30 @@ class DPOptimizer(torch.optim.Optimizer):
 
         More rows than examples means some example occupies several rows (the batch concatenated
         with another, or augmented copies without :meth:`sample_multiplicity`), and contributes
-        several times what the noise covers. Fewer rows (a shard under
-        :mod:`clipless.distributed`, rows dropped) are fine.
+        several times what the noise covers. Fewer rows (rows dropped) are fine. Under
+        :mod:`clipless.distributed` the limit is this rank's share (rows ``rank::world``, as
+        :func:`clipless.distributed.shard` takes them): a rank training on the whole batch
+        (``shard`` forgotten) would make every example count once per rank.
         """
         loader = self.data_loader
         drawn = None if loader is None else loader.last_batch_rows
-        if drawn is None or rows <= k * drawn:
+        if drawn is None:
+            return
+        parallel = self.data_parallel
+        share = drawn if parallel is None else len(range(parallel.rank, drawn, parallel.world_size))
+        if rows <= k * share:
             return
         copies = f" x {k} copies under sample_multiplicity({k})" if k > 1 else ""
+        of = (
+            ""
+            if parallel is None
+            else f" (this rank's share: {share} rows; take it with clipless.distributed.shard)"
+        )
         raise PrivacyContractError(
             f"the training forward has {rows} rows but the last batch drawn from the Poisson "
-            f"loader had {drawn}{copies}: an example in several rows contributes more than the "
-            "noise covers. Train on the batch the loader yielded; for K augmented copies of each "
-            "example use optimizer.sample_multiplicity(K)"
+            f"loader had {drawn}{of}{copies}: an example in several rows contributes more than "
+            "the noise covers. Train on the batch the loader yielded; for K augmented copies of "
+            "each example use optimizer.sample_multiplicity(K)"
         )
 
     def _check_batch_drawn(self) -> None:

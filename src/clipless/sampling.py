@@ -17,9 +17,11 @@ and restore it; it is not a cryptographically secure source.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import secrets
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -122,11 +124,23 @@ class PoissonSampler(Sampler[list[int]]):
         return torch.nonzero(u < threshold, as_tuple=True)[0]
 
     def __iter__(self) -> Iterator[list[int]]:
+        # one FIFO per pass: the loader pops one fingerprint per batch it hands out (batches
+        # come out in sampling order, however far the workers prefetch)
+        drawn: deque[int] = deque()
+        self._fingerprints = drawn
         for _ in range(self.steps):
-            yield self.sample().tolist()
+            indices = self.sample()
+            drawn.append(_fingerprint(indices))
+            yield indices.tolist()
 
     def __len__(self) -> int:
         return self.steps
+
+
+def _fingerprint(indices: torch.Tensor) -> int:
+    """A 52-bit digest of a batch's indices (exact in a float64, for an all-reduce)."""
+    data = indices.to(torch.int64).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 12
 
 
 def _empty_like(collated: Any) -> Any:
@@ -239,8 +253,12 @@ class _CountingIterator:
 
     def __next__(self) -> Any:
         batch = next(self._inner)
-        self._loader._yielded += 1
-        self._loader._last_rows = _leading_rows(batch)
+        loader = self._loader
+        loader._yielded += 1
+        loader._last_rows = _leading_rows(batch)
+        drawn = getattr(loader.poisson_sampler, "_fingerprints", None)
+        in_order = getattr(loader, "in_order", True)
+        loader._last_fingerprint = drawn.popleft() if drawn and in_order else None
         return batch
 
     def __len__(self) -> int:
@@ -312,6 +330,7 @@ class PoissonDataLoader(DataLoader[Any]):
         self.poisson_sampler = sampler
         self._yielded = 0
         self._last_rows: int | None = None
+        self._last_fingerprint: int | None = None
 
     def __iter__(self) -> _CountingIterator:  # type: ignore[override]
         """DataLoader's iterator, counting the batches handed out (after any prefetching)."""
@@ -321,6 +340,13 @@ class PoissonDataLoader(DataLoader[Any]):
     def batches_yielded(self) -> int:
         """Batches this loader has handed out so far, over all its iterations."""
         return self._yielded
+
+    @property
+    def last_batch_fingerprint(self) -> int | None:
+        """A digest of the indices of the last batch handed out (``None`` before the first, or
+        when batches may come out of order): :func:`clipless.distributed.shard` compares it
+        across ranks."""
+        return self._last_fingerprint
 
     @property
     def last_batch_rows(self) -> int | None:

@@ -846,7 +846,7 @@ def fit(
                     break
                 x, y = _split_batch(batch)
                 if parallel is not None:  # clipless.distributed: this rank's rows of the batch
-                    x, y = shard(x, y, group=parallel.group)
+                    x, y = shard(x, y, group=parallel.group, loader=train_loader)
                 optimizer.zero_grad()
                 if x.shape[0] > 0:
                     x, y = x.to(device), y.to(device)
@@ -920,7 +920,8 @@ def fit(
             epochs_completed += 1
             checkpoint(epoch + 1, None)
             publish(make_result())
-            if on_epoch_end is not None and on_epoch_end(dict(record)):
+            stop = on_epoch_end is not None and bool(on_epoch_end(dict(record)))
+            if _agreed(stop, parallel):  # every rank asks (a rank may have no callback)
                 stop_reason = "callback"
                 break
     except BaseException:
@@ -936,6 +937,16 @@ def fit(
     result = make_result()
     publish(result)
     return result
+
+
+def _agreed(stop: bool, parallel: Any) -> bool:
+    """Under :mod:`clipless.distributed`, stop when any rank's callback says so (a stop decided
+    on rank 0 alone, e.g. on its held-out accuracy, would leave the others in a collective)."""
+    if parallel is None:
+        return stop
+    flag = torch.tensor([1.0 if stop else 0.0], dtype=torch.float64, device=parallel.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=parallel.group)
+    return bool(flag.item() > 0)
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
