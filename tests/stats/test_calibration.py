@@ -174,3 +174,18 @@ def test_validation() -> None:
         hosmer_lemeshow(p, y, 1.0, neighbouring="swap")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="grid must be a Grid"):
         hosmer_lemeshow(p, y, 1.0, grid=[0, 0.5, 1])  # type: ignore[arg-type]
+
+
+def test_rounded_probabilities_are_clipped_not_refused() -> None:
+    """Audit finding: a sigmoid's rounding (p = 1 + 2^-52) aborted the release."""
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0, 1, 200)
+    y = (rng.uniform(0, 1, 200) < p).astype(int)
+    a = hosmer_lemeshow(p, y, 1.0, rng=seeded_rng(1))
+    p[0], p[1] = 1.0 + 2.0**-52, -(2.0**-60)
+    b = hosmer_lemeshow(np.clip(p, 0, 1), y, 1.0, rng=seeded_rng(1))
+    c = hosmer_lemeshow(p, y, 1.0, rng=seeded_rng(1))
+    assert b.statistic == c.statistic
+    assert a.statistic is not None
+    with pytest.raises(ValueError, match="within"):
+        hosmer_lemeshow(np.where(np.arange(200) == 0, 1.5, p), y, 1.0)

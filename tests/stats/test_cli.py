@@ -162,6 +162,13 @@ def test_bad_files_and_labels_exit_2(
     header_only = write_csv(tmp_path / "h.csv", ["x"], [])
     assert run(["ecdf", str(header_only), "--column", "x", *common]) == 2
     assert "no data rows" in capsys.readouterr().err
+    # audit finding: under add/remove the size is private, so an empty dataset is released
+    # (the library did; the command refused it, telling it from a one-row file)
+    assert run(["ecdf", str(header_only), "--column", "x", *common,
+                "--neighbouring", "add_remove"]) == 0  # fmt: skip
+    both = write_csv(tmp_path / "hs.csv", ["s", "y"], [])
+    assert run(["roc", str(both), "--score", "s", "--label", "y", *common,
+                "--neighbouring", "add_remove"]) == 0  # fmt: skip
     bad_labels = write_csv(tmp_path / "l.csv", ["s", "y"], [[0.1, 0], [0.2, 2]])
     assert run(["roc", str(bad_labels), "--score", "s", "--label", "y", *common[6:]]) == 2
     assert "--label: data row 2 is not a 0/1 label" in capsys.readouterr().err

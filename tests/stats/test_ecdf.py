@@ -112,7 +112,6 @@ def test_quantile_non_monotone_and_unreached():
     ("args", "kwargs", "exc", "match"),
     [
         (([1.0, float("nan")], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),
-        (([1.0, float("inf")], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),
         (([], Grid(0, 1, size=3), 1.0), {}, ValueError, "values"),  # replace_one: n public
         (([0.5], [0.0, 1.0, 0.5], 1.0), {}, ValueError, "thresholds"),
         (([0.5], Grid(0, 1, size=3), 0.0), {}, ValueError, "epsilon"),
@@ -247,3 +246,57 @@ def test_smoothing_interface_contract(monkeypatch):
     release, n, norm = calls["smooth_tree"]
     assert release is F.release and n == F.n == F.counts[-1] and norm == "l1"
     assert np.all(np.diff(F.values) >= 0)
+
+
+# ------------------------------------------------------- audit of the statistics (twelfth session)
+def test_infinite_values_are_clamped_like_any_value_outside_the_grid() -> None:
+    """Audit finding: one +-inf record aborted the release (a data-dependent error), though the
+    documented clamping puts it at the grid's end, as it does 1e308."""
+    grid = Grid(0, 1, size=9)
+    for inf, big in ((np.inf, 1e308), (-np.inf, -1e308)):
+        a = ecdf([0.2, inf, 0.5], grid, 1.0, rng=seeded_rng(3))
+        b = ecdf([0.2, big, 0.5], grid, 1.0, rng=seeded_rng(3))
+        assert a.values.tolist() == b.values.tolist()
+
+
+def test_neighbouring_is_checked_before_the_data() -> None:
+    with pytest.raises(ValueError, match="neighbouring must be"):
+        ecdf([], Grid(0, 1, size=4), 1.0, neighbouring="add-remove")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mechanism", ["binary", "k-ary", "smooth-binary"])
+@pytest.mark.parametrize("smoothing", [None, "isotonic", "l2"])
+def test_add_remove_releases_end_at_one(mechanism: str, smoothing: str | None) -> None:
+    """Audit finding: under add/remove the normaliser is max(P_N, 1), so a released total below
+    1 left F(tau_N) = P_N (all zeros after isotonic smoothing: not a CDF), although every record
+    is counted at tau_N. F(tau_N) is now 1 in every release."""
+    grid = Grid(0, 1, size=16)
+    low = 0
+    for seed in range(60):
+        F = ecdf([0.3, 0.6], grid, 1.0, neighbouring="add_remove", smoothing=smoothing,  # type: ignore[arg-type]
+                 mechanism=mechanism, rng=seeded_rng(seed))  # type: ignore[arg-type]  # fmt: skip
+        assert F.values[-1] == 1.0
+        low += float(F.counts[-1]) < 1.0
+    assert low > 0  # the case arose
+
+
+def test_kary_replace_one_is_conditioned_on_the_public_n() -> None:
+    """Audit finding: with N not a power of k the k-ary root also counts the padded leaves, so
+    C_N was left noisy (a one-threshold grid released F = 0.5 for two records, true 1). The
+    estimate is now conditioned on C_N = n; the reported variance matches the empirical one."""
+    F = ecdf([0.2, 0.9], Grid.from_thresholds(np.array([1.0])), 1.0, rng=seeded_rng(0),
+             mechanism="k-ary")  # fmt: skip
+    assert F.values.tolist() == [1.0]
+    grid = Grid(0, 1, size=13)
+    values = np.random.default_rng(0).uniform(0, 1, 40)
+    true = np.searchsorted(np.sort(values), grid.thresholds, side="right").astype(float)
+    runs = [ecdf(values, grid, 1.0, mechanism="k-ary", branching=16, smoothing=None,
+                 rng=seeded_rng(s)) for s in range(400)]  # fmt: skip
+    counts = np.stack([r.counts for r in runs])
+    assert np.all(counts[:, -1] == 40.0)
+    empirical = counts.var(axis=0)[:-1]
+    reported = runs[0].variance[:-1]
+    bias = np.abs(counts.mean(axis=0)[:-1] - true[:-1])
+    assert np.all(bias < 4 * np.sqrt(reported / 400) + 1e-9)
+    ratio = empirical / reported
+    assert 0.75 < float(np.median(ratio)) < 1.3

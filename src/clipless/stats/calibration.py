@@ -77,6 +77,9 @@ from clipless.stats.grid import Grid
 from clipless.stats.noise import conservative_scale, discrete_laplace, resolve_rng, to_fraction
 from clipless.stats.tree import Neighbouring, tree_sensitivity
 
+_P_SLACK = 1e-9
+"""Probabilities this far outside ``[0, 1]`` (floating-point rounding) are clipped, not refused."""
+
 __all__ = ["HLResult", "hosmer_lemeshow", "nonprivate_hosmer_lemeshow"]
 
 Binning = Literal["quantile", "uniform"]
@@ -196,8 +199,10 @@ def _probabilities_labels(
         raise ValueError(
             "probabilities must be non-empty under replace_one (n = 0 is public there)"
         )
-    if not np.all(np.isfinite(p)) or np.any((p < 0) | (p > 1)):
+    if not np.all(np.isfinite(p)) or np.any((p < -_P_SLACK) | (p > 1 + _P_SLACK)):
         raise ValueError("probabilities must be finite and within [0, 1]")
+    # a sigmoid's rounding (1 + 2^-52) is not an error in the data: clip it
+    p = np.clip(p, 0.0, 1.0)
     y = np.asarray(labels)
     if y.ndim != 1 or y.size != p.size:
         raise ValueError(
@@ -285,13 +290,13 @@ def hosmer_lemeshow(
     The plug-in :attr:`HLResult.p_value` ignores the noise; at moderate ``epsilon`` prefer
     :meth:`HLResult.noise_aware_p_value` (post-processing, no extra budget).
     """
-    p, y = _probabilities_labels(probabilities, labels, allow_empty=neighbouring == "add_remove")
-    Q = _check_groups(groups)
-    eps = to_fraction(epsilon, "epsilon")
     if neighbouring not in ("replace_one", "add_remove"):
         raise ValueError(
             f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
         )
+    p, y = _probabilities_labels(probabilities, labels, allow_empty=neighbouring == "add_remove")
+    Q = _check_groups(groups)
+    eps = to_fraction(epsilon, "epsilon")
     if binning not in ("quantile", "uniform"):
         raise ValueError(f"binning must be 'quantile' or 'uniform', got {binning!r}")
     if split not in ("thesis", "tight"):

@@ -235,8 +235,11 @@ def _out_dir(value: str) -> Path:
     return out
 
 
-def _read_columns(path: str, columns: Sequence[tuple[str, str]]) -> list[list[str]]:
-    """The named columns of a CSV file; ``columns`` = ``(column name, argument name)``."""
+def _read_columns(
+    path: str, columns: Sequence[tuple[str, str]], allow_empty: bool = False
+) -> list[list[str]]:
+    """The named columns of a CSV file; ``columns`` = ``(column name, argument name)``.
+    ``allow_empty``: a header without rows is a dataset too (add/remove: the size is private)."""
     file = Path(path)
     if not file.is_file():
         raise BadInputError(f"FILE.csv: no such file: {path!r}")
@@ -264,8 +267,11 @@ def _read_columns(path: str, columns: Sequence[tuple[str, str]]) -> list[list[st
                     out[k].append(row[j].strip())
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise BadInputError(f"FILE.csv: cannot read {path!r}: {exc}") from None
-    if not out[0]:
-        raise BadInputError(f"FILE.csv: {path!r} has a header but no data rows")
+    if not out[0] and not allow_empty:
+        raise BadInputError(
+            f"FILE.csv: {path!r} has a header but no data rows (an empty dataset is released "
+            "only under --neighbouring add_remove, where the size is private)"
+        )
     return out
 
 
@@ -276,8 +282,8 @@ def _numbers(cells: list[str], arg: str) -> NDArray[np.float64]:
             out[i] = float(cell)
         except ValueError:
             raise BadInputError(f"{arg}: data row {i + 1} is not a number") from None
-        if not math.isfinite(out[i]):
-            raise BadInputError(f"{arg}: data row {i + 1} is not finite")
+        if math.isnan(out[i]):  # +-inf are clamped to the grid like other values outside it
+            raise BadInputError(f"{arg}: data row {i + 1} is NaN")
     return out
 
 
@@ -349,7 +355,7 @@ def _ecdf(args: argparse.Namespace) -> int:
     mech, k = _mechanism(args)
     levels = _levels(args.quantiles)
     grid = _grid(args)
-    (cells,) = _read_columns(args.file, [(args.column, "--column")])
+    (cells,) = _read_columns(args.file, [(args.column, "--column")], nb == "add_remove")
     values = _numbers(cells, "--column")
     out = _out_dir(args.out)
     released = ecdf(values, grid, eps, nb, smoothing, rng=rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
@@ -396,7 +402,7 @@ def _roc(args: argparse.Namespace) -> int:
     mech, k = _mechanism(args)
     grid = _grid(args)
     score_cells, label_cells = _read_columns(
-        args.file, [(args.score, "--score"), (args.label, "--label")]
+        args.file, [(args.score, "--score"), (args.label, "--label")], nb == "add_remove"
     )
     scores = _numbers(score_cells, "--score")
     labels = _labels(label_cells, "--label")

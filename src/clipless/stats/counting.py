@@ -487,6 +487,30 @@ def kary_prefix_covariance_with_last(
     return cov
 
 
+def _condition_on_total(
+    prefix: NDArray[np.float64],
+    variance: NDArray[np.float64],
+    cov_last: NDArray[np.float64],
+    total: float,
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """The linear estimate ``prefix`` conditioned on its last entry being ``total`` (public).
+
+    ``Chat_i - Cov(Chat_i, Chat_N) / Var(Chat_N) (Chat_N - n)``, variance
+    ``Var(Chat_i) - Cov(Chat_i, Chat_N)^2 / Var(Chat_N)``: the best linear unbiased estimate
+    given the extra exact equation (post-processing of the release with a public value).
+    """
+    n_pub = float(total)
+    var_n = float(variance[-1])
+    prefix = np.array(prefix, dtype=np.float64)
+    variance = np.array(variance, dtype=np.float64)
+    if var_n > 0:
+        prefix = prefix - cov_last / var_n * (prefix[-1] - n_pub)
+        variance = np.maximum(variance - cov_last**2 / var_n, 0.0)
+    prefix[-1] = n_pub
+    variance[-1] = 0.0
+    return prefix, variance
+
+
 @lru_cache(maxsize=4096)
 def _kary_score(num_leaves: int, k: int, neighbouring: Neighbouring, noise: NoiseKind) -> float:
     """Mean prefix variance at unit budget (epsilon = 1 or rho = 1/2), optimised shares.
@@ -498,12 +522,12 @@ def _kary_score(num_leaves: int, k: int, neighbouring: Neighbouring, noise: Nois
     ``N = 2^15``, ``k = 10`` is 2x worse after normalisation than ``k = 8`` or ``16``).
     """
     shares = level_shares(num_leaves, k, neighbouring, noise)
-    if neighbouring == "replace_one":
-        return _score_shares(num_leaves, k, shares, neighbouring, noise)
     h = kary_depth(num_leaves, k)
     lv = _level_variances(tuple(float(x) for x in shares), neighbouring, noise, h)
     var = kary_prefix_variance(num_leaves, k, lv)
     cov = kary_prefix_covariance_with_last(num_leaves, k, lv)
+    if neighbouring == "replace_one":  # the release is conditioned on C_N = n
+        return float(np.mean(_condition_on_total(np.zeros(num_leaves), var, cov, 0.0)[1]))
     f = np.arange(1, num_leaves + 1, dtype=np.float64) / num_leaves
     return float(np.mean(var - 2 * f * cov + f * f * var[-1]))
 
@@ -989,7 +1013,15 @@ def release_prefix_counts(
             scale_var = 0.0
         leaves = kary_consistent_leaves(values, k, weights)
         prefix = np.cumsum(leaves[:N])
-        variance = scale_var * kary_prefix_variance(N, k, weights)
+        unit_var = kary_prefix_variance(N, k, weights)
+        if neighbouring == "replace_one":
+            # The root is the public n, but when N < k^h it also counts the padded leaves, so
+            # Chat_N stays noisy: condition on C_N = n as well (Gaussian conditioning of the
+            # linear estimate, post-processing; exact already when N = k^h).
+            prefix, unit_var = _condition_on_total(
+                prefix, unit_var, kary_prefix_covariance_with_last(N, k, weights), counts.sum()
+            )
+        variance = scale_var * unit_var
         noisy_vec = np.concatenate(
             [v for v, p in zip(values, params, strict=False) if p is not None]
         )
@@ -1040,14 +1072,8 @@ def release_prefix_counts(
     variance = node_var * np.cumsum(g * g)
     if neighbouring == "replace_one":
         # condition on C_N = n (public): Cov(Chat_i, Chat_N) = var sum_j g_(i-j) g_(N-1-j)
-        n_pub = float(counts.sum())
         cov_n = node_var * scipy.signal.fftconvolve(g, g[::-1])[:N]
-        var_n = float(variance[-1])
-        if var_n > 0:
-            prefix = prefix - cov_n / var_n * (prefix[-1] - n_pub)
-            variance = np.maximum(variance - cov_n**2 / var_n, 0.0)
-        prefix[-1] = n_pub
-        variance[-1] = 0.0
+        prefix, variance = _condition_on_total(prefix, variance, cov_n, counts.sum())
     for a in (prefix, variance, noisy_vec):
         a.setflags(write=False)
     return CountRelease(

@@ -22,7 +22,7 @@ numerator's (shared tree nodes) and cancels near the top of the curve. Measured 
 ``N = 2^15``, ``epsilon = 1``, 40 releases, mean squared error of ``F``): (a) ``2.26e-6`` vs (b)
 ``2.61e-6`` for the plain release, ``1.30e-6`` vs ``1.43e-6`` with consistency. So (a) is used:
 ``n_hat = max(P_N, 1)`` (the plain or the consistent ``P_N``), and the released ``F(tau_N)`` is
-exactly 1.
+exactly 1 (set before smoothing when ``P_N < 1``, where the division alone would leave ``P_N``).
 
 **Which release is most accurate.** :func:`release_accuracy` measures it for the binary tree
 (the k-ary tree and the factorisation are 2-15x better still, ``docs/statistics.md``). On the
@@ -92,8 +92,9 @@ def _as_values(values: ArrayLike, allow_empty: bool = False) -> NDArray[np.float
             "values must be non-empty under replace_one (n = 0 is public there; under "
             "add_remove an empty dataset is released)"
         )
-    if not np.all(np.isfinite(arr)):
-        raise ValueError("values must be finite (no NaN or infinity)")
+    if np.any(np.isnan(arr)):
+        # +-inf are clamped to the grid's ends like every value outside it; NaN has no place
+        raise ValueError("values must be numbers (no NaN; +-inf are clamped to the grid)")
     return arr
 
 
@@ -305,12 +306,12 @@ def ecdf(
     >>> F.values[[0, 1, 4, 9, 10]].tolist()
     [0.0, 0.25, 0.75, 1.0, 1.0]
     """
-    data = _as_values(values, allow_empty=neighbouring == "add_remove")
-    g = _as_grid(grid)
     if neighbouring not in ("replace_one", "add_remove"):
         raise ValueError(
             f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
         )
+    data = _as_values(values, allow_empty=neighbouring == "add_remove")
+    g = _as_grid(grid)
     if smoothing not in (None, "isotonic", "l1", "l2"):
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
     if noise not in ("laplace", "gaussian"):
@@ -413,6 +414,13 @@ def from_release(
         norm, n_private = max(float(counts[-1]), 1.0), True
 
     raw = counts / norm
+    to_smooth = counts
+    if n_private:
+        # every record is counted at tau_N (clamping): F(tau_N) = 1 is known, also when the
+        # released total is below 1 (then counts[-1] / max(P_N, 1) = P_N)
+        raw[-1] = 1.0
+        to_smooth = counts.copy()
+        to_smooth[-1] = norm
     if smoothing is None:
         out = raw
     elif smoothing == "isotonic":
@@ -432,12 +440,14 @@ def from_release(
     elif consistency:
         # Problem 6.3.6 applied to the least-squares prefix counts (smoothing after consistency:
         # both are post-processing; measured the most accurate combination, RESULTS.md).
-        out = np.asarray(smooth_counts(counts, norm, smoothing, depth=release.depth).values)
+        out = np.asarray(smooth_counts(to_smooth, norm, smoothing, depth=release.depth).values)
     elif isinstance(release, TreeRelease):
         out = np.asarray(smooth_tree(release, norm, smoothing))
     else:  # pragma: no cover - CountRelease always sets consistency
         raise AssertionError("unreachable")
     out = np.array(out, dtype=np.float64)
+    if n_private:
+        out[-1] = 1.0  # (the tree's own smoothing path); the smoothed values are within [0, 1]
     for arr in (out, counts, variance):
         arr.setflags(write=False)
     return DPECDF(

@@ -159,8 +159,9 @@ def _scores_labels(
         raise ValueError(f"scores must be one-dimensional, got shape {s.shape}")
     if s.size == 0 and not allow_empty:  # add/remove: released like any other dataset
         raise ValueError("scores must be non-empty under replace_one (n = 0 is public there)")
-    if not np.all(np.isfinite(s)):
-        raise ValueError("scores must be finite (no NaN or infinity)")
+    if np.any(np.isnan(s)):
+        # +-inf are clamped to the grid's ends like every score outside it; NaN has no place
+        raise ValueError("scores must be numbers (no NaN; +-inf are clamped to the grid)")
     y = np.asarray(labels)
     if y.ndim != 1 or y.size != s.size:
         raise ValueError(
@@ -216,7 +217,7 @@ def roc(
     Parameters
     ----------
     scores:
-        Classifier scores (higher = more likely positive), finite; clamped to the grid.
+        Classifier scores (higher = more likely positive), not NaN; clamped to the grid.
     labels:
         0/1 (or booleans), same length.
     grid:
@@ -246,12 +247,12 @@ def roc(
         columns of ``L`` are non-negative (``<L e_a, L e_b> >= 0``). A class switch moves
         each class by one add/remove step, paid by the ``epsilon/2`` (``rho/2``) per class.
     """
-    s, pos = _scores_labels(scores, labels, allow_empty=neighbouring == "add_remove")
-    g = _as_grid(grid)
     if neighbouring not in ("replace_one", "add_remove"):
         raise ValueError(
             f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
         )
+    s, pos = _scores_labels(scores, labels, allow_empty=neighbouring == "add_remove")
+    g = _as_grid(grid)
     if smoothing not in (None, "isotonic", "l1", "l2"):
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
     if not isinstance(consistency, bool):
