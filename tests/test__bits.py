@@ -46,8 +46,13 @@ def test_views_transposes_and_parameters(n: int) -> None:
     assert not same_bits(w.detach(), w.detach().double())  # dtype
 
 
-def test_complex_and_conjugate_views() -> None:
-    z = torch.randn(_NUMPY_FROM, dtype=torch.complex128)
+@pytest.mark.parametrize("n", SIZES)
+def test_complex_and_conjugate_views(n: int) -> None:
+    z = torch.randn(n, dtype=torch.complex128)
     assert same_bits(z, z.clone())
+    w = z.clone()
+    w[n - 1] = complex(-0.0, float(w[n - 1].imag))
+    z[n - 1] = complex(0.0, float(w[n - 1].imag))
+    assert torch.equal(z, w) and not same_bits(z, w)  # bits, not values (review finding)
     assert not same_bits(z, z.conj())  # a lazy conjugate is compared by value
     assert same_bits(z.conj(), z.conj().resolve_conj())

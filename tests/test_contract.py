@@ -800,3 +800,37 @@ def test_sampling_yourself_is_an_explicit_opt_out() -> None:
     _train_on(m, o, x, y)
     _train_on(m, o, x, y)
     assert engine.ledger.steps == 2
+
+
+def test_copies_made_by_the_collate_count_as_copies() -> None:
+    """Review finding: the row limit was read from the collated batch, so a collate_fn emitting
+    K views of every example as rows raised it to K B and one example counted K times (3.5x the
+    sensitivity at K = 16). The limit is now the number of examples the sampler drew."""
+    model = _model()
+    data = _data()
+
+    def four_views(rows):
+        x = torch.stack([r[0] for r in rows])
+        y = torch.stack([r[1] for r in rows])
+        return x.repeat_interleave(4, 0), y.repeat_interleave(4, 0)
+
+    engine = clipless.PrivacyEngine(seed=0)
+    m, o, dl = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=20, collate_fn=four_views),
+        loss=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+    )
+    x, y = next(iter(dl))
+    while x.shape[0] == 0:  # (a skip that does not depend on what the batch holds... in a test)
+        o.discard_batch()
+        x, y = next(iter(dl))
+    with pytest.raises(PrivacyContractError, match="examples"):
+        m(x)
+    with o.sample_multiplicity(4):
+        out = m(x)
+    o.zero_grad()
+    o.loss(out, y).backward()
+    o.step()
+    assert engine.ledger.steps == 1

@@ -331,13 +331,13 @@ def test_the_loader_counts_the_batches_it_hands_out() -> None:
     """What the optimizer checks: batches handed out (not prefetched) and the last one's rows."""
     data = TensorDataset(torch.randn(40, 3), torch.arange(40))
     loader = PoissonDataLoader(data, 0.25, steps=5, generator=torch.Generator().manual_seed(0))
-    assert loader.batches_yielded == 0 and loader.last_batch_rows is None
+    assert loader.batches_yielded == 0 and loader.last_batch_size is None
     it = iter(loader)
     assert len(it) == 5
     x, _ = next(it)
-    assert loader.batches_yielded == 1 and loader.last_batch_rows == x.shape[0]
+    assert loader.batches_yielded == 1 and loader.last_batch_size == x.shape[0]
     sizes = [x.shape[0]] + [b[0].shape[0] for b in it]
-    assert loader.batches_yielded == 5 and loader.last_batch_rows == sizes[-1]
+    assert loader.batches_yielded == 5 and loader.last_batch_size == sizes[-1]
     assert len({*sizes}) > 1  # Poisson sizes: the count follows each batch
     list(loader)  # a second pass counts on
     assert loader.batches_yielded == 10
@@ -347,9 +347,14 @@ def test_worker_prefetching_is_not_counted() -> None:
     data = TensorDataset(torch.randn(40, 3), torch.arange(40))
     loader = PoissonDataLoader(data, 0.25, steps=6, num_workers=2, prefetch_factor=2)
     it = iter(loader)
-    next(it)
+    x, _ = next(it)
     assert loader.batches_yielded == 1  # four more are in flight in the workers
-    del it
+    assert loader.last_batch_size == x.shape[0]  # the batch handed out, not a prefetched one
+    sizes = [x.shape[0]]
+    for x, _ in it:
+        sizes.append(x.shape[0])
+        assert loader.last_batch_size == x.shape[0]
+    assert loader.batches_yielded == 6 and len(set(sizes)) > 1
 
 
 def test_rows_of_structured_and_tensorless_batches() -> None:
@@ -362,9 +367,15 @@ def test_rows_of_structured_and_tensorless_batches() -> None:
 
     loader = PoissonDataLoader(Records(), 1.0, steps=1)
     next(iter(loader))
-    assert loader.last_batch_rows == 30  # the first tensor of the mapping
+    assert loader.last_batch_size == 30
+    # the size counts the sampled examples, whatever the collate makes of them (review
+    # finding: the leading dimension of the first tensor was read instead)
     words = PoissonDataLoader(
         Records(), 1.0, steps=1, collate_fn=lambda rows: [r["meta"] for r in rows]
     )
     next(iter(words))
-    assert words.batches_yielded == 1 and words.last_batch_rows is None  # no tensor: unknown
+    assert words.batches_yielded == 1 and words.last_batch_size == 30
+    views = PoissonDataLoader(  # 4 views of each example, as flat rows
+        Records(), 1.0, steps=1, collate_fn=lambda rows: torch.stack([r["x"] for r in rows] * 4)
+    )
+    assert next(iter(views)).shape[0] == 120 and views.last_batch_size == 30

@@ -639,3 +639,26 @@ def test_a_resume_checks_epochs_and_starts_the_ema_from_the_resumed_weights(
     assert result.ema_model is not None
     for a, b in zip(result.ema_model.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)  # the resumed weights, not the initial ones
+
+
+def test_fit_refuses_the_training_loader_for_evaluation_and_restarts_after_an_error() -> None:
+    """Review findings: eval_loader=train_loader failed at epoch 2, after an epoch of privacy;
+    fit called again after an exception mid-epoch was refused ("2 batches were drawn")."""
+    model, optimizer, loader, loss, engine, _ = _setup()
+    with pytest.raises(ValueError, match="eval_loader is the private training loader"):
+        fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+            eval_loader=loader, progress=False)  # fmt: skip
+    calls = {"n": 0}
+
+    def fail_at_3(x: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise MemoryError("out of memory")
+        return x
+
+    with pytest.raises(MemoryError):
+        fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+            augment=fail_at_3, progress=False)  # fmt: skip
+    again = fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+                progress=False)  # fmt: skip
+    assert again.stop_reason == "completed" and engine.ledger.steps == 2 + len(loader)

@@ -10,7 +10,9 @@ NumPy's comparison of the same bytes viewed as integers takes about 0.2 ms
 tensors and ``torch.equal`` on integer views elsewhere, so the result is the same everywhere:
 equal bit patterns (``-0.0`` differs from ``0.0``; a NaN equals the same NaN), which is stricter
 than numeric equality wherever that matters (a false "different" only costs a recomputation or a
-refused step, never a stale bound).
+refused step, never a stale bound). Complex tensors compare the bits of their real and imaginary
+parts; lazy conjugate or negative views, quantized and sparse tensors fall back to numeric
+``torch.equal`` (equal values, hence equal bounds).
 """
 
 from __future__ import annotations
@@ -29,13 +31,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``True`` when ``a`` and ``b`` have the same shape, dtype, device and bit patterns."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
-    as_int = _INT.get(a.dtype.itemsize)
     plain = a.layout == torch.strided and not (
         a.is_conj() or a.is_neg() or b.is_conj() or b.is_neg()
     )
-    if as_int is None or not plain or a.is_quantized:
-        return torch.equal(a, b)
-    x, y = a.detach().view(as_int), b.detach().view(as_int)
+    if not plain or a.is_quantized:
+        return torch.equal(a, b)  # numeric (lazy conjugate / negative views, quantized, sparse)
+    x, y = a.detach(), b.detach()
+    if x.is_complex():  # complex128 has no 16-byte integer: compare its float64 parts' bits
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
+    as_int = _INT.get(x.dtype.itemsize)
+    if as_int is None:  # pragma: no cover - every real dtype has an integer of its size
+        return torch.equal(x, y)
+    x, y = x.view(as_int), y.view(as_int)
     if x.device.type == "cpu" and x.numel() >= _NUMPY_FROM:
         return bool(np.array_equal(x.numpy(), y.numpy()))
     return torch.equal(x, y)

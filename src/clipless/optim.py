@@ -615,7 +615,7 @@ class DPOptimizer(torch.optim.Optimizer):
         (``shard`` forgotten) would make every example count once per rank.
         """
         loader = self.data_loader
-        drawn = None if loader is None else loader.last_batch_rows
+        drawn = None if loader is None else loader.last_batch_size
         if drawn is None:
             return
         parallel = self.data_parallel
@@ -630,9 +630,10 @@ class DPOptimizer(torch.optim.Optimizer):
         )
         raise PrivacyContractError(
             f"the training forward has {rows} rows but the last batch drawn from the Poisson "
-            f"loader had {drawn}{of}{copies}: an example in several rows contributes more than "
-            "the noise covers. Train on the batch the loader yielded; for K augmented copies of "
-            "each example use optimizer.sample_multiplicity(K)"
+            f"loader has {drawn} examples{of}{copies}: an example in several rows contributes "
+            "more than the noise covers. Train on the batch the loader yielded; for K augmented "
+            "copies of each example (from the loop or from a collate_fn) use "
+            "optimizer.sample_multiplicity(K)"
         )
 
     def _check_batch_drawn(self) -> None:
@@ -659,18 +660,23 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         raise PrivacyContractError(
             f"{new} batches were drawn from the Poisson loader since the last step: the "
-            "accounting assumes one step per Poisson batch. Skipping a batch is not covered (an "
-            "empty one too: take the step, it adds noise and counts), nor is training on several "
-            "at once; draw other data (shapes, evaluation) from the original loader or dataset"
+            "accounting assumes one step per Poisson batch. Skipping a batch because of what it "
+            "holds is not covered (an empty one too: take the step, it adds noise and counts), "
+            "nor is training on several at once. Draw other data (shapes, evaluation) from the "
+            "original loader or dataset, do not prefetch ahead of the loader (its num_workers "
+            "and prefetch_factor are counted correctly), and after stopping for a reason that "
+            "does not depend on the batch (a break, a time limit) call "
+            "optimizer.discard_batch() before going on"
         )
 
     def discard_batch(self) -> None:
-        """Forget the batches drawn since the last step, before *stopping* training.
+        """Forget the batches drawn since the last step and not trained on.
 
-        For a loop that draws a batch and then stops before stepping (:func:`clipless.training.fit`
-        at a budget limit), so that training resumed later (after ``engine.extend``) starts
-        clean. Never call it to skip a batch and go on: whether a batch is skipped must not depend
-        on its content (an empty batch's absence reveals that it was empty).
+        For a loop that draws a batch and then stops before stepping for a reason that does not
+        depend on the batch (:func:`clipless.training.fit` at a budget limit or after an
+        exception, a ``break``, a time limit), so that training resumed later starts clean.
+        Never call it to skip a batch *because of what it holds*: whether a batch is skipped
+        must not depend on its content (an empty batch's absence reveals that it was empty).
         """
         if self.data_loader is not None:
             self._drawn_at_step = self.data_loader.batches_yielded

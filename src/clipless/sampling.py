@@ -124,13 +124,13 @@ class PoissonSampler(Sampler[list[int]]):
         return torch.nonzero(u < threshold, as_tuple=True)[0]
 
     def __iter__(self) -> Iterator[list[int]]:
-        # one FIFO per pass: the loader pops one fingerprint per batch it hands out (batches
-        # come out in sampling order, however far the workers prefetch)
-        drawn: deque[int] = deque()
-        self._fingerprints = drawn
+        # one FIFO per pass: the loader pops one (size, fingerprint) per batch it hands out
+        # (batches come out in sampling order, however far the workers prefetch)
+        drawn: deque[tuple[int, int]] = deque()
+        self._drawn = drawn
         for _ in range(self.steps):
             indices = self.sample()
-            drawn.append(_fingerprint(indices))
+            drawn.append((int(indices.numel()), _fingerprint(indices)))
             yield indices.tolist()
 
     def __len__(self) -> int:
@@ -228,19 +228,6 @@ class EmptyBatchCollate:
         return self.collate_fn(list(batch))
 
 
-def _leading_rows(batch: Any) -> int | None:
-    """The batch dimension of the first tensor in ``batch`` (depth first), or ``None``."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else None
-    items: Any = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(items, tuple | list) or isinstance(batch, Mapping):
-        for item in items:
-            rows = _leading_rows(item)
-            if rows is not None:
-                return rows
-    return None
-
-
 class _CountingIterator:
     """The loader's iterator, counting the batches it hands out (:class:`PoissonDataLoader`)."""
 
@@ -255,10 +242,10 @@ class _CountingIterator:
         batch = next(self._inner)
         loader = self._loader
         loader._yielded += 1
-        loader._last_rows = _leading_rows(batch)
-        drawn = getattr(loader.poisson_sampler, "_fingerprints", None)
+        drawn = getattr(loader.poisson_sampler, "_drawn", None)
         in_order = getattr(loader, "in_order", True)
-        loader._last_fingerprint = drawn.popleft() if drawn and in_order else None
+        size, fingerprint = drawn.popleft() if drawn and in_order else (None, None)
+        loader._last_size, loader._last_fingerprint = size, fingerprint
         return batch
 
     def __len__(self) -> int:
@@ -276,9 +263,9 @@ class PoissonDataLoader(DataLoader[Any]):
     for ``DataLoader``'s own ``generator`` (worker seeds).
 
     Attributes: :attr:`sample_rate` ``q``, :attr:`num_samples` ``N``, :attr:`expected_batch_size`
-    ``q N``, :attr:`steps` (``len(loader)``), :attr:`batches_yielded` and :attr:`last_batch_rows`
+    ``q N``, :attr:`steps` (``len(loader)``), :attr:`batches_yielded` and :attr:`last_batch_size`
     (what the optimizer of :meth:`clipless.engine.PrivacyEngine.make_private` checks: one Poisson
-    batch per step, and no more rows in the training forward than the batch had).
+    batch per step, and no more rows in the training forward than the batch has examples).
     """
 
     def __init__(
@@ -329,7 +316,7 @@ class PoissonDataLoader(DataLoader[Any]):
         )
         self.poisson_sampler = sampler
         self._yielded = 0
-        self._last_rows: int | None = None
+        self._last_size: int | None = None
         self._last_fingerprint: int | None = None
 
     def __iter__(self) -> _CountingIterator:  # type: ignore[override]
@@ -349,10 +336,12 @@ class PoissonDataLoader(DataLoader[Any]):
         return self._last_fingerprint
 
     @property
-    def last_batch_rows(self) -> int | None:
-        """The leading dimension of the first tensor of the last batch handed out (``None``
-        before the first batch, or when a custom collate returns no tensor)."""
-        return self._last_rows
+    def last_batch_size(self) -> int | None:
+        """The number of examples the sampler drew for the last batch handed out (``None``
+        before the first batch, or when batches may come out of order: ``in_order=False``).
+        Counted from the sampled indices, not from the collated tensors, so a collate that
+        emits several rows per example does not raise it."""
+        return self._last_size
 
     @property
     def sample_rate(self) -> float:

@@ -674,6 +674,12 @@ def fit(
     on every rank.
     """
     _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult, on_epoch_end)
+    if eval_loader is not None and eval_loader is train_loader:
+        raise ValueError(
+            "eval_loader is the private training loader: evaluating on it draws Poisson batches "
+            "that no step trains on (refused by the optimizer) and scores private data; pass "
+            "held-out data, or the original (non-Poisson) loader for a training-set score"
+        )
     epochs = int(epochs)
     augmult = int(augmult)
     reduction = getattr(loss, "reduction", "sum")
@@ -928,6 +934,8 @@ def fit(
         # A crash loses no accounting: the steps taken so far were spent.
         if ckpt_dir is not None and writer:
             _write_ledger(engine, ckpt_dir / LEDGER_NAME)
+        if isinstance(optimizer, DPOptimizer):
+            optimizer.discard_batch()  # training stopped; a later fit starts on a fresh batch
         raise
     finally:
         bar.close()
