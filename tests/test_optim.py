@@ -184,3 +184,45 @@ def test_state_dict_round_trip_continues_the_same_trajectory():
         second.set_noise_variance({b: 0.3})
         second.step()
     assert torch.equal(a, b)
+
+
+def test_the_gradient_fingerprint_of_a_large_gradient() -> None:
+    """The fingerprint converts a large CPU gradient 1 MiB at a time (no whole float64 copy):
+    equal bits give equal fingerprints, any rescale or single change another one, and a
+    rescaled large gradient is refused at step() as a small one is."""
+    from clipless.optim import _FINGERPRINT_CHUNK, _fingerprint
+
+    g = torch.randn(3 * _FINGERPRINT_CHUNK + 17, generator=torch.Generator().manual_seed(0))
+    f = _fingerprint(g)
+    assert torch.equal(f, _fingerprint(g.clone()))
+    exact = float((g.double() ** 2).sum())
+    assert float(f.view(torch.float64)) == pytest.approx(exact, rel=1e-12)  # summation order
+    assert not torch.equal(f, _fingerprint(g * (1 + 2.0**-20)))
+    h = g.clone()
+    h[-1] += 1.0
+    assert not torch.equal(f, _fingerprint(h))
+    nan = g.clone()
+    nan[5] = float("nan")
+    assert torch.equal(_fingerprint(nan), _fingerprint(nan.clone()))  # NaN-safe: bits compared
+
+    import clipless
+    import clipless.nn as cnn
+
+    torch.manual_seed(0)
+    model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(600, 600), cnn.GroupSort(2),
+                           cnn.Linear(600, 3))  # fmt: skip
+    data = torch.utils.data.TensorDataset(torch.randn(64, 600), torch.randint(0, 3, (64,)))
+    m, o, dl = clipless.PrivacyEngine(seed=0).make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(data, batch_size=16),
+        loss=cnn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+    )
+    x, y = next(iter(dl))
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    assert m[1].weight.grad.numel() > _FINGERPRINT_CHUNK
+    m[1].weight.grad.data.mul_(20.0)
+    with pytest.raises(clipless.optim.PrivacyContractError, match="without autograd seeing it"):
+        o.step()

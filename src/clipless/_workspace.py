@@ -12,7 +12,8 @@ unchanged: a scratch tensor is only ever fully overwritten before it is read.
 Rules for callers: a slot's tensor is valid until the next :func:`scratch` call with the same slot
 in the same thread, so it must never escape the function that asked for it (copy it out), and two
 live tensors need two slots. Functions that never run inside one another share slots, which bounds
-what is kept: ``"float64.rows"`` (about 1 MiB of float64 rows of the weight), ``"float64.work"``
+what is kept: ``"float64.rows"`` (about 1 MiB of float64 rows of the weight; also the chunks of
+the optimizer's gradient fingerprint), ``"float64.work"``
 (the Gram matrix, factorised in place, then the projection's float64 candidate) and
 ``"weight.draft"`` in the weight's dtype (the noise, then the rescaled candidate). For the
 benchmark's 1024-wide MLP that is 13 MiB kept between steps (28 MiB before the certificate converted

@@ -405,7 +405,13 @@ def _certified_bound(
             state.slack = slack
             state.carried_waste *= waste
             return carried
-    ub = float(layer.lipschitz())  # certified (clipless.norms, float64, NUMERIC_MARGIN)
+    # certified (clipless.norms, float64, NUMERIC_MARGIN), without memoising a copy of a weight
+    # that may be rescaled at once: _project_layer seeds the bound of the weight it keeps
+    layer.__dict__["_unmemoised"] = True
+    try:
+        ub = float(layer.lipschitz())
+    finally:
+        layer.__dict__.pop("_unmemoised", None)
     state.calls_since_exact = 0
     state.exact_certifications += 1
     state.slack = 0.0

@@ -1171,6 +1171,25 @@ class AdamBC(torch.optim.Optimizer):
         return loss
 
 
+_FINGERPRINT_CHUNK = 2**17  # float64 entries (1 MiB) converted at a time
+
+
 def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
-    """The bits of ``grad``'s float64 norm, on its device (NaN-safe exact comparison)."""
-    return torch.linalg.vector_norm(grad.detach(), dtype=torch.float64).view(torch.int64)
+    """The bits of ``grad``'s float64 sum of squares, on its device (NaN-safe exact comparison).
+
+    A large contiguous CPU gradient is converted to float64 1 MiB at a time, into a reused
+    buffer (``clipless._workspace``): ``vector_norm(..., dtype=float64)`` made a float64 copy of
+    the whole gradient, 4 MiB more at the step's memory peak (``benchmarks/RESULTS.md`` 26f).
+    """
+    g = grad.detach()
+    n = g.numel()
+    if g.device.type != "cpu" or not g.is_contiguous() or n <= _FINGERPRINT_CHUNK:
+        return torch.linalg.vector_norm(g, dtype=torch.float64).square().view(torch.int64)
+    flat = g.view(-1)
+    buffer = _workspace.scratch("float64.rows", (_FINGERPRINT_CHUNK,), torch.float64)
+    total = torch.zeros((), dtype=torch.float64)
+    for start in range(0, n, _FINGERPRINT_CHUNK):
+        part = buffer[: min(_FINGERPRINT_CHUNK, n - start)]
+        part.copy_(flat[start : start + _FINGERPRINT_CHUNK])
+        total += torch.dot(part, part)
+    return total.view(torch.int64)

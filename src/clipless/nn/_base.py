@@ -165,6 +165,8 @@ class ParametricLipschitzModule(LipschitzModule):
             if key_ref == key and same_bits(w_ref, weight):
                 return float(value)
         value = float(compute())
+        if self.__dict__.get("_unmemoised"):
+            return value  # the caller records the bound of the weight it keeps (seed_bound)
         self.__dict__.pop("_bound_cache", None)  # freed before the copy: no second copy at once
         self.__dict__["_bound_cache"] = (weight.clone(), key, value)
         return value
