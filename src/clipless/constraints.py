@@ -407,11 +407,8 @@ def _certified_bound(
             return carried
     # certified (clipless.norms, float64, NUMERIC_MARGIN), without memoising a copy of a weight
     # that may be rescaled at once: _project_layer seeds the bound of the weight it keeps
-    layer.__dict__["_unmemoised"] = True
-    try:
+    with layer.unmemoised():
         ub = float(layer.lipschitz())
-    finally:
-        layer.__dict__.pop("_unmemoised", None)
     state.calls_since_exact = 0
     state.exact_certifications += 1
     state.slack = 0.0

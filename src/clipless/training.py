@@ -711,24 +711,19 @@ def fit(
     # Under clipless.distributed rank 0's run folder is the only truth: it reads the checkpoint
     # (and the largest ledger) and every rank loads what it read, so a rank on another machine
     # needs no copy of the folder, and a stale copy there cannot make the replicas disagree.
-    loaded = read_resume() if dp is None else dp.from_rank0(read_resume)
+    state = read_resume() if dp is None else dp.from_rank0(read_resume)
     saved_ema = None
-    if loaded is not None:
-        state, _lost = loaded
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        engine.load_state_dict(state["engine"])
-        saved_ema = state.get("ema")
         _set_rng_state(state["rng"])
         _set_generator_states(train_loader, state.get("loader_generators", {}))
-        if getattr(engine, "seed", None) is None:
-            from clipless.engine import fresh_randomness
-
-            # Unseeded, the saved generator states are never drawn from again: two runs resumed
-            # from one checkpoint (two variants, a copied folder) would draw the same noise on
-            # gradients that differ, and their difference would cancel it; steps lost after the
-            # checkpoint would be drawn again. Seeded runs resume bit for bit (experiments).
-            fresh_randomness(optimizer, train_loader)
+        # After the loader's generators: an unseeded engine reseeds the noise and the sampler
+        # here, so the saved states are never drawn from again (two runs resumed from one
+        # checkpoint would draw the same noise on different gradients, and lost steps' noise
+        # would be drawn again); a seeded one restores them (bit-identical resume).
+        engine.load_state_dict(state["engine"])
+        saved_ema = state.get("ema")
         if isinstance(optimizer, DPOptimizer):
             optimizer.discard_batch()  # e.g. drawn before an interruption: never trained on
         history = [dict(r) for r in state.get("history", [])]
@@ -748,7 +743,7 @@ def fit(
     ema = WeightEMA(model, float(ema_decay)) if ema_decay is not None else None
     if ema is not None and saved_ema is not None:
         ema.load_state_dict(saved_ema)
-    elif loaded is not None and (ema is None) != (saved_ema is None):
+    elif state is not None and (ema is None) != (saved_ema is None):
         warnings.warn(
             "the checkpoint was written "
             + ("without" if saved_ema is None else "with")
@@ -963,19 +958,17 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 def _read_resume(
     resume: bool | PathLike, ckpt_dir: Path | None, own_ledger: object
-) -> tuple[dict[str, Any], bool] | None:
-    """The checkpoint to resume from, its ledger replaced by the largest one on disk, and whether
-    steps were taken after it (``None``: a new run, after refusing one over a spent ledger)."""
+) -> dict[str, Any] | None:
+    """The checkpoint to resume from, its ledger replaced by the largest one on disk (``None``:
+    a new run, after refusing one over a spent ledger)."""
     resume_from = _resume_path(resume, ckpt_dir)
     if resume_from is None:
         if ckpt_dir is not None:
             _refuse_orphan_ledger(ckpt_dir / LEDGER_NAME, resume)
         return None
-    from clipless.accounting import PrivacyLedger
 
     state = load_checkpoint(resume_from)
     engine_state = dict(state["engine"])
-    checkpointed = PrivacyLedger.from_dict(engine_state["ledger"]).steps
     # Every ledger file this run may have written since the checkpoint: next to the checkpoint,
     # in checkpoint_dir (a checkpoint copied from elsewhere), and the optimizer's own
     # ledger_path. The largest wins: spent steps are never forgotten.
@@ -988,8 +981,7 @@ def _read_resume(
         candidates.append(Path(state["ledger_path"]))
     for ledger_file in dict.fromkeys(p.resolve() for p in candidates):
         engine_state = _prefer_larger_ledger(engine_state, ledger_file)
-    lost = PrivacyLedger.from_dict(engine_state["ledger"]).steps > checkpointed
-    return {**state, "engine": engine_state}, lost
+    return {**state, "engine": engine_state}
 
 
 def _refuse_orphan_ledger(ledger_file: Path, resume: bool | PathLike) -> None:

@@ -180,55 +180,43 @@ def _send_one(
     A connection that drops before the ``ACK`` (e.g. pushed out of a flooded server's inbox)
     is opened again and the same message resent until ``deadline``; the server acknowledges a
     byte-identical replay again and changes nothing."""
-    wait = 0.05
-    while True:
-        try:
-            _send_once(session, keys, me, j, mtype, payload, counter, deadline, fault)
-            return
-        except PartyDroppedError:
-            if fault or time.monotonic() + wait >= deadline:
-                raise
-            time.sleep(wait)
-            wait = min(2 * wait, 0.5)
-
-
-def _send_once(
-    session: dict[str, Any],
-    keys: dict[str, bytes],
-    me: Party,
-    j: int,
-    mtype: int,
-    payload: bytes,
-    counter: Counter,
-    deadline: float,
-    fault: str = "",
-) -> None:
     from clipless.federated.transport import encode_frame
 
     peer: Party = ("server", j)
     sid = bytes.fromhex(session["session"])
     host, port = _server_addr(session, j)
     after: Callable[[], None] | None = None
-    with connect(host, port, peer, deadline) as sock:
-        if fault == "tamper":  # test hook: flip one payload bit after signing
-            bad = bytearray(encode_frame(keys[party_name(peer)], sid, me, peer, mtype, payload))
-            bad[30] ^= 1
-            sock.sendall(bytes(bad))
-            counter.add(me, peer, len(bad))
-        elif fault == "short":  # test hook: a well-signed message of the wrong size
-            send_frame(sock, keys[party_name(peer)], sid, me, peer, mtype, payload[:-8], counter)
-        elif fault == "stranger":  # test hook: unauthenticated connections around the message
-            after = _stranger(sock, host, port, keys[party_name(peer)], sid, me, peer, mtype,
-                              payload, counter)  # fmt: skip
-        elif fault == "die":  # test hook: crash half way through the message
-            data = encode_frame(keys[party_name(peer)], sid, me, peer, mtype, payload)
-            sock.sendall(data[: len(data) // 2])
-            os._exit(17)
-        else:
-            send_frame(sock, keys[party_name(peer)], sid, me, peer, mtype, payload, counter)
-        reply = recv_frame(sock, keys, sid, me, deadline, party_name(peer))
-        if reply.mtype != ACK:
-            raise ProtocolError(f"{party_name(peer)} did not acknowledge", party_name(peer))
+    wait = 0.05
+    while True:
+        try:
+            with connect(host, port, peer, deadline) as sock:
+                if fault == "tamper":  # test hook: flip one payload bit after signing
+                    key = keys[party_name(peer)]
+                    bad = bytearray(encode_frame(key, sid, me, peer, mtype, payload))
+                    bad[30] ^= 1
+                    sock.sendall(bytes(bad))
+                    counter.add(me, peer, len(bad))
+                elif fault == "short":  # test hook: a well-signed message of the wrong size
+                    send_frame(sock, keys[party_name(peer)], sid, me, peer, mtype, payload[:-8],
+                               counter)  # fmt: skip
+                elif fault == "stranger":  # test hook: unauthenticated connections around it
+                    after = _stranger(sock, host, port, keys[party_name(peer)], sid, me, peer,
+                                      mtype, payload, counter)  # fmt: skip
+                elif fault == "die":  # test hook: crash half way through the message
+                    data = encode_frame(keys[party_name(peer)], sid, me, peer, mtype, payload)
+                    sock.sendall(data[: len(data) // 2])
+                    os._exit(17)
+                else:
+                    send_frame(sock, keys[party_name(peer)], sid, me, peer, mtype, payload, counter)
+                reply = recv_frame(sock, keys, sid, me, deadline, party_name(peer))
+                if reply.mtype != ACK:
+                    raise ProtocolError(f"{party_name(peer)} did not acknowledge", party_name(peer))
+            break
+        except PartyDroppedError:
+            if fault or time.monotonic() + wait >= deadline:
+                raise
+            time.sleep(wait)
+            wait = min(2 * wait, 0.5)
     if after is not None:
         after()
 

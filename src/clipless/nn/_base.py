@@ -17,8 +17,9 @@ every input; estimates (power iteration) never qualify.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 
 import torch
 
@@ -109,6 +110,17 @@ class ParametricLipschitzModule(LipschitzModule):
         param = getattr(self, "weight")  # noqa: B009
         self.__dict__.pop("_bound_cache", None)  # freed before the copy: no second copy at once
         self.__dict__["_bound_cache"] = (param.detach().clone(), self._bound_key(), float(value))
+
+    @contextlib.contextmanager
+    def unmemoised(self) -> Iterator[None]:
+        """Inside, :meth:`lipschitz` certifies a weight not in the cache without keeping a copy
+        of it (for a caller that will :meth:`seed_bound` the weight it keeps: the projections
+        of :mod:`clipless.constraints`, which may rescale the weight at once)."""
+        self.__dict__["_unmemoised"] = True
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_unmemoised", None)
 
     def bound_state(self) -> dict[str, object] | None:
         """The memoised certified bound of the current weight, for checkpoints (or None).
