@@ -142,6 +142,14 @@ OPACUS_DEFAULTS: dict[str, Any] = {
 }
 
 
+def _full_float32(device: torch.device) -> None:
+    """No TF32 on CUDA, for both libraries: clipless refuses it (its rounding exceeds the noise's
+    float32 margin: ``clipless.optim.reduced_float32_precision``), so Opacus runs the same way."""
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def load(
     dataset: str = "adult", features: str = "none", preprocessing: str | None = None
 ) -> tuple[TensorDataset, TensorDataset]:
@@ -297,6 +305,7 @@ def run_clipless(
     n = len(train)
     cfg = {**cfg, "_seed": seed}
     device = torch.device(cfg["device"])
+    _full_float32(device)
     model = clipless_model(cfg, train).to(device)
     epsilon, delta = privacy(cfg, n)
     loss = clipless_loss(cfg)
@@ -470,6 +479,7 @@ def run_opacus(
     torch.manual_seed(seed)
     n = len(train)
     device = torch.device(cfg["device"])
+    _full_float32(device)
     model = plain_mlp(tuple(cfg["hidden"]), train).to(device)
     mu, whiten = released_input({**cfg, "_seed": seed}, train.tensors[0])
     if whiten is not None:  # clipless's InputNorm map, at each sample's own scale

@@ -132,7 +132,35 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
         OPACUS_WHITENED,
         {"lr": [1.0, 2.0, 4.0], "max_grad_norm": [0.1, 0.2, 0.4]},
     ),
+    # mnist-10k (8,000 training images; --dataset mnist-10k), whitened features, batch 512, 30
+    # epochs (RESULTS.md sections 14b and 20d): 9 trials each, centred on clipless's measured
+    # step (lr 0.01 at radius 1, section 20e) and, for Opacus, on the Fashion-MNIST whitened
+    # optimum's ridge lr x clip ~ 0.4-0.8 with the lr scaled to the 4x smaller batch (SGD's
+    # update is lr times the batch mean); RESULTS.md section 27
+    "clipless-mnist": (
+        "clipless",
+        {**images.METHODS["clipless-whitened"][1], "batch": 512, "epochs": 30},
+        {"lr": [0.005, 0.01, 0.02], "clip": [0.05, 0.1, 0.2]},
+    ),
+    "opacus-mnist": (
+        "opacus",
+        {**OPACUS_WHITENED, "batch": 512, "epochs": 30},
+        {"lr": [2.0, 4.0, 8.0], "max_grad_norm": [0.025, 0.05, 0.1]},
+    ),
+    # a second stage one step beyond the corners: both first-stage optima sat on the smallest
+    # step at epsilon 1 (and Opacus's on the smallest clip); 9 more trials each
+    "clipless-mnist-low": (
+        "clipless",
+        {**images.METHODS["clipless-whitened"][1], "batch": 512, "epochs": 30},
+        {"lr": [0.00125, 0.0025, 0.005], "clip": [0.05, 0.1, 0.2]},
+    ),
+    "opacus-mnist-low": (
+        "opacus",
+        {**OPACUS_WHITENED, "batch": 512, "epochs": 30},
+        {"lr": [0.5, 1.0, 2.0], "max_grad_norm": [0.0125, 0.025, 0.05]},
+    ),
 }
+DATASETS = ("fashion-mnist", "mnist-10k")
 
 _DATA: tuple[Any, Any] | None = None
 
@@ -147,17 +175,22 @@ def _settings(method: str) -> list[dict[str, Any]]:
 
 
 def _trial(
-    method: str, setting: dict[str, Any], epsilon: float, seed: int, extra: dict[str, Any]
+    method: str,
+    setting: dict[str, Any],
+    epsilon: float,
+    seed: int,
+    extra: dict[str, Any],
+    dataset: str,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     assert _DATA is not None
     runner = GRIDS[method][0]
-    overrides = {**setting, **extra, "dataset": "fashion-mnist", "epsilon": epsilon}
+    overrides = {**setting, **extra, "dataset": dataset, "epsilon": epsilon}
     if runner == "clipless":
         overrides["ratios"] = False  # no per-sample diagnostic in a tuning run
     result = adult.run_setting(runner, overrides, [seed], _DATA)
     grid = GRIDS[method][2]
-    return {
+    row = {
         "method": method,
         "epsilon": epsilon,
         "seed": seed,
@@ -167,12 +200,16 @@ def _trial(
         "epsilon_spent": result["epsilon"],
         "time_s": result["time_s"],
     }
+    if dataset != "fashion-mnist":  # rows written before --dataset existed are Fashion-MNIST's
+        row["dataset"] = dataset
+    return row
 
 
 def _key(row: dict[str, Any]) -> str:
-    return json.dumps(
-        [row["method"], row["epsilon"], row["seed"], row["trial"], row["set"]], sort_keys=True
-    )
+    parts = [row["method"], row["epsilon"], row["seed"], row["trial"], row["set"]]
+    if row.get("dataset", "fashion-mnist") != "fashion-mnist":
+        parts.append(row["dataset"])
+    return json.dumps(parts, sort_keys=True)
 
 
 def tune(
@@ -182,10 +219,11 @@ def tune(
     jobs: int,
     extra: dict[str, Any],
     out: Path,
+    dataset: str = "fashion-mnist",
 ) -> None:
     """Stage 1 then stage 2 for every (method, epsilon), ``jobs`` runs at a time."""
     global _DATA
-    _DATA = adult.load("fashion-mnist", "scatter")  # before the fork: the workers share it
+    _DATA = adult.load(dataset, "scatter")  # before the fork: the workers share it
     done = {}
     if out.is_file():
         for line in out.read_text().splitlines():
@@ -213,10 +251,11 @@ def tune(
         def submit(method: str, setting: dict[str, Any], eps: float, seed: int, stage: int):
             trial = {k: setting[k] for k in sorted(GRIDS[method][2])}
             probe = {"method": method, "epsilon": eps, "seed": seed, "trial": trial, "set": extra}
+            probe["dataset"] = dataset
             if _key(probe) in done:
                 record(done[_key(probe)], (method, eps), stage)
                 return
-            future = pool.submit(_trial, method, setting, eps, seed, extra)
+            future = pool.submit(_trial, method, setting, eps, seed, extra, dataset)
             pending[future] = (method, eps, stage)
 
         for method, eps in groups:
@@ -335,6 +374,7 @@ def main() -> None:
     parser.add_argument("--epsilons", nargs="*", type=float, default=[1.0, 2.0, 3.0, 8.0])
     parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--dataset", default="fashion-mnist", choices=DATASETS)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="every run")
     parser.add_argument("--out", type=Path, default=adult.OUT_DIR / "tune.jsonl")
     parser.add_argument("--summary", action="store_true", help="only summarise --out")
@@ -348,7 +388,7 @@ def main() -> None:
     for item in args.set:
         key, _, value = item.partition("=")
         extra[key] = adult.parse_value(value)
-    tune(args.methods, args.epsilons, args.seeds, args.jobs, extra, args.out)
+    tune(args.methods, args.epsilons, args.seeds, args.jobs, extra, args.out, args.dataset)
 
 
 if __name__ == "__main__":

@@ -353,6 +353,42 @@ def test_lower_precision_after_make_private_is_refused(how: str) -> None:
     assert o.ledger.steps == 1
 
 
+@pytest.mark.parametrize("how", ["matmul-precision", "mkldnn-bf16"])
+def test_reduced_float32_precision_is_refused(how: str) -> None:
+    """Audit finding: TF32 (CUDA's default for float32 convolutions) and bfloat16 products
+    round float32 operands to a 10- or 7-bit mantissa, beyond the float32 rounding margin of the
+    noise; only dtype and autocast were checked. Every training forward of a float32 model now
+    reads the backends' precision settings (the CUDA flags are read for CUDA parameters only:
+    ``reduced_float32_precision({"cuda"})`` names ``cudnn.allow_tf32``, True by default)."""
+    from clipless.optim import reduced_float32_precision
+
+    assert reduced_float32_precision({"cpu"}) is None
+    _, m, o, dl = _private()
+    x, y = next(iter(dl))
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+    if how == "mkldnn-bf16" and mkldnn is None:
+        pytest.skip("torch < 2.9 has no torch.backends.mkldnn.matmul.fp32_precision")
+    try:
+        if how == "matmul-precision":
+            torch.set_float32_matmul_precision("medium")
+        else:
+            mkldnn.fp32_precision = "bf16"
+        assert reduced_float32_precision({"cpu"}) is not None
+        with pytest.raises(PrivacyContractError, match=r"TF32 or bfloat16"):
+            loss(m(x), y).backward()
+    finally:
+        if how == "matmul-precision":
+            torch.set_float32_matmul_precision("highest")
+        else:
+            mkldnn.fp32_precision = "none"
+    assert reduced_float32_precision({"cpu"}) is None
+    assert o.ledger.steps == 0
+    loss(m(x), y).backward()
+    o.step()
+    assert o.ledger.steps == 1
+
+
 def test_opacus_names() -> None:
     with pytest.raises(TypeError, match="max_grad_norm: there is no per-sample gradient clipping"):
         _private(max_grad_norm=1.0)

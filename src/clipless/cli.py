@@ -1074,6 +1074,14 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.constraint is None:
         args.constraint = "none" if args.model == "linear" else "orthogonal"
     device = distributed.init_from_env(_resolve_device(args.device))
+    if device.type == "cuda":
+        import torch
+
+        # float32 in full precision: CUDA's default TF32 convolutions round beyond the noise's
+        # float32 margin, and the private optimizer refuses them
+        # (clipless.optim.reduced_float32_precision)
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
 
     # 2. the data and what depends on it
     if args.dataset != "adult" and args.preprocessing is not None:

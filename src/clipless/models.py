@@ -2,8 +2,9 @@
 :func:`gnp_convnet` (what ``clipless train --model`` builds, through :func:`build`).
 
 Every layer comes from :mod:`clipless.nn`, so every layer has a certified Lipschitz bound and the
-model passes :func:`clipless.nn.validate`. Both start with :class:`clipless.nn.InputNorm`, which
-makes ``input_norm`` a certified bound on the inputs' norm whatever the data. The plain-torch
+model passes :func:`clipless.nn.validate`. Every model starts with
+:class:`clipless.nn.InputNorm`, which makes ``input_norm`` a certified bound on the inputs' norm
+whatever the data. The plain-torch
 twin of a model (same function, ordinary ``torch.nn`` layers, for inference or for a non-private
 baseline) is :func:`clipless.nn.vanilla_export` ``(model)``.
 
@@ -16,6 +17,7 @@ torch.Size([3, 10])
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +42,10 @@ DOWNSAMPLES = ("l2", "avg", "conv")
 
 
 def _widths(name: str, widths: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
+        raise ValueError(f"{name} must be a sequence of even widths >= 2; got {widths!r}")
+    if any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in widths):
+        raise ValueError(f"{name} must be even int widths >= 2 (GroupSort pairs); got {widths!r}")
     out = tuple(int(w) for w in widths)
     if not out or any(w < 2 or w % 2 for w in out):
         raise ValueError(f"{name} must be even widths >= 2 (GroupSort pairs); got {widths!r}")
@@ -353,6 +359,11 @@ def build(
     engine accounts for; ``whiten`` / ``whiten_noise``: the channel mixing it applies next
     (:func:`clipless.features.whitening` of a :func:`clipless.features.release_channel_moment`
     release), accounted the same way."""
+    shape = tuple(input_shape)
+    if not shape or any(
+        isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in shape
+    ):
+        raise ValueError(f"input_shape must be one or more ints >= 1; got {shape!r}")
     model: nn.Sequential
     if kind == "linear":
         if tuple(hidden):

@@ -223,6 +223,61 @@ def _safe_radius(bound: float, dtype: torch.dtype) -> float:
     return float(bound) * (1.0 - 8.0 * eps)
 
 
+def reduced_float32_precision(devices: set[str]) -> str | None:
+    """The torch setting (a description) under which float32 convolutions or matrix products on
+    one of the device types ``devices`` round below float32, or ``None``.
+
+    CUDA runs float32 convolutions in TF32 by default (``torch.backends.cudnn.allow_tf32`` is
+    True): a 10-bit mantissa, like half precision, whose rounding exceeds the float32 margin of
+    the noise plan (:data:`clipless.mechanism.ROUNDING_MARGIN`; an audit emulating TF32 measured
+    one record's contribution at 1.00025 times its planned sensitivity). ``torch.
+    set_float32_matmul_precision("high"/"medium")`` allows TF32 or bfloat16 products on CUDA and
+    on CPUs with bfloat16 units. Both the legacy ``allow_tf32`` flags and the ``fp32_precision``
+    settings of torch >= 2.9 are read.
+    """
+    backends = torch.backends
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # torch >= 2.9 after a mix of the legacy and new APIs: read per backend
+        precision = "highest"
+    if precision != "highest":
+        return f"torch.get_float32_matmul_precision() is {precision!r}"
+    checks: list[tuple[str, Any, str]] = []
+    if "cuda" in devices:
+        checks += [
+            ("torch.backends.cudnn.allow_tf32", backends.cudnn, "allow_tf32"),
+            ("torch.backends.cuda.matmul.allow_tf32", backends.cuda.matmul, "allow_tf32"),
+            (
+                "torch.backends.cudnn.conv.fp32_precision",
+                getattr(backends.cudnn, "conv", None),
+                "fp32_precision",
+            ),
+            ("torch.backends.cuda.matmul.fp32_precision", backends.cuda.matmul, "fp32_precision"),
+        ]
+    if "cpu" in devices:
+        mkldnn = backends.mkldnn
+        checks += [
+            (
+                "torch.backends.mkldnn.conv.fp32_precision",
+                getattr(mkldnn, "conv", None),
+                "fp32_precision",
+            ),
+            (
+                "torch.backends.mkldnn.matmul.fp32_precision",
+                getattr(mkldnn, "matmul", None),
+                "fp32_precision",
+            ),
+        ]
+    for name, owner, attribute in checks:
+        try:
+            value = getattr(owner, attribute) if owner is not None else None
+        except (AttributeError, RuntimeError):
+            continue
+        if value is True or (isinstance(value, str) and value not in ("none", "ieee")):
+            return f"{name} is {value!r}"
+    return None
+
+
 class _Hook:
     """A model hook calling ``owner.<method>``; copies of the model (EMA, export) drop it.
 
@@ -482,6 +537,17 @@ class DPOptimizer(torch.optim.Optimizer):
                 "would be computed in a lower precision than the noise's rounding margin "
                 "covers; train without autocast (float32 or float64)"
             )
+        if self._dtype == "float32":
+            setting = reduced_float32_precision(devices)
+            if setting is not None:
+                raise PrivacyContractError(
+                    f"{setting}: float32 convolutions or matrix products then round their "
+                    "operands to TF32 or bfloat16 (a 10- or 7-bit mantissa), beyond the rounding "
+                    "margin the noise covers (float32's); set torch.backends.cudnn.allow_tf32 = "
+                    "False, torch.backends.cuda.matmul.allow_tf32 = False and "
+                    "torch.set_float32_matmul_precision('highest') before training (clipless "
+                    "train does this on CUDA), or train in float64"
+                )
 
     # ------------------------------------------------------------------ plans
     def bound_report(self) -> BoundReport:

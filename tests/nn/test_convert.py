@@ -372,3 +372,124 @@ def test_already_clipless_modules_are_kept() -> None:
     assert isinstance(converted[3], cnn.GroupSort)
     assert len(report.entries) == 3  # InputNorm inserted, ReLU and the torch Linear
     _check_certifiable(converted, (4,))
+
+
+# --------------------------------------------------------------------------- audit findings
+# Each model below was accepted with ``report.exact`` although the converted model computed a
+# different function (in-place operations, training-mode branches, F.dropout's default, view(-1,
+# n), hooks), or crashed convert (sizes read from tensors). Not a privacy defect (the bounds are
+# those of the converted model), but "exact" was false.
+class _Chain(nn.Module):
+    def __init__(self, body: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.body == "dead-mul_":
+            h.mul_(3)
+            return self.b(h)
+        if self.body == "inplace-relu-reread":
+            return self.b(h + F.relu(h, inplace=True))
+        if self.body == "relu_-reread":
+            y = h.relu_()
+            return self.b(h + y)
+        if self.body == "view-alias":
+            v = h.view(h.size(0), -1)
+            v.relu_()
+            return self.b(h)
+        if self.body == "iadd-skip":
+            h += F.relu(self.a(h))
+            return self.b(h)
+        if self.body == "inplace-relu-last":
+            return self.b(F.relu(h, inplace=True))
+        if self.body == "training-branch":
+            if self.training:
+                h = h * 0.5
+            return self.b(h)
+        if self.body == "dropout-default":
+            return self.b(F.dropout(h, 0.5))
+        if self.body == "dropout-training":
+            return self.b(F.dropout(h, 0.5, self.training))
+        if self.body == "batch-size-of-input":
+            return self.b(torch.relu(h).view(x.size(0), -1))
+        if self.body == "view-minus-one":
+            return self.b(h.view(-1, 4))
+        raise AssertionError(self.body)
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ("dead-mul_", "in-place operation whose result"),
+        ("inplace-relu-reread", "reads afterwards"),
+        ("relu_-reread", "reads afterwards"),
+        ("view-alias", "in-place operation whose result"),
+        ("dropout-default", "training=True"),
+        ("view-minus-one", "no certified clipless equivalent"),
+    ],
+)
+def test_functions_the_chain_would_change_are_refused(body: str, words: str) -> None:
+    _, report = cnn.convert(_Chain(body), input_norm=1.0, strict=False)
+    (entry,) = report.unconvertible
+    assert words in entry.reason, entry.reason
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "iadd-skip",
+        "inplace-relu-last",
+        "training-branch",
+        "dropout-training",
+        "batch-size-of-input",
+    ],
+)
+def test_converted_in_train_mode_computes_the_eval_function(body: str) -> None:
+    model = _Chain(body)
+    assert model.training
+    converted, report = cnn.convert(model, input_norm=1.0)
+    assert model.training and all(m.training for m in model.modules())  # modes restored
+    assert report.ok
+    x = _inside_ball((6, 4), 1.0)
+    model.eval()
+    converted.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), model(x.clone()), rtol=0, atol=1e-6)
+    _check_certifiable(converted, (4,))
+
+
+def test_hooked_modules_are_unconvertible() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[2].register_forward_hook(lambda module, args, out: out * 10)
+    _, report = cnn.convert(model, input_norm=1.0, strict=False)
+    (entry,) = report.unconvertible
+    assert entry.path == "2" and "forward hook" in entry.reason
+
+
+class _SizedPool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool2d(self.conv(x), x.size(3)).flatten(1)
+
+
+def test_sizes_read_from_tensors_are_reported_not_crashed() -> None:
+    _, report = cnn.convert(_SizedPool(), input_norm=1.0, strict=False)
+    (entry,) = report.unconvertible
+    assert entry.node == "avg_pool2d"
+    assert "computed from a tensor" in entry.reason
+
+
+def test_argument_types() -> None:
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(4, 2))
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        cnn.convert(model, input_norm=1.0, strict=None)  # type: ignore[arg-type]
+    converted, _ = cnn.convert(model, input_norm=np.float32(2.0))
+    assert converted[0].max_norm == 2.0

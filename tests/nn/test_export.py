@@ -100,3 +100,24 @@ def test_export_rejects_unexportable() -> None:
         vanilla_export(cnn.Sequential(Custom()))
     with pytest.raises(TypeError, match="model"):
         vanilla_export(42)  # type: ignore[arg-type]
+
+
+def test_a_child_registered_twice_is_exported_everywhere() -> None:
+    """Audit finding: ``named_children()`` lists a module registered under two names once, so a
+    wrapper's second name kept a clipless layer in the "plain" export."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = cnn.Linear(3, 3)
+            self.b = self.a
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    model = Wrapper()
+    exported = cnn.vanilla_export(model)
+    assert not any(isinstance(m, cnn.LipschitzModule) for m in exported.modules())
+    assert exported.a is exported.b  # still one shared layer
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(exported(x), model(x), rtol=0, atol=0)

@@ -7,6 +7,7 @@ message names the argument and the accepted range, as docs/design.md "Bad input"
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,7 +56,8 @@ def int_pair(name: str, value: Any, minimum: int) -> tuple[int, int]:
 
 
 def _as_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real: Python and NumPy ints and floats (np.float32 included), not bools
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     return float(value)
 

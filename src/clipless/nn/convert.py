@@ -18,13 +18,20 @@ input bound ``X_0`` of :mod:`clipless.bounds`). Every decision is recorded in a
 * **unconvertible**: everything else (other activations, normalisation-free attention, ``Conv1d``,
   ``Embedding``, ...).
 
-A custom module (its own ``forward``) is traced with :func:`torch.fx.symbolic_trace`. When the
-graph is a chain of module calls and of the functions ``relu``/``tanh``/``sigmoid``/``flatten``/
-``view(x.size(0), -1)``/``max_pool2d``/``avg_pool2d``/``dropout``, with skip connections
-``x + f(x)`` or ``(x + f(x)) / 2``, it is rebuilt as a :class:`~clipless.nn.Sequential` with
-:class:`~clipless.nn.Residual` blocks (``mode="add"`` / ``"average"``). Anything else
-(concatenation, products of activations, data-dependent control flow, direct use of parameters,
-several inputs or outputs) is reported as unconvertible with the fx node and the reason.
+A custom module (its own ``forward``) is traced with :func:`torch.fx.symbolic_trace`, in eval
+mode (a branch on ``self.training`` takes its eval-mode side). When the graph is a chain of
+module calls and of the functions ``relu``/``tanh``/``sigmoid``/``flatten``/
+``view(x.size(0), -1)``/``max_pool2d``/``avg_pool2d``/``dropout(..., training=self.training)``
+(with constant sizes), with skip connections ``x + f(x)`` or ``(x + f(x)) / 2``, it is rebuilt
+as a :class:`~clipless.nn.Sequential` with :class:`~clipless.nn.Residual` blocks
+(``mode="add"`` / ``"average"``). Anything else is reported as unconvertible with the fx node
+and the reason: concatenation, products of activations, data-dependent control flow, direct use
+of parameters, several inputs or outputs, ``view(-1, n)`` (a flatten only when ``n`` is the
+sample size, which tracing does not know), ``F.dropout`` with its default ``training=True``
+(it drops in eval mode too), and an in-place operation whose overwritten tensor is read again
+or whose result is unused (``h.mul_(3)``, ``h + F.relu(h, inplace=True)``; ``h += f(h)`` is a
+skip connection). A module carrying forward or backward hooks is unconvertible (the hooks
+change its function and would not be carried over).
 
 Function preservation: when the report has no substitutions (:attr:`ConversionReport.exact`),
 the converted model computes the original model's function in eval mode for every input inside
@@ -55,6 +62,7 @@ from clipless.nn.input import InputNorm
 from clipless.nn.linear import Linear
 from clipless.nn.norm import GroupNorm
 from clipless.nn.pooling import AvgPool2d, L2NormPool2d
+from clipless.nn.validate import foreign_hooks
 
 __all__ = ["ConversionEntry", "ConversionReport", "convert"]
 
@@ -208,6 +216,17 @@ class _Converter:
 
     def _module(self, module: torch.nn.Module, path: str) -> torch.nn.Module | None:
         name = _type_name(module)
+        hooks = foreign_hooks(module)
+        if hooks:
+            self.record(
+                path,
+                name,
+                None,
+                f"has {' and '.join(hooks)} (they change its function, and the converted layer "
+                "would not carry them); remove them before converting",
+                "unconvertible",
+            )
+            return _deepcopy(module)
         if isinstance(module, LipschitzModule):
             return _deepcopy(module)
         if type(module) is torch.nn.Sequential:
@@ -399,6 +418,10 @@ class _Converter:
     # ------------------------------------------------------------------ tracing
     def traced(self, module: torch.nn.Module, path: str) -> torch.nn.Module:
         name = _type_name(module)
+        # traced in eval mode: the converted model computes the eval-mode function (a branch on
+        # self.training, or F.dropout(..., training=self.training), is read in that mode)
+        modes = [(m, m.training) for m in module.modules()]
+        module.eval()
         try:
             graph_module = torch.fx.GraphModule(module, _Tracer().trace(module))
         except Exception as exc:
@@ -412,6 +435,9 @@ class _Converter:
                 "unconvertible",
             )
             return _deepcopy(module)
+        finally:
+            for m, training in modes:
+                m.training = training
         try:
             structure = _Structure(graph_module.graph).build()
         except _UnconvertibleError as exc:
@@ -444,12 +470,16 @@ class _Converter:
             substitute = _function_module(node)
             assert substitute is not None  # _Structure accepted it
             before = len(self.entries)
-            converted = self.leaf(substitute, path, _describe(node))
+            try:
+                converted = self.leaf(substitute, path, _describe(node))
+            except (TypeError, ValueError) as exc:
+                self.record(path, _describe(node), None, str(exc), "unconvertible", node.name)
+                converted = None
             for i in range(before, len(self.entries)):
                 e = self.entries[i]
                 reason = e.reason
                 if node.target in ("view", "reshape"):
-                    reason += " (view/reshape to [batch, -1] or [-1, features] is a flatten)"
+                    reason += " (view/reshape to [batch, -1] is a flatten)"
                 self.entries[i] = ConversionEntry(
                     e.path, e.original, e.replacement, reason, e.kind, node.name
                 )
@@ -497,6 +527,8 @@ def _describe(node: torch.fx.Node) -> str:
         )
         if module == "torch._C._VariableFunctions" or module.startswith("torch._C"):
             module = "torch"
+        if module == "torch":
+            qual = getattr(target, "__name__", qual)  # not torch._VariableFunctionsClass.cat
         return f"call_function {module + '.' if module else ''}{qual}"
     if node.op == "call_method":
         return f"call_method Tensor.{target}"
@@ -534,8 +566,18 @@ def _bind(sig: Callable[..., None], node: torch.fx.Node) -> inspect.BoundArgumen
 
 
 def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
-    """The torch module a function/method node computes on its first argument (``None``: none)."""
+    """The torch module a function/method node computes on its first argument (``None``: none).
+
+    Arguments other than the input must be constants (a size computed from a tensor, as in
+    ``F.avg_pool2d(h, h.size(3))``, is not a module's constant), except in ``view``/``reshape``,
+    whose ``x.size(0)`` is checked by :func:`_batch_flatten_source`.
+    """
     target = node.target
+    constants = not any(
+        isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())
+    )
+    if not constants and target not in ("view", "reshape"):
+        return None
     if node.op == "call_function":
         if target in _RELU or target in _TANH or target in _SIGMOID:
             if _bind(_sig_unary, node) is None:
@@ -549,7 +591,11 @@ def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
                 return None
             return torch.nn.Flatten(bound.arguments["start_dim"], bound.arguments["end_dim"])
         if target in _DROPOUT:
-            return torch.nn.Dropout() if _bind(_sig_dropout, node) is not None else None
+            bound = _bind(_sig_dropout, node)
+            # traced in eval mode; training=True (F.dropout's default) drops in eval mode too
+            if bound is None or bound.arguments["training"] is not False:
+                return None
+            return torch.nn.Dropout()
         if target in (F.max_pool2d, F.avg_pool2d):
             try:
                 fn = torch.nn.MaxPool2d if target is F.max_pool2d else torch.nn.AvgPool2d
@@ -600,7 +646,10 @@ def _is_batch_size_of(node: Any, source: torch.fx.Node) -> bool:
 
 
 def _batch_flatten_source(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The input of ``x.view(x.size(0), -1)`` / ``x.view(-1, n)`` (and ``reshape``), else None."""
+    """The input of ``x.view(b, -1)`` (and ``reshape``), ``b`` the batch size read from ``x`` or
+    from a value ``x`` was computed from (every such value has the batch size as its first
+    dimension: the chain's operations map samples to samples), else None. ``x.view(-1, n)`` is not
+    accepted: it is a flatten only when ``n`` is the sample's size, which tracing does not know."""
     if node.kwargs or len(node.args) < 2:
         return None
     source = node.args[0]
@@ -612,10 +661,11 @@ def _batch_flatten_source(node: torch.fx.Node) -> torch.fx.Node | None:
     if len(shape) != 2:
         return None
     first, second = shape
-    if _is_batch_size_of(first, source) and second == -1:
-        return source
-    if first == -1 and isinstance(second, int) and not isinstance(second, bool) and second > 0:
-        return source
+    if second != -1 or not isinstance(first, torch.fx.Node):
+        return None
+    for base in (source, *_ancestors(source)):
+        if _is_batch_size_of(first, base):
+            return source
     return None
 
 
@@ -675,7 +725,37 @@ class _Structure:
         items = self.chain(inputs[0], result)
         self.used.add(inputs[0])
         self.check_users()
+        self.check_mutations()
         return items
+
+    def check_mutations(self) -> None:
+        """Refuse an in-place operation unless the converted (out-of-place) chain computes the
+        same values: it must feed the chain (a dead ``h.mul_(3)`` still changes ``h``), and no
+        operation after it may read the tensor it overwrote, directly or through a view (``h +
+        F.relu(h, inplace=True)`` adds ``relu(h)`` twice). ``h += f(h)`` and ``F.relu(f(x),
+        inplace=True)`` pass."""
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        for node in self.graph.nodes:
+            if not _mutates(node):
+                continue
+            if node not in self.used:
+                raise _UnconvertibleError(
+                    node, "an in-place operation whose result the forward does not use"
+                )
+            target = node.args[0] if node.args else next(iter(node.kwargs.values()), None)
+            aliases = _aliases(target) if isinstance(target, torch.fx.Node) else set()
+            for alias in aliases:
+                later = [
+                    u
+                    for u in alias.users
+                    if u is not node and u not in aliases and order[u] > order[node]
+                ]
+                if later:
+                    raise _UnconvertibleError(
+                        node,
+                        f"overwrites a tensor in place that {later[0].name!r} reads afterwards "
+                        "(the converted layers compute out of place, so that value would differ)",
+                    )
 
     def chain(self, src: torch.fx.Node, dst: torch.fx.Node) -> list[Any]:
         """The items mapping the value ``src`` to the value ``dst``, in call order."""
@@ -757,6 +837,108 @@ class _Structure:
                 )
 
 
+_INPLACE_OPERATORS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.imatmul,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
+    operator.setitem,
+}
+# operations whose result shares storage with their first argument
+_VIEWS = {
+    "view",
+    "view_as",
+    "reshape",
+    "reshape_as",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "transpose",
+    "t",
+    "permute",
+    "expand",
+    "expand_as",
+    "narrow",
+    "select",
+    "unfold",
+    "as_strided",
+    "detach",
+    "contiguous",
+    "getitem",
+    "__getitem__",
+    "split",
+    "chunk",
+    "unbind",
+    "movedim",
+    "swapaxes",
+    "swapdims",
+    "diagonal",
+    "real",
+    "imag",
+    "view_as_real",
+    "view_as_complex",
+}
+
+
+def _name(node: torch.fx.Node) -> str:
+    target = node.target
+    return str(target) if isinstance(target, str) else str(getattr(target, "__name__", target))
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument (or an ``out=`` tensor)."""
+    if node.op == "call_module":
+        module = node.graph.owning_module
+        sub = module.get_submodule(str(node.target)) if module is not None else None
+        return bool(getattr(sub, "inplace", False))
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.target in _INPLACE_OPERATORS or "out" in node.kwargs:
+        return True
+    if node.kwargs.get("inplace") is True:
+        return True
+    name = _name(node)
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    if node.op == "call_function" and node.target in (*_RELU, *_DROPOUT, F.threshold):
+        return any(a is True for a in node.args[1:]) and (
+            node.target not in _DROPOUT or (len(node.args) > 3 and node.args[3] is True)
+        )
+    return False
+
+
+def _aliases(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """``node`` and every value that may share its storage: the values it is a view of, and
+    the views taken of any of them."""
+    root = node
+    while root.op in ("call_function", "call_method") and _name(root) in _VIEWS and root.args:
+        base = root.args[0]
+        if not isinstance(base, torch.fx.Node):
+            break
+        root = base
+    out: set[torch.fx.Node] = set()
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n in out:
+            continue
+        out.add(n)
+        stack.extend(
+            u for u in n.users if u.op in ("call_function", "call_method") and _name(u) in _VIEWS
+        )
+    return out
+
+
 def _is_data(value: Any) -> bool:
     """A node argument that carries data (not a shape query)."""
     if isinstance(value, torch.fx.Node):
@@ -813,6 +995,20 @@ def _why_not(node: torch.fx.Node) -> str:
     tensor_args = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if name in ("mul", "matmul", "bmm", "einsum", "__mul__", "__matmul__") and len(tensor_args) > 1:
         return "multiplies two activations (not Lipschitz: no certified bound)"
+    if name in ("truediv", "div", "__truediv__") and len(tensor_args) > 1:
+        return "divides by an activation (not Lipschitz: no certified bound)"
+    if target in _DROPOUT:
+        return (
+            "dropout with training=True (F.dropout's default) drops in eval mode too; pass "
+            "training=self.training"
+        )
+    if node.op in ("call_function", "call_method") and any(
+        isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())
+    ):
+        return (
+            "an argument other than the input is computed from a tensor (e.g. a size read "
+            "with x.size()); use a constant"
+        )
     if name in ("mul", "__mul__", "truediv", "div", "__truediv__"):
         return "scales by a constant (no certified rule outside (x + f(x)) / 2)"
     if name in ("sub", "__sub__", "add", "__add__", "iadd"):
@@ -846,6 +1042,8 @@ def convert(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
     if input_norm is not None:
         input_norm = _checks.positive_float("input_norm", input_norm)
     converter = _Converter()

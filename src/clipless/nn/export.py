@@ -141,9 +141,14 @@ def vanilla_export(model: torch.nn.Module) -> torch.nn.Module:
     """Return an equivalent model made of plain torch modules (for inference).
 
     Every clipless layer is replaced by its :meth:`~clipless.nn.LipschitzModule.vanilla_export`
-    (weights are copied, never shared). A non-clipless module (e.g. a user's wrapper whose
-    ``forward`` calls clipless children) is deep-copied and its clipless descendants replaced.
-    The result has the same ``training`` flag as ``model``; ``model`` is left untouched.
+    (weights are copied, never shared with ``model``). A non-clipless module (e.g. a user's
+    wrapper whose ``forward`` calls clipless children) is deep-copied and its clipless
+    descendants replaced; a child it registers under two names stays one shared module. A layer
+    used twice *inside* a clipless container is exported once per use (the copies start equal but
+    are separate parameters). The result has the same ``training`` flag as ``model``; ``model`` is
+    left untouched. An :class:`~clipless.nn.InputNorm` whose training data were mapped once
+    (:meth:`~clipless.nn.InputNorm.premap_`) is exported as the full map: feed the export raw
+    inputs.
 
     Raises:
         TypeError: ``model`` is not a :class:`torch.nn.Module`, or contains a custom
@@ -165,13 +170,22 @@ def _export(module: torch.nn.Module) -> torch.nn.Module:
                 f"cannot export {type(module).__qualname__}: implement its vanilla_export() method"
             ) from err
     clone = copy.deepcopy(module)
-    _replace_children(clone)
+    _replace_children(clone, {})
     return clone
 
 
-def _replace_children(module: torch.nn.Module) -> None:
-    for name, child in list(module.named_children()):
-        if isinstance(child, LipschitzModule):
-            setattr(module, name, _export(child))
+def _replace_children(module: torch.nn.Module, done: dict[int, torch.nn.Module]) -> None:
+    # every registered name, duplicates included (named_children() lists a module registered
+    # under two names once, which left the second a clipless layer); a child registered twice
+    # is exported once and stays shared, as deepcopy keeps it shared in the clone
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        if id(child) in done:
+            setattr(module, name, done[id(child)])
+        elif isinstance(child, LipschitzModule):
+            done[id(child)] = _export(child)
+            setattr(module, name, done[id(child)])
         else:
-            _replace_children(child)
+            done[id(child)] = child
+            _replace_children(child, done)

@@ -15,6 +15,8 @@ from clipless.nn._base import LipschitzModule, ParametricLipschitzModule
 
 __all__ = ["validate"]
 
+_HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward")
+
 _NORM = "clipless.nn.GroupNorm (the thesis's (x - mean)/max(alpha, std), Lipschitz 1/alpha)"
 
 # (torch class, advice); the first isinstance match wins.
@@ -75,6 +77,25 @@ def _type_name(module: torch.nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def foreign_hooks(module: torch.nn.Module) -> list[str]:
+    """The kinds of module hooks on ``module`` (not its children) that clipless did not place.
+
+    A forward hook can change the module's output (``o * 10`` multiplies every later gradient by
+    10), so a hooked layer no longer computes the function its bound certifies. The hooks that
+    :func:`clipless.make_private` places (``clipless.optim._Hook``) are not counted.
+    """
+    from clipless.optim import _Hook  # clipless.optim imports clipless.nn
+
+    return [
+        f"a {kind.replace('_', '-')} hook"
+        for kind in _HOOK_KINDS
+        if any(
+            not isinstance(h, _Hook)
+            for h in (getattr(module, f"_{kind}_hooks", None) or {}).values()
+        )
+    ]
+
+
 def _advice(module: torch.nn.Module) -> str:
     for cls, advice in _SUGGESTIONS:
         if isinstance(module, cls):
@@ -90,10 +111,11 @@ def _advice(module: torch.nn.Module) -> str:
 def validate(module: torch.nn.Module) -> None:
     """Check that every module in the tree carries a certified bound; raise otherwise.
 
-    A module passes when it is a :class:`~clipless.nn.LipschitzModule` and, if it has trainable
-    parameters of its own, a :class:`~clipless.nn.ParametricLipschitzModule` (whose
-    ``gradient_bounds`` covers them). All descendants are checked, including the children of
-    clipless containers and of non-clipless modules.
+    A module passes when it is a :class:`~clipless.nn.LipschitzModule`, carries no module hook
+    that clipless did not place (a forward hook can change the output its bound certifies), and,
+    if it has trainable parameters of its own, is a :class:`~clipless.nn.ParametricLipschitzModule`
+    (whose ``gradient_bounds`` covers them). All descendants are checked, including the children
+    of clipless containers and of non-clipless modules.
 
     Raises:
         TypeError: listing every offending module path (``<root>`` for ``module`` itself), its type
@@ -104,6 +126,12 @@ def validate(module: torch.nn.Module) -> None:
     problems: list[str] = []
     for path, sub in module.named_modules(remove_duplicate=True):
         where = repr(path) if path else "<root>"
+        hooks = foreign_hooks(sub)
+        if hooks:
+            problems.append(
+                f"  - {where} ({_type_name(sub)}): has {' and '.join(hooks)}, which can change "
+                "the function its bound certifies; remove them (register them on a copy)"
+            )
         if not isinstance(sub, LipschitzModule):
             problems.append(f"  - {where} ({_type_name(sub)}): {_advice(sub)}")
         elif not isinstance(sub, ParametricLipschitzModule) and any(
