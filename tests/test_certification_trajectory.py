@@ -145,7 +145,15 @@ def test_certification_and_steps_on_cuda() -> None:
     from clipless.norms import dense_norm
 
     assert exact <= dense_norm(mat) <= exact * 1.01
-    layers = _train_on("cuda")
+    previous = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True  # CUDA's default: refused by the private optimizer
+    with pytest.raises(clipless.optim.PrivacyContractError, match="TF32"):
+        _train_on("cuda")
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        layers = _train_on("cuda")
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = previous
     for layer in layers:
         assert layer.weight.device.type == "cuda"
         assert _exact(layer.weight.cpu()) <= layer.lipschitz() <= 1.0

@@ -1,6 +1,6 @@
 """The ``clipless`` command (user guide: ``docs/cli.md``).
 
-``clipless train``  trains a Lipschitz MLP or ConvNet with clipless DP-SGD on a registered dataset,
+``clipless train``  trains a Lipschitz model with clipless DP-SGD on a registered dataset,
 ``clipless data``   lists datasets and fetches them into the cache (``docs/data.md``),
 ``clipless ecdf`` / ``clipless roc`` release DP statistics (:mod:`clipless.stats`),
 ``clipless audit``  attacks one private training step (:mod:`clipless.audit`).
@@ -271,7 +271,8 @@ def _add_train_parser(sub: Any) -> None:
     datasets = _dataset_names()
     p = sub.add_parser(
         "train",
-        help="train a Lipschitz MLP or ConvNet with clipless DP-SGD and report (epsilon, delta)",
+        help="train a Lipschitz model (linear, MLP, ConvNet, ResNet, GNP) with clipless DP-SGD and "
+        "report (epsilon, delta)",
         description=(
             "Train an MLP (InputNorm -> Linear -> GroupSort -> ... -> Linear) or a small ConvNet "
             "(--model cnn) with clipless DP-SGD: per-layer gradient sensitivities are certified "
@@ -372,8 +373,9 @@ def _add_train_parser(sub: Any) -> None:
         default=None,
         help="input norm bound X_0 enforced by InputNorm (default: a public bound of the "
         "dataset's fixed transform: sqrt(17) for adult with public-bins(-fine), sqrt(13) with "
-        "public-ranges, sqrt(20) for german-credit, max(1, sqrt(pixels) / 4) for images, "
-        "sqrt(number of features) otherwise; 2 with a --features front-end)",
+        "public-ranges, sqrt(12) with public-bins-only, sqrt(20) for german-credit, "
+        "max(1, sqrt(pixels) / 4) for images, sqrt(number of features) otherwise; 2 with a "
+        "--features front-end)",
     )
     priv.add_argument(
         "--input-mode",
@@ -419,8 +421,9 @@ def _add_train_parser(sub: Any) -> None:
         choices=("linear", "mlp", "cnn", "resnet", "gnp"),
         default=None,
         help="linear (InputNorm -> Linear), mlp (Linear -> GroupSort layers), or for image "
-        "datasets (digits, fashion-mnist): cnn, a small Lipschitz ConvNet; resnet, a Lipschitz "
-        "wide residual network (GroupNorm, 1-Lipschitz averaged residual blocks, one per stage); "
+        "datasets (digits, fashion-mnist, mnist-10k): cnn, a small Lipschitz ConvNet; resnet, "
+        "a Lipschitz wide residual network (GroupNorm, 1-Lipschitz averaged residual blocks, one "
+        "per stage); "
         "gnp, a gradient-norm-preserving ConvNet of stride-2 2x2 convolutions (exactly GNP with "
         "--constraint orthogonal; clipless.models). Default: linear, the "
         "most accurate measured on adult, fashion-mnist, digits and breast-cancer at these "
@@ -575,7 +578,11 @@ def _add_data_parser(sub: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     fp.add_argument("name", choices=_dataset_names(), help="dataset name")
-    fp.add_argument("--root", default=None, help="cache folder (default $CLIPLESS_DATA)")
+    fp.add_argument(
+        "--root",
+        default=None,
+        help="cache folder (default: $CLIPLESS_DATA, else ~/.cache/clipless)",
+    )
     fp.add_argument(
         "--from",
         dest="source",
@@ -1341,8 +1348,9 @@ def _run_train(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(
             f"clipless train: {info.name} (n={len(train)} train, {len(test)} test), "
-            f"{'resuming' if saved is not None else 'new run'} in {out}, model {args.model} "
-            f"{_show(args.hidden)} on {device}, target epsilon={args.epsilon:g} "
+            f"{'resuming' if saved is not None else 'new run'} in {out}, model {args.model}"
+            f"{' ' + _show(args.hidden) if args.hidden else ''} on {device}, "
+            f"target epsilon={args.epsilon:g} "
             f"delta={args.delta:g}, sigma={config.get('effective_noise_multiplier', math.nan):.3f}"
             f", q={config.get('sample_rate', math.nan):.4f}, epochs={args.epochs}",
             flush=True,

@@ -30,7 +30,25 @@ _FINITE_POSITIVE = number("a finite number > 0", 0.0, math.inf)
 _DESCRIPTION = (__doc__ or "").replace("``", "").replace(":mod:`", "").replace("`", "")
 
 
+class _Defaults(argparse.HelpFormatter):
+    """Every option's default in its help line, unless the text already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``federated`` command (``simulate``, ``init``, ``serve``, ``owner``, ``dealer``,
+    ``analyst``) to an :mod:`argparse` sub-parser set; return its parser."""
     p = subparsers.add_parser(
         "federated",
         help="federated DP-ECDF: secret sharing or FSS among processes over TCP",
@@ -38,7 +56,11 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="federated_command", metavar="ACTION")
-    s = sub.add_parser("simulate", help="run owners, servers and the analyst on loopback")
+    s = sub.add_parser(
+        "simulate",
+        help="run owners, servers and the analyst on loopback",
+        formatter_class=_Defaults,
+    )
     s.add_argument(
         "--owners",
         type=integer(1, 1000),
@@ -47,7 +69,12 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         "clipless.federated.federated_ecdf takes any number in one process)",
     )
     s.add_argument("--servers", type=integer(2), default=2, help="number of servers m (default 2)")
-    s.add_argument("--protocol", choices=["shares", "fss"], default="shares")
+    s.add_argument(
+        "--protocol",
+        choices=["shares", "fss"],
+        default="shares",
+        help="secret sharing or function secret sharing (docs/federated.md)",
+    )
     s.add_argument("--size", type=integer(2), default=16, help="number of grid thresholds |B|")
     s.add_argument("--epsilon", type=_FINITE_POSITIVE, default=1.0, help="privacy budget (> 0)")
     s.add_argument(
@@ -56,7 +83,12 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="dealer",
         help="who holds the tree-node noise (docs/federated.md: threat model)",
     )
-    s.add_argument("--neighbouring", choices=["replace_one", "add_remove"], default="replace_one")
+    s.add_argument(
+        "--neighbouring",
+        choices=["replace_one", "add_remove"],
+        default="replace_one",
+        help="the neighbouring relation of the guarantee",
+    )
     s.add_argument(
         "--timeout", type=_FINITE_POSITIVE, default=60.0, help="per-phase timeout in seconds"
     )
@@ -64,7 +96,12 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--data-seed", type=integer(0), default=0, help="seed of the synthetic owner data"
     )
     s.add_argument("--noise-key", default=None, help="hex 16-byte node-noise key (reproducible)")
-    s.add_argument("--spawn", choices=["subprocess", "fork"], default="subprocess")
+    s.add_argument(
+        "--spawn",
+        choices=["subprocess", "fork"],
+        default="subprocess",
+        help="how the parties are started: one Python process each, or forks of this one",
+    )
     s.add_argument(
         "--statistic",
         choices=["ecdf", "roc"],
@@ -72,18 +109,37 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="roc: owners hold a synthetic score and a 0/1 label; prints the ROC and its AUC",
     )
     s.set_defaults(func=_simulate)
-    i = sub.add_parser("init", help="write a session file and one secret file per party")
+    i = sub.add_parser(
+        "init", help="write a session file and one secret file per party", formatter_class=_Defaults
+    )
     i.add_argument("--out", required=True, help="directory to create (session.json, secrets/)")
-    i.add_argument("--owners", type=integer(1), required=True)
-    i.add_argument("--servers", type=integer(2), default=2)
-    i.add_argument("--protocol", choices=["shares", "fss"], default="shares")
+    i.add_argument("--owners", type=integer(1), required=True, help="number of data owners")
+    i.add_argument("--servers", type=integer(2), default=2, help="number of servers m")
+    i.add_argument(
+        "--protocol",
+        choices=["shares", "fss"],
+        default="shares",
+        help="secret sharing or function secret sharing (docs/federated.md)",
+    )
     i.add_argument("--size", type=integer(2), required=True, help="number of grid thresholds")
     i.add_argument("--lower", type=float, default=0.0, help="grid lower bound (default 0)")
     i.add_argument("--upper", type=float, default=1.0, help="grid upper bound (default 1)")
-    i.add_argument("--epsilon", type=_FINITE_POSITIVE, required=True)
-    i.add_argument("--noise-sharing", choices=["dealer", "distributed"], default="dealer")
-    i.add_argument("--neighbouring", choices=["replace_one", "add_remove"], default="replace_one")
-    i.add_argument("--timeout", type=_FINITE_POSITIVE, default=600.0)
+    i.add_argument("--epsilon", type=_FINITE_POSITIVE, required=True, help="privacy budget (> 0)")
+    i.add_argument(
+        "--noise-sharing",
+        choices=["dealer", "distributed"],
+        default="dealer",
+        help="who holds the tree-node noise (docs/federated.md: threat model)",
+    )
+    i.add_argument(
+        "--neighbouring",
+        choices=["replace_one", "add_remove"],
+        default="replace_one",
+        help="the neighbouring relation of the guarantee",
+    )
+    i.add_argument(
+        "--timeout", type=_FINITE_POSITIVE, default=600.0, help="per-phase timeout in seconds"
+    )
     i.add_argument(
         "--statistic",
         choices=["ecdf", "roc"],
@@ -110,13 +166,13 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         ("dealer", "the dealer"),
         ("analyst", "the analyst (prints the release)"),
     ):
-        q = sub.add_parser(name, help=f"run {what} from a session file")
+        q = sub.add_parser(name, help=f"run {what} from a session file", formatter_class=_Defaults)
         q.add_argument("session", help="public session JSON")
         q.add_argument("--secret", required=True, help="this party's secret JSON (link keys)")
         if name in ("serve", "owner"):
             q.add_argument("--index", type=integer(0), required=True, help="party index")
         if name == "serve":
-            q.add_argument("--host", default="127.0.0.1")
+            q.add_argument("--host", default="127.0.0.1", help="address to listen on")
             q.add_argument(
                 "--port", type=integer(0, 65535), default=0, help="0: any free port (printed)"
             )
@@ -389,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m clipless.federated.cli ACTION ...``: the same commands as
     ``clipless federated``, without loading the rest of the ``clipless`` command (faster party
     start-up; :func:`clipless.federated.session.simulate` uses it)."""
-    parser = argparse.ArgumentParser(prog="clipless federated")
+    parser = argparse.ArgumentParser(prog="clipless")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_federated_parser(sub)
     args = parser.parse_args(["federated", *(sys.argv[1:] if argv is None else argv)])

@@ -59,6 +59,7 @@ Party = tuple[str, int]
 
 
 def party_name(party: Party) -> str:
+    """``"role index"``, e.g. ``"server 1"``: how messages and errors name a party."""
     return f"{party[0]} {party[1]}"
 
 
@@ -162,6 +163,9 @@ def send_frame(
     payload: bytes,
     counter: Counter,
 ) -> int:
+    """Send one authenticated frame (:func:`encode_frame`) on ``sock``; count its bytes in
+    ``counter`` and return them. Raises :class:`PartyTimeoutError` when the receiver does not
+    accept it in time, :class:`PartyDroppedError` when the connection is closed."""
     data = encode_frame(key, session, sender, receiver, mtype, payload)
     try:
         sock.sendall(data)
