@@ -146,8 +146,9 @@ def _full_float32(device: torch.device) -> None:
     """No TF32 on CUDA, for both libraries: clipless refuses it (its rounding exceeds the noise's
     float32 margin: ``clipless.optim.reduced_float32_precision``), so Opacus runs the same way."""
     if device.type == "cuda":
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+        from clipless.optim import full_float32_precision
+
+        full_float32_precision()
 
 
 def load(

@@ -197,7 +197,8 @@ def plot(dataset: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in OUT.read_text().splitlines() if line.strip()]
+    text = OUT.read_text() if OUT.is_file() else ""
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     rows = [r for r in rows if r["dataset"] == dataset and not r.get("set")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method in METHODS:
@@ -211,17 +212,31 @@ def plot(dataset: str) -> None:
         med = [100 * statistics.median(points[e]) for e in eps]
         label = f"{method} (median of {min(len(v) for v in points.values())}+ seeds)"
         ax.plot(eps, med, marker="o", label=label)
-    tuned = adult.OUT_DIR / "tune.jsonl"  # benchmarks/tune.py: the same 9 trials per method
-    if dataset == "fashion-mnist" and tuned.is_file():
+    # benchmarks/tune.py: the same trials per method and epsilon (Fashion-MNIST: section 18's 9;
+    # mnist-10k: section 27b's three stages, 26 each)
+    tuned, stages = {
+        "fashion-mnist": ("tune.jsonl", ("",)),
+        "mnist-10k": ("tune-mnist.jsonl", ("-mnist", "-mnist-low", "-mnist-budget")),
+    }.get(dataset, ("", ()))
+    if stages and (adult.OUT_DIR / tuned).is_file():
         import tune
 
-        chosen = tune.selected(tuned)
+        chosen = tune.selected(adult.OUT_DIR / tuned)
+        trials = "9" if dataset == "fashion-mnist" else "the same 18 or 26"
         for name in ("clipless", "opacus"):
-            eps = sorted(e for m, e in chosen if m == name and len(chosen[m, e]["accuracies"]) > 1)
-            if eps:
-                med = [100 * chosen[name, e]["median"] for e in eps]
-                seeds = min(len(chosen[name, e]["accuracies"]) for e in eps)
-                label = f"{name}, best of 9 trials per epsilon (tune.py, median of {seeds} seeds)"
+            points = {}
+            for e in sorted({e for _, e in chosen}):
+                best = tune.best_of_stages(chosen, [name + stage for stage in stages], e)
+                if best is not None:
+                    points[e] = best[1]
+            if points:
+                eps = sorted(points)
+                med = [100 * points[e]["median"] for e in eps]
+                seeds = min(len(points[e]["accuracies"]) for e in eps)
+                label = (
+                    f"{name}, best of {trials} trials per epsilon (tune.py, median of {seeds} "
+                    "seeds)"
+                )
                 ax.plot(eps, med, marker="s", linestyle="--", label=label)
     markers = iter(["x", "+", "1", "2", "3", "4", "*", "d"])
     marker_of: dict[str, str] = {}

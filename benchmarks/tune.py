@@ -159,6 +159,18 @@ GRIDS: dict[str, tuple[str, dict[str, Any], dict[str, list[Any]]]] = {
         {**OPACUS_WHITENED, "batch": 512, "epochs": 30},
         {"lr": [0.5, 1.0, 2.0], "max_grad_norm": [0.0125, 0.025, 0.05]},
     ),
+    # the training budget (8 trials each) at each method's first-stage step and clip at
+    # epsilon 8, where Opacus led (RESULTS.md section 27b)
+    "clipless-mnist-budget": (
+        "clipless",
+        {**images.METHODS["clipless-whitened"][1], "lr": 0.005, "clip": 0.1},
+        {"batch": [256, 512, 1024, 2048], "epochs": [30, 60]},
+    ),
+    "opacus-mnist-budget": (
+        "opacus",
+        {**OPACUS_WHITENED, "lr": 2.0, "max_grad_norm": 0.1},
+        {"batch": [256, 512, 1024, 2048], "epochs": [30, 60]},
+    ),
 }
 DATASETS = ("fashion-mnist", "mnist-10k")
 
@@ -312,6 +324,23 @@ def selected(
             "median": statistics.median(accs),
         }
     return result
+
+
+def best_of_stages(
+    chosen: dict[tuple[str, float], dict[str, Any]], methods: list[str], eps: float
+) -> tuple[str, dict[str, Any]] | None:
+    """Among the tuning stages ``methods`` of one library (e.g. ``clipless-mnist`` and
+    ``clipless-mnist-low``), the one whose selected trial had the best seed-0 accuracy at
+    ``eps`` (the protocol's selection over every trial the library had), with its selection;
+    ``None`` when no stage ran at ``eps`` with more than one seed."""
+    runs = [
+        (m, chosen[m, eps])
+        for m in methods
+        if (m, eps) in chosen and len(chosen[m, eps]["accuracies"]) > 1
+    ]
+    if not runs:
+        return None
+    return max(runs, key=lambda r: r[1]["accuracies"][0])
 
 
 def summarise(out: Path) -> None:

@@ -870,3 +870,28 @@ def test_copies_made_by_the_collate_count_as_copies() -> None:
     o.loss(out, y).backward()
     o.step()
     assert engine.ledger.steps == 1
+
+
+def test_full_float32_precision_clears_every_reduced_setting() -> None:
+    """The legacy writes (``allow_tf32 = False``) leave a TF32 setting inherited from
+    ``torch.backends.fp32_precision`` in place on torch >= 2.9; ``full_float32_precision`` sets
+    every backend's precision explicitly (review finding)."""
+    from clipless.optim import _FP32_LEAVES, full_float32_precision, reduced_float32_precision
+
+    backends = torch.backends
+    if not isinstance(getattr(backends, "fp32_precision", None), str):
+        pytest.skip("torch < 2.9: only the legacy flags")
+    owners = [getattr(getattr(backends, a), b) for a, b in _FP32_LEAVES]
+    saved = [o.fp32_precision for o in owners], backends.fp32_precision
+    try:
+        for owner in owners:
+            owner.fp32_precision = "none"
+        backends.fp32_precision = "tf32"  # inherited by every backend
+        assert reduced_float32_precision({"cpu"}) is not None
+        assert reduced_float32_precision({"cuda"}) is not None
+        full_float32_precision()
+        assert reduced_float32_precision({"cpu", "cuda"}) is None
+    finally:
+        for owner, value in zip(owners, saved[0], strict=True):
+            owner.fp32_precision = value
+        backends.fp32_precision = saved[1]

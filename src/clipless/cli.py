@@ -1082,13 +1082,12 @@ def _run_train(args: argparse.Namespace) -> int:
         args.constraint = "none" if args.model == "linear" else "orthogonal"
     device = distributed.init_from_env(_resolve_device(args.device))
     if device.type == "cuda":
-        import torch
+        from clipless.optim import full_float32_precision
 
         # float32 in full precision: CUDA's default TF32 convolutions round beyond the noise's
         # float32 margin, and the private optimizer refuses them
         # (clipless.optim.reduced_float32_precision)
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+        full_float32_precision()
 
     # 2. the data and what depends on it
     if args.dataset != "adult" and args.preprocessing is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -42,8 +42,9 @@ DOWNSAMPLES = ("l2", "avg", "conv")
 
 
 def _widths(name: str, widths: Sequence[int]) -> tuple[int, ...]:
-    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
+    if isinstance(widths, (str, bytes)) or not isinstance(widths, Iterable):
         raise ValueError(f"{name} must be a sequence of even widths >= 2; got {widths!r}")
+    widths = list(widths)
     if any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in widths):
         raise ValueError(f"{name} must be even int widths >= 2 (GroupSort pairs); got {widths!r}")
     out = tuple(int(w) for w in widths)

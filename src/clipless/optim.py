@@ -232,50 +232,84 @@ def reduced_float32_precision(devices: set[str]) -> str | None:
     the noise plan (:data:`clipless.mechanism.ROUNDING_MARGIN`; an audit emulating TF32 measured
     one record's contribution at 1.00025 times its planned sensitivity). ``torch.
     set_float32_matmul_precision("high"/"medium")`` allows TF32 or bfloat16 products on CUDA and
-    on CPUs with bfloat16 units. Both the legacy ``allow_tf32`` flags and the ``fp32_precision``
-    settings of torch >= 2.9 are read.
+    on CPUs with bfloat16 units. torch >= 2.9 keeps these settings per backend
+    (``fp32_precision``, ``"none"`` inheriting from the backend, then from
+    ``torch.backends.fp32_precision``; the legacy setters write them): those are read. Older
+    torch: the legacy flags. :func:`full_float32_precision` turns everything off.
     """
     backends = torch.backends
+    wanted = []
+    if "cuda" in devices:
+        wanted += [("cudnn", "conv"), ("cuda", "matmul")]
+    if "cpu" in devices:
+        wanted += [("mkldnn", "conv"), ("mkldnn", "matmul")]
+    root = getattr(backends, "fp32_precision", None)
+    if isinstance(root, str):  # torch >= 2.9
+        for backend, op in wanted:
+            parent = getattr(backends, backend, None)
+            leaf = getattr(parent, op, None)
+            chain = [
+                (f"torch.backends.{backend}.{op}.fp32_precision", leaf),
+                (f"torch.backends.{backend}.fp32_precision", parent),
+                ("torch.backends.fp32_precision", backends),
+            ]
+            for name, owner in chain:
+                try:
+                    value = (
+                        getattr(owner, "fp32_precision", "none") if owner is not None else "none"
+                    )
+                except (AttributeError, RuntimeError):
+                    value = "none"
+                if value != "none":  # the first explicit setting up the chain decides
+                    if value != "ieee":
+                        return f"{name} is {value!r}"
+                    break
+        return None
     try:
         precision = torch.get_float32_matmul_precision()
-    except RuntimeError:  # torch >= 2.9 after a mix of the legacy and new APIs: read per backend
+    except RuntimeError:
         precision = "highest"
     if precision != "highest":
         return f"torch.get_float32_matmul_precision() is {precision!r}"
-    checks: list[tuple[str, Any, str]] = []
     if "cuda" in devices:
-        checks += [
-            ("torch.backends.cudnn.allow_tf32", backends.cudnn, "allow_tf32"),
-            ("torch.backends.cuda.matmul.allow_tf32", backends.cuda.matmul, "allow_tf32"),
-            (
-                "torch.backends.cudnn.conv.fp32_precision",
-                getattr(backends.cudnn, "conv", None),
-                "fp32_precision",
-            ),
-            ("torch.backends.cuda.matmul.fp32_precision", backends.cuda.matmul, "fp32_precision"),
-        ]
-    if "cpu" in devices:
-        mkldnn = backends.mkldnn
-        checks += [
-            (
-                "torch.backends.mkldnn.conv.fp32_precision",
-                getattr(mkldnn, "conv", None),
-                "fp32_precision",
-            ),
-            (
-                "torch.backends.mkldnn.matmul.fp32_precision",
-                getattr(mkldnn, "matmul", None),
-                "fp32_precision",
-            ),
-        ]
-    for name, owner, attribute in checks:
-        try:
-            value = getattr(owner, attribute) if owner is not None else None
-        except (AttributeError, RuntimeError):
-            continue
-        if value is True or (isinstance(value, str) and value not in ("none", "ieee")):
-            return f"{name} is {value!r}"
+        for name, owner in (
+            ("torch.backends.cudnn.allow_tf32", backends.cudnn),
+            ("torch.backends.cuda.matmul.allow_tf32", backends.cuda.matmul),
+        ):
+            if getattr(owner, "allow_tf32", False) is True:
+                return f"{name} is True"
     return None
+
+
+_FP32_LEAVES = (
+    ("cudnn", "conv"),
+    ("cudnn", "rnn"),
+    ("cuda", "matmul"),
+    ("mkldnn", "conv"),
+    ("mkldnn", "matmul"),
+    ("mkldnn", "rnn"),
+)
+
+
+def full_float32_precision() -> None:
+    """Turn TF32 and bfloat16 products off, so that float32 is computed in float32 everywhere
+    (what :func:`reduced_float32_precision` checks; ``clipless train`` calls this on CUDA).
+
+    torch >= 2.9: every backend's ``fp32_precision`` is set to ``"ieee"`` (writing the legacy
+    flags there leaves a setting such as ``torch.backends.fp32_precision = "tf32"`` inherited);
+    older torch: ``allow_tf32 = False`` for cuDNN and cuBLAS and the ``"highest"`` matmul
+    precision. A global setting of the process, like the flags it writes.
+    """
+    backends = torch.backends
+    leaves = [getattr(getattr(backends, a, None), b, None) for a, b in _FP32_LEAVES]
+    new_api = [leaf for leaf in leaves if leaf is not None and hasattr(leaf, "fp32_precision")]
+    if new_api:
+        for leaf in new_api:
+            leaf.fp32_precision = "ieee"
+        return
+    backends.cudnn.allow_tf32 = False
+    backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
 
 
 class _Hook:
@@ -543,10 +577,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise PrivacyContractError(
                     f"{setting}: float32 convolutions or matrix products then round their "
                     "operands to TF32 or bfloat16 (a 10- or 7-bit mantissa), beyond the rounding "
-                    "margin the noise covers (float32's); set torch.backends.cudnn.allow_tf32 = "
-                    "False, torch.backends.cuda.matmul.allow_tf32 = False and "
-                    "torch.set_float32_matmul_precision('highest') before training (clipless "
-                    "train does this on CUDA), or train in float64"
+                    "margin the noise covers (float32's); call "
+                    "clipless.optim.full_float32_precision() before training (it sets every "
+                    "backend's float32 precision to IEEE; clipless train does this on CUDA), or "
+                    "train in float64"
                 )
 
     # ------------------------------------------------------------------ plans

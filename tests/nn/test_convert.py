@@ -385,6 +385,9 @@ class _Chain(nn.Module):
         self.a = nn.Linear(4, 4)
         self.b = nn.Linear(4, 2)
         self.body = body
+        self.relu_ip = nn.ReLU(inplace=True)
+        self.ident = nn.Identity()
+        self.seq = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
@@ -417,6 +420,23 @@ class _Chain(nn.Module):
             return self.b(torch.relu(h).view(x.size(0), -1))
         if self.body == "view-minus-one":
             return self.b(h.view(-1, 4))
+        if self.body == "iadd-alias":  # h0 is h: += updates it eagerly
+            h0 = h
+            h += F.relu(self.a(h))
+            return self.b(h + h0)
+        if self.body == "module-alias":  # Identity returns h itself, then overwritten
+            return self.b(h + self.relu_ip(self.ident(h)))
+        if self.body == "inplace-sequential":
+            return self.b(h + self.seq(h))
+        if self.body == "size-after-inplace":
+            r = self.relu_ip(h)
+            return self.b(r.view(h.size(0), -1))
+        if self.body == "inplace-dropout-eval":
+            return self.b(h + F.dropout(h, 0.1, self.training, True))
+        if self.body == "halved-in-place":
+            h = h + F.relu(self.a(h))
+            h /= 2
+            return self.b(h)
         raise AssertionError(self.body)
 
 
@@ -429,6 +449,9 @@ class _Chain(nn.Module):
         ("view-alias", "in-place operation whose result"),
         ("dropout-default", "training=True"),
         ("view-minus-one", "no certified clipless equivalent"),
+        ("iadd-alias", "reads afterwards"),
+        ("module-alias", "reads afterwards"),
+        ("inplace-sequential", "reads afterwards"),
     ],
 )
 def test_functions_the_chain_would_change_are_refused(body: str, words: str) -> None:
@@ -445,6 +468,9 @@ def test_functions_the_chain_would_change_are_refused(body: str, words: str) -> 
         "training-branch",
         "dropout-training",
         "batch-size-of-input",
+        "size-after-inplace",
+        "inplace-dropout-eval",
+        "halved-in-place",
     ],
 )
 def test_converted_in_train_mode_computes_the_eval_function(body: str) -> None:
@@ -459,6 +485,33 @@ def test_converted_in_train_mode_computes_the_eval_function(body: str) -> None:
     with torch.no_grad():
         torch.testing.assert_close(converted(x), model(x.clone()), rtol=0, atol=1e-6)
     _check_certifiable(converted, (4,))
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+def test_hooks_on_traced_through_modules_are_unconvertible() -> None:
+    model = _Outer()
+    model.inner.register_full_backward_hook(lambda module, gin, gout: None)
+    _, report = cnn.convert(model, input_norm=1.0, strict=False)
+    (entry,) = report.unconvertible
+    assert entry.path == "inner" and "backward hook" in entry.reason
 
 
 def test_hooked_modules_are_unconvertible() -> None:

@@ -420,10 +420,23 @@ class _Converter:
         name = _type_name(module)
         # traced in eval mode: the converted model computes the eval-mode function (a branch on
         # self.training, or F.dropout(..., training=self.training), is read in that mode)
+        tracer = _Tracer()
+        for sub_path, sub in _inlined(module, tracer, path):
+            hooks = foreign_hooks(sub)
+            if hooks:  # its code is traced into the graph, but not its backward hooks
+                self.record(
+                    sub_path,
+                    _type_name(sub),
+                    None,
+                    f"has {' and '.join(hooks)} (the converted model would not carry them); "
+                    "remove them before converting",
+                    "unconvertible",
+                )
+                return _deepcopy(module)
         modes = [(m, m.training) for m in module.modules()]
         module.eval()
         try:
-            graph_module = torch.fx.GraphModule(module, _Tracer().trace(module))
+            graph_module = torch.fx.GraphModule(module, tracer.trace(module))
         except Exception as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self.record(
@@ -488,6 +501,19 @@ class _Converter:
 
 
 _NOT_A_LEAF = object()
+
+
+def _inlined(
+    module: torch.nn.Module, tracer: torch.fx.Tracer, path: str
+) -> list[tuple[str, torch.nn.Module]]:
+    """The descendants whose ``forward`` the tracer inlines (reached through non-leaves only)."""
+    out = []
+    for name, child in module.named_children():
+        child_path = _join(path, name)
+        if not tracer.is_leaf_module(child, child_path):
+            out.append((child_path, child))
+            out.extend(_inlined(child, tracer, child_path))
+    return out
 
 
 def _deepcopy(module: torch.nn.Module) -> torch.nn.Module:
@@ -681,6 +707,28 @@ def _is_helper(node: torch.fx.Node) -> bool:
     return False
 
 
+class _Proxy(torch.fx.Proxy):
+    """Records ``h += t`` as ``operator.iadd`` (and so on): ``torch.fx.Proxy`` has no in-place
+    operators, so ``h += t`` was traced as ``h = h + t``, and a name bound to ``h`` before it
+    (``x0 = x; x += f(x); ... x + x0``) read the old value in the graph but the updated one
+    eagerly."""
+
+    def _inplace(self, op: Callable[[Any, Any], Any], other: Any) -> torch.fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    def __iadd__(self, other: Any) -> torch.fx.Proxy:
+        return self._inplace(operator.iadd, other)
+
+    def __isub__(self, other: Any) -> torch.fx.Proxy:
+        return self._inplace(operator.isub, other)
+
+    def __imul__(self, other: Any) -> torch.fx.Proxy:
+        return self._inplace(operator.imul, other)
+
+    def __itruediv__(self, other: Any) -> torch.fx.Proxy:
+        return self._inplace(operator.itruediv, other)
+
+
 class _Tracer(torch.fx.Tracer):
     """Leaves: every torch.nn module and clipless module; custom modules are traced through."""
 
@@ -688,6 +736,9 @@ class _Tracer(torch.fx.Tracer):
         if isinstance(m, LipschitzModule) or type(m) is torch.nn.Sequential:
             return True
         return type(m).__module__.startswith("torch.") or not _has_own_forward(m)
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _Proxy(node, self)
 
 
 @dataclass
@@ -748,7 +799,10 @@ class _Structure:
                 later = [
                     u
                     for u in alias.users
-                    if u is not node and u not in aliases and order[u] > order[node]
+                    if u is not node
+                    and u not in aliases
+                    and order[u] > order[node]
+                    and not _is_helper(u)  # x.size(0) reads the shape, not the data
                 ]
                 if later:
                     raise _UnconvertibleError(
@@ -898,11 +952,21 @@ def _name(node: torch.fx.Node) -> str:
 def _mutates(node: torch.fx.Node) -> bool:
     """Whether ``node`` writes into its first argument (or an ``out=`` tensor)."""
     if node.op == "call_module":
-        module = node.graph.owning_module
-        sub = module.get_submodule(str(node.target)) if module is not None else None
-        return bool(getattr(sub, "inplace", False))
+        # conservative for a leaf container: any in-place member (but dropout, traced in eval
+        # mode, writes nothing)
+        sub = _called_module(node)
+        return sub is not None and any(
+            getattr(m, "inplace", False) is True
+            and not isinstance(m, torch.nn.modules.dropout._DropoutNd)
+            for m in sub.modules()
+        )
     if node.op not in ("call_function", "call_method"):
         return False
+    if node.target in _DROPOUT:  # eval-mode dropout writes nothing; training=True is refused
+        bound = _bind(_sig_dropout, node)
+        return bound is None or (
+            bound.arguments["inplace"] is True and bound.arguments["training"] is not False
+        )
     if node.target in _INPLACE_OPERATORS or "out" in node.kwargs:
         return True
     if node.kwargs.get("inplace") is True:
@@ -910,18 +974,47 @@ def _mutates(node: torch.fx.Node) -> bool:
     name = _name(node)
     if name.endswith("_") and not name.endswith("__"):
         return True
-    if node.op == "call_function" and node.target in (*_RELU, *_DROPOUT, F.threshold):
-        return any(a is True for a in node.args[1:]) and (
-            node.target not in _DROPOUT or (len(node.args) > 3 and node.args[3] is True)
-        )
+    if node.op == "call_function" and node.target in (*_RELU, F.threshold):
+        return any(a is True for a in node.args[1:])
     return False
+
+
+def _called_module(node: torch.fx.Node) -> torch.nn.Module | None:
+    owner = node.graph.owning_module
+    return owner.get_submodule(str(node.target)) if owner is not None else None
+
+
+_VIEW_MODULES = (
+    torch.nn.Identity,
+    torch.nn.modules.dropout._DropoutNd,  # the identity in eval mode (the traced mode)
+    torch.nn.Flatten,
+    torch.nn.Unflatten,
+    Flatten,
+)
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value may share its input's storage (a view, or a module returning
+    its input: ``Identity``, eval-mode ``Dropout``, ``Flatten`` of a 2-d tensor)."""
+    if node.op in ("call_function", "call_method"):
+        return _name(node) in _VIEWS
+    if node.op != "call_module":
+        return False
+    sub = _called_module(node)
+
+    def view_like(m: torch.nn.Module) -> bool:
+        if isinstance(m, torch.nn.Sequential):
+            return all(view_like(c) for c in m)
+        return isinstance(m, _VIEW_MODULES)
+
+    return sub is not None and view_like(sub)
 
 
 def _aliases(node: torch.fx.Node) -> set[torch.fx.Node]:
     """``node`` and every value that may share its storage: the values it is a view of, and
     the views taken of any of them."""
     root = node
-    while root.op in ("call_function", "call_method") and _name(root) in _VIEWS and root.args:
+    while _is_view(root) and root.args:
         base = root.args[0]
         if not isinstance(base, torch.fx.Node):
             break
@@ -933,9 +1026,7 @@ def _aliases(node: torch.fx.Node) -> set[torch.fx.Node]:
         if n in out:
             continue
         out.add(n)
-        stack.extend(
-            u for u in n.users if u.op in ("call_function", "call_method") and _name(u) in _VIEWS
-        )
+        stack.extend(u for u in n.users if _is_view(u))
     return out
 
 
@@ -969,12 +1060,13 @@ def _halved(node: torch.fx.Node) -> torch.fx.Node | None:
     """``s`` when ``node`` is ``s / 2``, ``s * 0.5`` or ``0.5 * s`` with ``s`` an addition."""
     if node.kwargs or len(node.args) != 2:
         return None
-    divide = (node.op == "call_function" and node.target in (operator.truediv, torch.div)) or (
-        node.op == "call_method" and node.target in ("div", "__truediv__")
-    )
-    multiply = (node.op == "call_function" and node.target in (operator.mul, torch.mul)) or (
-        node.op == "call_method" and node.target in ("mul", "__mul__")
-    )
+    divide = (
+        node.op == "call_function"
+        and node.target in (operator.truediv, operator.itruediv, torch.div)
+    ) or (node.op == "call_method" and node.target in ("div", "__truediv__"))
+    multiply = (
+        node.op == "call_function" and node.target in (operator.mul, operator.imul, torch.mul)
+    ) or (node.op == "call_method" and node.target in ("mul", "__mul__"))
     a, b = node.args
     candidates = []
     if divide and b == 2:
@@ -1009,9 +1101,9 @@ def _why_not(node: torch.fx.Node) -> str:
             "an argument other than the input is computed from a tensor (e.g. a size read "
             "with x.size()); use a constant"
         )
-    if name in ("mul", "__mul__", "truediv", "div", "__truediv__"):
+    if name in ("mul", "__mul__", "imul", "truediv", "itruediv", "div", "__truediv__"):
         return "scales by a constant (no certified rule outside (x + f(x)) / 2)"
-    if name in ("sub", "__sub__", "add", "__add__", "iadd"):
+    if name in ("sub", "__sub__", "isub", "add", "__add__", "iadd"):
         return "arithmetic other than a skip connection x + f(x)"
     return "no certified clipless equivalent for this operation"
 

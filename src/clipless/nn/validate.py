@@ -130,7 +130,7 @@ def validate(module: torch.nn.Module) -> None:
         if hooks:
             problems.append(
                 f"  - {where} ({_type_name(sub)}): has {' and '.join(hooks)}, which can change "
-                "the function its bound certifies; remove them (register them on a copy)"
+                "the function its bound certifies; remove the hook (register it on a copy)"
             )
         if not isinstance(sub, LipschitzModule):
             problems.append(f"  - {where} ({_type_name(sub)}): {_advice(sub)}")
