@@ -1,4 +1,7 @@
-"""Equal-budget tuning of clipless and Opacus on Fashion-MNIST, in parallel processes.
+"""Equal-budget tuning of clipless and Opacus on Fashion-MNIST or MNIST, in parallel processes.
+
+``--dataset mnist-10k`` runs the ``*-mnist*`` grids on the 10k MNIST subset (``RESULTS.md``
+section 27b; give it its own ``--out``: the summary groups rows by method and epsilon).
 
 Issue 10 asks for every method to be tuned "with the same number of trials" at every epsilon.
 This driver does it with one protocol for both, the one the DP-SGD papers use (the tuning cost is
