@@ -279,3 +279,16 @@ def test_cli_refuses_the_image_models_on_tabular_data(
     err = capsys.readouterr().err
     assert "--model" in err and "image dataset" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_bad_shapes_and_widths_name_the_argument() -> None:
+    import numpy as np
+
+    with pytest.raises(ValueError, match="width must be a sequence"):
+        models.resnet((1, 8, 8), True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="input_shape must be"):
+        models.build("mlp", (), (4,), 3)
+    with pytest.raises(ValueError, match="input_shape must be a sequence"):
+        models.mlp(14, [4], 2)  # type: ignore[arg-type]
+    assert models.mlp((4,), [np.int64(4)], 2)[-1].in_features == 4
+    assert models.mlp((4,), np.array([4, 6]), 2)[-1].in_features == 6

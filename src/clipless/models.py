@@ -66,6 +66,7 @@ def mlp(
     One logit per class. ``Flatten`` is inserted when a sample has more than one dimension (images).
     ``bias=False`` by default: each bias is one more noised tensor.
     """
+    input_shape = _shape(input_shape)
     hidden = _widths("hidden", hidden)
     layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm), input_mode)]  # all dims
     if len(input_shape) > 1:
@@ -93,6 +94,7 @@ def linear(
     (``benchmarks/RESULTS.md``, Adult lever table). ``bias=True`` by default: the bias and the
     weight share one sensitivity (their joint per-sample gradient is scaled together).
     """
+    input_shape = _shape(input_shape)
     layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm), input_mode)]
     if len(input_shape) > 1:
         layers.append(nn.Flatten())
@@ -120,6 +122,7 @@ def convnet(
     convolutions are bias-free. With the defaults this is the CNN of
     ``benchmarks/fashion_mnist.py``.
     """
+    input_shape = _shape(input_shape)
     if len(input_shape) != 3:
         raise ValueError(
             f"convnet needs images of shape (channels, height, width); got input shape "
@@ -146,7 +149,20 @@ def convnet(
     return nn.Sequential(*layers)
 
 
+def _shape(input_shape: object) -> tuple[int, ...]:
+    """``input_shape`` (one sample's shape) as a tuple of ints >= 1, or a ValueError naming it."""
+    if isinstance(input_shape, (str, bytes)) or not isinstance(input_shape, Iterable):
+        raise ValueError(f"input_shape must be a sequence of ints >= 1; got {input_shape!r}")
+    shape = tuple(input_shape)
+    if not shape or any(
+        isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in shape
+    ):
+        raise ValueError(f"input_shape must be one or more ints >= 1; got {shape!r}")
+    return tuple(int(d) for d in shape)
+
+
 def _image_shape(model: str, input_shape: Sequence[int]) -> tuple[int, int, int]:
+    input_shape = _shape(input_shape)
     if len(input_shape) != 3:
         raise ValueError(
             f"{model} needs images of shape (channels, height, width); got input shape "
@@ -360,11 +376,7 @@ def build(
     engine accounts for; ``whiten`` / ``whiten_noise``: the channel mixing it applies next
     (:func:`clipless.features.whitening` of a :func:`clipless.features.release_channel_moment`
     release), accounted the same way."""
-    shape = tuple(input_shape)
-    if not shape or any(
-        isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in shape
-    ):
-        raise ValueError(f"input_shape must be one or more ints >= 1; got {shape!r}")
+    _shape(input_shape)
     model: nn.Sequential
     if kind == "linear":
         if tuple(hidden):
