@@ -146,11 +146,12 @@ def test_certification_and_steps_on_cuda() -> None:
 
     assert exact <= dense_norm(mat) <= exact * 1.01
     previous = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = True  # CUDA's default: refused by the private optimizer
-    with pytest.raises(clipless.optim.PrivacyContractError, match="TF32"):
-        _train_on("cuda")
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 products: refused
+        with pytest.raises(clipless.optim.PrivacyContractError, match="TF32"):
+            _train_on("cuda")
+        # cuDNN's TF32 (CUDA's default) concerns convolutions only: a dense model trains
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
         layers = _train_on("cuda")
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = previous

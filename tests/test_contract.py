@@ -872,6 +872,45 @@ def test_copies_made_by_the_collate_count_as_copies() -> None:
     assert engine.ledger.steps == 1
 
 
+def test_convolution_precision_concerns_convolutional_models_only() -> None:
+    """cuDNN's TF32 flag is on by default on CUDA but affects convolutions only: a model of
+    dense clipless layers is not refused for the convolution settings, a ConvNet is (here with
+    the CPU's oneDNN convolution setting, the same check)."""
+    from clipless.optim import reduced_float32_precision
+
+    conv = getattr(torch.backends.mkldnn, "conv", None)
+    if conv is None or not hasattr(conv, "fp32_precision"):
+        pytest.skip("torch < 2.9 has no torch.backends.mkldnn.conv.fp32_precision")
+    saved = conv.fp32_precision
+    try:
+        conv.fp32_precision = "tf32"
+        assert reduced_float32_precision({"cpu"}) is not None
+        assert reduced_float32_precision({"cpu"}, convolutions=False) is None
+        _, m, o, dl = _private()  # an MLP: trains
+        x, y = next(iter(dl))
+        nn.CrossEntropyLoss(reduction="sum")(m(x), y).backward()
+        o.step()
+        assert o.ledger.steps == 1
+        model = nn.Sequential(
+            nn.InputNorm(1.0), nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(32, 2)
+        )
+        images = torch.utils.data.TensorDataset(
+            torch.randn(64, 1, 4, 4), torch.randint(0, 2, (64,))
+        )
+        model, _, loader = clipless.PrivacyEngine(seed=0).make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=torch.utils.data.DataLoader(images, batch_size=16),
+            loss=nn.CrossEntropyLoss(),
+            noise_multiplier=1.0,
+        )
+        x, y = next(iter(loader))
+        with pytest.raises(PrivacyContractError, match=r"mkldnn\.conv"):
+            model(x)
+    finally:
+        conv.fp32_precision = saved
+
+
 def test_full_float32_precision_clears_every_reduced_setting() -> None:
     """The legacy writes (``allow_tf32 = False``) leave a TF32 setting inherited from
     ``torch.backends.fp32_precision`` in place on torch >= 2.9; ``full_float32_precision`` sets

@@ -76,6 +76,7 @@ import torch
 import torch.nn.modules.module as _module_hooks
 
 from clipless import _workspace, bounds, constraints, mechanism
+from clipless import nn as _cnn
 from clipless._bits import same_bits
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
@@ -223,7 +224,7 @@ def _safe_radius(bound: float, dtype: torch.dtype) -> float:
     return float(bound) * (1.0 - 8.0 * eps)
 
 
-def reduced_float32_precision(devices: set[str]) -> str | None:
+def reduced_float32_precision(devices: set[str], convolutions: bool = True) -> str | None:
     """The torch setting (a description) under which float32 convolutions or matrix products on
     one of the device types ``devices`` round below float32, or ``None``.
 
@@ -236,13 +237,16 @@ def reduced_float32_precision(devices: set[str]) -> str | None:
     (``fp32_precision``, ``"none"`` inheriting from the backend, then from
     ``torch.backends.fp32_precision``; the legacy setters write them): those are read. Older
     torch: the legacy flags. :func:`full_float32_precision` turns everything off.
+    ``convolutions=False`` (a model of dense layers only) skips the convolution settings.
     """
     backends = torch.backends
     wanted = []
     if "cuda" in devices:
-        wanted += [("cudnn", "conv"), ("cuda", "matmul")]
+        wanted += [("cudnn", "conv"), ("cuda", "matmul")] if convolutions else [("cuda", "matmul")]
     if "cpu" in devices:
-        wanted += [("mkldnn", "conv"), ("mkldnn", "matmul")]
+        wanted += (
+            [("mkldnn", "conv"), ("mkldnn", "matmul")] if convolutions else [("mkldnn", "matmul")]
+        )
     root = getattr(backends, "fp32_precision", None)
     if isinstance(root, str):  # torch >= 2.9
         for backend, op in wanted:
@@ -272,13 +276,31 @@ def reduced_float32_precision(devices: set[str]) -> str | None:
     if precision != "highest":
         return f"torch.get_float32_matmul_precision() is {precision!r}"
     if "cuda" in devices:
-        for name, owner in (
-            ("torch.backends.cudnn.allow_tf32", backends.cudnn),
-            ("torch.backends.cuda.matmul.allow_tf32", backends.cuda.matmul),
-        ):
+        legacy: list[tuple[str, Any]] = [
+            ("torch.backends.cuda.matmul.allow_tf32", backends.cuda.matmul)
+        ]
+        if convolutions:
+            legacy.append(("torch.backends.cudnn.allow_tf32", backends.cudnn))
+        for name, owner in legacy:
             if getattr(owner, "allow_tf32", False) is True:
                 return f"{name} is True"
     return None
+
+
+# clipless layers that run no convolution (the precision check's cuDNN exemption)
+_DENSE_LAYERS: tuple[type, ...] = (
+    _cnn.Sequential,
+    _cnn.Residual,
+    _cnn.Linear,
+    _cnn.InputNorm,
+    _cnn.GroupSort,
+    _cnn.ReLU,
+    _cnn.Tanh,
+    _cnn.Sigmoid,
+    _cnn.Abs,
+    _cnn.Flatten,
+    _cnn.LossGradientClip,
+)
 
 
 _FP32_LEAVES = (
@@ -572,7 +594,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 "covers; train without autocast (float32 or float64)"
             )
         if self._dtype == "float32":
-            setting = reduced_float32_precision(devices)
+            # cuDNN's TF32 flag (on by default) concerns convolutions only: a model of known
+            # dense layers is not refused for it; anything else counts as a convolution
+            convolutions = any(not isinstance(m, _DENSE_LAYERS) for m in self.module.modules())
+            setting = reduced_float32_precision(devices, convolutions)
             if setting is not None:
                 raise PrivacyContractError(
                     f"{setting}: float32 convolutions or matrix products then round their "
