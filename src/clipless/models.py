@@ -376,7 +376,6 @@ def build(
     engine accounts for; ``whiten`` / ``whiten_noise``: the channel mixing it applies next
     (:func:`clipless.features.whitening` of a :func:`clipless.features.release_channel_moment`
     release), accounted the same way."""
-    _shape(input_shape)
     model: nn.Sequential
     if kind == "linear":
         if tuple(hidden):

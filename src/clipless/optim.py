@@ -81,6 +81,7 @@ from clipless._bits import same_bits
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.nn._functional import _wrapped
+from clipless.nn.validate import _HOOK_KINDS, foreign_hooks
 from clipless.sampling import PoissonDataLoader
 
 if TYPE_CHECKING:
@@ -240,13 +241,12 @@ def reduced_float32_precision(devices: set[str], convolutions: bool = True) -> s
     ``convolutions=False`` (a model of dense layers only) skips the convolution settings.
     """
     backends = torch.backends
+    ops = ("conv", "matmul") if convolutions else ("matmul",)
     wanted = []
     if "cuda" in devices:
-        wanted += [("cudnn", "conv"), ("cuda", "matmul")] if convolutions else [("cuda", "matmul")]
+        wanted += [("cudnn" if op == "conv" else "cuda", op) for op in ops]
     if "cpu" in devices:
-        wanted += (
-            [("mkldnn", "conv"), ("mkldnn", "matmul")] if convolutions else [("mkldnn", "matmul")]
-        )
+        wanted += [("mkldnn", op) for op in ops]
     root = getattr(backends, "fp32_precision", None)
     if isinstance(root, str):  # torch >= 2.9
         for backend, op in wanted:
@@ -269,10 +269,7 @@ def reduced_float32_precision(devices: set[str], convolutions: bool = True) -> s
                         return f"{name} is {value!r}"
                     break
         return None
-    try:
-        precision = torch.get_float32_matmul_precision()
-    except RuntimeError:
-        precision = "highest"
+    precision = torch.get_float32_matmul_precision()  # torch < 2.9: the legacy settings
     if precision != "highest":
         return f"torch.get_float32_matmul_precision() is {precision!r}"
     if "cuda" in devices:
@@ -815,7 +812,7 @@ class DPOptimizer(torch.optim.Optimizer):
         audit measured 70x to 7000x the planned sensitivity through each kind). Checked before
         every training-mode forward (a few dictionary lengths).
         """
-        for kind in ("forward_pre", "forward", "backward_pre", "backward"):
+        for kind in _HOOK_KINDS:
             if getattr(_module_hooks, f"_global_{kind}_hooks", None):
                 raise PrivacyContractError(
                     f"a global module {kind.replace('_', '-')} hook is registered (torch.nn."
@@ -831,15 +828,13 @@ class DPOptimizer(torch.optim.Optimizer):
                 "change one example's gradient beyond what the noise covers"
             )
         for name, sub in self.module.named_modules():
-            for kind in ("forward_pre", "forward", "backward_pre", "backward"):
-                hooks = getattr(sub, f"_{kind}_hooks", None)
-                if hooks and any(not isinstance(h, _Hook) for h in hooks.values()):
-                    raise PrivacyContractError(
-                        f"module {name or '<root>'!r} has a {kind.replace('_', '-')} hook that "
-                        "clipless did not place: it runs inside the guarded pass and can change "
-                        "one example's gradient beyond what the noise covers; remove it (or "
-                        "register it on a copy of the model)"
-                    )
+            hooks = foreign_hooks(sub)
+            if hooks:
+                raise PrivacyContractError(
+                    f"module {name or '<root>'!r} has {hooks[0]} that clipless did not place: it "
+                    "runs inside the guarded pass and can change one example's gradient beyond "
+                    "what the noise covers; remove it (or register it on a copy of the model)"
+                )
         for p, name in self._names.items():
             tensor_hooks = getattr(p, "_backward_hooks", None) or {}
             after = getattr(p, "_post_accumulate_grad_hooks", None) or {}

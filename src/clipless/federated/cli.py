@@ -46,6 +46,31 @@ class _Defaults(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
+def _session_options(parser: argparse.ArgumentParser, timeout: float) -> None:
+    """The protocol options ``simulate`` and ``init`` share."""
+    parser.add_argument(
+        "--protocol",
+        choices=["shares", "fss"],
+        default="shares",
+        help="secret sharing or function secret sharing (docs/federated.md)",
+    )
+    parser.add_argument(
+        "--noise-sharing",
+        choices=["dealer", "distributed"],
+        default="dealer",
+        help="who holds the tree-node noise (docs/federated.md: threat model)",
+    )
+    parser.add_argument(
+        "--neighbouring",
+        choices=["replace_one", "add_remove"],
+        default="replace_one",
+        help="the neighbouring relation of the guarantee",
+    )
+    parser.add_argument(
+        "--timeout", type=_FINITE_POSITIVE, default=timeout, help="per-phase timeout in seconds"
+    )
+
+
 def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``federated`` command (``simulate``, ``init``, ``serve``, ``owner``, ``dealer``,
     ``analyst``) to an :mod:`argparse` sub-parser set; return its parser."""
@@ -69,29 +94,9 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         "clipless.federated.federated_ecdf takes any number in one process)",
     )
     s.add_argument("--servers", type=integer(2), default=2, help="number of servers m (default 2)")
-    s.add_argument(
-        "--protocol",
-        choices=["shares", "fss"],
-        default="shares",
-        help="secret sharing or function secret sharing (docs/federated.md)",
-    )
     s.add_argument("--size", type=integer(2), default=16, help="number of grid thresholds |B|")
     s.add_argument("--epsilon", type=_FINITE_POSITIVE, default=1.0, help="privacy budget (> 0)")
-    s.add_argument(
-        "--noise-sharing",
-        choices=["dealer", "distributed"],
-        default="dealer",
-        help="who holds the tree-node noise (docs/federated.md: threat model)",
-    )
-    s.add_argument(
-        "--neighbouring",
-        choices=["replace_one", "add_remove"],
-        default="replace_one",
-        help="the neighbouring relation of the guarantee",
-    )
-    s.add_argument(
-        "--timeout", type=_FINITE_POSITIVE, default=60.0, help="per-phase timeout in seconds"
-    )
+    _session_options(s, timeout=60.0)
     s.add_argument(
         "--data-seed", type=integer(0), default=0, help="seed of the synthetic owner data"
     )
@@ -115,31 +120,11 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     i.add_argument("--out", required=True, help="directory to create (session.json, secrets/)")
     i.add_argument("--owners", type=integer(1), required=True, help="number of data owners")
     i.add_argument("--servers", type=integer(2), default=2, help="number of servers m")
-    i.add_argument(
-        "--protocol",
-        choices=["shares", "fss"],
-        default="shares",
-        help="secret sharing or function secret sharing (docs/federated.md)",
-    )
     i.add_argument("--size", type=integer(2), required=True, help="number of grid thresholds")
     i.add_argument("--lower", type=float, default=0.0, help="grid lower bound (default 0)")
     i.add_argument("--upper", type=float, default=1.0, help="grid upper bound (default 1)")
     i.add_argument("--epsilon", type=_FINITE_POSITIVE, required=True, help="privacy budget (> 0)")
-    i.add_argument(
-        "--noise-sharing",
-        choices=["dealer", "distributed"],
-        default="dealer",
-        help="who holds the tree-node noise (docs/federated.md: threat model)",
-    )
-    i.add_argument(
-        "--neighbouring",
-        choices=["replace_one", "add_remove"],
-        default="replace_one",
-        help="the neighbouring relation of the guarantee",
-    )
-    i.add_argument(
-        "--timeout", type=_FINITE_POSITIVE, default=600.0, help="per-phase timeout in seconds"
-    )
+    _session_options(i, timeout=600.0)
     i.add_argument(
         "--statistic",
         choices=["ecdf", "roc"],

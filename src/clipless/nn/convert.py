@@ -206,6 +206,20 @@ class _Converter:
             text = f"clipless.nn.{type(replacement).__name__}({replacement.extra_repr()})"
         self.entries.append(ConversionEntry(path, original, text, reason, kind, node))
 
+    def hooked(self, module: torch.nn.Module, path: str) -> bool:
+        """Record ``module`` as unconvertible if it carries hooks clipless did not place."""
+        hooks = foreign_hooks(module)
+        if hooks:
+            self.record(
+                path,
+                _type_name(module),
+                None,
+                f"has {' and '.join(hooks)} (they change its function, and the converted model "
+                "would not carry them); remove them before converting",
+                "unconvertible",
+            )
+        return bool(hooks)
+
     # ------------------------------------------------------------------ modules
     def module(self, module: torch.nn.Module, path: str) -> torch.nn.Module | None:
         """The converted module (``None``: removed); unconvertible ones are deep-copied."""
@@ -216,16 +230,7 @@ class _Converter:
 
     def _module(self, module: torch.nn.Module, path: str) -> torch.nn.Module | None:
         name = _type_name(module)
-        hooks = foreign_hooks(module)
-        if hooks:
-            self.record(
-                path,
-                name,
-                None,
-                f"has {' and '.join(hooks)} (they change its function, and the converted layer "
-                "would not carry them); remove them before converting",
-                "unconvertible",
-            )
+        if self.hooked(module, path):
             return _deepcopy(module)
         if isinstance(module, LipschitzModule):
             return _deepcopy(module)
@@ -421,18 +426,9 @@ class _Converter:
         # traced in eval mode: the converted model computes the eval-mode function (a branch on
         # self.training, or F.dropout(..., training=self.training), is read in that mode)
         tracer = _Tracer()
-        for sub_path, sub in _inlined(module, tracer, path):
-            hooks = foreign_hooks(sub)
-            if hooks:  # its code is traced into the graph, but not its backward hooks
-                self.record(
-                    sub_path,
-                    _type_name(sub),
-                    None,
-                    f"has {' and '.join(hooks)} (the converted model would not carry them); "
-                    "remove them before converting",
-                    "unconvertible",
-                )
-                return _deepcopy(module)
+        # an inlined module's code is traced into the graph, but not its backward hooks
+        if any(self.hooked(sub, sub_path) for sub_path, sub in _inlined(module, tracer, path)):
+            return _deepcopy(module)
         modes = [(m, m.training) for m in module.modules()]
         module.eval()
         try:
@@ -891,22 +887,8 @@ class _Structure:
                 )
 
 
-_INPLACE_OPERATORS = {
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-    operator.imod,
-    operator.ipow,
-    operator.imatmul,
-    operator.iand,
-    operator.ior,
-    operator.ixor,
-    operator.ilshift,
-    operator.irshift,
-    operator.setitem,
-}
+# what _Proxy records for h += t and friends (item assignment fails to trace)
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 # operations whose result shares storage with their first argument
 _VIEWS = {
     "view",

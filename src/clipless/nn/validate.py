@@ -9,6 +9,8 @@ once, with the clipless replacement where one exists.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from clipless.nn._base import LipschitzModule, ParametricLipschitzModule
@@ -84,16 +86,22 @@ def foreign_hooks(module: torch.nn.Module) -> list[str]:
     10), so a hooked layer no longer computes the function its bound certifies. The hooks that
     :func:`clipless.make_private` places (``clipless.optim._Hook``) are not counted.
     """
-    from clipless.optim import _Hook  # clipless.optim imports clipless.nn
-
+    placed = _placed_hook_type()
     return [
         f"a {kind.replace('_', '-')} hook"
         for kind in _HOOK_KINDS
         if any(
-            not isinstance(h, _Hook)
+            not isinstance(h, placed)
             for h in (getattr(module, f"_{kind}_hooks", None) or {}).values()
         )
     ]
+
+
+@functools.cache
+def _placed_hook_type() -> type:
+    from clipless.optim import _Hook  # clipless.optim imports clipless.nn
+
+    return _Hook
 
 
 def _advice(module: torch.nn.Module) -> str:
