@@ -472,3 +472,10 @@ def test_a_rank_returning_a_failure_ends_the_run(tmp_path: Path) -> None:
     script.write_text(_HANG)
     done = subprocess.run([sys.executable, str(script)], timeout=120, capture_output=True)
     assert done.returncode == 3
+
+
+def test_shard_without_a_process_group_names_the_fix() -> None:
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match=r"shard needs an initialised torch\.distributed"):
+        distributed.shard(torch.zeros(4, 2))

@@ -462,3 +462,106 @@ def test_two_hand_written_resumes_of_one_checkpoint_draw_fresh_noise() -> None:
         assert not torch.equal(noise, saved["generator"])
         assert not torch.equal(sampler, saved["sampler_generator"])
     assert not torch.equal(states[0][0], states[1][0])
+
+
+# ------------------------------------------------ argument checks (fourteenth session's audit)
+
+
+def test_a_seeded_engine_warns_and_its_guarantee_says_so() -> None:
+    with pytest.warns(UserWarning, match="experiments only"):
+        engine = clipless.PrivacyEngine(seed=3)
+    model = _model()
+    engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=20),
+        loss=nn.CrossEntropyLoss(),
+        noise_multiplier=1.3,
+    )
+    assert "seeded by the caller" in str(engine.guarantee(1e-5))
+    unseeded, _, _, _ = _private(seed=None)
+    assert "seeded" not in str(unseeded.guarantee(1e-5))
+
+
+def test_delta_of_at_least_one_over_n_warns() -> None:
+    with pytest.warns(UserWarning, match=r"target_delta=0\.01 is at least 1/n \(n = 200"):
+        engine, *_ = _private(
+            noise_multiplier=None, target_epsilon=1.0, target_delta=0.01, epochs=1
+        )
+    with pytest.warns(UserWarning, match="at least 1/n"):
+        engine.guarantee(0.005)
+    with pytest.warns(UserWarning, match="at least 1/n"):
+        engine.get_epsilon(0.005)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"epochs": 2, "steps": 3}, ValueError, "epochs or steps, not both"),
+        ({"target_delta": 1e-5}, ValueError, "target_delta is used with target_epsilon only"),
+        ({"scaling": "per-sample", "thresholds": {"1": 1.0}}, ValueError, "threshold' only"),
+        ({"scaling": "batch-max", "allow_unproven": "no"}, TypeError, "allow_unproven"),
+        ({"constraint": None, "max_norm": 0.5}, ValueError, "projects nothing"),
+        ({"ledger_path": 123}, TypeError, "ledger_path"),
+        ({"input_shape": (0,)}, ValueError, "input_shape"),
+        ({"input_shape": 2.5}, TypeError, "input_shape"),
+    ],
+)
+def test_contradictory_or_mistyped_options_are_refused(
+    options: dict, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        _private(**options)
+
+
+def test_numpy_scalars_and_a_plain_int_shape_are_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    _, _, o, _ = _private(
+        noise_multiplier=np.float32(1.3),
+        steps=np.int64(4),
+        certify_every=np.int64(2),
+        max_norm=np.float32(1.0),
+        input_shape=DIM,
+    )
+    assert type(o.config.noise_multiplier) is float and type(o.config.steps) is int
+    assert o.input_shape == (DIM,) and o.certify_every == 2
+
+
+@pytest.mark.parametrize(
+    ("loss", "target", "bad_row"),
+    [
+        (nn.BCEWithLogitsLoss(), torch.tensor([[0.0], [1.0], [2.0], [1.0]]), " 2"),
+        (nn.MulticlassHingeLoss(), torch.tensor([[1.0], [0.0], [1.0], [3.0]]), " 3"),
+        # {0, 1} mixed with {-1, 1}: no single record is wrong, any batch holding both fails
+        (nn.KRLoss(), torch.tensor([[0.0], [-1.0], [1.0], [1.0]]), "s 0-3"),
+    ],
+)
+def test_targets_the_loss_refuses_are_refused_before_the_first_step(
+    loss: torch.nn.Module, target: torch.Tensor, bad_row: str
+) -> None:
+    """Audit finding: a record whose target the loss refuses made only the steps that sampled
+    it fail (a failure with probability q per step breaks delta); make_private now names it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.InputNorm(1.0), nn.Linear(DIM, 1))
+    data = TensorDataset(torch.randn(4, DIM), target)
+    with pytest.raises(ValueError, match=rf"record{bad_row}: the loss"):
+        clipless.PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=2),
+            loss=loss,
+            noise_multiplier=1.0,
+        )
+
+
+def test_probability_rows_that_do_not_sum_to_one_are_refused() -> None:
+    torch.manual_seed(0)
+    y = torch.tensor([[0.5, 0.5], [0.9, 0.9], [1.0, 0.0]])
+    with pytest.raises(ValueError, match=r"record 1: the loss \(CrossEntropyLoss\)"):
+        _private(dataset=TensorDataset(torch.randn(3, DIM), y))
+
+
+def test_features_of_another_dtype_than_the_model_are_refused() -> None:
+    data = TensorDataset(torch.randn(20, DIM, dtype=torch.float64), torch.randint(0, 2, (20,)))
+    with pytest.raises(ValueError, match=r"features are torch.float64 but the model's"):
+        _private(dataset=data)

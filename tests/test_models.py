@@ -292,3 +292,29 @@ def test_bad_shapes_and_widths_name_the_argument() -> None:
         models.mlp(14, [4], 2)  # type: ignore[arg-type]
     assert models.mlp((4,), [np.int64(4)], 2)[-1].in_features == 4
     assert models.mlp((4,), np.array([4, 6]), 2)[-1].in_features == 6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_classes": 2.7}, TypeError, "num_classes"),
+        ({"num_classes": True}, TypeError, "num_classes"),
+        ({"num_classes": "3"}, TypeError, "num_classes"),
+        ({"num_classes": 0}, ValueError, "num_classes"),
+        ({"input_norm": "5"}, TypeError, "input_norm"),
+        ({"input_norm": torch.tensor(3.0)}, TypeError, "input_norm"),
+        ({"input_norm": float("inf")}, ValueError, "input_norm"),
+        ({"hidden": 8}, ValueError, "hidden"),
+    ],
+)
+def test_builders_refuse_what_they_used_to_coerce(kwargs: dict, error: type, match: str) -> None:
+    """Audit finding: int() / float() turned num_classes=2.7 into 2 logits and True into 1."""
+    args = {"input_shape": (4,), "hidden": (8,), "num_classes": 3, **kwargs}
+    with pytest.raises(error, match=match):
+        models.build("mlp", **args)
+
+
+def test_builders_accept_numpy_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    model = models.build("mlp", (4,), (8,), np.int64(3), input_norm=np.float32(2.0))
+    assert model[-1].out_features == 3 and model[0].max_norm == 2.0

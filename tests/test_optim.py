@@ -226,3 +226,43 @@ def test_the_gradient_fingerprint_of_a_large_gradient() -> None:
     m[1].weight.grad.data.mul_(20.0)
     with pytest.raises(clipless.optim.PrivacyContractError, match="without autograd seeing it"):
         o.step()
+
+
+def test_adambc_takes_numpy_numbers_and_refuses_bools() -> None:
+    import numpy as np
+
+    from clipless.optim import AdamBC
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = AdamBC([p], lr=np.float32(0.1), betas=(np.float64(0.9), 0.99), floor=np.float32(1e-6))
+    assert type(opt.defaults["lr"]) is float
+    for kwargs in ({"lr": True}, {"floor_ratio": True}, {"betas": (True, 0.9)}):
+        with pytest.raises(ValueError):
+            AdamBC([p], **kwargs)
+
+
+def test_dpoptimizer_checks_ledger_path_and_generator() -> None:
+    """Audit finding: ledger=None or generator=123 failed only at the first step."""
+    from clipless import accounting
+    from clipless.optim import DPOptimizer
+
+    model = clipless.nn.Sequential(clipless.nn.InputNorm(1.0), clipless.nn.Linear(3, 2))
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = clipless.mechanism.PrivacyConfig(
+        noise_multiplier=1.0, sample_rate=0.5, num_samples=10, num_tensors=2
+    )
+    good = {
+        "module": model,
+        "loss": clipless.nn.CrossEntropyLoss(reduction="sum"),
+        "input_shape": (3,),
+        "config": config,
+        "ledger": accounting.PrivacyLedger(),
+    }
+    DPOptimizer(base, **good)
+    for bad, match in (
+        ({"ledger": None}, "ledger must be"),
+        ({"ledger_path": 123}, "ledger_path"),
+        ({"generator": 123}, "generator"),
+    ):
+        with pytest.raises(TypeError, match=match):
+            DPOptimizer(base, **{**good, **bad})

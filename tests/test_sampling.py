@@ -379,3 +379,35 @@ def test_rows_of_structured_and_tensorless_batches() -> None:
         Records(), 1.0, steps=1, collate_fn=lambda rows: torch.stack([r["x"] for r in rows] * 4)
     )
     assert next(iter(views)).shape[0] == 120 and views.last_batch_size == 30
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ds: DataLoader(
+            ds, batch_size=8, sampler=torch.utils.data.SubsetRandomSampler(range(16))
+        ),
+        lambda ds: DataLoader(
+            ds, batch_size=8, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 64, 64)
+        ),
+        lambda ds: DataLoader(
+            ds,
+            batch_sampler=torch.utils.data.BatchSampler(
+                torch.utils.data.SubsetRandomSampler(range(16)), 8, False
+            ),
+        ),
+        lambda ds: DataLoader(ds, batch_sampler=[[0, 1], [2, 3]]),
+    ],
+)
+def test_a_sampler_that_selects_records_is_refused_not_dropped(make: Any) -> None:
+    """Audit finding: a SubsetRandomSampler was dropped, so the Poisson loader drew the records
+    meant to be held out (q computed over all 64)."""
+    ds = TensorDataset(torch.arange(64.0)[:, None])
+    with pytest.raises(ValueError, match="would drop"):
+        PoissonDataLoader.from_data_loader(make(ds))
+
+
+def test_default_samplers_are_replaced_silently() -> None:
+    ds = TensorDataset(torch.arange(64.0)[:, None])
+    for loader in (DataLoader(ds, batch_size=8), DataLoader(ds, batch_size=8, shuffle=True)):
+        assert PoissonDataLoader.from_data_loader(loader).sample_rate == 0.125

@@ -73,7 +73,8 @@ class BoundReport:
     """Result of :func:`report`: ``X_0``, the loss constant ``L``, one entry per parametric layer.
 
     ``layers`` are in forward order (a module used twice appears twice); ``model_lipschitz`` is a
-    certified Lipschitz constant of the model after its leading ``InputNorm``.
+    certified Lipschitz constant of the model after its leading ``InputNorm``. ``output_shape``
+    is one example's output shape (the model's output without its batch dimension).
     """
 
     input_bound: float
@@ -81,6 +82,7 @@ class BoundReport:
     num_logits: int
     layers: tuple[LayerBound, ...]
     model_lipschitz: float
+    output_shape: tuple[int, ...] = ()
 
     def sensitivities(self) -> dict[str, float]:
         """Per-parameter bounds, summed over occurrences (triangle inequality for shared layers)."""
@@ -332,6 +334,7 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
         num_logits=num_logits,
         layers=tuple(layers),
         model_lipschitz=walker.lipschitz(model),
+        output_shape=tuple(int(d) for d in output.shape[1:]),
     )
 
 

@@ -101,6 +101,7 @@ shape/dtype/device or a convolution's geometry (stride, padding, recorded ``inpu
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -176,7 +177,7 @@ def _check_args(
 ) -> float:
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
         raise TypeError(f"max_norm must be a finite number > 0, got {max_norm!r}")
     c = float(max_norm)
     if not (math.isfinite(c) and c > 0.0):
@@ -185,11 +186,11 @@ def _check_args(
         ("certify_every", certify_every, 1),
         ("bjorck_iters", bjorck_iters, 0),
     ):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
         if value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float):
+    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
         raise TypeError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
     if not (math.isfinite(float(tolerance)) and float(tolerance) >= 0.0):
         raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")

@@ -185,6 +185,12 @@ def shard(
     ranks; without it, the batch size and a float64 checksum of the contents (non-finite values
     counted apart). The check runs on the group's device (CUDA for NCCL).
     """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "shard needs an initialised torch.distributed process group: call "
+            "clipless.distributed.init_from_env() (under torchrun) or "
+            "torch.distributed.init_process_group(...) first"
+        )
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     if not tensors:

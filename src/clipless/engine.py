@@ -15,6 +15,7 @@ Lip-DP-SGD (thesis Algorithm 8) with ``scaling="per-sample"`` / ``"threshold"`` 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import secrets
 import warnings
@@ -91,6 +92,14 @@ class PrivacyEngine:
         if seed is not None and not 0 <= seed < 2**63 - 1:
             # the noise generator takes seed, the Poisson sampler seed + 1 (torch: < 2^64)
             raise ValueError(f"seed must be an int in [0, 2**63 - 1) or None; got {seed!r}")
+        if seed is not None:
+            warnings.warn(
+                f"PrivacyEngine(seed={seed}) makes the noise and the batches a function of the "
+                "seed: anyone who learns or guesses it can remove the noise. Use it for "
+                "reproducible experiments only, and seed=None (the OS CSPRNG) for a release; "
+                "the guarantee's mechanism says the generators were seeded",
+                stacklevel=2,
+            )
         self.accountant_kind = accountant
         self.seed = seed
         self.ledger = accounting.PrivacyLedger(
@@ -158,9 +167,14 @@ class PrivacyEngine:
         (default) or ``"replace_one"`` (doubles every sensitivity). With ``ledger_path`` the ledger
         is written (atomically) before every step's noise is drawn, so a crash never loses
         accounting. ``certify_every=k`` lets the projection carry a certified bound between exact
-        certifications. ``validate_data`` checks once that every record is finite and every
-        integer label is a valid class, so that no record can make a step fail when it is sampled
-        (a failure with probability ``q`` per step would break delta).
+        certifications. ``validate_data`` checks once that every record is finite, that the
+        features have the model's dtype and that the loss accepts every target (integer labels a
+        valid class, binary labels in ``{0, 1}`` or ``{-1, 1}``, probability rows on the
+        simplex), so that no record can make a step fail when it is sampled (a failure with
+        probability ``q`` per step would break delta). A ``target_delta`` (or a ``delta`` read
+        later) of at least ``1 / n`` warns: such a claim protects nobody. The loader's sampler
+        must be torch's default (sequential or shuffling); one that selects or weights records
+        is refused rather than dropped (pass a ``torch.utils.data.Subset`` instead).
 
         A model whose :class:`clipless.nn.InputNorm` subtracts a released mean (``center=``, from
         :func:`clipless.features.release_mean`) carries that release: it is composed with the
@@ -192,14 +206,29 @@ class PrivacyEngine:
                 "rescales every sample by the batch maximum); pass allow_unproven=True to use it "
                 "for reproduction only"
             )
-        if (
-            isinstance(certify_every, bool)
-            or not isinstance(certify_every, int)
-            or certify_every < 1
-        ):
-            raise ValueError(f"certify_every must be an integer >= 1; got {certify_every!r}")
+        certify_every = _positive_int("certify_every", certify_every)
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+        if noise_multiplier is not None and target_delta is not None:
+            raise ValueError(
+                "target_delta is used with target_epsilon only (to calibrate the noise); with "
+                "noise_multiplier, choose delta when reading the guarantee "
+                "(engine.get_epsilon(delta), engine.guarantee(delta))"
+            )
+        if epochs is not None and steps is not None:
+            raise ValueError("give epochs or steps, not both (steps would override epochs)")
+        if constraint is None and max_norm != 1.0:
+            raise ValueError(
+                f"max_norm={max_norm!r} is the projection's operator-norm bound, but "
+                "constraint=None projects nothing; drop max_norm or choose a constraint"
+            )
+        if not isinstance(allow_unproven, bool):
+            raise TypeError(f"allow_unproven must be a bool; got {type(allow_unproven).__name__}")
+        if ledger_path is not None and not isinstance(ledger_path, str | os.PathLike):
+            raise TypeError(
+                f"ledger_path must be a str, an os.PathLike or None; got "
+                f"{type(ledger_path).__name__}"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}"
@@ -220,7 +249,7 @@ class PrivacyEngine:
         n = loader.num_samples
         if input_shape is None:
             input_shape = _infer_input_shape(loader)
-        input_shape = tuple(input_shape)
+        input_shape = _shape_tuple(input_shape)
         noised = _noised(module, optimizer)
         if getattr(loss, "reduction", "sum") != "sum":
             setattr(loss, "reduction", "sum")  # noqa: B010 - typed as Tensor | Module
@@ -249,13 +278,14 @@ class PrivacyEngine:
         if target_epsilon is not None:
             if target_delta is None:
                 raise ValueError("target_delta is required with target_epsilon")
+            _warn_large_delta(target_delta, n, "target_delta")
             assert planned is not None
             config = config.calibrate(target_epsilon, target_delta, planned)
 
         # Everything the step relies on is checked before any state changes.
         report = bounds.report(module, loss, input_shape)
         if validate_data:
-            _validate_dataset(loader.dataset, report.num_logits)
+            _validate_dataset(loader.dataset, report, loss, _float_dtype(module))
         self.ledger = accounting.PrivacyLedger(
             accountant=cast(accounting.AccountantKind, self.accountant_kind),
             neighbouring=cast(accounting.Neighbouring, neighbouring),
@@ -323,6 +353,8 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon spent so far at ``delta`` (recomputed from the ledger)."""
+        if self._config is not None:
+            _warn_large_delta(delta, self._config.num_samples, "delta")
         if not self.ledger.is_dp_guarantee or self.unproven:
             warnings.warn(
                 "an unproven mode (scaling='batch-max') was used: this epsilon is NOT a DP "
@@ -368,9 +400,12 @@ class PrivacyEngine:
         reports ``is_dp_guarantee=False`` here, in the saved ledger and in ``ledger.guarantee``.
         """
         config = self._opt().config
+        _warn_large_delta(delta, config.num_samples, "delta")
         mechanism_name = (
             f"Poisson-subsampled Gaussian, clipless {config.scaling} scaling, {config.noise} noise"
         )
+        if self.seed is not None:
+            mechanism_name += ", generators seeded by the caller (reproducible: experiments only)"
         return self.ledger.guarantee(delta, mechanism=mechanism_name)
 
     @property
@@ -566,12 +601,62 @@ def _noised(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[t
     return params
 
 
-def _validate_dataset(dataset: Any, num_logits: int) -> None:
-    """Every record finite and every integer label in ``[0, num_logits)`` (when multiclass).
+def _float_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's floating parameters (the dtype its forward expects)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
 
-    One vectorised pass over a ``TensorDataset``; other datasets are read once in large batches.
+
+_TARGET_CHUNK = 65536  # rows per loss evaluation when checking the targets
+
+
+def _validate_dataset(
+    dataset: Any, report: bounds.BoundReport, loss: torch.nn.Module, dtype: torch.dtype
+) -> None:
+    """Every record finite, of the model's dtype, and with a target the loss accepts.
+
+    A record that makes a step fail only when it is sampled would break delta (a failure with
+    probability ``q`` per step), so everything a step checks about one record is checked here
+    once: finiteness, the features' dtype, integer labels in ``[0, num_logits)`` (named in the
+    error), and then whatever the loss itself refuses (binary labels outside ``{0, 1}`` /
+    ``{-1, 1}``, probabilities outside ``[0, 1]``, probability rows not summing to 1, shapes): the
+    loss is evaluated on zero logits of the model's output shape with the real targets, in
+    chunks, and the first refused record is named. One vectorised pass over a ``TensorDataset``;
+    other datasets are read once in large batches.
     """
     from torch.utils.data import TensorDataset
+
+    num_logits = report.num_logits
+
+    def check_targets(index_offset: int, target: torch.Tensor) -> None:
+        def refusal(rows: slice) -> Exception | None:
+            t = target[rows]
+            logits = torch.zeros((t.shape[0], *report.output_shape), dtype=dtype)
+            try:
+                with torch.no_grad():
+                    loss(logits, t)
+            except (ValueError, RuntimeError, TypeError, IndexError) as exc:
+                return exc
+            return None
+
+        for start in range(0, int(target.shape[0]), _TARGET_CHUNK):
+            stop = min(start + _TARGET_CHUNK, int(target.shape[0]))
+            if refusal(slice(start, stop)) is None:
+                continue
+            for row in range(start, stop):  # error path only: find the first refused record
+                exc = refusal(slice(row, row + 1))
+                if exc is not None:
+                    raise ValueError(
+                        f"record {index_offset + row}: the loss ({type(loss).__name__}) refuses "
+                        f"its target, so any step that samples it would fail: {exc}"
+                    ) from exc
+            exc = refusal(slice(start, stop))
+            raise ValueError(
+                f"records {index_offset + start}-{index_offset + stop - 1}: the loss "
+                f"({type(loss).__name__}) refuses their targets: {exc}"
+            ) from exc
 
     def check(index_offset: int, tensors: tuple[torch.Tensor, ...]) -> None:
         for position, t in enumerate(tensors):
@@ -588,6 +673,21 @@ def _validate_dataset(dataset: Any, num_logits: int) -> None:
                         f"the training data has a non-finite value (NaN or inf) in record {row}, "
                         f"field {position}; clean or drop it before training"
                     )
+                if (
+                    position == 0
+                    and t.is_floating_point()
+                    and t.dtype != dtype
+                    and dtype
+                    in (
+                        torch.float32,
+                        torch.float64,
+                    )
+                ):  # (other model dtypes are refused by the optimizer, with their own message)
+                    raise ValueError(
+                        f"the training data's features are {t.dtype} but the model's parameters "
+                        f"are {dtype}: convert one of them (e.g. x.to({dtype}) or "
+                        f"model.to({t.dtype})) before make_private"
+                    )
             elif position == len(tensors) - 1 and num_logits > 1 and t.ndim == 1:
                 bad = (t < 0) | (t >= num_logits)
                 if bool(bad.any()):
@@ -596,6 +696,8 @@ def _validate_dataset(dataset: Any, num_logits: int) -> None:
                         f"record {row} has label {int(t[row - index_offset])}, outside the "
                         f"model's {num_logits} classes [0, {num_logits})"
                     )
+        if len(tensors) >= 2:
+            check_targets(index_offset, torch.as_tensor(tensors[-1]))
 
     if isinstance(dataset, TensorDataset):
         check(0, tuple(dataset.tensors))
@@ -607,6 +709,35 @@ def _validate_dataset(dataset: Any, num_logits: int) -> None:
         if tensors:
             check(offset, tensors)
             offset += int(tensors[0].shape[0])
+
+
+def _warn_large_delta(delta: object, n: int, name: str) -> None:
+    """Warn when ``delta >= 1 / n``: such a claim allows releasing a whole record outright."""
+    if isinstance(delta, int | float) and not isinstance(delta, bool) and delta * n >= 1.0:
+        warnings.warn(
+            f"{name}={delta!r} is at least 1/n (n = {n} training records): an (epsilon, delta) "
+            "claim with delta >= 1/n is met by a mechanism that publishes a random record "
+            "outright, so it protects nobody; use delta well below 1/n (e.g. 1/n or 1e-5 for "
+            "smaller datasets)",
+            stacklevel=3,
+        )
+
+
+def _shape_tuple(shape: object) -> tuple[int, ...]:
+    """``input_shape`` as a tuple of positive ints (one int is a 1-D shape)."""
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims: tuple[object, ...] = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"input_shape must be a tuple of positive ints (one example's shape); got {shape!r}"
+        ) from None
+    if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
+        raise ValueError(
+            f"input_shape must be a tuple of positive ints (one example's shape); got {shape!r}"
+        )
+    return tuple(int(d) for d in dims)  # type: ignore[call-overload]
 
 
 def fresh_randomness(optimizer: object, loader: object) -> None:
@@ -632,9 +763,9 @@ def _sampler_generator(loader: DataLoader[Any] | None) -> torch.Generator | None
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
-    return value
+    return int(value)
 
 
 def _total_steps(epochs: int | None, steps: int | None, q: float) -> int:

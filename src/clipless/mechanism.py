@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -142,18 +143,22 @@ class PrivacyConfig:
     releases: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        # numbers.Real / Integral (NumPy scalars included) are stored as Python floats / ints
         sigma = self.noise_multiplier
-        if isinstance(sigma, bool) or not isinstance(sigma, int | float):
+        if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
             raise TypeError(f"noise_multiplier must be a number; got {type(sigma).__name__}")
         if not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"noise_multiplier must be a finite number > 0; got {sigma!r}")
+        object.__setattr__(self, "noise_multiplier", float(sigma))
         q = self.sample_rate
-        if isinstance(q, bool) or not (isinstance(q, int | float) and 0.0 < q <= 1.0):
+        if isinstance(q, bool) or not (isinstance(q, numbers.Real) and 0.0 < q <= 1.0):
             raise ValueError(f"sample_rate must be in (0, 1]; got {q!r}")
+        object.__setattr__(self, "sample_rate", float(q))
         for name in ("num_samples", "num_tensors"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.noise not in NOISE_STRATEGIES:
             raise ValueError(f"noise must be one of {NOISE_STRATEGIES}; got {self.noise!r}")
         if self.scaling not in SCALING_MODES:
@@ -169,18 +174,32 @@ class PrivacyConfig:
                 f"constraint must be one of {CONSTRAINTS} or None; got {self.constraint!r}"
             )
         c = self.max_norm
-        if isinstance(c, bool) or not (isinstance(c, int | float) and math.isfinite(c) and c > 0):
+        if isinstance(c, bool) or not (isinstance(c, numbers.Real) and math.isfinite(c) and c > 0):
             raise ValueError(f"max_norm must be a finite number > 0; got {c!r}")
+        object.__setattr__(self, "max_norm", float(c))
         if self.neighbouring not in NEIGHBOURING:
             raise ValueError(
                 f"neighbouring must be one of {NEIGHBOURING}; got {self.neighbouring!r}"
             )
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {ACCOUNTANTS}; got {self.accountant!r}")
-        if self.steps is not None and (
-            isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1
-        ):
-            raise ValueError(f"steps must be an integer >= 1 or None; got {self.steps!r}")
+        if self.steps is not None:
+            if (
+                isinstance(self.steps, bool)
+                or not isinstance(self.steps, numbers.Integral)
+                or self.steps < 1
+            ):
+                raise ValueError(f"steps must be an integer >= 1 or None; got {self.steps!r}")
+            object.__setattr__(self, "steps", int(self.steps))
+        if not isinstance(self.allow_unproven, bool):
+            raise TypeError(
+                f"allow_unproven must be a bool; got {type(self.allow_unproven).__name__}"
+            )
+        if self.thresholds is not None and self.scaling != "threshold":
+            raise ValueError(
+                f"thresholds are used by scaling='threshold' only; got scaling={self.scaling!r} "
+                "with thresholds (drop them, or choose scaling='threshold')"
+            )
         if self.thresholds is not None:
             object.__setattr__(self, "thresholds", MappingProxyType(dict(self.thresholds)))
         object.__setattr__(self, "releases", _check_releases(self.releases))

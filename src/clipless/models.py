@@ -68,14 +68,14 @@ def mlp(
     """
     input_shape = _shape(input_shape)
     hidden = _widths("hidden", hidden)
-    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm), input_mode)]  # all dims
+    layers: list[torch.nn.Module] = [nn.InputNorm(_radius(input_norm), input_mode)]  # all dims
     if len(input_shape) > 1:
         layers.append(nn.Flatten())
     width = math.prod(int(s) for s in input_shape)
     for h in hidden:
         layers += [nn.Linear(width, h, bias=bias), nn.GroupSort(2)]
         width = h
-    layers.append(nn.Linear(width, int(num_classes), bias=bias))
+    layers.append(nn.Linear(width, _classes(num_classes), bias=bias))
     return nn.Sequential(*layers)
 
 
@@ -95,11 +95,11 @@ def linear(
     weight share one sensitivity (their joint per-sample gradient is scaled together).
     """
     input_shape = _shape(input_shape)
-    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm), input_mode)]
+    layers: list[torch.nn.Module] = [nn.InputNorm(_radius(input_norm), input_mode)]
     if len(input_shape) > 1:
         layers.append(nn.Flatten())
     width = math.prod(int(s) for s in input_shape)
-    layers.append(nn.Linear(width, int(num_classes), bias=bias))
+    layers.append(nn.Linear(width, _classes(num_classes), bias=bias))
     return nn.Sequential(*layers)
 
 
@@ -137,7 +137,7 @@ def convnet(
             f"a {h}x{w} image is too small for {len(channels)} 2x2 poolings; use at most "
             f"{max(0, int(math.log2(max(1, min(h, w)))))} convolution stages"
         )
-    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm), input_mode)]
+    layers: list[torch.nn.Module] = [nn.InputNorm(_radius(input_norm), input_mode)]
     for out_channels in channels:
         layers += [
             nn.Conv2d(c, out_channels, 3, padding=1, bias=False),
@@ -145,8 +145,37 @@ def convnet(
             nn.L2NormPool2d(2) if pool == "l2" else nn.AvgPool2d(2),
         ]
         c, h, w = out_channels, h // 2, w // 2
-    layers += [nn.Flatten(), nn.Linear(c * h * w, int(num_classes), bias=bias)]
+    layers += [nn.Flatten(), nn.Linear(c * h * w, _classes(num_classes), bias=bias)]
     return nn.Sequential(*layers)
+
+
+def _classes(num_classes: object) -> int:
+    """``num_classes`` (the number of logits) as an int >= 1, or an error naming it."""
+    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
+        raise TypeError(
+            f"num_classes must be an int >= 1 (the number of logits); got "
+            f"{type(num_classes).__name__} {num_classes!r}"
+        )
+    if num_classes < 1:
+        raise ValueError(
+            f"num_classes must be an int >= 1 (the number of logits); got {num_classes}"
+        )
+    return int(num_classes)
+
+
+def _radius(input_norm: object) -> float:
+    """``input_norm`` (the InputNorm radius) as a finite float > 0, or an error naming it."""
+    if isinstance(input_norm, bool) or not isinstance(input_norm, numbers.Real):
+        raise TypeError(
+            f"input_norm must be a finite number > 0 (the input radius); got "
+            f"{type(input_norm).__name__} {input_norm!r}"
+        )
+    radius = float(input_norm)
+    if not (math.isfinite(radius) and radius > 0):
+        raise ValueError(
+            f"input_norm must be a finite number > 0 (the input radius); got {input_norm!r}"
+        )
+    return radius
 
 
 def _shape(input_shape: object) -> tuple[int, ...]:
@@ -260,7 +289,7 @@ def resnet(
         return nn.Residual(branch, mode=residual)
 
     layers: list[torch.nn.Module] = [
-        nn.InputNorm(float(input_norm)),
+        nn.InputNorm(_radius(input_norm)),
         nn.Conv2d(c, widths[0], 3, padding=1, bias=False),
         nn.GroupSort(2),
     ]
@@ -275,7 +304,7 @@ def resnet(
                     layers.append(nn.Conv2d(ch, out, 1, bias=False))
             ch, h, w = out, h // 2, w // 2
         layers += [block(ch) for _ in range(depth)]
-    layers += [nn.Flatten(), nn.Linear(ch * h * w, int(num_classes), bias=bias)]
+    layers += [nn.Flatten(), nn.Linear(ch * h * w, _classes(num_classes), bias=bias)]
     return nn.Sequential(*layers)
 
 
@@ -322,11 +351,11 @@ def gnp_convnet(
             f"a {h}x{w} image is too small for {len(channels)} stride-2 convolutions; use at "
             f"most {max(0, int(math.log2(max(1, min(h, w)))))} stages"
         )
-    layers: list[torch.nn.Module] = [nn.InputNorm(float(input_norm))]
+    layers: list[torch.nn.Module] = [nn.InputNorm(_radius(input_norm))]
     for out in channels:
         layers += [nn.Conv2d(c, out, 2, stride=2, bias=False), nn.GroupSort(2)]
         c, h, w = out, h // 2, w // 2
-    layers += [nn.Flatten(), nn.Linear(c * h * w, int(num_classes), bias=bias)]
+    layers += [nn.Flatten(), nn.Linear(c * h * w, _classes(num_classes), bias=bias)]
     return nn.Sequential(*layers)
 
 
@@ -377,6 +406,8 @@ def build(
     (:func:`clipless.features.whitening` of a :func:`clipless.features.release_channel_moment`
     release), accounted the same way."""
     model: nn.Sequential
+    if isinstance(hidden, (str, bytes)) or not isinstance(hidden, Iterable):
+        raise ValueError(f"hidden must be a sequence of widths (may be empty); got {hidden!r}")
     if kind == "linear":
         if tuple(hidden):
             raise ValueError(f"a linear model has no hidden layers; got hidden={tuple(hidden)!r}")

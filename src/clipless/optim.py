@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 import os
 import secrets
 import warnings
@@ -75,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.modules.module as _module_hooks
 
-from clipless import _workspace, bounds, constraints, mechanism
+from clipless import _workspace, accounting, bounds, constraints, mechanism
 from clipless import nn as _cnn
 from clipless._bits import same_bits
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
@@ -462,10 +463,23 @@ class DPOptimizer(torch.optim.Optimizer):
         self.ledger = ledger
         self.ledger_path = ledger_path
         self._ledger_file_checked: object = None  # the ledger_path read before its first write
-        bad = isinstance(certify_every, bool) or not isinstance(certify_every, int)
+        bad = isinstance(certify_every, bool) or not isinstance(certify_every, numbers.Integral)
         if bad or certify_every < 1:
             raise ValueError(f"certify_every must be an integer >= 1; got {certify_every!r}")
-        self.certify_every = certify_every
+        self.certify_every = int(certify_every)
+        if not isinstance(ledger, accounting.PrivacyLedger):
+            raise TypeError(
+                f"ledger must be a clipless.accounting.PrivacyLedger; got {type(ledger).__name__}"
+            )
+        if ledger_path is not None and not isinstance(ledger_path, str | os.PathLike):
+            raise TypeError(
+                f"ledger_path must be a str, an os.PathLike or None; got "
+                f"{type(ledger_path).__name__}"
+            )
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or None; got {type(generator).__name__}"
+            )
         self._loader: PoissonDataLoader | None = None
         self._drawn_at_step = 0
         self.data_loader = data_loader
@@ -1197,6 +1211,11 @@ class DPOptimizer(torch.optim.Optimizer):
         )
 
 
+def _real(value: object) -> bool:
+    """A real number (NumPy scalars included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 class AdamBC(torch.optim.Optimizer):
     """Adam with the privacy noise's variance removed from its second moment (DP-AdamBC).
 
@@ -1242,13 +1261,18 @@ class AdamBC(torch.optim.Optimizer):
             ("betas[0]", betas[0], 0.0, 1.0),
             ("betas[1]", betas[1], 0.0, 1.0),
         ):
-            if not (isinstance(value, (int, float)) and lo <= value < hi):
+            if not (_real(value) and lo <= value < hi):
                 raise ValueError(f"{name} must be a number in [{lo}, {hi}); got {value!r}")
-        if not (isinstance(floor, (int, float)) and 0.0 < floor < math.inf):
+        if not (_real(floor) and 0.0 < floor < math.inf):
             raise ValueError(f"floor must be a positive finite number; got {floor!r}")
-        if not (isinstance(floor_ratio, (int, float)) and 0.0 <= floor_ratio < math.inf):
+        if not (_real(floor_ratio) and 0.0 <= floor_ratio < math.inf):
             raise ValueError(f"floor_ratio must be a finite number >= 0; got {floor_ratio!r}")
-        defaults = {"lr": lr, "betas": betas, "floor": floor, "floor_ratio": floor_ratio}
+        defaults = {
+            "lr": float(lr),
+            "betas": (float(betas[0]), float(betas[1])),
+            "floor": float(floor),
+            "floor_ratio": float(floor_ratio),
+        }
         super().__init__(params, defaults)
         self._variance: dict[torch.nn.Parameter, float] = {}
 

@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     Dataset,
     IterableDataset,
+    RandomSampler,
     Sampler,
+    SequentialSampler,
     TensorDataset,
     default_collate,
 )
@@ -381,6 +384,8 @@ class PoissonDataLoader(DataLoader[Any]):
         if not isinstance(loader, DataLoader):
             raise TypeError(f"loader must be a torch DataLoader; got {type(loader).__name__}")
         dataset = loader.dataset
+        if not isinstance(loader, PoissonDataLoader) and not isinstance(dataset, IterableDataset):
+            _refuse_custom_sampler(loader)
         if sample_rate is None:
             if isinstance(loader, PoissonDataLoader):
                 sample_rate = loader.sample_rate
@@ -424,6 +429,34 @@ class PoissonDataLoader(DataLoader[Any]):
             collate_fn=loader.collate_fn,
             loader_generator=loader.generator,
             **kwargs,
+        )
+
+
+def _refuse_custom_sampler(loader: DataLoader[Any]) -> None:
+    """Refuse a loader whose sampler selects or weights records: Poisson sampling would drop it.
+
+    The Poisson loader draws every record of ``loader.dataset`` with the same probability ``q``
+    (what the accountant assumes). Torch's default samplers (sequential, or shuffling the whole
+    dataset) only order the records, so replacing them changes nothing else; a
+    ``SubsetRandomSampler``, a ``WeightedRandomSampler`` or a custom ``batch_sampler`` choose
+    which records are trained on, and silently dropping them would train on records the caller
+    meant to leave out.
+    """
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise ValueError(
+            f"data_loader has a custom batch_sampler ({type(batch_sampler).__name__}), which "
+            "Poisson sampling would drop: clipless draws every record of loader.dataset with "
+            "probability sample_rate. Pass a DataLoader with a batch_size (and no batch_sampler)"
+        )
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    if type(sampler) not in (SequentialSampler, RandomSampler):
+        raise ValueError(
+            f"data_loader has the sampler {type(sampler).__name__}, which Poisson sampling would "
+            "drop: clipless draws every record of loader.dataset with the same probability "
+            "sample_rate (what the accounting assumes). To train on part of a dataset, pass "
+            "torch.utils.data.Subset(dataset, indices) as the dataset; weighted sampling is not "
+            "supported"
         )
 
 

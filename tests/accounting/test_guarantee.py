@@ -31,3 +31,24 @@ def test_guarantee_frozen_and_str() -> None:
         PrivacyGuarantee(**{**g.to_dict(), "delta": 2.0})
     with pytest.raises(ValueError, match="accountant"):
         PrivacyGuarantee(**{**g.to_dict(), "accountant": "moments"})
+
+
+def test_numpy_numbers_are_stored_as_python_numbers() -> None:
+    """Audit finding: a NumPy delta was kept as np.float32 and to_dict() was not JSON."""
+    import json
+
+    import numpy as np
+
+    g = PrivacyGuarantee(
+        epsilon=np.float64(1.5),
+        delta=np.float32(1e-5),
+        accountant="pld",
+        neighbouring="add_remove",
+        sample_rate=np.float32(0.25),
+        noise_multiplier=np.float64(1.1),
+        steps=np.int64(3),
+        mechanism="m",
+    )
+    assert {type(v) for v in (g.epsilon, g.delta, g.sample_rate, g.noise_multiplier)} == {float}
+    assert type(g.steps) is int
+    assert json.loads(json.dumps(g.to_dict()))["steps"] == 3

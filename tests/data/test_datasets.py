@@ -229,3 +229,16 @@ def test_adult_loads_from_cache_folder(tmp_path: Path) -> None:
     train, test, info = load_dataset("adult", tmp_path, download=False)
     assert train.tensors[0].shape == (2, 104) and test.tensors[1].tolist() == [0]
     assert info.input_shape == (104,) and info.num_classes == 2
+
+
+def test_download_must_be_a_bool_and_split_arguments_are_checked() -> None:
+    """Audit finding: download="no" turned downloading on (bool("no") is True)."""
+    with pytest.raises(TypeError, match="download must be a bool"):
+        data.load_dataset("breast-cancer", download="no")  # type: ignore[arg-type]
+    targets = np.array([0, 1] * 10)
+    with pytest.raises(ValueError, match="test_fraction"):
+        data.stratified_split(targets, test_fraction="0.2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="seed"):
+        data.stratified_split(targets, seed=0.5)  # type: ignore[arg-type]
+    train, test = data.stratified_split(targets, test_fraction=np.float64(0.2), seed=np.int64(1))
+    assert len(test) == 4 and len(train) == 16

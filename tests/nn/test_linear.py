@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from clipless import nn
 from clipless.nn import Linear
 
 from ._helpers import jacobian_norm, joint_norms, per_sample_grads, sample_norms, with_norms
@@ -161,3 +162,14 @@ def test_bad_types_and_shapes() -> None:
         layer.output_bound(-1.0)
     with pytest.raises(ValueError, match="cotangent_bound"):
         layer.gradient_bounds(1.0, float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64])
+def test_layers_refuse_dtypes_without_a_certified_margin(dtype: torch.dtype) -> None:
+    """Audit finding: torch's QR ("geqrf_cpu not implemented for 'Half'") or requires_grad
+    errors instead of a named one."""
+    with pytest.raises(ValueError, match=r"dtype must be None, torch\.float32 or torch\.float64"):
+        nn.Linear(4, 2, dtype=dtype)
+    with pytest.raises(ValueError, match=r"dtype must be None, torch\.float32 or torch\.float64"):
+        nn.Conv2d(1, 2, 3, dtype=dtype)
+    assert nn.Linear(4, 2, dtype=torch.float64).weight.dtype == torch.float64

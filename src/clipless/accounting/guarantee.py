@@ -41,17 +41,21 @@ class PrivacyGuarantee:
     is_dp_guarantee: bool = True
 
     def __post_init__(self) -> None:
+        # the numbers are stored as Python floats and ints (NumPy scalars are accepted and
+        # converted), so that to_dict() is plain JSON
         eps = _real(self.epsilon, "epsilon")
         if math.isnan(eps) or eps < 0.0:
             raise ValueError(f"epsilon must be in [0, inf]; got {self.epsilon!r}")
-        _check_delta(self.delta)
+        object.__setattr__(self, "epsilon", eps)
+        object.__setattr__(self, "delta", _check_delta(self.delta))
         _check_kind(self.accountant)
         _check_neighbouring(self.neighbouring)
         if self.sample_rate is not None:
-            _check_sample_rate(self.sample_rate)
+            object.__setattr__(self, "sample_rate", _check_sample_rate(self.sample_rate))
         if self.noise_multiplier is not None:
-            _check_noise_multiplier(self.noise_multiplier)
-        _check_count(self.steps, "steps", minimum=0)
+            sigma = _check_noise_multiplier(self.noise_multiplier)
+            object.__setattr__(self, "noise_multiplier", sigma)
+        object.__setattr__(self, "steps", _check_count(self.steps, "steps", minimum=0))
         if not isinstance(self.mechanism, str):
             raise TypeError(f"mechanism must be a str; got {type(self.mechanism).__name__}")
         if not isinstance(self.is_dp_guarantee, bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -125,7 +126,9 @@ def load_dataset(name: str, root: PathLike | None = None, *, download: bool = Tr
     ((30,), 2, 456, 113)
     """
     spec = _spec(name)
-    return spec.loader(data_root(root), bool(download))
+    if not isinstance(download, bool):
+        raise TypeError(f"download must be a bool; got {type(download).__name__} {download!r}")
+    return spec.loader(data_root(root), download)
 
 
 def fetch_dataset(
@@ -153,8 +156,14 @@ def stratified_split(
     ``numpy.random.default_rng(seed)``) go to the test split. Depends only on ``targets`` and
     ``seed``, not on the library versions' split helpers.
     """
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if (
+        isinstance(test_fraction, bool)
+        or not isinstance(test_fraction, numbers.Real)
+        or not 0.0 < test_fraction < 1.0
+    ):
+        raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     targets = np.asarray(targets)
     rng = np.random.default_rng(seed)
     test: list[np.ndarray] = []

@@ -39,6 +39,17 @@ def positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def parameter_dtype(dtype: Any) -> torch.dtype | None:
+    """A layer's ``dtype``: ``None`` (torch's default), ``torch.float32`` or ``torch.float64``.
+
+    The certified rounding margins cover these two; lower precisions are refused by the private
+    optimizer anyway, and the orthogonal initialisation has no half-precision kernel on the CPU.
+    """
+    if dtype is None or dtype in (torch.float32, torch.float64):
+        return dtype
+    raise ValueError(f"dtype must be None, torch.float32 or torch.float64; got {dtype!r}")
+
+
 def int_pair(name: str, value: Any, minimum: int) -> tuple[int, int]:
     """``value`` (an int or a pair of ints, each ``>= minimum``) as a ``(h, w)`` tuple."""
     items: Sequence[Any]

@@ -94,6 +94,7 @@ class Conv2d(ParametricLipschitzModule):
             self.input_size = _checks.int_pair("input_size", input_size, 1)
             self._check_size(self.input_size, "input_size")
         kh, kw = self.kernel_size
+        dtype = _checks.parameter_dtype(dtype)
         self.weight = torch.nn.Parameter(
             torch.empty(out_channels, in_channels, kh, kw, device=device, dtype=dtype)
         )

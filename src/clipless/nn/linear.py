@@ -52,6 +52,7 @@ class Linear(ParametricLipschitzModule):
         self.out_features = _checks.positive_int("out_features", out_features)
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {bias!r}")
+        dtype = _checks.parameter_dtype(dtype)
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, device=device, dtype=dtype)
         )
