@@ -662,3 +662,40 @@ def test_fit_refuses_the_training_loader_for_evaluation_and_restarts_after_an_er
     again = fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
                 progress=False)  # fmt: skip
     assert again.stop_reason == "completed" and engine.ledger.steps == 2 + len(loader)
+
+
+def test_a_moved_run_never_adopts_the_ledger_of_the_run_started_in_its_place(
+    tmp_path: Path,
+) -> None:
+    """CLI audit finding: after ``--force`` moved run A aside and run B started in A's folder,
+    resuming A took B's ledger (the path A's checkpoint recorded) as its own: A's 370 steps at
+    its own sigma became B's 399 at another, and A reported 0.50 where it had spent 0.97."""
+    run = tmp_path / "run"
+    model, optimizer, loader, loss, engine = _unseeded()
+    fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+        checkpoint_dir=run, progress=False)  # fmt: skip
+    own_steps = engine.ledger.steps
+    moved = tmp_path / "run.old"
+    run.rename(moved)
+    # run B, in A's old folder: another sigma and more steps
+    torch.manual_seed(1)
+    other = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(4, 2))
+    engine_b, loss_b = PrivacyEngine(accountant="pld"), cnn.CrossEntropyLoss()
+    other, opt_b, loader_b = engine_b.make_private(
+        module=other,
+        optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=8),
+        loss=loss_b,
+        noise_multiplier=9.0,
+    )
+    fit(other, opt_b, loader_b, loss_b, engine=engine_b, epochs=3, delta=DELTA,
+        checkpoint_dir=run, progress=False)  # fmt: skip
+    assert engine_b.ledger.steps > own_steps
+    model, optimizer, loader, loss, engine = _unseeded()
+    with pytest.warns(UserWarning, match="another run's ledger and is ignored"):
+        fit(model, optimizer, loader, loss, engine=engine, epochs=2, delta=DELTA,
+            checkpoint_dir=moved, resume=True, progress=False)  # fmt: skip
+    entries = PrivacyLedger.from_json(moved / LEDGER_NAME).entries
+    assert {e.noise_multiplier for e in entries} == {engine.ledger.entries[0].noise_multiplier}
+    assert engine.ledger.steps == 2 * own_steps  # A's own two epochs, nothing of B's
+    assert PrivacyLedger.from_json(run / LEDGER_NAME).steps == engine_b.ledger.steps  # B intact

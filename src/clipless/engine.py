@@ -478,10 +478,11 @@ class PrivacyEngine:
                 ledger.accountant,
                 ledger.neighbouring,
             )
-            if not same:
+            if not same or not on_disk.extends(ledger):
                 raise ValueError(
-                    f"ledger_path {os.fspath(path)!r} records more than the checkpoint "
-                    "with another accountant or neighbouring relation: it is not this run's ledger"
+                    f"ledger_path {os.fspath(path)!r} records more than the checkpoint but does "
+                    "not continue its ledger (other steps, releases, accountant or neighbouring "
+                    "relation): it is not this run's ledger. Pass this run's own ledger_path"
                 )
             if opt.data_parallel is not None:
                 raise ValueError(

@@ -1030,6 +1030,16 @@ def _prefer_larger_ledger(engine_state: dict[str, Any], ledger_file: Path) -> di
     on_disk = PrivacyLedger.from_json_if_exists(ledger_file)
     in_ckpt = PrivacyLedger.from_dict(engine_state["ledger"])
     if on_disk is not None and on_disk.records_more_than(in_ckpt):
+        if not on_disk.extends(in_ckpt):
+            # e.g. the checkpoint's recorded path after its folder was moved aside (--force)
+            # and a new run wrote there: adopting it would replace this run's record
+            warnings.warn(
+                f"{ledger_file} records {on_disk.steps} steps but does not continue the "
+                f"checkpoint's ledger ({in_ckpt.steps} steps): it is another run's ledger and "
+                "is ignored",
+                stacklevel=4,
+            )
+            return engine_state
         warnings.warn(
             f"{ledger_file} records {on_disk.steps} steps but the checkpoint only "
             f"{in_ckpt.steps}: the steps after the checkpoint were spent and stay in the ledger",

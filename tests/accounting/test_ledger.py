@@ -220,3 +220,27 @@ def test_extreme_multipliers_give_a_sound_epsilon_not_a_crash(sigma: float) -> N
     ledger = PrivacyLedger()
     ledger.record(sigma, 0.1, count=3)
     assert ledger.epsilon(1e-5) == math.inf
+
+
+def test_extends_recognises_a_continuation_and_nothing_else() -> None:
+    from clipless.accounting import PrivacyLedger
+
+    base = PrivacyLedger()
+    base.record_release(5.0, label="mean")
+    base.record(1.0, 0.1, 3)
+    longer = PrivacyLedger.from_dict(base.to_dict())
+    longer.record(1.0, 0.1, 2)  # the last entry continued
+    longer.record(2.0, 0.1, 1)  # then another one
+    assert longer.extends(base) and base.extends(base) and not base.extends(longer)
+    assert longer.extends(PrivacyLedger())
+    other = PrivacyLedger()
+    other.record_release(5.0, label="mean")
+    other.record(1.5, 0.1, 9)  # another sigma from the first step on
+    assert not other.extends(base)
+    no_release = PrivacyLedger()
+    no_release.record(1.0, 0.1, 9)
+    assert not no_release.extends(base)
+    replace = PrivacyLedger(neighbouring="replace_one")
+    replace.record_release(5.0, label="mean")
+    replace.record(1.0, 0.1, 9)
+    assert not replace.extends(base)

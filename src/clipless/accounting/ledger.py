@@ -604,6 +604,29 @@ class PrivacyLedger:
         """Does this ledger record steps or releases that ``other`` does not?"""
         return self.steps > other.steps or len(self._releases) > len(other._releases)
 
+    def extends(self, other: PrivacyLedger) -> bool:
+        """Does this ledger continue ``other``: the same accountant and relation, ``other``'s
+        releases first, and ``other``'s steps as its first steps (identical entries, the last one
+        possibly continued)?
+
+        A ledger file written by the run a checkpoint came from always extends the checkpoint's
+        ledger (steps are only appended). A file that does not is another run's record, e.g.
+        the ledger of a new run started where a moved run's folder used to be.
+        """
+        if (self.accountant, self.neighbouring) != (other.accountant, other.neighbouring):
+            return False
+        if self._releases[: len(other._releases)] != other._releases:
+            return False
+        mine, theirs = self._entries, other._entries
+        if len(mine) < len(theirs):
+            return False
+        if not theirs:
+            return True
+        if mine[: len(theirs) - 1] != theirs[:-1]:
+            return False
+        last, here = theirs[-1], mine[len(theirs) - 1]
+        return dataclasses.replace(here, count=last.count) == last and here.count >= last.count
+
     def check_overwrite(self, path: str | os.PathLike[str]) -> None:
         """Refuse to write this ledger over a file at ``path`` that records more spending.
 
