@@ -248,6 +248,47 @@ def test_force_keeps_the_old_run_aside(run_copy: Path, capsys: pytest.CaptureFix
     assert new["config"]["resumed"] is False and new["epsilon"] <= 1.0
 
 
+@pytest.mark.parametrize("how", ["working directory", "symbolic link"])
+def test_force_refuses_a_folder_it_cannot_move_safely(
+    how: str,
+    run_copy: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CLI audit: ``--force --out .`` moved the working directory, then wrote the new run's
+    config.json into the moved run; through a symbolic link it moved the target and failed."""
+    before = _snapshot(run_copy)
+    if how == "working directory":
+        monkeypatch.chdir(run_copy)
+        out, match = ".", "holds the working directory"
+    else:
+        link = run_copy.parent / "link"
+        link.symlink_to(run_copy)
+        out, match = str(link), "symbolic link"
+    capsys.readouterr()
+    assert main([*RUN, "--out", out, "--force"]) == 2
+    assert match in _one_line_error(capsys.readouterr().err)
+    assert _snapshot(run_copy) == before
+    assert not [p for p in run_copy.parent.iterdir() if ".old-" in p.name]
+
+
+def test_resume_over_another_runs_checkpoint_is_one_line(
+    run_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CLI audit: a checkpoint of another privacy configuration ended in a traceback."""
+    other = tmp_path / "other"
+    args = [*RUN, "--out", str(other)]
+    args[args.index("--epsilon") + 1] = "2.0"
+    assert main(args) == 0
+    (run_copy / "checkpoint.pt").write_bytes((other / "checkpoint.pt").read_bytes())
+    before = _snapshot(run_copy)
+    capsys.readouterr()
+    assert main([*RUN, "--out", str(run_copy), "--resume"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "--resume" in line and "another privacy configuration" in line
+    assert _snapshot(run_copy) == before
+
+
 def test_resume_and_force_are_exclusive(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = _snapshot(run_copy)
     assert main([*RUN, "--out", str(run_copy), "--resume", "--force"]) == 2
@@ -468,6 +509,16 @@ def test_git_commit_is_none_when_git_fails(monkeypatch: pytest.MonkeyPatch) -> N
         (["train", "--out", "{file}/x"], "--out", "not a writable folder"),
         (["train", "--out", "{file}"], "--out", "not a folder"),
         (["train", "--device", "cuda:99", "--out", "{tmp}/x"], "--device", "cuda"),
+        # CLI audit: accepted, then a traceback, a 76 GiB allocation or a hang in PLD
+        (["train", "--temperature", "1e-300"], "--temperature", "[1e-4, 1e4]"),
+        (["train", "--center-noise", "0.001"], "--center-noise", ">= 0.1"),
+        (["train", "--whiten-noise", "0.01"], "--whiten-noise", ">= 0.1"),
+        (["train", "--delta", "0.5"], "--delta", "(0, 0.1]"),
+        (
+            ["train", "--dataset", "digits", "--center-noise", "0.5", "--out", "{tmp}/x"],
+            "--center-noise",
+            "alone spend epsilon",
+        ),
         (
             [
                 "train",
@@ -498,7 +549,8 @@ def test_more_bad_values_exit_2_naming_the_option(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert named in err and accepted in err, err
-    assert not (tmp_path / "x").exists()
+    # nothing written (at most an empty --out folder, which a new run may use)
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has an MPS device")

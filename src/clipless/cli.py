@@ -151,6 +151,36 @@ def _nonnegative_float(text: str) -> float:
     return value
 
 
+def _release_noise(text: str) -> float:
+    """A one-shot release's noise multiplier: 0 (no release) or at least 0.1."""
+    value = _nonnegative_float(text)
+    if 0 < value < 0.1:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 (off) or a noise multiplier >= 0.1 (below, the release alone spends an "
+            f"epsilon of about 50 or more), got {text!r}"
+        )
+    return value
+
+
+def _delta(text: str) -> float:
+    value = _probability(text)
+    if value > 0.1:
+        raise argparse.ArgumentTypeError(
+            f"expected a delta in (0, 0.1] (a meaningful one is well below 1/n), got {text!r}"
+        )
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = _positive_float(text)
+    if not 1e-4 <= value <= 1e4:
+        raise argparse.ArgumentTypeError(
+            f"expected a temperature in [1e-4, 1e4] (the loss constant is sqrt(2) / T), got "
+            f"{text!r}"
+        )
+    return value
+
+
 def _probability(text: str) -> float:
     try:
         value = float(text)
@@ -331,7 +361,12 @@ def _add_train_parser(sub: Any) -> None:
         help="epsilon budget (at most 50 with --accountant pld, whose calibration beyond it "
         "is intractable)",
     )
-    priv.add_argument("--delta", type=_probability, default=1e-5, help="delta")
+    priv.add_argument(
+        "--delta",
+        type=_delta,
+        default=1e-5,
+        help="delta, in (0, 0.1]; a delta of at least 1/n warns (such a claim protects nobody)",
+    )
     priv.add_argument(
         "--accountant", choices=("pld", "rdp"), default="pld", help="privacy accountant"
     )
@@ -387,7 +422,7 @@ def _add_train_parser(sub: Any) -> None:
     )
     priv.add_argument(
         "--center-noise",
-        type=_nonnegative_float,
+        type=_release_noise,
         default=None,
         help="subtract the private mean of the unit-normalised training inputs from every sample "
         "before InputNorm (clipless.features.release_mean: one Gaussian release with this noise "
@@ -397,7 +432,7 @@ def _add_train_parser(sub: Any) -> None:
     )
     priv.add_argument(
         "--whiten-noise",
-        type=_nonnegative_float,
+        type=_release_noise,
         default=None,
         help="mix the channels of every unit-normalised (and centred) input by a shrunk inverse "
         "square root of their private covariance before InputNorm's projection "
@@ -506,7 +541,7 @@ def _add_train_parser(sub: Any) -> None:
     )
     tr.add_argument(
         "--temperature",
-        type=_positive_float,
+        type=_temperature,
         default=0.1,
         help="cross-entropy temperature: logits / T (a Lipschitz model's logits are small; "
         "T < 1 sharpens its softmax)",
@@ -793,8 +828,24 @@ def _check_out_folder(out: Path, args: argparse.Namespace) -> None:
 
 
 def _move_aside(out: Path) -> Path:
-    """Rename the run folder ``out`` to ``out.old-<timestamp>`` (a fresh name); returns it."""
+    """Rename the run folder ``out`` to ``out.old-<timestamp>`` (a fresh name); returns it.
+
+    Refused (before anything moves) for a symbolic link (its target would move and the link
+    be left dangling) and for a folder holding the working directory (the command's relative
+    paths would then write into the moved run).
+    """
+    if out.is_symlink():
+        raise _ArgError(
+            "--out", f"{out} is a symbolic link; pass the folder it points to with --force"
+        )
     resolved = out.resolve()
+    cwd = Path.cwd().resolve()
+    if cwd == resolved or resolved in cwd.parents:
+        raise _ArgError(
+            "--out",
+            f"{out} holds the working directory; --force would move it from under this "
+            "command: run it from outside that folder",
+        )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = resolved.with_name(f"{resolved.name}.old-{stamp}")
     suffix = 1
@@ -1029,6 +1080,7 @@ def _run_train(args: argparse.Namespace) -> int:
     import clipless
     from clipless import distributed, models, nn
     from clipless._io import atomic_write, atomic_write_with
+    from clipless.accounting import ReleasesExceedTargetError
     from clipless.data import DatasetNotFoundError, load_dataset
     from clipless.engine import PrivacyEngine
     from clipless.sampling import poisson_loader
@@ -1268,19 +1320,26 @@ def _run_train(args: argparse.Namespace) -> int:
         if saved is not None
         else {"target_epsilon": args.epsilon, "target_delta": args.delta, "epochs": args.epochs}
     )
-    model, optimizer, loader = engine.make_private(
-        module=model,
-        optimizer=optimizer,
-        data_loader=poisson,
-        loss=loss,
-        max_norm=args.max_norm,
-        constraint=None if args.constraint == "none" else args.constraint,
-        scaling=args.scaling,
-        noise=args.noise,
-        neighbouring=args.neighbouring,
-        input_shape=input_shape,
-        **calibration,
-    )
+    try:
+        model, optimizer, loader = engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            data_loader=poisson,
+            loss=loss,
+            max_norm=args.max_norm,
+            constraint=None if args.constraint == "none" else args.constraint,
+            scaling=args.scaling,
+            noise=args.noise,
+            neighbouring=args.neighbouring,
+            input_shape=input_shape,
+            **calibration,
+        )
+    except ReleasesExceedTargetError as exc:
+        releases = [o for o in ("center_noise", "whiten_noise") if getattr(args, o)]
+        raise _ArgError(
+            " / ".join(RUN_OPTIONS[o] for o in releases) or "--epsilon",
+            f"{exc}: give a larger noise multiplier (or a larger --epsilon)",
+        ) from None
     if distributed.launched_by_torchrun():
         distributed.make_data_parallel(optimizer, loader)
     if saved is None and args.features != "none":
@@ -1606,6 +1665,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except _ArgError as exc:  # one line on stderr: the option, what is wrong, what is accepted
         print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        if type(exc).__name__ != "CheckpointMismatchError":  # (torch is imported lazily)
+            raise
+        # --resume of a folder whose checkpoint is not this run's: nothing was spent or changed
+        print(f"clipless {args.command}: error: argument --resume: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # disk full, permissions...: one line, exit 1 (the run failed)
         print(f"clipless {args.command}: error: {exc}", file=sys.stderr)

@@ -31,7 +31,7 @@ from clipless.nn import ParametricLipschitzModule
 from clipless.norms import all_finite
 from clipless.optim import DPOptimizer
 
-__all__ = ["PrivacyEngine"]
+__all__ = ["CheckpointMismatchError", "PrivacyEngine"]
 
 NEIGHBOURING = mechanism.NEIGHBOURING
 
@@ -54,6 +54,16 @@ _OPACUS_ONLY: dict[str, str] = {
     "clip_per_layer": "there is no clipping; noise='per-layer' allocates noise per tensor",
     "total_steps": "use steps=",
 }
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint (or ledger file) that does not belong to this engine's run.
+
+    Raised by :meth:`PrivacyEngine.load_state_dict`: another accountant or neighbouring relation,
+    another privacy configuration, a ledger file that does not continue the checkpoint's, or a
+    checkpoint older than what this engine already recorded. Nothing has changed when it is
+    raised.
+    """
 
 
 class PrivacyEngine:
@@ -468,7 +478,9 @@ class PrivacyEngine:
             self.ledger.accountant,
             self.ledger.neighbouring,
         ):
-            raise ValueError("checkpoint ledger uses a different accountant or neighbouring")
+            raise CheckpointMismatchError(
+                "checkpoint ledger uses a different accountant or neighbouring"
+            )
         lost = False
         writes = opt.data_parallel is None or opt.data_parallel.writes_ledger
         path = opt.ledger_path
@@ -479,7 +491,7 @@ class PrivacyEngine:
                 ledger.neighbouring,
             )
             if not same or not on_disk.extends(ledger):
-                raise ValueError(
+                raise CheckpointMismatchError(
                     f"ledger_path {os.fspath(path)!r} records more than the checkpoint but does "
                     "not continue its ledger (other steps, releases, accountant or neighbouring "
                     "relation): it is not this run's ledger. Pass this run's own ledger_path"
@@ -499,7 +511,7 @@ class PrivacyEngine:
             )
             ledger, lost = on_disk, True
         if ledger.steps < self.ledger.steps:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"the checkpoint's ledger records {ledger.steps} steps but this engine has "
                 f"already recorded {self.ledger.steps}: loading it would roll the accounting back"
             )
@@ -513,7 +525,7 @@ class PrivacyEngine:
                 if f.name != "steps" and getattr(theirs, f.name) != getattr(mine, f.name)
             ]
             if diff:
-                raise ValueError(
+                raise CheckpointMismatchError(
                     "the checkpoint was taken with another privacy configuration: "
                     + ", ".join(
                         f"{k} {getattr(theirs, k)!r} (checkpoint) vs {getattr(mine, k)!r} (now)"

@@ -106,7 +106,7 @@ from clipless.accounting._checks import (
     Neighbouring,
 )
 from clipless.accounting.accountant import Accountant, epsilon
-from clipless.accounting.calibration import calibrate_noise
+from clipless.accounting.calibration import ReleasesExceedTargetError, calibrate_noise
 from clipless.accounting.events import dpsgd_event, effective_noise_multiplier, gaussian_step_event
 from clipless.accounting.guarantee import PrivacyGuarantee
 from clipless.accounting.ledger import (
@@ -131,6 +131,7 @@ __all__ = [
     "Neighbouring",
     "PrivacyGuarantee",
     "PrivacyLedger",
+    "ReleasesExceedTargetError",
     "calibrate_noise",
     "dpsgd_event",
     "effective_noise_multiplier",

@@ -22,7 +22,12 @@ from clipless.accounting._checks import (
 from clipless.accounting.accountant import epsilon
 from clipless.accounting.events import _rdp_replace_one, gaussian_step_event
 
-__all__ = ["calibrate_noise"]
+__all__ = ["ReleasesExceedTargetError", "calibrate_noise"]
+
+
+class ReleasesExceedTargetError(ValueError):
+    """The one-shot releases composed before training already spend the target epsilon."""
+
 
 _SIGMA_FLOOR = 0.02  # calibration floor: PLDs of smaller multipliers need huge supports
 
@@ -137,7 +142,7 @@ def calibrate_noise(
             releases=extra,
         )
         if alone >= eps_target:
-            raise ValueError(
+            raise ReleasesExceedTargetError(
                 f"the releases {list(extra)} alone spend epsilon {alone:.4g} >= "
                 f"target_epsilon={eps_target} at delta={delta}: nothing is left for training"
             )
