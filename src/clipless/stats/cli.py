@@ -25,6 +25,7 @@ import csv
 import io
 import math
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -32,10 +33,13 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless.stats.counting import MAX_BRANCHING as _MAX_BRANCHING
 from clipless.stats.ecdf import ecdf
 from clipless.stats.grid import Grid
 from clipless.stats.noise import secure_rng, seeded_rng
 from clipless.stats.roc import roc
+
+_MAX_SIZE = 10**8  # clipless.stats.Grid's largest grid
 
 if TYPE_CHECKING:
     from clipless.stats.ecdf import Smoothing
@@ -90,14 +94,24 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="k for --mechanism k-ary (default: the exact optimum for --size)",
     )
     p.add_argument("--seed", default=None, help="reproducible, NOT secure noise (tests only)")
-    p.add_argument("--out", required=True, help="output directory (created if needed)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created if needed); files of an earlier release there are not "
+        "overwritten without --force",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite the files of an earlier release in --out",
+    )
 
 
 def add_ecdf_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``ecdf`` to an ``argparse`` sub-parser collection; returns the new parser."""
     p = subparsers.add_parser(
         "ecdf",
-        help="DP empirical CDF of a CSV column (writes ecdf.csv, ecdf.png)",
+        help="DP empirical CDF of a CSV column (writes ecdf.csv, quantiles.csv, ecdf.png)",
         description="Release a DP empirical CDF of one numeric CSV column on a public grid "
         "(thesis chapter 6; by default the consistent k-ary tree with optimised level budgets, "
         "see docs/statistics.md) and print its quantiles.",
@@ -106,7 +120,7 @@ def add_ecdf_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--column", required=True, help="name of the numeric column")
     p.add_argument("--lower", required=True, help="public lower bound of the grid")
     p.add_argument("--upper", required=True, help="public upper bound of the grid")
-    p.add_argument("--size", required=True, help="number of grid thresholds (>= 2)")
+    p.add_argument("--size", required=True, help="number of grid thresholds (2 to 10**8)")
     p.add_argument(
         "--quantiles",
         default="0.25,0.5,0.75",
@@ -197,6 +211,8 @@ def _mechanism(args: argparse.Namespace) -> tuple[str, int | None]:
     k = None
     if branching is not None:
         k = _int(branching, "--branching", minimum=2)
+        if k > _MAX_BRANCHING:
+            raise BadInputError(f"--branching: must be at most {_MAX_BRANCHING}, got {k}")
         if mech in ("binary", "smooth-binary"):
             raise BadInputError("--branching: only for --mechanism k-ary or auto")
         mech = "k-ary"
@@ -204,8 +220,11 @@ def _mechanism(args: argparse.Namespace) -> tuple[str, int | None]:
 
 
 def _levels(value: str) -> NDArray[np.float64]:
+    items = str(value).split(",")
+    if any(not v.strip() for v in items):
+        raise BadInputError(f"--quantiles: expected comma-separated numbers, got {value!r}")
     try:
-        out = np.array([float(v) for v in str(value).split(",") if v.strip()], dtype=np.float64)
+        out = np.array([float(v) for v in items], dtype=np.float64)
     except ValueError:
         raise BadInputError(
             f"--quantiles: expected comma-separated numbers, got {value!r}"
@@ -219,19 +238,41 @@ def _grid(args: argparse.Namespace) -> Any:
     lower = _real(args.lower, "--lower")
     upper = _real(args.upper, "--upper")
     size = _int(args.size, "--size", minimum=2)
+    if size > _MAX_SIZE:
+        raise BadInputError(f"--size: must be at most {_MAX_SIZE} thresholds, got {size}")
     if not upper > lower:
         raise BadInputError(f"--upper: must be > --lower ({lower:g}), got {upper:g}")
+    if not math.isfinite(upper - lower):
+        raise BadInputError(
+            f"--lower/--upper: the range upper - lower must be a finite number, got "
+            f"{lower:g}..{upper:g}"
+        )
     return Grid(lower, upper, size=size)
 
 
-def _out_dir(value: str) -> Path:
+def _out_dir(value: str, files: Sequence[str], force: bool) -> Path:
+    """The output folder, created and write-tested *before* the release is computed.
+
+    An earlier release's files there are not overwritten without ``--force``: that release's
+    budget was spent, and its output would be lost without a trace.
+    """
+    if not str(value).strip():
+        raise BadInputError("--out: expected a directory, got an empty string")
     out = Path(value)
     if out.exists() and not out.is_dir():
         raise BadInputError(f"--out: {value!r} exists and is not a directory")
+    existing = [name for name in files if (out / name).exists()]
+    if existing and not force:
+        raise BadInputError(
+            f"--out: {value!r} already holds {', '.join(existing)} from an earlier release; "
+            "pass --force to overwrite them, or choose another --out"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
     except OSError as exc:
-        raise BadInputError(f"--out: cannot create {value!r}: {exc.strerror}") from None
+        raise BadInputError(f"--out: cannot write to {value!r}: {exc.strerror or exc}") from None
     return out
 
 
@@ -357,7 +398,7 @@ def _ecdf(args: argparse.Namespace) -> int:
     grid = _grid(args)
     (cells,) = _read_columns(args.file, [(args.column, "--column")], nb == "add_remove")
     values = _numbers(cells, "--column")
-    out = _out_dir(args.out)
+    out = _out_dir(args.out, ("ecdf.csv", "quantiles.csv", "ecdf.png"), args.force)
     released = ecdf(values, grid, eps, nb, smoothing, rng=rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
     _write_csv(
         out / "ecdf.csv",
@@ -406,7 +447,7 @@ def _roc(args: argparse.Namespace) -> int:
     )
     scores = _numbers(score_cells, "--score")
     labels = _labels(label_cells, "--label")
-    out = _out_dir(args.out)
+    out = _out_dir(args.out, ("roc.csv", "roc.png"), args.force)
     curve = roc(scores, labels, grid, eps, nb, smoothing, rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
     _write_csv(
         out / "roc.csv",
