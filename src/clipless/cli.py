@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -1663,6 +1664,17 @@ def _train_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     raise RuntimeError("the parser has no train sub-command")
 
 
+def _one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    """Warnings of a command as one line (no file, line number or source line)."""
+    return f"clipless: warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``clipless`` command; returns the exit status (2 for bad arguments)."""
     parser = build_parser()
@@ -1672,6 +1684,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if args.command == "train":
         args.given = _given_options(argv)
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning
     try:
         return int(args.func(args))
     except _ArgError as exc:  # one line on stderr: the option, what is wrong, what is accepted
@@ -1701,6 +1715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         print(f"clipless {args.command}: interrupted{where}", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 if __name__ == "__main__":  # python -m clipless.cli (python -m clipless is the same)
