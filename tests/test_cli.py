@@ -802,11 +802,16 @@ def test_resume_names_a_damaged_config(
     assert PrivacyLedger.from_json(run_copy / "ledger.json").steps == steps
 
 
-def test_warnings_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """CLI audit: warnings printed the library's file, line and source line."""
+def test_warnings_are_one_line(tmp_path: Path) -> None:
+    """CLI audit: warnings printed the library's file, line and source line (a subprocess:
+    pytest records warnings instead of printing them)."""
+    import subprocess
+    import sys
+
     args = [*RUN, "--out", str(tmp_path / "w")]
     args[args.index("--delta") + 1] = "0.05"  # >= 1/n for 456 rows: a warning
-    assert main(args) == 0
-    err = capsys.readouterr().err
-    assert "clipless: warning: target_delta=0.05 is at least 1/n" in err
-    assert "UserWarning" not in err and ".py:" not in err
+    done = subprocess.run(
+        [sys.executable, "-m", "clipless", *args], capture_output=True, text=True, check=True
+    )
+    assert "clipless: warning: target_delta=0.05 is at least 1/n" in done.stderr
+    assert "UserWarning" not in done.stderr and ".py:" not in done.stderr
