@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,11 @@ def test_simulate_roc_prints_auc(capsys: pytest.CaptureFixture[str]) -> None:
         # audit findings: tracebacks before
         (["--epsilon", "inf"], "argument --epsilon"),
         (["--timeout", "nan"], "argument --timeout"),
+        # an OverflowError traceback (timestamp out of range for platform time_t) before
+        (
+            ["--owners", "2", "--spawn", "fork", "--timeout", "1e12"],
+            "argument --timeout: expected a number of seconds > 0 and <= 2592000 (30 days)",
+        ),
         (["--data-seed", "-1"], "argument --data-seed"),
         (["--protocol", "fss", "--neighbouring", "add_remove"], "needs neighbouring='replace_one'"),
     ],
@@ -139,6 +146,11 @@ def _init(out: Path, *extra: str) -> int:
           "--n-values", "0", "--server-at", "h:1", "--server-at", "h:2"], "--n-values"),
         (["init", "--out", "{tmp}/new", "--owners", "2", "--size", "4", "--epsilon", "1",
           "--server-at", "h:1", "--server-at", "h:1"], "two servers at one address"),
+        (["init", "--out", "{tmp}/new", "--owners", "2", "--size", "4", "--epsilon", "1",
+          "--timeout", "1e12", "--server-at", "h:1", "--server-at", "h:2"],
+         "argument --timeout: expected a number of seconds > 0 and <= 2592000"),
+        (["owner", "{tmp}/slow.json", "--secret", "{run}/secrets/owner-0.json", "--index",
+          "0", "--values", "0.5"], "timeout 1000000000000.0 is not a number of seconds"),
     ],
 )  # fmt: skip
 def test_party_bad_input_is_one_line_before_anything_runs(
@@ -150,12 +162,73 @@ def test_party_bad_input_is_one_line_before_anything_runs(
     run = tmp_path / "run"
     assert _init(run) == 0
     (tmp_path / "bad.json").write_text("{bad")
+    session = json.loads((run / "session.json").read_text())
+    (tmp_path / "slow.json").write_text(json.dumps({**session, "timeout": 1e12}))
     capsys.readouterr()
     argv = [a.replace("{run}", str(run)).replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["federated", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert "Traceback" not in err and err.count("\n") <= 12  # usage lines at most, no traceback
+
+
+def test_init_never_overwrites_a_session(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Audit finding: init --out on a folder with a session.json but no secrets/ replaced the
+    session file without a word."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "session.json").write_text('{"an": "earlier session file"}')
+    assert _init(run) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "already holds a session.json" in err, err
+    assert "Traceback" not in err
+    assert (run / "session.json").read_text() == '{"an": "earlier session file"}'
+    assert sorted(p.name for p in run.iterdir()) == ["session.json"]  # no secrets/ either
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_listens_at_the_session_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Audit finding: serve without --port listened on a random port, not at the session's
+    servers_at, and the owners waited for it until their timeout."""
+    import clipless.federated.session
+    from clipless.federated.transport import Counter
+
+    bound: list[int] = []
+
+    def run_server(sess: object, secret: object, index: int, listener: socket.socket) -> Counter:
+        bound.append(listener.getsockname()[1])
+        listener.close()
+        return Counter()
+
+    monkeypatch.setattr(clipless.federated.session, "run_server", run_server)
+    port = _free_port()
+    run = tmp_path / "run"
+    assert main([
+        "federated", "init", "--out", str(run), "--owners", "2", "--size", "4", "--epsilon",
+        "1", "--server-at", f"127.0.0.1:{port}", "--server-at", "127.0.0.1:7002",
+    ]) == 0  # fmt: skip
+    capsys.readouterr()
+    serve = ["federated", "serve", str(run / "session.json"), "--index", "0",
+             "--secret", str(run / "secrets" / "server-0.json")]  # fmt: skip
+    assert main(serve) == 0
+    out, err = capsys.readouterr()
+    assert bound == [port] and f"listening 127.0.0.1:{port}" in out, (out, err)
+    assert "note" not in err
+    # another port stays possible (a tunnel or TLS proxy in front), with a note saying so
+    assert main([*serve, "--port", "0"]) == 0
+    assert bound[1] != port
+    assert f"--port 0 is not the session's servers_at[0] 127.0.0.1:{port}" in (
+        capsys.readouterr().err
+    )
 
 
 def test_process_counts_are_capped(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import socket
 import sys
 from pathlib import Path
@@ -25,6 +26,14 @@ from clipless.federated.noise import server_keys
 __all__ = ["add_federated_parser", "main"]
 
 _FINITE_POSITIVE = number("a finite number > 0", 0.0, math.inf)
+# 30 days: every deadline (at most now + 2 timeout + 5 s) stays far inside what socket timeouts
+# and select() can represent (1e12 s ended in an OverflowError traceback)
+_MAX_TIMEOUT = 30 * 86400
+_TIMEOUT = number(
+    f"a number of seconds > 0 and <= {_MAX_TIMEOUT} (30 days)",
+    0.0,
+    math.nextafter(_MAX_TIMEOUT, math.inf),  # `number` excludes its upper end
+)
 
 # the module docstring without its reST markup, for --help
 _DESCRIPTION = (__doc__ or "").replace("``", "").replace(":mod:`", "").replace("`", "")
@@ -67,7 +76,10 @@ def _session_options(parser: argparse.ArgumentParser, timeout: float) -> None:
         help="the neighbouring relation of the guarantee",
     )
     parser.add_argument(
-        "--timeout", type=_FINITE_POSITIVE, default=timeout, help="per-phase timeout in seconds"
+        "--timeout",
+        type=_TIMEOUT,
+        default=timeout,
+        help=f"per-phase timeout in seconds, > 0 and at most {_MAX_TIMEOUT} (30 days)",
     )
 
 
@@ -157,9 +169,20 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         if name in ("serve", "owner"):
             q.add_argument("--index", type=integer(0), required=True, help="party index")
         if name == "serve":
-            q.add_argument("--host", default="127.0.0.1", help="address to listen on")
             q.add_argument(
-                "--port", type=integer(0, 65535), default=0, help="0: any free port (printed)"
+                "--host",
+                default=None,
+                help="address to listen on (default: the host of the session's servers_at for "
+                "--index, where the other parties connect; 127.0.0.1 if the session records "
+                "none; 0.0.0.0: every interface)",
+            )
+            q.add_argument(
+                "--port",
+                type=integer(0, 65535),
+                default=None,
+                help="port to listen on (default: the port of the session's servers_at for "
+                "--index; 0: any free port, printed). Another port than the recorded one is for "
+                "a tunnel, TLS proxy or port forward that reaches it from there (a note says so)",
             )
         if name == "owner":
             q.add_argument("--values", required=True, help="comma-separated values")
@@ -258,8 +281,6 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
-    import os
-
     from clipless.federated.session import make_session
 
     addrs = []
@@ -296,13 +317,18 @@ def _init(args: argparse.Namespace) -> int:
         return 2
     sess["servers_at"] = addrs
     out = Path(args.out)
+    if os.path.lexists(out / "session.json"):  # an earlier session: never overwritten
+        print(f"clipless federated init: error: --out {str(out)!r} already holds a session.json "
+              "(choose a new directory)", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         (out / "secrets").mkdir(parents=True, exist_ok=False)
     except OSError as exc:
         print(f"clipless federated init: error: --out {str(out)!r}: {exc.strerror or exc} "
               "(choose a new directory)", file=sys.stderr)  # fmt: skip
         return 2
-    (out / "session.json").write_text(json.dumps(sess, indent=1))
+    with open(out / "session.json", "x") as fh:  # "x": fails rather than overwrite
+        fh.write(json.dumps(sess, indent=1))
     for name, sec in secrets_.items():
         path = out / "secrets" / f"{name.replace(' ', '-')}.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -334,12 +360,22 @@ def _party(args: argparse.Namespace) -> int:
     cmd = args.federated_command
     try:
         sess, secret = _load_party(args)
+        if cmd == "serve":
+            at, recorded = _listen_address(args, sess)
     except ValueError as exc:
         print(f"clipless federated {cmd}: error: {exc}", file=sys.stderr)
         return 2
     try:
         if cmd == "serve":
-            listener = socket.create_server((args.host, args.port))
+            try:
+                listener = socket.create_server(at)
+            except OSError as exc:
+                where = f" (the session's servers_at[{args.index}])" if recorded else ""
+                why = os.strerror(exc.errno) if exc.errno else str(exc)
+                print(f"clipless federated serve: error: --host/--port: cannot listen on "
+                      f"{at[0]}:{at[1]}{where}: {why} (--host 0.0.0.0 listens on every "
+                      "interface)", file=sys.stderr)  # fmt: skip
+                return 2
             host, port = listener.getsockname()[:2]
             print(f"listening {host}:{port}", flush=True)
             # load the release code (clipless.stats, scipy) while the owners start, not after
@@ -384,6 +420,36 @@ _SESSION_KEYS = ("session", "protocol", "servers", "owners", "noise_sharing", "t
                  "timeout", "servers_at")  # fmt: skip
 
 
+def _listen_address(args: argparse.Namespace, sess: dict[str, Any]) -> tuple[tuple[str, int], bool]:
+    """Where ``serve`` listens, and whether the session records an address for ``--index``:
+    ``--host`` and ``--port``, each by default the session's ``servers_at[--index]`` (where the
+    owners, the dealer and the analyst connect), else 127.0.0.1 and any free port (a session
+    whose addresses are not known yet: ``simulate``'s). A ``--port`` other than the recorded one
+    gets a note on stderr: the other parties reach it only through a tunnel or port forward."""
+    servers_at = sess["servers_at"]
+    recorded = isinstance(servers_at, list) and args.index < len(servers_at)
+    host, port = "127.0.0.1", 0
+    if recorded:
+        entry = servers_at[args.index]
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], int)
+            and 1 <= entry[1] <= 65535
+        ):
+            raise ValueError(f"session {args.session!r}: servers_at[{args.index}] is "
+                             f"{entry!r}, not [HOST, PORT] with PORT in 1-65535")  # fmt: skip
+        host, port = entry
+        if args.port is not None and args.port != port:
+            print(f"clipless federated serve: note: --port {args.port} is not the session's "
+                  f"servers_at[{args.index}] {host}:{port}, where the other parties connect "
+                  "(a tunnel or port forward must reach this port from there)",
+                  file=sys.stderr)  # fmt: skip
+    return (args.host if args.host is not None else host,
+            args.port if args.port is not None else port), recorded  # fmt: skip
+
+
 def _load_party(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """The session and this party's secret, checked against each other and ``--index``
     (a wrong file or index is named now, not at the run's timeout)."""
@@ -403,6 +469,12 @@ def _load_party(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
     if missing:
         raise ValueError(f"session {args.session!r} lacks {', '.join(missing)} (not a session "
                          "written by clipless federated init?)")  # fmt: skip
+    timeout = sess["timeout"]
+    if isinstance(timeout, bool) or not (
+        isinstance(timeout, int | float) and 0 < timeout <= _MAX_TIMEOUT
+    ):
+        raise ValueError(f"session {args.session!r}: timeout {timeout!r} is not a number of "
+                         f"seconds > 0 and <= {_MAX_TIMEOUT}")  # fmt: skip
     links = secret.get("links")
     if not isinstance(links, dict) or not links:
         raise ValueError(f"--secret {args.secret!r} holds no link keys (not a party's secret?)")
