@@ -365,3 +365,16 @@ def test_one_key_instead_of_a_list_is_named(keys) -> None:
         federated_ecdf([[0.1]], Grid(0, 1, size=8), 1.0, noise_keys=keys)
     with pytest.raises(ValueError, match="smoothing must be None"):
         federated_ecdf([[0.1]], Grid(0, 1, size=8), 1.0, smoothing="foo")  # type: ignore[arg-type]
+
+
+def test_make_session_bounds_the_timeout() -> None:
+    """Audit: a 1e12 s timeout overflowed the socket deadlines (an OverflowError mid-run)."""
+    from clipless.federated import session as fs
+    from clipless.federated.cli import _MAX_TIMEOUT
+
+    assert fs.MAX_TIMEOUT == _MAX_TIMEOUT
+    for bad in (1e12, True, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            fs.make_session(
+                owners=2, servers=2, protocol="shares", size=4, epsilon=1.0, timeout=bad
+            )

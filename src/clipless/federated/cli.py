@@ -26,8 +26,8 @@ from clipless.federated.noise import server_keys
 __all__ = ["add_federated_parser", "main"]
 
 _FINITE_POSITIVE = number("a finite number > 0", 0.0, math.inf)
-# 30 days: every deadline (at most now + 2 timeout + 5 s) stays far inside what socket timeouts
-# and select() can represent (1e12 s ended in an OverflowError traceback)
+# 30 days, as clipless.federated.session.MAX_TIMEOUT (not imported: --help stays fast); 1e12 s
+# ended in an OverflowError traceback
 _MAX_TIMEOUT = 30 * 86400
 _TIMEOUT = number(
     f"a number of seconds > 0 and <= {_MAX_TIMEOUT} (30 days)",

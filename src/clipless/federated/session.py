@@ -700,6 +700,11 @@ class SimulationResult:
         return out
 
 
+#: The largest per-phase timeout (30 days): every deadline (at most now + 2 timeout + 5 s) stays
+#: far inside what socket timeouts and ``select`` can represent (1e12 s overflowed).
+MAX_TIMEOUT = 30 * 86400
+
+
 def make_session(
     protocol: str,
     owners: int,
@@ -763,8 +768,13 @@ def make_session(
             "in the number of values, so it is private (the release is normalised by its noisy "
             "total instead); a public n is for 'replace_one'"
         )
-    if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
-        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    if isinstance(timeout, bool) or not (
+        isinstance(timeout, int | float) and 0 < timeout <= MAX_TIMEOUT
+    ):
+        raise ValueError(
+            f"timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT} (30 days), got "
+            f"{timeout!r}"
+        )
     if points is not None:
         try:  # grid indices in [0, size), strictly increasing
             _points(np.asarray(points), len(grid))
