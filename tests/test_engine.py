@@ -501,7 +501,6 @@ def test_delta_of_at_least_one_over_n_warns() -> None:
         ({"target_delta": 1e-5}, ValueError, "target_delta is used with target_epsilon only"),
         ({"scaling": "per-sample", "thresholds": {"1": 1.0}}, ValueError, "threshold' only"),
         ({"scaling": "batch-max", "allow_unproven": "no"}, TypeError, "allow_unproven"),
-        ({"constraint": None, "max_norm": 0.5}, ValueError, "projects nothing"),
         ({"ledger_path": 123}, TypeError, "ledger_path"),
         ({"input_shape": (0,)}, ValueError, "input_shape"),
         ({"input_shape": 2.5}, TypeError, "input_shape"),
@@ -565,3 +564,41 @@ def test_features_of_another_dtype_than_the_model_are_refused() -> None:
     data = TensorDataset(torch.randn(20, DIM, dtype=torch.float64), torch.randint(0, 2, (20,)))
     with pytest.raises(ValueError, match=r"features are torch.float64 but the model's"):
         _private(dataset=data)
+
+
+def test_max_norm_without_a_constraint_warns_and_still_trains() -> None:
+    """The review: an error here broke `clipless train --max-norm 2` with a linear model (no
+    constraint) and the resume of runs saved that way; it is unused, so a warning."""
+    with pytest.warns(UserWarning, match="projects nothing: it is unused"):
+        _, _, o, _ = _private(constraint=None, max_norm=0.5)
+    assert o.config.max_norm == 0.5
+
+
+def test_binary_label_conventions_mixed_across_chunks_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The review: {0, 1} and {-1, 1} labels in different validation chunks passed, and a step
+    holding both failed."""
+    from clipless import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_TARGET_CHUNK", 4)
+    torch.manual_seed(0)
+    y = torch.tensor([[0.0], [1.0], [1.0], [0.0], [-1.0], [1.0], [1.0], [-1.0]])
+    model = nn.Sequential(nn.InputNorm(1.0), nn.Linear(DIM, 1))
+    with pytest.raises(ValueError, match=r"refuses a batch holding the targets \[-1.0, 0.0, 1.0\]"):
+        clipless.PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.randn(8, DIM), y), batch_size=2),
+            loss=nn.KRLoss(),
+            noise_multiplier=1.0,
+        )
+
+
+def test_the_target_is_the_second_tensor_of_a_record() -> None:
+    """The review: (x, y, extra) datasets were checked on the extra tensor."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(20, DIM, generator=g), torch.randint(0, 2, (20,), generator=g), torch.ones(20)
+    )
+    _private(dataset=data)  # the weights column is not a target

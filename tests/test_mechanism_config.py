@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -77,3 +78,14 @@ def test_calibrate_never_records_a_multiplier_below_the_calibrated_one(monkeypat
             )
             out = config.calibrate(1.0, 1e-5, 10)
             assert s_acc <= out.accounting_noise_multiplier <= s_acc * (1 + 1e-15)
+
+
+def test_from_dict_drops_thresholds_saved_with_another_scaling() -> None:
+    """Configs saved before thresholds were refused with other scalings still load."""
+    from clipless.mechanism import PrivacyConfig
+
+    saved = PrivacyConfig(noise_multiplier=1.0, sample_rate=0.5, num_samples=4, num_tensors=1)
+    data = {**saved.to_dict(), "thresholds": {"1": 0.5}}
+    assert PrivacyConfig.from_dict(data).thresholds is None
+    with pytest.raises(ValueError, match="threshold' only"):
+        PrivacyConfig(**{**saved.to_dict(), "thresholds": {"1": 0.5}})

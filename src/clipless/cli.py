@@ -1691,15 +1691,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _ArgError as exc:  # one line on stderr: the option, what is wrong, what is accepted
         print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # disk full, permissions...: one line, exit 1 (the run failed)
+        print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except ValueError as exc:
         if type(exc).__name__ != "CheckpointMismatchError":  # (torch is imported lazily)
             raise
         # --resume of a folder whose checkpoint is not this run's: nothing was spent or changed
         print(f"clipless {args.command}: error: argument --resume: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # disk full, permissions...: one line, exit 1 (the run failed)
-        print(f"clipless {args.command}: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # the ledger is written before every step's noise: nothing is lost
         out = getattr(args, "out", None)
         where = ""

@@ -228,9 +228,12 @@ class PrivacyEngine:
         if epochs is not None and steps is not None:
             raise ValueError("give epochs or steps, not both (steps would override epochs)")
         if constraint is None and max_norm != 1.0:
-            raise ValueError(
+            # a warning, not an error: runs saved with it (the CLI's --max-norm with --constraint
+            # none) must still resume
+            warnings.warn(
                 f"max_norm={max_norm!r} is the projection's operator-norm bound, but "
-                "constraint=None projects nothing; drop max_norm or choose a constraint"
+                "constraint=None projects nothing: it is unused",
+                stacklevel=2,
             )
         if not isinstance(allow_unproven, bool):
             raise TypeError(f"allow_unproven must be a bool; got {type(allow_unproven).__name__}")
@@ -623,6 +626,7 @@ def _float_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 _TARGET_CHUNK = 65536  # rows per loss evaluation when checking the targets
+_TARGET_KINDS = 64  # distinct scalar targets checked together (labels; beyond: regression)
 
 
 def _validate_dataset(
@@ -643,32 +647,61 @@ def _validate_dataset(
 
     num_logits = report.num_logits
 
-    def check_targets(index_offset: int, target: torch.Tensor) -> None:
-        def refusal(rows: slice) -> Exception | None:
-            t = target[rows]
-            logits = torch.zeros((t.shape[0], *report.output_shape), dtype=dtype)
-            try:
-                with torch.no_grad():
-                    loss(logits, t)
-            except (ValueError, RuntimeError, TypeError, IndexError) as exc:
-                return exc
-            return None
+    def refusal(t: torch.Tensor) -> Exception | None:
+        logits = torch.zeros((t.shape[0], *report.output_shape), dtype=dtype, device=t.device)
+        try:
+            with torch.no_grad():
+                loss(logits, t)
+        except (ValueError, RuntimeError, TypeError, IndexError) as exc:
+            return exc
+        return None
 
+    # One record per distinct scalar target, across the chunks: a rule about which targets may
+    # share a batch (binary labels in {0, 1} or in {-1, 1}, never both) is checked on them
+    # together. Up to _TARGET_KINDS distinct values (labels); beyond, the targets are a
+    # continuous regression target, which no clipless loss restricts jointly.
+    kinds: dict[float, torch.Tensor] = {}
+    kinds_full = False
+
+    def check_targets(index_offset: int, target: torch.Tensor) -> None:
+        nonlocal kinds_full
         for start in range(0, int(target.shape[0]), _TARGET_CHUNK):
             stop = min(start + _TARGET_CHUNK, int(target.shape[0]))
-            if refusal(slice(start, stop)) is None:
+            if refusal(target[start:stop]) is None:
                 continue
             for row in range(start, stop):  # error path only: find the first refused record
-                exc = refusal(slice(row, row + 1))
+                exc = refusal(target[row : row + 1])
                 if exc is not None:
                     raise ValueError(
                         f"record {index_offset + row}: the loss ({type(loss).__name__}) refuses "
                         f"its target, so any step that samples it would fail: {exc}"
                     ) from exc
-            exc = refusal(slice(start, stop))
+            exc = refusal(target[start:stop])
             raise ValueError(
                 f"records {index_offset + start}-{index_offset + stop - 1}: the loss "
                 f"({type(loss).__name__}) refuses their targets: {exc}"
+            ) from exc
+        if kinds_full or not target.numel() or target[0].numel() != 1:
+            return
+        values, first = torch.unique(target.reshape(-1), return_inverse=True)
+        if len(kinds) + int(values.numel()) > _TARGET_KINDS:
+            kinds_full = True
+            return
+        for i, value in enumerate(values.tolist()):
+            if value not in kinds:
+                row = int((first == i).nonzero()[0, 0])
+                kinds[value] = target[row : row + 1]
+
+    def check_kinds() -> None:
+        if kinds_full or len(kinds) < 2:
+            return
+        together = torch.cat([t.to(next(iter(kinds.values())).device) for t in kinds.values()])
+        exc = refusal(together)
+        if exc is not None:
+            raise ValueError(
+                f"the loss ({type(loss).__name__}) refuses a batch holding the targets "
+                f"{sorted(kinds)} together, and Poisson batches can draw any mix of records: "
+                f"{exc}"
             ) from exc
 
     def check(index_offset: int, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -701,7 +734,7 @@ def _validate_dataset(
                         f"are {dtype}: convert one of them (e.g. x.to({dtype}) or "
                         f"model.to({t.dtype})) before make_private"
                     )
-            elif position == len(tensors) - 1 and num_logits > 1 and t.ndim == 1:
+            elif position == 1 and num_logits > 1 and t.ndim == 1:
                 bad = (t < 0) | (t >= num_logits)
                 if bool(bad.any()):
                     row = index_offset + int(bad.nonzero()[0, 0])
@@ -709,19 +742,20 @@ def _validate_dataset(
                         f"record {row} has label {int(t[row - index_offset])}, outside the "
                         f"model's {num_logits} classes [0, {num_logits})"
                     )
-        if len(tensors) >= 2:
-            check_targets(index_offset, torch.as_tensor(tensors[-1]))
+        if len(tensors) >= 2:  # (x, y, ...): the target is y, as fit and the optimizer read it
+            check_targets(index_offset, torch.as_tensor(tensors[1]))
 
     if isinstance(dataset, TensorDataset):
         check(0, tuple(dataset.tensors))
-        return
-    offset = 0
-    for batch in DataLoader(dataset, batch_size=4096, shuffle=False):
-        parts = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
-        tensors = tuple(p for p in parts if isinstance(p, torch.Tensor))
-        if tensors:
-            check(offset, tensors)
-            offset += int(tensors[0].shape[0])
+    else:
+        offset = 0
+        for batch in DataLoader(dataset, batch_size=4096, shuffle=False):
+            parts = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+            tensors = tuple(p for p in parts if isinstance(p, torch.Tensor))
+            if tensors:
+                check(offset, tensors)
+                offset += int(tensors[0].shape[0])
+    check_kinds()
 
 
 def _warn_large_delta(delta: object, n: int, name: str) -> None:

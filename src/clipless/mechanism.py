@@ -304,6 +304,10 @@ class PrivacyConfig:
         fields = dict(data)
         if "releases" in fields:  # a list in JSON; configs saved before releases have none
             fields["releases"] = tuple(fields["releases"])
+        if fields.get("scaling", "per-sample") != "threshold":
+            # configs saved before thresholds were refused with other scalings (they were
+            # unused there): loading such a checkpoint drops them
+            fields["thresholds"] = None
         return cls(**fields)
 
 

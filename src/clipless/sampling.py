@@ -457,6 +457,12 @@ def _refuse_custom_sampler(loader: DataLoader[Any]) -> None:
             "sample_rate (what the accounting assumes). To train on part of a dataset, pass "
             "torch.utils.data.Subset(dataset, indices) as the dataset; weighted sampling is not "
             "supported"
+            + (
+                "; under clipless.distributed every rank passes the plain DataLoader (the ranks "
+                "draw the same Poisson batch and shard() gives each its rows)"
+                if type(sampler).__name__ == "DistributedSampler"
+                else ""
+            )
         )
 
 
