@@ -734,7 +734,8 @@ epsilon 1 (``benchmarks/RESULTS.md`` sections 14 and 17)."""
 
 FEATURES_INPUT_NORM = 2.0
 # the largest --epsilon calibrated with the PLD accountant (epsilon 60 took 26 s and 1 GB on
-# breast-cancer; 100 did not finish in 40 s)
+# breast-cancer; 100 did not finish in 40 s): clipless.accounting.PLD_MAX_EPSILON, not imported
+# here so that --help stays fast
 PLD_MAX_EPSILON = 50.0
 """Default ``--input-norm`` with a feature front-end: the sphere radius. With Adam the logits move
 ``lr * radius`` per step, so radius 2 at lr 0.01 is the measured best radius 1 at lr 0.02 (on

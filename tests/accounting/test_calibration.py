@@ -44,3 +44,15 @@ def test_calibrate_noise_bad_input() -> None:
         calibrate_noise(1.0, 1e-5, 0.1, 10, tolerance=0.0)
     with pytest.raises(ValueError, match="max_noise_multiplier"):
         calibrate_noise(1e-3, 1e-5, 1.0, 10, "rdp", max_noise_multiplier=2.0)
+
+
+def test_pld_refuses_targets_it_cannot_calibrate_in_time() -> None:
+    """API audit: calibrate_noise(1000, ...) with the PLD accountant did not return in 150 s;
+    the CLI already capped --epsilon at 50. RDP answers at once."""
+    from clipless import accounting
+    from clipless.cli import PLD_MAX_EPSILON
+
+    assert accounting.PLD_MAX_EPSILON == PLD_MAX_EPSILON
+    with pytest.raises(ValueError, match="accountant='rdp'"):
+        accounting.calibrate_noise(1000.0, 1e-5, 0.25, 4)
+    assert accounting.calibrate_noise(1000.0, 1e-5, 0.25, 4, "rdp") > 0

@@ -106,7 +106,11 @@ from clipless.accounting._checks import (
     Neighbouring,
 )
 from clipless.accounting.accountant import Accountant, epsilon
-from clipless.accounting.calibration import ReleasesExceedTargetError, calibrate_noise
+from clipless.accounting.calibration import (
+    PLD_MAX_EPSILON,
+    ReleasesExceedTargetError,
+    calibrate_noise,
+)
 from clipless.accounting.events import dpsgd_event, effective_noise_multiplier, gaussian_step_event
 from clipless.accounting.guarantee import PrivacyGuarantee
 from clipless.accounting.ledger import (
@@ -124,6 +128,7 @@ __all__ = [
     "LEDGER_FORMAT",
     "LEDGER_VERSION",
     "NEIGHBOURING_RELATIONS",
+    "PLD_MAX_EPSILON",
     "Accountant",
     "AccountantKind",
     "LedgerEntry",

@@ -22,7 +22,13 @@ from clipless.accounting._checks import (
 from clipless.accounting.accountant import epsilon
 from clipless.accounting.events import _rdp_replace_one, gaussian_step_event
 
-__all__ = ["ReleasesExceedTargetError", "calibrate_noise"]
+__all__ = ["PLD_MAX_EPSILON", "ReleasesExceedTargetError", "calibrate_noise"]
+
+#: The largest target epsilon calibrated with the PLD accountant. Beyond, the multiplier is so
+#: small that the privacy-loss distribution's support explodes: epsilon 100 took 28 s and 1000
+#: did not return in 150 s (q = 0.25, 4 steps), and the CLI measured 60 at 26 s and 1 GB on
+#: breast-cancer. The RDP accountant answers such targets at once (and they protect little).
+PLD_MAX_EPSILON = 50.0
 
 
 class ReleasesExceedTargetError(ValueError):
@@ -98,7 +104,8 @@ def calibrate_noise(
     that end is returned, so ``epsilon(result, ...) <= target_epsilon`` holds exactly for the
     same accountant settings, and ``result / (1 + tolerance)`` misses the target.
 
-    ``steps`` must be at least 1. Raises ``ValueError`` if even ``max_noise_multiplier`` misses.
+    ``steps`` must be at least 1. Raises ``ValueError`` if even ``max_noise_multiplier`` misses,
+    and for a PLD target above :data:`PLD_MAX_EPSILON` (50; use ``accountant="rdp"``).
 
     ``releases``: noise multipliers of one-shot Gaussian releases composed with the steps (e.g. a
     private input mean, :func:`clipless.features.release_mean`); the steps get what they leave of
@@ -126,6 +133,12 @@ def calibrate_noise(
     sigma_cap = _real(max_noise_multiplier, "max_noise_multiplier")
     if not (math.isfinite(sigma_cap) and sigma_cap > 0.0):
         raise ValueError(f"max_noise_multiplier must be finite and > 0; got {sigma_cap!r}")
+    if kind == "pld" and eps_target > PLD_MAX_EPSILON:
+        raise ValueError(
+            f"target_epsilon={eps_target:g} is above {PLD_MAX_EPSILON:g}, the largest the PLD "
+            "accountant calibrates (its support grows without bound as the multiplier shrinks); "
+            "use accountant='rdp' for such targets"
+        )
     if kind == "rdp" and rel == "replace_one" and q < 1.0:
         _rdp_replace_one(gaussian_step_event(1.0, q))  # raises the explanatory ValueError
     extra = _check_releases(releases)
