@@ -75,6 +75,7 @@ def test_help_documents_every_command(capsys: pytest.CaptureFixture[str]) -> Non
         (["train", "--dataset", "breast-cancer", "--epsilon", "100", "--out", "{tmp}"], "rdp"),
         (["audit", "--sigma", "1e300"], "--sigma"),
         (["audit", "--plot", "{tmp}/x.txt"], "--plot"),
+        (["audit", "--plot", "{tmp}"], "is a folder"),  # (it wrote {tmp}.png beside it)
         (["audit", "--delta", "1e-320"], "--delta"),
         (["data", "fetch", "nope"], "name"),
         (["frobnicate"], "COMMAND"),

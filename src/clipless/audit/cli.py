@@ -104,6 +104,10 @@ def audit_command(args: argparse.Namespace) -> int:
     if args.plot:  # checked before the audit runs, not after
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+        if Path(args.plot).is_dir():
+            print(f"clipless audit: error: argument --plot: {args.plot} is a folder; give an "
+                  "image file name (.png, .pdf or .svg)", file=sys.stderr)  # fmt: skip
+            return 2
         suffix = Path(args.plot).suffix[1:].lower() or "png"
         if suffix not in FigureCanvasAgg.get_supported_filetypes():
             print(f"clipless audit: error: argument --plot: .{suffix} is not an image format "
