@@ -814,5 +814,5 @@ def test_warnings_are_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "clipless", *args], capture_output=True, text=True, check=True
     )
-    assert "clipless: warning: target_delta=0.05 is at least 1/n" in done.stderr
+    assert "clipless: warning: target_delta=0.05 is above 1/n" in done.stderr
     assert "UserWarning" not in done.stderr and ".py:" not in done.stderr

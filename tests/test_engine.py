@@ -483,15 +483,20 @@ def test_a_seeded_engine_warns_and_its_guarantee_says_so() -> None:
     assert "seeded" not in str(unseeded.guarantee(1e-5))
 
 
-def test_delta_of_at_least_one_over_n_warns() -> None:
-    with pytest.warns(UserWarning, match=r"target_delta=0\.01 is at least 1/n \(n = 200"):
+def test_delta_above_one_over_n_warns() -> None:
+    with pytest.warns(UserWarning, match=r"target_delta=0\.01 is above 1/n \(n = 200"):
         engine, *_ = _private(
             noise_multiplier=None, target_epsilon=1.0, target_delta=0.01, epochs=1
         )
-    with pytest.warns(UserWarning, match="at least 1/n"):
-        engine.guarantee(0.005)
-    with pytest.warns(UserWarning, match="at least 1/n"):
-        engine.get_epsilon(0.005)
+    with pytest.warns(UserWarning, match="above 1/n"):
+        engine.guarantee(0.006)
+    with pytest.warns(UserWarning, match="above 1/n"):
+        engine.get_epsilon(0.006)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.guarantee(1 / N)  # delta = 1/n (the thesis's protocol) does not warn
 
 
 @pytest.mark.parametrize(

@@ -351,7 +351,8 @@ def _add_train_parser(sub: Any) -> None:
         "--force",
         action="store_true",
         help="start a new run in --out even if it holds one: the old run is moved to "
-        "OUT.old-<timestamp> (its ledger is kept, nothing is deleted)",
+        "OUT.old-<timestamp> (its ledger is kept, nothing is deleted); refused for a symbolic "
+        "link and for the folder the command runs in",
     )
     p.add_argument(
         "--device",
@@ -371,7 +372,7 @@ def _add_train_parser(sub: Any) -> None:
         "--delta",
         type=_delta,
         default=1e-5,
-        help="delta, in (0, 0.1]; a delta of at least 1/n warns (such a claim protects nobody)",
+        help="delta, in (0, 0.1]; a delta above 1/n warns (such a claim protects little)",
     )
     priv.add_argument(
         "--accountant", choices=("pld", "rdp"), default="pld", help="privacy accountant"
@@ -406,7 +407,11 @@ def _add_train_parser(sub: Any) -> None:
         "--model linear (one layer's sensitivity does not depend on its weights)",
     )
     priv.add_argument(
-        "--max-norm", type=_positive_float, default=1.0, help="per-layer Lipschitz bound C"
+        "--max-norm",
+        type=_positive_float,
+        default=1.0,
+        help="per-layer Lipschitz bound C (unused with --constraint none, the linear model's "
+        "default: another value warns)",
     )
     priv.add_argument(
         "--input-norm",
@@ -433,8 +438,9 @@ def _add_train_parser(sub: Any) -> None:
         help="subtract the private mean of the unit-normalised training inputs from every sample "
         "before InputNorm (clipless.features.release_mean: one Gaussian release with this noise "
         "multiplier, composed with the training steps by the accountant, so --epsilon covers "
-        "both); 0: no centring. Default: 20 with --features (about +0.3 points on "
-        "fashion-mnist for a ~0.01 share of epsilon 3, benchmarks/RESULTS.md section 17), else 0",
+        "both); 0: no centring, else at least 0.1. Default: 20 with --features (about +0.3 "
+        "points on fashion-mnist for a ~0.01 share of epsilon 3, benchmarks/RESULTS.md section "
+        "17), else 0",
     )
     priv.add_argument(
         "--whiten-noise",
@@ -444,9 +450,10 @@ def _add_train_parser(sub: Any) -> None:
         "square root of their private covariance before InputNorm's projection "
         "(clipless.features.release_channel_moment: one Gaussian release of the C x C channel "
         "second moment with this noise multiplier, composed with the training steps; "
-        "clipless.features.whitening); 0: no whitening. Default: 20 with --features (on "
-        "fashion-mnist at epsilon 3: +0.4 points over 10 seeds in the benchmark harness; with it "
-        "and --lr 0.005 the CLI's defaults reach 90.5%%, benchmarks/RESULTS.md section 20), else 0",
+        "clipless.features.whitening); 0: no whitening, else at least 0.1. Default: 20 with "
+        "--features (on fashion-mnist at epsilon 3: +0.4 points over 10 seeds in the benchmark "
+        "harness; with it and --lr 0.005 the CLI's defaults reach 90.5%%, "
+        "benchmarks/RESULTS.md section 20), else 0",
     )
     priv.add_argument(
         "--whiten-shrink",
@@ -550,7 +557,7 @@ def _add_train_parser(sub: Any) -> None:
         type=_temperature,
         default=0.1,
         help="cross-entropy temperature: logits / T (a Lipschitz model's logits are small; "
-        "T < 1 sharpens its softmax)",
+        "T < 1 sharpens its softmax); in [1e-4, 1e4]",
     )
     tr.add_argument(
         "--loss-clip",

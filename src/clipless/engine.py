@@ -182,7 +182,7 @@ class PrivacyEngine:
         valid class, binary labels in ``{0, 1}`` or ``{-1, 1}``, probability rows on the
         simplex), so that no record can make a step fail when it is sampled (a failure with
         probability ``q`` per step would break delta). A ``target_delta`` (or a ``delta`` read
-        later) of at least ``1 / n`` warns: such a claim protects nobody. The loader's sampler
+        later) above ``1 / n`` warns: such a claim protects little. The loader's sampler
         must be torch's default (sequential or shuffling); one that selects or weights records
         is refused rather than dropped (pass a ``torch.utils.data.Subset`` instead).
 
@@ -466,12 +466,15 @@ class PrivacyEngine:
         The ledger never goes backwards: a checkpoint whose ledger has fewer steps than this
         engine has already recorded is refused (those steps were spent). With a ``ledger_path``
         whose file records more than the checkpoint (steps taken after it, before a crash), the
-        file's ledger is kept (with a warning). Unless this engine has a ``seed``, the noise and
-        sampler generators are then reseeded from the OS CSPRNG instead of taking the saved
-        states (as :func:`clipless.training.fit` does on resume): those would draw the lost
-        steps' noise and batches again, and two runs resumed from one checkpoint would draw the
-        same noise on different gradients (their difference would cancel it). A seeded engine
-        restores them (bit-identical resume, for experiments).
+        file's ledger is kept (with a warning) if it continues the checkpoint's ledger
+        (:meth:`clipless.accounting.PrivacyLedger.extends`); a file that does not is another
+        run's, and :class:`CheckpointMismatchError` is raised, as for another configuration.
+        Unless this engine has a ``seed``, the noise and sampler generators are then reseeded
+        from the OS CSPRNG instead of taking the saved states (as :func:`clipless.training.fit`
+        does on resume): those would draw the lost steps' noise and batches again, and two runs
+        resumed from one checkpoint would draw the same noise on different gradients (their
+        difference would cancel it). A seeded engine restores them (bit-identical resume, for
+        experiments).
         The mechanism must be the same (a checkpoint of another configuration is refused, naming
         the difference); a longer plan saved by :meth:`extend` is kept.
         """
@@ -759,13 +762,16 @@ def _validate_dataset(
 
 
 def _warn_large_delta(delta: object, n: int, name: str) -> None:
-    """Warn when ``delta >= 1 / n``: such a claim allows releasing a whole record outright."""
-    if isinstance(delta, int | float) and not isinstance(delta, bool) and delta * n >= 1.0:
+    """Warn when ``delta > 1 / n``: such a claim allows releasing a record outright.
+
+    ``delta = 1 / n`` itself (the thesis's tabular protocol) does not warn.
+    """
+    if isinstance(delta, int | float) and not isinstance(delta, bool) and delta * n > 1.0 + 1e-9:
         warnings.warn(
-            f"{name}={delta!r} is at least 1/n (n = {n} training records): an (epsilon, delta) "
-            "claim with delta >= 1/n is met by a mechanism that publishes a random record "
-            "outright, so it protects nobody; use delta well below 1/n (e.g. 1/n or 1e-5 for "
-            "smaller datasets)",
+            f"{name}={delta!r} is above 1/n (n = {n} training records): an (epsilon, delta) "
+            "claim with delta > 1/n is met by a mechanism that publishes a random record "
+            "outright, so it protects little; use a delta of at most 1/n, and preferably much "
+            "smaller (e.g. 1e-5)",
             stacklevel=3,
         )
 

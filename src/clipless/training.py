@@ -669,9 +669,9 @@ def fit(
     (``.json``; a ``.csv`` of the history is written beside it) is rewritten every epoch.
     Under :mod:`clipless.distributed` only rank 0 writes the checkpoint, its ledger and the
     metrics; every rank may pass the same ``checkpoint_dir``. On ``resume`` rank 0 alone reads
-    the checkpoint (and the largest ledger) and every rank loads what it read, so the folder need
-    only exist on rank 0's machine; an error there (e.g. a new run over a spent ledger) is raised
-    on every rank.
+    the checkpoint (and the largest ledger that continues the checkpoint's) and every rank
+    loads what it read, so the folder need only exist on rank 0's machine; an error there (e.g.
+    a new run over a spent ledger) is raised on every rank.
     """
     _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult, on_epoch_end)
     if eval_loader is not None and eval_loader is train_loader:

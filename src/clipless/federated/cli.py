@@ -371,7 +371,7 @@ def _party(args: argparse.Namespace) -> int:
                 listener = socket.create_server(at)
             except OSError as exc:
                 where = f" (the session's servers_at[{args.index}])" if recorded else ""
-                why = os.strerror(exc.errno) if exc.errno else str(exc)
+                why = exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
                 print(f"clipless federated serve: error: --host/--port: cannot listen on "
                       f"{at[0]}:{at[1]}{where}: {why} (--host 0.0.0.0 listens on every "
                       "interface)", file=sys.stderr)  # fmt: skip

@@ -91,7 +91,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--branching",
         default=None,
-        help="k for --mechanism k-ary (default: the exact optimum for --size)",
+        help="k for --mechanism k-ary, 2 to 65536 (default: the exact optimum for --size)",
     )
     p.add_argument("--seed", default=None, help="reproducible, NOT secure noise (tests only)")
     p.add_argument(
