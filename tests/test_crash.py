@@ -311,7 +311,8 @@ def test_killed_ecdf_never_leaves_a_torn_release(tmp_path: Path) -> None:
     _complete_csv(out / "ecdf.csv", {1000})
     rng = random.Random(5)
     for _ in range(4):
-        child = ctx.Process(target=_ecdf_child, args=([*base, "--size", "4000"],))
+        # --force: a release over the earlier one (without it the command now refuses at once)
+        child = ctx.Process(target=_ecdf_child, args=([*base, "--size", "4000", "--force"],))
         child.start()
         time.sleep(rng.uniform(0.0, 1.5))
         if child.exitcode is None:

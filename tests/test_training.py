@@ -699,3 +699,25 @@ def test_a_moved_run_never_adopts_the_ledger_of_the_run_started_in_its_place(
     assert {e.noise_multiplier for e in entries} == {engine.ledger.entries[0].noise_multiplier}
     assert engine.ledger.steps == 2 * own_steps  # A's own two epochs, nothing of B's
     assert PrivacyLedger.from_json(run / LEDGER_NAME).steps == engine_b.ledger.steps  # B intact
+
+
+def test_a_moved_run_never_adopts_the_ledger_of_a_run_with_its_own_configuration(
+    tmp_path: Path,
+) -> None:
+    """The review: run B with exactly A's configuration, started in A's folder, looked like A's
+    continuation (same entries), so A's resume adopted B's steps. The ledgers' run ids differ."""
+    run, moved = tmp_path / "run", tmp_path / "run.old"
+    model, optimizer, loader, loss, engine = _unseeded()
+    fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
+        checkpoint_dir=run, progress=False)  # fmt: skip
+    own_steps = engine.ledger.steps
+    run.rename(moved)
+    model, optimizer, loader, loss, engine_b = _unseeded()  # the same command again
+    fit(model, optimizer, loader, loss, engine=engine_b, epochs=3, delta=DELTA,
+        checkpoint_dir=run, progress=False)  # fmt: skip
+    model, optimizer, loader, loss, engine = _unseeded()
+    with pytest.warns(UserWarning, match="another run's ledger and is ignored"):
+        fit(model, optimizer, loader, loss, engine=engine, epochs=2, delta=DELTA,
+            checkpoint_dir=moved, resume=True, progress=False)  # fmt: skip
+    assert engine.ledger.steps == 2 * own_steps
+    assert PrivacyLedger.from_json(run / LEDGER_NAME).steps == engine_b.ledger.steps

@@ -15,6 +15,7 @@ Lip-DP-SGD (thesis Algorithm 8) with ``scaling="per-sample"`` / ``"threshold"`` 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import numbers
 import os
 import secrets
@@ -302,6 +303,9 @@ class PrivacyEngine:
         self.ledger = accounting.PrivacyLedger(
             accountant=cast(accounting.AccountantKind, self.accountant_kind),
             neighbouring=cast(accounting.Neighbouring, neighbouring),
+            # tells this run's ledger file from another run's with the same mechanism (a resume
+            # adopts only a file that continues its own ledger: PrivacyLedger.extends)
+            metadata={"run_id": _run_id(self.seed)},
         )
         # spent before the first step (the model carries them)
         for label, sigma in input_release_labels(module):
@@ -759,6 +763,13 @@ def _validate_dataset(
                 check(offset, tensors)
                 offset += int(tensors[0].shape[0])
     check_kinds()
+
+
+def _run_id(seed: int | None) -> str:
+    """A random run id, or one derived from the seed (a seeded run is reproducible)."""
+    if seed is None:
+        return secrets.token_hex(16)
+    return hashlib.sha256(f"clipless run {seed}".encode()).hexdigest()[:32]
 
 
 def _warn_large_delta(delta: object, n: int, name: str) -> None:

@@ -244,3 +244,18 @@ def test_extends_recognises_a_continuation_and_nothing_else() -> None:
     replace.record_release(5.0, label="mean")
     replace.record(1.0, 0.1, 9)
     assert not replace.extends(base)
+
+
+def test_extends_tells_runs_apart_by_their_run_id() -> None:
+    from clipless.accounting import PrivacyLedger
+
+    a = PrivacyLedger(metadata={"run_id": "a"})
+    a.record(1.0, 0.1, 3)
+    b = PrivacyLedger(metadata={"run_id": "b"})
+    b.record(1.0, 0.1, 9)
+    legacy = PrivacyLedger()
+    legacy.record(1.0, 0.1, 9)
+    longer_a = PrivacyLedger.from_dict(a.to_dict())
+    longer_a.record(1.0, 0.1, 6)
+    assert not b.extends(a) and longer_a.extends(a)
+    assert legacy.extends(a)  # a ledger written before run ids: the entries decide

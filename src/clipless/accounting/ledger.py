@@ -611,10 +611,15 @@ class PrivacyLedger:
 
         A ledger file written by the run a checkpoint came from always extends the checkpoint's
         ledger (steps are only appended). A file that does not is another run's record, e.g.
-        the ledger of a new run started where a moved run's folder used to be.
+        the ledger of a new run started where a moved run's folder used to be. When both carry a
+        ``metadata["run_id"]`` (``make_private`` sets one), they must be equal, which also tells
+        apart two runs of one configuration.
         """
         if (self.accountant, self.neighbouring) != (other.accountant, other.neighbouring):
             return False
+        mine_id, their_id = self.metadata.get("run_id"), other.metadata.get("run_id")
+        if mine_id is not None and their_id is not None and mine_id != their_id:
+            return False  # another run (ledgers written before run ids fall back to the entries)
         if self._releases[: len(other._releases)] != other._releases:
             return False
         mine, theirs = self._entries, other._entries
