@@ -664,31 +664,35 @@ def test_fit_refuses_the_training_loader_for_evaluation_and_restarts_after_an_er
     assert again.stop_reason == "completed" and engine.ledger.steps == 2 + len(loader)
 
 
+@pytest.mark.parametrize("run_b", ["another configuration", "the same command"])
 def test_a_moved_run_never_adopts_the_ledger_of_the_run_started_in_its_place(
-    tmp_path: Path,
+    run_b: str, tmp_path: Path
 ) -> None:
     """CLI audit finding: after ``--force`` moved run A aside and run B started in A's folder,
     resuming A took B's ledger (the path A's checkpoint recorded) as its own: A's 370 steps at
-    its own sigma became B's 399 at another, and A reported 0.50 where it had spent 0.97."""
-    run = tmp_path / "run"
+    its own sigma became B's 399 at another, and A reported 0.50 where it had spent 0.97. The
+    review: a B of A's own configuration looked like A's continuation (same entries); the
+    ledgers' run ids tell them apart."""
+    run, moved = tmp_path / "run", tmp_path / "run.old"
     model, optimizer, loader, loss, engine = _unseeded()
     fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
         checkpoint_dir=run, progress=False)  # fmt: skip
     own_steps = engine.ledger.steps
-    moved = tmp_path / "run.old"
     run.rename(moved)
-    # run B, in A's old folder: another sigma and more steps
-    torch.manual_seed(1)
-    other = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(4, 2))
-    engine_b, loss_b = PrivacyEngine(accountant="pld"), cnn.CrossEntropyLoss()
-    other, opt_b, loader_b = engine_b.make_private(
-        module=other,
-        optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
-        data_loader=DataLoader(_data(), batch_size=8),
-        loss=loss_b,
-        noise_multiplier=9.0,
-    )
-    fit(other, opt_b, loader_b, loss_b, engine=engine_b, epochs=3, delta=DELTA,
+    if run_b == "the same command":
+        model_b, opt_b, loader_b, loss_b, engine_b = _unseeded()
+    else:  # another sigma and more steps
+        torch.manual_seed(1)
+        model_b = cnn.Sequential(cnn.InputNorm(1.0), cnn.Linear(4, 2))
+        engine_b, loss_b = PrivacyEngine(accountant="pld"), cnn.CrossEntropyLoss()
+        model_b, opt_b, loader_b = engine_b.make_private(
+            module=model_b,
+            optimizer=torch.optim.SGD(model_b.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=8),
+            loss=loss_b,
+            noise_multiplier=9.0,
+        )
+    fit(model_b, opt_b, loader_b, loss_b, engine=engine_b, epochs=3, delta=DELTA,
         checkpoint_dir=run, progress=False)  # fmt: skip
     assert engine_b.ledger.steps > own_steps
     model, optimizer, loader, loss, engine = _unseeded()
@@ -698,26 +702,5 @@ def test_a_moved_run_never_adopts_the_ledger_of_the_run_started_in_its_place(
     entries = PrivacyLedger.from_json(moved / LEDGER_NAME).entries
     assert {e.noise_multiplier for e in entries} == {engine.ledger.entries[0].noise_multiplier}
     assert engine.ledger.steps == 2 * own_steps  # A's own two epochs, nothing of B's
+    assert PrivacyLedger.from_json(moved / LEDGER_NAME).steps == 2 * own_steps
     assert PrivacyLedger.from_json(run / LEDGER_NAME).steps == engine_b.ledger.steps  # B intact
-
-
-def test_a_moved_run_never_adopts_the_ledger_of_a_run_with_its_own_configuration(
-    tmp_path: Path,
-) -> None:
-    """The review: run B with exactly A's configuration, started in A's folder, looked like A's
-    continuation (same entries), so A's resume adopted B's steps. The ledgers' run ids differ."""
-    run, moved = tmp_path / "run", tmp_path / "run.old"
-    model, optimizer, loader, loss, engine = _unseeded()
-    fit(model, optimizer, loader, loss, engine=engine, epochs=1, delta=DELTA,
-        checkpoint_dir=run, progress=False)  # fmt: skip
-    own_steps = engine.ledger.steps
-    run.rename(moved)
-    model, optimizer, loader, loss, engine_b = _unseeded()  # the same command again
-    fit(model, optimizer, loader, loss, engine=engine_b, epochs=3, delta=DELTA,
-        checkpoint_dir=run, progress=False)  # fmt: skip
-    model, optimizer, loader, loss, engine = _unseeded()
-    with pytest.warns(UserWarning, match="another run's ledger and is ignored"):
-        fit(model, optimizer, loader, loss, engine=engine, epochs=2, delta=DELTA,
-            checkpoint_dir=moved, resume=True, progress=False)  # fmt: skip
-    assert engine.ledger.steps == 2 * own_steps
-    assert PrivacyLedger.from_json(run / LEDGER_NAME).steps == engine_b.ledger.steps

@@ -20,13 +20,13 @@ import numbers
 import os
 import secrets
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader
 
-from clipless import accounting, bounds, constraints, mechanism
+from clipless import accounting, bounds, constraints, mechanism, models
 from clipless.mechanism import PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.norms import all_finite
@@ -702,8 +702,7 @@ def _validate_dataset(
     def check_kinds() -> None:
         if kinds_full or len(kinds) < 2:
             return
-        together = torch.cat([t.to(next(iter(kinds.values())).device) for t in kinds.values()])
-        exc = refusal(together)
+        exc = refusal(torch.cat(list(kinds.values())))
         if exc is not None:
             raise ValueError(
                 f"the loss ({type(loss).__name__}) refuses a batch holding the targets "
@@ -726,16 +725,9 @@ def _validate_dataset(
                         f"the training data has a non-finite value (NaN or inf) in record {row}, "
                         f"field {position}; clean or drop it before training"
                     )
-                if (
-                    position == 0
-                    and t.is_floating_point()
-                    and t.dtype != dtype
-                    and dtype
-                    in (
-                        torch.float32,
-                        torch.float64,
-                    )
-                ):  # (other model dtypes are refused by the optimizer, with their own message)
+                # (other model dtypes are refused by the optimizer, with their own message)
+                certified = dtype in (torch.float32, torch.float64)
+                if position == 0 and t.is_floating_point() and t.dtype != dtype and certified:
                     raise ValueError(
                         f"the training data's features are {t.dtype} but the model's parameters "
                         f"are {dtype}: convert one of them (e.g. x.to({dtype}) or "
@@ -777,7 +769,8 @@ def _warn_large_delta(delta: object, n: int, name: str) -> None:
 
     ``delta = 1 / n`` itself (the thesis's tabular protocol) does not warn.
     """
-    if isinstance(delta, int | float) and not isinstance(delta, bool) and delta * n > 1.0 + 1e-9:
+    real = isinstance(delta, numbers.Real) and not isinstance(delta, bool)
+    if real and float(delta) * n > 1.0 + 1e-9:  # type: ignore[arg-type]
         warnings.warn(
             f"{name}={delta!r} is above 1/n (n = {n} training records): an (epsilon, delta) "
             "claim with delta > 1/n is met by a mechanism that publishes a random record "
@@ -791,17 +784,11 @@ def _shape_tuple(shape: object) -> tuple[int, ...]:
     """``input_shape`` as a tuple of positive ints (one int is a 1-D shape)."""
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
-    try:
-        dims: tuple[object, ...] = tuple(shape)  # type: ignore[arg-type]
-    except TypeError:
+    if not isinstance(shape, Iterable) or isinstance(shape, str | bytes):
         raise TypeError(
             f"input_shape must be a tuple of positive ints (one example's shape); got {shape!r}"
-        ) from None
-    if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
-        raise ValueError(
-            f"input_shape must be a tuple of positive ints (one example's shape); got {shape!r}"
         )
-    return tuple(int(d) for d in dims)  # type: ignore[call-overload]
+    return models._shape(shape)
 
 
 def fresh_randomness(optimizer: object, loader: object) -> None:

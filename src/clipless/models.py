@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from clipless import nn
+from clipless.nn import _checks
 
 __all__ = [
     "DOWNSAMPLES",
@@ -151,31 +152,12 @@ def convnet(
 
 def _classes(num_classes: object) -> int:
     """``num_classes`` (the number of logits) as an int >= 1, or an error naming it."""
-    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
-        raise TypeError(
-            f"num_classes must be an int >= 1 (the number of logits); got "
-            f"{type(num_classes).__name__} {num_classes!r}"
-        )
-    if num_classes < 1:
-        raise ValueError(
-            f"num_classes must be an int >= 1 (the number of logits); got {num_classes}"
-        )
-    return int(num_classes)
+    return _checks.positive_int("num_classes", num_classes)
 
 
 def _radius(input_norm: object) -> float:
     """``input_norm`` (the InputNorm radius) as a finite float > 0, or an error naming it."""
-    if isinstance(input_norm, bool) or not isinstance(input_norm, numbers.Real):
-        raise TypeError(
-            f"input_norm must be a finite number > 0 (the input radius); got "
-            f"{type(input_norm).__name__} {input_norm!r}"
-        )
-    radius = float(input_norm)
-    if not (math.isfinite(radius) and radius > 0):
-        raise ValueError(
-            f"input_norm must be a finite number > 0 (the input radius); got {input_norm!r}"
-        )
-    return radius
+    return _checks.positive_float("input_norm", input_norm)
 
 
 def _shape(input_shape: object) -> tuple[int, ...]:

@@ -27,7 +27,8 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # numbers.Integral: Python and NumPy integers, not bools (as _as_float takes NumPy floats)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def positive_int(name: str, value: Any) -> int:
