@@ -104,12 +104,19 @@ class _Forked:
 
     Same interface as the parts of :class:`subprocess.Popen` used here. The child is a separate
     process killed with SIGKILL like the subprocess one; only the start-up cost differs.
+
+    The child is forked from a ``forkserver`` that has imported clipless (and torch) but never ran
+    a parallel region, not from pytest's process: a child forked from a process whose OpenMP
+    thread pool (GNU libgomp, used by torch's MKL) has run hangs in its first parallel region
+    (here ``torch.linalg.qr`` in ``orthogonal_``), which made this test hang when it ran after
+    tests that train in-process (``pytest tests/test_engine.py tests/test_crash.py``).
     """
 
     def __init__(self, argv: list[str], log: Path) -> None:
         import multiprocessing
 
-        ctx = multiprocessing.get_context("fork")
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["clipless.cli", "clipless.optim"])
         self._proc = ctx.Process(target=_forked_main, args=(argv, str(log)), daemon=True)
         self._proc.start()
         self.returncode: int | None = None
@@ -179,9 +186,20 @@ def _check_invariants(out: Path, log: Path) -> int:
 def _kill_when(
     proc: subprocess.Popen[bytes], out: Path, log: Path, trigger: str, value: float
 ) -> None:
-    """SIGKILL ``proc`` when ``trigger`` happens (or when it exits by itself)."""
+    """SIGKILL ``proc`` when ``trigger`` happens (or when it exits by itself).
+
+    Fails (after killing it) when the child neither exits nor draws noise for 120 s: a hung child
+    must fail the test, not hang it.
+    """
     started, base = time.monotonic(), _draws(log)
+    progress, seen = started, base
     while proc.poll() is None:
+        if _draws(log) != seen:
+            progress, seen = time.monotonic(), _draws(log)
+        if time.monotonic() - progress > 120:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate(timeout=60)
+            pytest.fail(f"the clipless run made no progress for 120 s ({seen - base} draws)")
         if trigger == "time" and time.monotonic() - started >= value:
             break
         if trigger == "draws" and _draws(log) - base >= value:
@@ -303,7 +321,8 @@ def test_killed_ecdf_never_leaves_a_torn_release(tmp_path: Path) -> None:
     out = tmp_path / "out"
     base = ["ecdf", str(data), "--column", "x", "--lower", "-4", "--upper", "4"]
     base += ["--epsilon", "1", "--seed", "1", "--out", str(out)]
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("forkserver")  # a clean parent: see _Forked
+    ctx.set_forkserver_preload(["clipless.cli"])
     first = ctx.Process(target=_ecdf_child, args=([*base, "--size", "1000"],))
     first.start()
     first.join(120)
