@@ -934,3 +934,74 @@ def test_full_float32_precision_clears_every_reduced_setting() -> None:
         for owner, value in zip(owners, saved[0], strict=True):
             owner.fp32_precision = value
         backends.fp32_precision = saved[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Findings of an audit of unusual model structures (sixteenth session)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["grad", "vjp"])
+def test_a_training_forward_inside_torch_func_is_refused(how: str) -> None:
+    """An input-gradient penalty through ``torch.func.grad`` (2.47x the planned sensitivity) or
+    a second pass through ``torch.func.vjp`` (6.82x) joined the guarded gradient unseen: the
+    transformed pass has no output clip, and autograd merged both paths into one accumulation."""
+    _, m, o, _ = _private()
+    x, y = _data().tensors[0][:20] * 3, _data().tensors[1][:20]
+    with pytest.raises(PrivacyContractError, match=r"inside a torch\.func transform"):
+        if how == "grad":
+            gx = torch.func.grad(lambda xb: o.loss(m(xb), y))(x)
+            (o.loss(m(x), y) + 100.0 * gx.square().sum()).backward()
+        else:
+            out, _ = torch.func.vjp(m, x)
+            (o.loss(m(x), y) + 10.0 * o.loss(out, y)).backward()
+    o.zero_grad()
+    o._pending.clear()
+    o.loss(m(x), y).backward()  # the guarded pass alone is accepted
+    o.step()
+
+
+def test_a_release_added_after_make_private_is_refused() -> None:
+    """A released input mean put into the model after ``make_private`` trained unaccounted:
+    epsilon 4.38 reported where composing the release gives 11.48."""
+    from clipless.features import release_mean
+
+    _, m, o, _ = _private()
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    mean = release_mean(_data().tensors[0], noise_multiplier=0.5)
+    m[0] = nn.InputNorm(2.0, center=mean, center_noise=0.5)
+    with pytest.raises(PrivacyContractError, match="input releases changed after make_private"):
+        o.loss(m(x), y).backward()
+    m[0] = nn.InputNorm(2.0)  # without a release: the model make_private accounted for
+    o.loss(m(x), y).backward()
+
+
+def test_an_infinite_sensitivity_is_refused_before_any_noise() -> None:
+    """A sphere-mode InputNorm after the first layer has no finite constant: the step drew noise
+    of std inf and the weights silently became non-finite while the ledger recorded a step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.InputNorm(1.0),
+        nn.Linear(DIM, 8, bias=False),
+        nn.InputNorm(1.0, mode="sphere"),
+        nn.Linear(8, 2, bias=False),
+    )
+    with pytest.raises(ValueError, match=r"layer '1': its certified sensitivity is inf"):
+        _private(model)
+
+
+def test_a_module_at_two_paths_gets_the_largest_of_its_thresholds() -> None:
+    """``scaling="bound"``: thresholds are planned per path, and the last path used to win, so a
+    layer used at input bounds 10 and 2.83 was scaled with 2.83 for both uses (a bias, not a
+    privacy loss: the threshold never enters the sensitivity)."""
+    torch.manual_seed(0)
+    shared = nn.Linear(DIM, DIM, bias=False)
+    model = nn.Sequential(
+        nn.InputNorm(10.0), shared, nn.GroupNorm(1, DIM), shared, nn.Linear(DIM, 2, bias=False)
+    )
+    _, _, o, _ = _private(model, scaling="bound", constraint=None)
+    plan = o.refresh()
+    by_path = {lb.path: lb.norm_factor_bound for lb in o.bound_report().layers}
+    assert by_path["1"] != by_path["3"]
+    assert plan.thresholds["1"] == by_path["1"] and plan.thresholds["3"] == by_path["3"]
+    assert shared.scaling_threshold == max(by_path["1"], by_path["3"])

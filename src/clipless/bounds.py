@@ -191,12 +191,150 @@ def _leading_module(model: torch.nn.Module) -> torch.nn.Module | None:
     return module
 
 
+#: Rows of the zero batch of the structural forward: two, so that a module merging the samples
+#: of a batch into one row is seen as well as one folding a sample into several rows.
+_ROWS = 2
+
+
 def _zero_input(model: torch.nn.Module, input_shape: tuple[int, ...]) -> torch.Tensor:
     tensors = [*model.parameters(), *model.buffers()]
     ref = next((t for t in tensors if t.is_floating_point()), None)
     if ref is None:
-        return torch.zeros((1, *input_shape))
-    return torch.zeros((1, *input_shape), dtype=ref.dtype, device=ref.device)
+        return torch.zeros((_ROWS, *input_shape))
+    return torch.zeros((_ROWS, *input_shape), dtype=ref.dtype, device=ref.device)
+
+
+def _trusted_forward(module: torch.nn.Module) -> bool:
+    """True when ``module``'s forward is one of clipless's own (its bounds were proved for it)."""
+    return getattr(type(module).forward, "__module__", "").startswith("clipless.")
+
+
+def _graph_parameters(output: object) -> set[int]:
+    """Ids of the leaf tensors requiring grad that ``output``'s autograd graph reaches."""
+    found: set[int] = set()
+    if not isinstance(output, torch.Tensor) or output.grad_fn is None:
+        return found
+    seen: set[object] = set()
+    stack: list[object] = [output.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf (a parameter)
+        if isinstance(variable, torch.Tensor):
+            found.add(id(variable))
+        stack.extend(f for f, _ in getattr(fn, "next_functions", ()))
+    return found
+
+
+def _buffer_state(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    return {name: (id(b), b._version) for name, b in model.named_buffers(remove_duplicate=False)}
+
+
+def _check_structure(
+    model: torch.nn.Module,
+    walker: _Walker,
+    calls: Mapping[int, int],
+    rows: Mapping[int, int],
+    inputs: Mapping[int, tuple[object, ...]],
+    output_rows: int,
+) -> None:
+    """Refuse a model whose forward is not the composition the walk certifies.
+
+    The walk follows the containers' children and trusts each leaf's ``lipschitz()``; what runs
+    must match (each check has a reproduction in ``tests/test_bounds.py``):
+
+    * every module runs as many times as the walk visits it, and no parametric layer with a
+      trainable parameter runs without being visited (one held by a custom leaf, e.g. through a
+      tied weight, would add an uncounted use of its parameters; a frozen one is a constant);
+    * no ``Sequential`` / ``Residual`` subclass replaces the container's forward (a skip
+      ``x + super().forward(x)`` or a reordering keeps the call counts);
+    * every visited module receives one row per sample, and so does the model's output: the
+      scaled kernels, ``LossGradientClip`` and the output guard bound each *row*, so a leaf that
+      folds a sample into several rows (or merges samples into one) would multiply a sample's
+      contribution;
+    * a custom leaf (a ``LipschitzModule`` whose forward is not clipless's own) uses no parameter
+      (a custom parametric layer: only its own): its ``lipschitz()`` certifies a function of
+      its input, and a parameter used inside it is a use the gradient bounds do not count.
+    """
+    modules = {id(m): m for m in model.modules()}
+
+    def where(key: int) -> str:  # only for the messages
+        paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        return repr(paths.get(key, "?") or "<root>")
+
+    for key, m in modules.items():
+        if isinstance(m, cnn.Sequential) and type(m).forward is not cnn.Sequential.forward:
+            kind = "Sequential"
+        elif isinstance(m, cnn.Residual) and type(m).forward is not cnn.Residual.forward:
+            kind = "Residual"
+        else:
+            continue
+        raise ValueError(
+            f"module {where(key)} ({type(m).__name__}) overrides the forward of clipless "
+            f"{kind}: the bounds follow the container's children in order, so its forward must be "
+            "the container's own (write the composition as nested Sequential / Residual)"
+        )
+    for module_id, visits in walker.visits.items():
+        if calls.get(module_id, 0) != visits:
+            raise ValueError(
+                f"module {where(module_id)} ran {calls.get(module_id, 0)} time(s) in a forward "
+                f"pass but the bound computation follows the containers' children and visits it "
+                f"{visits} time(s): a clipless Sequential or Residual must not override forward "
+                "(write the composition as nested containers)"
+            )
+    for module_id in calls:
+        layer = modules.get(module_id)
+        if (
+            isinstance(layer, cnn.ParametricLipschitzModule)
+            and module_id not in walker.visits
+            and any(p.requires_grad for p in layer.parameters())
+        ):
+            raise ValueError(
+                f"parametric layer {where(module_id)} ({type(layer).__name__}) runs inside a "
+                "custom module that the bound computation treats as one leaf: its parameters' "
+                "uses there are not counted. Put parametric layers in clipless Sequential / "
+                "Residual containers"
+            )
+    for module_id, n in rows.items():
+        if module_id in walker.visits and n != _ROWS:
+            raise ValueError(
+                f"module {where(module_id)} ({type(modules[module_id]).__name__}) received "
+                f"{n} row(s) for a batch of {_ROWS} samples: every module of the walk must keep "
+                "one row per sample (the bounds and the gradient scaling are per row); do not "
+                "fold positions into the batch dimension"
+            )
+    if output_rows != _ROWS:
+        raise ValueError(
+            f"the model returned {output_rows} row(s) for a batch of {_ROWS} samples: the "
+            "output must keep one row per sample"
+        )
+    custom = [
+        (key, m)
+        for key, m in modules.items()
+        if key in walker.visits
+        and key in inputs
+        and not isinstance(m, (cnn.Sequential, cnn.Residual))
+        and not _trusted_forward(m)
+    ]
+    if not custom:
+        return
+    for key, m in custom:
+        with torch.enable_grad():
+            used = _graph_parameters(m(*inputs[key]))
+        own = set()
+        if isinstance(m, cnn.ParametricLipschitzModule):
+            own = {id(p) for p in m.parameters(recurse=False)}
+        foreign = used - own
+        if foreign:
+            raise ValueError(
+                f"custom module {where(key)} ({type(m).__name__}) uses {len(foreign)} "
+                "parameter(s) in its forward that are not its own: the bound computation treats "
+                "it as one leaf certified by its lipschitz(), so those uses of the parameters "
+                "are not counted in any gradient bound (share weights through clipless layers "
+                "in the containers instead)"
+            )
 
 
 def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -> BoundReport:
@@ -248,10 +386,18 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     shapes: dict[int, tuple[int, ...]] = {}
     reused: dict[int, set[tuple[int, ...]]] = {}
     calls: dict[int, int] = {}
+    rows: dict[int, int] = {}
+    inputs: dict[int, tuple[object, ...]] = {}
 
     def hook(module: torch.nn.Module, args: tuple[object, ...]) -> None:
         calls[id(module)] = calls.get(id(module), 0) + 1
+        inputs.setdefault(id(module), args)
         if args and isinstance(args[0], torch.Tensor):
+            leading = int(args[0].shape[0]) if args[0].dim() else 0
+            if leading != _ROWS:
+                rows[id(module)] = leading
+            else:
+                rows.setdefault(id(module), leading)
             new = tuple(int(d) for d in args[0].shape[1:])
             old = shapes.setdefault(id(module), new)
             # modules whose bounds depend on the input size (Conv2d's operator norm and k_eff,
@@ -260,12 +406,20 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
                 reused.setdefault(id(module), {old}).add(new)
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
+    buffers = _buffer_state(model)
     try:
         with torch.no_grad():
             output = model(_zero_input(model, shape))
     finally:
         for handle in handles:
             handle.remove()
+    changed = [n for n, state in _buffer_state(model).items() if buffers.get(n) != state]
+    if changed:
+        raise ValueError(
+            f"the training forward changes the model's buffer(s) {changed}: a buffer updated "
+            "from the batch (running statistics) is private data released without noise; use "
+            "modules whose training forward leaves their buffers alone"
+        )
     if reused:
         paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         key, sizes = next(iter(reused.items()))
@@ -293,18 +447,15 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     walker = _Walker(shapes, first)
     walker.forward(model, "", x0)
     walker.backward(model, "", loss_lip)
-    # The walk follows the containers' children lists: a module that the forward ran more (or
-    # fewer) times than the walk visits it (a Sequential subclass with its own forward, a loop
-    # over a block) would be certified for a model that is not the one that runs.
-    for module_id, visits in walker.visits.items():
-        if calls.get(module_id, 0) != visits:
-            paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-            raise ValueError(
-                f"module {paths.get(module_id, '?') or '<root>'!r} ran {calls.get(module_id, 0)} "
-                f"time(s) in a forward pass but the bound computation follows the containers' "
-                f"children and visits it {visits} time(s): a clipless Sequential or Residual "
-                "must not override forward (write the composition as nested containers)"
-            )
+    # The walk follows the containers' children lists: the model that runs must be the one it
+    # certifies (call counts, container forwards, one row per sample, leaves without parameters).
+    _check_structure(model, walker, calls, rows, inputs, int(output.shape[0]))
+    changed = [n for n, state in _buffer_state(model).items() if buffers.get(n) != state]
+    if changed:  # the custom leaves ran again in _check_structure
+        raise ValueError(
+            f"the training forward changes the model's buffer(s) {changed}: a buffer updated "
+            "from the batch (running statistics) is private data released without noise"
+        )
 
     layers: list[LayerBound] = []
     for path, module, x_bound, g_bound in reversed(walker.entries):

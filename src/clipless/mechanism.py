@@ -353,8 +353,10 @@ def thresholds_for(
     The threshold only trades bias against variance; it never enters the privacy argument
     (:mod:`clipless.nn._scaled`). ``"bound"``: the certified bound on the norm factor propagated
     from the input bound (Clipless DP-SGD, Béthune et al. 2024, Algorithm 1 line 2); a module used
-    several times gets the largest of its uses' bounds. ``"per-sample"``: 0. ``"threshold"``: the
-    given value for every parametric module path. ``"batch-max"``: the batch maximum (unproven).
+    several times gets the largest of its uses' bounds (when it is reached at several paths,
+    :class:`clipless.optim.DPOptimizer` applies the largest of their values). ``"per-sample"``:
+    0. ``"threshold"``: the given value for every parametric module path. ``"batch-max"``: the
+    batch maximum (unproven).
     """
     if mode not in SCALING_MODES:
         raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {mode!r}")
@@ -467,6 +469,13 @@ def plan_step(
         if not touched:
             continue
         g = use_bound(lb.cotangent_bound, config, margin)
+        if not math.isfinite(g):
+            raise ValueError(
+                f"layer {lb.path!r}: its certified sensitivity is {g!r} (input bound "
+                f"{lb.input_bound!r}, cotangent bound {lb.cotangent_bound!r}), so no finite "
+                "noise covers it; a layer above it has no finite Lipschitz constant (e.g. an "
+                "InputNorm in sphere mode after the first layer)"
+            )
         uses.append((lb.path, g, touched))
         for name in touched:
             per_tensor[name] = _up(per_tensor.get(name, 0.0) + g)

@@ -15,7 +15,9 @@ loop cannot void the guarantee. One step:
    it *taints* every gradient it accumulates into a noised parameter (input gradients are free).
    A training forward is refused while hooks that clipless did not place could change what the
    guarded pass computes: forward, backward or gradient hooks on the model's modules and noised
-   parameters, global module hooks, or saved-tensor hooks.
+   parameters, global module hooks, or saved-tensor hooks; also one whose model carries other
+   input releases than at ``make_private`` (they are accounted once, then), and one inside a
+   ``torch.func`` transform on the noised parameters themselves (no output guard runs there).
 2. *Backward*: the model output passes through a guard whose backward clips every row's cotangent
    to the certified loss constant ``L`` (norm in float64) and zeroes non-finite rows, so no
    *per-example* loss, scale, reduction or extra term of the output can exceed the sensitivity the
@@ -393,6 +395,16 @@ _LAYER_BACKWARD = (
 )
 
 
+def _input_releases(module: torch.nn.Module) -> tuple[tuple[int, str, float], ...]:
+    """``(id of the InputNorm, label, noise multiplier)`` of every release the model applies."""
+    return tuple(
+        (id(m), label, sigma)
+        for m in module.modules()
+        if isinstance(m, _cnn.InputNorm)
+        for label, sigma in m.releases
+    )
+
+
 def _is_transformed(x: object) -> bool:
     """True inside ``torch.func`` transforms (vmap/grad): per-sample reference computations."""
     return isinstance(x, torch.Tensor) and _wrapped(x)
@@ -484,6 +496,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self._drawn_at_step = 0
         self.data_loader = data_loader
         self._names = self._noised_parameters()
+        self._releases = _input_releases(module)
+        if tuple(sigma for *_, sigma in self._releases) != tuple(config.releases):
+            raise ValueError(
+                f"the model's InputNorm layers carry the releases "
+                f"{[(label, sigma) for _, label, sigma in self._releases]} but config.releases is "
+                f"{list(config.releases)}: every release the model applies must be accounted"
+            )
         if len(self._names) != config.num_tensors:
             raise ValueError(
                 f"config.num_tensors is {config.num_tensors} but the optimizer holds "
@@ -635,11 +654,21 @@ class DPOptimizer(torch.optim.Optimizer):
         )
 
     def _apply(self, plan: NoisePlan) -> None:
-        """Set the plan's scaling threshold and multiplicity on every parametric layer."""
+        """Set the plan's scaling threshold and multiplicity on every parametric layer.
+
+        A layer reached at several paths (one module used twice) gets the largest of its paths'
+        thresholds (the thresholds only trade bias against variance, never privacy).
+        """
+        chosen: dict[int, tuple[ParametricLipschitzModule, float | str]] = {}
         for path, value in plan.thresholds.items():
             layer = self.module.get_submodule(path)
             if not isinstance(layer, ParametricLipschitzModule):
                 raise TypeError(f"{path!r} is not a clipless parametric layer")
+            prev = chosen.get(id(layer))
+            if prev is not None and isinstance(prev[1], float) and isinstance(value, float):
+                value = max(prev[1], value)
+            chosen[id(layer)] = (layer, value)
+        for layer, value in chosen.values():
             layer.scaling_threshold = value
             layer.scaling_multiplicity = plan.multiplicity
 
@@ -688,6 +717,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._stack[-1] = "eval"
             return
         if _is_transformed(x):
+            self._check_transformed(module)
             return
         if not module.training:
             self._stack[-1] = "eval"  # its output taints a backward pass (_after_forward)
@@ -700,6 +730,13 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         self._check_precision()
         self._check_foreign_hooks()
+        if _input_releases(self.module) != self._releases:
+            raise PrivacyContractError(
+                "the model's input releases changed after make_private (an InputNorm carrying a "
+                "released mean or second moment was added, replaced or removed): the accounting "
+                "composes the releases the model had then; build the model with its releases "
+                "before make_private"
+            )
         k = self._multiplicity
         if k > 1 and x.shape[0] % k:
             raise ValueError(
@@ -898,10 +935,31 @@ class DPOptimizer(torch.optim.Optimizer):
         """A trained layer called outside a forward of the private model: taint its backward."""
         if self._stack or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
             return None
-        if not output.requires_grad or _is_transformed(output):
+        if _is_transformed(output):
+            self._check_transformed(layer)
+            return None
+        if not output.requires_grad:
             return None
         marked: torch.Tensor = _OutputMark.apply(output, _Unguarded(self, _LAYER_BACKWARD))
         return marked
+
+    def _check_transformed(self, module: torch.nn.Module) -> None:
+        """A forward inside a ``torch.func`` transform is not guarded (no output clip, no taint):
+        allowed for reference computations on parameters passed through
+        ``torch.func.functional_call``, or in eval mode, but not in training mode on the live
+        noised parameters, whose outer gradient would join the guarded one unseen (an input-
+        gradient penalty through ``torch.func.grad``, a second pass through ``torch.func.vjp``)."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if any(p.requires_grad and p in self._watched for p in module.parameters()):
+            raise PrivacyContractError(
+                "a training-mode forward of the private model (or of one of its layers) ran "
+                "inside a torch.func transform (grad, vjp, vmap, jacrev) on its noised "
+                "parameters: that pass has no output clip, so a gradient through it is not "
+                "covered by the noise. For a reference computation pass the parameters through "
+                "torch.func.functional_call (detached) or use eval mode; for a penalty on "
+                "input gradients, torch.autograd.grad is refused as a second backward pass too"
+            )
 
     def _on_backward(self, record: _Pass) -> None:
         for p, w in zip(record.params, record.weights, strict=True):
