@@ -386,8 +386,8 @@ class _GradHook:
 
 
 _EVAL_BACKWARD = (
-    "an eval-mode forward of the private model (its scaled kernels and output guard run only in "
-    "training mode)"
+    "an eval-mode forward of the private model (no plan is made for it and its output guard runs "
+    "only in training mode)"
 )
 _LAYER_BACKWARD = (
     "a trained layer called outside a forward of the private model (a submodule or a slice such "
