@@ -1005,3 +1005,20 @@ def test_a_module_at_two_paths_gets_the_largest_of_its_thresholds() -> None:
     assert by_path["1"] != by_path["3"]
     assert plan.thresholds["1"] == by_path["1"] and plan.thresholds["3"] == by_path["3"]
     assert shared.scaling_threshold == max(by_path["1"], by_path["3"])
+
+
+def test_a_layer_put_in_eval_mode_inside_a_training_model_stays_scaled() -> None:
+    """The scaled kernels run whenever the plan set a threshold, not only in training mode: a
+    sub-layer switched to eval mode inside a training forward still divides each row by its
+    norm factor (unscaled, layer 1's rows would contribute up to the input radius 2 times G)."""
+    _, m, o, _ = _private()
+    m[1].eval()
+    sens = o.sensitivities()
+    worst = 0.0
+    for i in range(10):
+        x, y = _one(i)
+        o.zero_grad()
+        o.loss(m(x), y).backward()
+        worst = max(worst, _worst_ratio(m, o, sens))
+        o._pending.clear()
+    assert 0.5 < worst <= 1.0
