@@ -941,20 +941,39 @@ def test_full_float32_precision_clears_every_reduced_setting() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["grad", "vjp"])
-def test_a_training_forward_inside_torch_func_is_refused(how: str) -> None:
+@pytest.mark.parametrize("how", ["grad", "vjp", "eval grad", "copies", "eval create_graph"])
+def test_an_unguarded_penalty_pass_is_refused(how: str) -> None:
     """An input-gradient penalty through ``torch.func.grad`` (2.47x the planned sensitivity) or
     a second pass through ``torch.func.vjp`` (6.82x) joined the guarded gradient unseen: the
-    transformed pass has no output clip, and autograd merged both paths into one accumulation."""
+    transformed pass has no output clip, and autograd merged both paths into one accumulation.
+    The same in eval mode, on copies of the parameters passed through ``functional_call``, or
+    with ``torch.autograd.grad(create_graph=True)`` through an eval-mode forward (3.33x each)."""
     _, m, o, _ = _private()
     x, y = _data().tensors[0][:20] * 3, _data().tensors[1][:20]
-    with pytest.raises(PrivacyContractError, match=r"inside a torch\.func transform"):
-        if how == "grad":
+    match = r"inside a torch\.func transform"
+    if how == "eval create_graph":
+        match = r"create_graph=True through an eval-mode forward"
+    with pytest.raises(PrivacyContractError, match=match):
+        if how in ("grad", "eval grad"):
+            m.train(how == "grad")
             gx = torch.func.grad(lambda xb: o.loss(m(xb), y))(x)
+            m.train()
             (o.loss(m(x), y) + 100.0 * gx.square().sum()).backward()
-        else:
+        elif how == "vjp":
             out, _ = torch.func.vjp(m, x)
             (o.loss(m(x), y) + 10.0 * o.loss(out, y)).backward()
+        elif how == "copies":
+            copies = {k: v * 1.0 for k, v in m.named_parameters()}
+            out = torch.func.vmap(lambda xi: torch.func.functional_call(m, copies, (xi[None],)))
+            (o.loss(m(x), y) + o.loss(out(x)[:, 0], y)).backward()
+        else:
+            m.eval()
+            xr = x.clone().requires_grad_(True)
+            (gx,) = torch.autograd.grad(o.loss(m(xr), y), xr, create_graph=True)
+    m.eval()  # a diagnostic under torch.no_grad() (an input Jacobian) stays allowed
+    with torch.no_grad():
+        assert not torch.func.jacrev(m)(x[:2]).requires_grad
+    m.train()
     o.zero_grad()
     o._pending.clear()
     o.loss(m(x), y).backward()  # the guarded pass alone is accepted
@@ -1022,3 +1041,16 @@ def test_a_layer_put_in_eval_mode_inside_a_training_model_stays_scaled() -> None
         worst = max(worst, _worst_ratio(m, o, sens))
         o._pending.clear()
     assert 0.5 < worst <= 1.0
+
+
+def test_power_iteration_on_a_live_private_layer_is_allowed() -> None:
+    """``norms.power_iteration(op=layer)`` takes its adjoint with ``torch.func.vjp`` under
+    ``torch.no_grad()``: no outer graph reaches the layer's parameters, so the torch.func check
+    lets it run on a layer of the private model (a lower bound on the certified norm)."""
+    from clipless.norms import power_iteration
+
+    _, m, _, _ = _private()
+    for training in (True, False):
+        m.train(training)
+        estimate = power_iteration(m[1], input_shape=(1, DIM), iters=50).lower_bound
+        assert 0.5 < estimate <= m[1].lipschitz()

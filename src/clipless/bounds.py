@@ -232,6 +232,49 @@ def _buffer_state(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     return {name: (id(b), b._version) for name, b in model.named_buffers(remove_duplicate=False)}
 
 
+def _buffers_changed(before: Mapping[str, tuple[int, int]], model: torch.nn.Module) -> list[str]:
+    """Buffers written in place (same tensor, new version); re-assigned ones are compared by
+    value in the custom leaves (:func:`_leaf_tensors`), new ones are created on first use."""
+    return [
+        name
+        for name, (ident, version) in _buffer_state(model).items()
+        if name in before and before[name][0] == ident and before[name][1] != version
+    ]
+
+
+def _leaf_tensors(leaf: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the buffers and tensor attributes of ``leaf`` and its submodules (by path)."""
+    out: dict[str, torch.Tensor] = {}
+    for path, sub in leaf.named_modules(remove_duplicate=False):
+        named = [*sub._buffers.items(), *vars(sub).items()]
+        for name, t in named:
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                out[_join(path, name)] = t.detach().clone()
+    return out
+
+
+def _changed(before: torch.Tensor | None, after: torch.Tensor) -> bool:
+    if before is None:
+        return False  # created by this forward (a constant made on first use)
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return True
+    return not bool(torch.equal(before, after.detach())) and not bool(
+        torch.isnan(before).all() and torch.isnan(after).all()
+    )
+
+
+def _random_like(args: tuple[object, ...], generator: torch.Generator) -> tuple[object, ...]:
+    """``args`` with every floating-point tensor replaced by public standard normal values."""
+    out: list[object] = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            noise = torch.randn(a.shape, generator=generator, dtype=torch.float64)
+            out.append(noise.to(dtype=a.dtype, device=a.device))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
 def _check_structure(
     model: torch.nn.Module,
     walker: _Walker,
@@ -245,9 +288,9 @@ def _check_structure(
     The walk follows the containers' children and trusts each leaf's ``lipschitz()``; what runs
     must match (each check has a reproduction in ``tests/test_bounds.py``):
 
-    * every module runs as many times as the walk visits it, and no parametric layer with a
-      trainable parameter runs without being visited (one held by a custom leaf, e.g. through a
-      tied weight, would add an uncounted use of its parameters; a frozen one is a constant);
+    * every module runs as many times as the walk visits it, and every parametric layer with a
+      trainable parameter is visited (one held by a custom leaf, e.g. through a tied weight,
+      would add an uncounted use of its parameters; a frozen one is a constant);
     * no ``Sequential`` / ``Residual`` subclass replaces the container's forward (a skip
       ``x + super().forward(x)`` or a reordering keeps the call counts);
     * every visited module receives one row per sample, and so does the model's output: the
@@ -256,7 +299,13 @@ def _check_structure(
       contribution;
     * a custom leaf (a ``LipschitzModule`` whose forward is not clipless's own) uses no parameter
       (a custom parametric layer: only its own): its ``lipschitz()`` certifies a function of
-      its input, and a parameter used inside it is a use the gradient bounds do not count.
+      its input, and a parameter used inside it is a use the gradient bounds do not count. It is
+      re-run with gradients on, on its recorded zero input and on a public random one (seeded),
+      and its output's autograd graph is searched for parameters; its buffers and tensor
+      attributes must keep their values (state updated from the batch is released unnoised).
+
+    A custom leaf's code remains trusted beyond these runs: a use of a parameter, or a state
+    update, that happens only for some inputs other than the two tried is not seen.
     """
     modules = {id(m): m for m in model.modules()}
 
@@ -284,15 +333,14 @@ def _check_structure(
                 f"{visits} time(s): a clipless Sequential or Residual must not override forward "
                 "(write the composition as nested containers)"
             )
-    for module_id in calls:
-        layer = modules.get(module_id)
+    for module_id, layer in modules.items():
         if (
             isinstance(layer, cnn.ParametricLipschitzModule)
             and module_id not in walker.visits
             and any(p.requires_grad for p in layer.parameters())
         ):
             raise ValueError(
-                f"parametric layer {where(module_id)} ({type(layer).__name__}) runs inside a "
+                f"parametric layer {where(module_id)} ({type(layer).__name__}) sits inside a "
                 "custom module that the bound computation treats as one leaf: its parameters' "
                 "uses there are not counted. Put parametric layers in clipless Sequential / "
                 "Residual containers"
@@ -320,12 +368,25 @@ def _check_structure(
     ]
     if not custom:
         return
+    generator = torch.Generator().manual_seed(0)  # public, fixed: the same check every step
     for key, m in custom:
-        with torch.enable_grad():
-            used = _graph_parameters(m(*inputs[key]))
+        state = _leaf_tensors(m)
         own = set()
         if isinstance(m, cnn.ParametricLipschitzModule):
             own = {id(p) for p in m.parameters(recurse=False)}
+        used: set[int] = set()
+        # the recorded zero input, then a public random one (a branch on the input's values,
+        # or a running statistic that zeros leave unchanged, shows there)
+        for args in (inputs[key], _random_like(inputs[key], generator)):
+            with torch.enable_grad():
+                used |= _graph_parameters(m(*args))
+        changed = [name for name, t in _leaf_tensors(m).items() if _changed(state.get(name), t)]
+        if changed:
+            raise ValueError(
+                f"custom module {where(key)} ({type(m).__name__}) changes its tensor(s) "
+                f"{changed} in a training forward: state updated from the batch (running "
+                "statistics) is private data released without noise"
+            )
         foreign = used - own
         if foreign:
             raise ValueError(
@@ -413,7 +474,7 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     finally:
         for handle in handles:
             handle.remove()
-    changed = [n for n, state in _buffer_state(model).items() if buffers.get(n) != state]
+    changed = _buffers_changed(buffers, model)
     if changed:
         raise ValueError(
             f"the training forward changes the model's buffer(s) {changed}: a buffer updated "
@@ -450,7 +511,7 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     # The walk follows the containers' children lists: the model that runs must be the one it
     # certifies (call counts, container forwards, one row per sample, leaves without parameters).
     _check_structure(model, walker, calls, rows, inputs, int(output.shape[0]))
-    changed = [n for n, state in _buffer_state(model).items() if buffers.get(n) != state]
+    changed = _buffers_changed(buffers, model)
     if changed:  # the custom leaves ran again in _check_structure
         raise ValueError(
             f"the training forward changes the model's buffer(s) {changed}: a buffer updated "

@@ -1298,7 +1298,9 @@ def power_iteration(
         if float(norm) == 0.0:
             return PowerIterationResult(0.0, v)
         v = v / norm
-        with torch.enable_grad():
+        # torch.func.vjp differentiates whatever the outer grad mode; with it off outside, no
+        # outer graph reaches the op's parameters (a live private layer stays usable as op)
+        with torch.no_grad():
             av, vjp = torch.func.vjp(forward, v)[:2]
         estimate = float(torch.linalg.vector_norm(av).item())
         v = vjp(av)[0].detach()

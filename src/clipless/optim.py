@@ -17,7 +17,8 @@ loop cannot void the guarantee. One step:
    guarded pass computes: forward, backward or gradient hooks on the model's modules and noised
    parameters, global module hooks, or saved-tensor hooks; also one whose model carries other
    input releases than at ``make_private`` (they are accounted once, then), and one inside a
-   ``torch.func`` transform on the noised parameters themselves (no output guard runs there).
+   ``torch.func`` transform on parameters that require a gradient (no output guard runs there).
+   A backward pass with ``create_graph=True`` through an unguarded output is refused.
 2. *Backward*: the model output passes through a guard whose backward clips every row's cotangent
    to the certified loss constant ``L`` (norm in float64) and zeroes non-finite rows, so no
    *per-example* loss, scale, reduction or extra term of the output can exceed the sensitivity the
@@ -168,7 +169,17 @@ class _Unguarded:
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Taint the running backward pass: every gradient it accumulates into a noised
-        parameter is refused at :meth:`DPOptimizer.step`; input gradients pass unchanged."""
+        parameter is refused at :meth:`DPOptimizer.step`; input gradients pass unchanged.
+
+        A backward with ``create_graph=True`` (gradients on during the backward) is refused: the
+        graph of its input gradient reaches the parameters without passing this mark again, so
+        a later backward through it (an input-gradient penalty) would not be tainted."""
+        if torch.is_grad_enabled():
+            raise PrivacyContractError(
+                f"a backward pass with create_graph=True through {self.reason}: a gradient "
+                "taken later through its result would reach the parameters unguarded; a "
+                "penalty on input gradients is not supported"
+            )
         self.owner._in_backward(tainted=self.reason)
         return grad
 
@@ -403,6 +414,35 @@ def _input_releases(module: torch.nn.Module) -> tuple[tuple[int, str, float], ..
         if isinstance(m, _cnn.InputNorm)
         for label, sigma in m.releases
     )
+
+
+def _outermost(t: torch.Tensor) -> torch.Tensor:
+    """``t`` unwrapped to the outermost autograd level (outside every ``torch.func`` level)."""
+    functorch = torch._C._functorch
+    while _wrapped(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def _outer_grad_enabled() -> bool:
+    """Grad mode outside every ``torch.func`` level (each ``grad`` level switches it on inside).
+
+    Read from the outermost grad transform's saved mode; ``True`` (the strict answer) when the
+    functorch interpreter stack cannot be read.
+    """
+    try:
+        from torch._C._functorch import (
+            CGradInterpreterPtr,
+            TransformType,
+            get_interpreter_stack,
+        )
+
+        for interpreter in get_interpreter_stack() or ():  # outermost first
+            if interpreter.key() == TransformType.Grad:
+                return bool(CGradInterpreterPtr(interpreter).prevGradMode())
+    except (ImportError, AttributeError, RuntimeError, TypeError):
+        return True
+    return torch.is_grad_enabled()
 
 
 def _is_transformed(x: object) -> bool:
@@ -945,20 +985,21 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _check_transformed(self, module: torch.nn.Module) -> None:
         """A forward inside a ``torch.func`` transform is not guarded (no output clip, no taint):
-        allowed for reference computations on parameters passed through
-        ``torch.func.functional_call``, or in eval mode, but not in training mode on the live
-        noised parameters, whose outer gradient would join the guarded one unseen (an input-
-        gradient penalty through ``torch.func.grad``, a second pass through ``torch.func.vjp``)."""
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        if any(p.requires_grad and p in self._watched for p in module.parameters()):
+        allowed for reference computations on parameters passed detached through
+        ``torch.func.functional_call``, but not, in either mode, on parameters that require a
+        gradient outside the transform (the live ones, or copies of them): that outer gradient
+        would join the guarded one unseen (an input-gradient penalty through
+        ``torch.func.grad``, a second pass through ``torch.func.vjp``)."""
+        if not _outer_grad_enabled():
+            return  # e.g. a Jacobian under torch.no_grad(): no gradient can reach the parameters
+        if any(_outermost(p).requires_grad for p in module.parameters()):
             raise PrivacyContractError(
-                "a training-mode forward of the private model (or of one of its layers) ran "
-                "inside a torch.func transform (grad, vjp, vmap, jacrev) on its noised "
-                "parameters: that pass has no output clip, so a gradient through it is not "
-                "covered by the noise. For a reference computation pass the parameters through "
-                "torch.func.functional_call (detached) or use eval mode; for a penalty on "
-                "input gradients, torch.autograd.grad is refused as a second backward pass too"
+                "a forward of the private model (or of one of its layers) ran inside a "
+                "torch.func transform (grad, vjp, vmap, jacrev) on parameters that require a "
+                "gradient: that pass has no output clip, so a gradient through it is not "
+                "covered by the noise. For a reference computation pass detached parameters "
+                "through torch.func.functional_call (clipless.diagnostics does), or run it "
+                "under torch.no_grad(); a penalty on input gradients is not supported"
             )
 
     def _on_backward(self, record: _Pass) -> None:
