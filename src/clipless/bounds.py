@@ -20,6 +20,7 @@ from types import MappingProxyType
 import torch
 
 from clipless import nn as cnn
+from clipless._bits import same_bits
 from clipless._certified import UNIT_ROUNDOFF, add, mul, sqrt, up
 from clipless.norms import (
     NUMERIC_MARGIN,
@@ -256,11 +257,7 @@ def _leaf_tensors(leaf: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _changed(before: torch.Tensor | None, after: torch.Tensor) -> bool:
     if before is None:
         return False  # created by this forward (a constant made on first use)
-    if before.shape != after.shape or before.dtype != after.dtype:
-        return True
-    return not bool(torch.equal(before, after.detach())) and not bool(
-        torch.isnan(before).all() and torch.isnan(after).all()
-    )
+    return not same_bits(before, after.detach())  # NaN patterns compare equal too
 
 
 def _random_like(args: tuple[object, ...], generator: torch.Generator) -> tuple[object, ...]:
@@ -286,7 +283,7 @@ def _check_structure(
     """Refuse a model whose forward is not the composition the walk certifies.
 
     The walk follows the containers' children and trusts each leaf's ``lipschitz()``; what runs
-    must match (each check has a reproduction in ``tests/test_bounds.py``):
+    must match (each check has a reproduction in ``tests/test_sensitivities.py``):
 
     * every module runs as many times as the walk visits it, and every parametric layer with a
       trainable parameter is visited (one held by a custom leaf, e.g. through a tied weight,
@@ -330,8 +327,8 @@ def _check_structure(
             raise ValueError(
                 f"module {where(module_id)} ran {calls.get(module_id, 0)} time(s) in a forward "
                 f"pass but the bound computation follows the containers' children and visits it "
-                f"{visits} time(s): a clipless Sequential or Residual must not override forward "
-                "(write the composition as nested containers)"
+                f"{visits} time(s) (a custom layer calling a layer of the model again, or a "
+                "loop over a block): write the composition as nested Sequential / Residual"
             )
     for module_id, layer in modules.items():
         if (
