@@ -194,15 +194,16 @@ def _kill_when(
     started, base = time.monotonic(), _draws(log)
     progress, seen = started, base
     while proc.poll() is None:
-        if _draws(log) != seen:
-            progress, seen = time.monotonic(), _draws(log)
+        draws = _draws(log)
+        if draws != seen:
+            progress, seen = time.monotonic(), draws
         if time.monotonic() - progress > 120:
             proc.send_signal(signal.SIGKILL)
             proc.communicate(timeout=60)
             pytest.fail(f"the clipless run made no progress for 120 s ({seen - base} draws)")
         if trigger == "time" and time.monotonic() - started >= value:
             break
-        if trigger == "draws" and _draws(log) - base >= value:
+        if trigger == "draws" and draws - base >= value:
             break
         if trigger.startswith("tmp:"):
             name = trigger[4:]

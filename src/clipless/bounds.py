@@ -342,8 +342,8 @@ def _check_structure(
                 "uses there are not counted. Put parametric layers in clipless Sequential / "
                 "Residual containers"
             )
-    for module_id, n in rows.items():
-        if module_id in walker.visits and n != _ROWS:
+    for module_id, n in rows.items():  # the modules that received other than _ROWS rows
+        if module_id in walker.visits:
             raise ValueError(
                 f"module {where(module_id)} ({type(modules[module_id]).__name__}) received "
                 f"{n} row(s) for a batch of {_ROWS} samples: every module of the walk must keep "
@@ -401,7 +401,7 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     1. ``clipless.nn.validate(model)``; the model must start with an ``InputNorm``, whose
        ``max_norm`` is the certified input bound ``X_0`` (Béthune et al., section 3.1: the model
        projects every input, so ``X_0`` holds whatever the data).
-    2. One no-grad forward of ``torch.zeros(1, *input_shape)`` records every module's input shape
+    2. One no-grad forward of ``torch.zeros(2, *input_shape)`` records every module's input shape
        (forward pre-hooks; ``Conv2d``, ``GroupNorm`` and ``Sigmoid`` also record the sizes their
        bounds depend on) and the number of logits per sample.
     3. Forward pass of bounds ``X_k = f_k.output_bound(X_{k-1})`` (line 2).
@@ -453,9 +453,7 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
         if args and isinstance(args[0], torch.Tensor):
             leading = int(args[0].shape[0]) if args[0].dim() else 0
             if leading != _ROWS:
-                rows[id(module)] = leading
-            else:
-                rows.setdefault(id(module), leading)
+                rows.setdefault(id(module), leading)  # the first use that breaks the rule
             new = tuple(int(d) for d in args[0].shape[1:])
             old = shapes.setdefault(id(module), new)
             # modules whose bounds depend on the input size (Conv2d's operator norm and k_eff,
@@ -508,12 +506,6 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     # The walk follows the containers' children lists: the model that runs must be the one it
     # certifies (call counts, container forwards, one row per sample, leaves without parameters).
     _check_structure(model, walker, calls, rows, inputs, int(output.shape[0]))
-    changed = _buffers_changed(buffers, model)
-    if changed:  # the custom leaves ran again in _check_structure
-        raise ValueError(
-            f"the training forward changes the model's buffer(s) {changed}: a buffer updated "
-            "from the batch (running statistics) is private data released without noise"
-        )
 
     layers: list[LayerBound] = []
     for path, module, x_bound, g_bound in reversed(walker.entries):

@@ -578,13 +578,9 @@ def input_releases(module: torch.nn.Module) -> tuple[float, ...]:
 
 def input_release_labels(module: torch.nn.Module) -> tuple[tuple[str, float], ...]:
     """``(label, noise multiplier)`` of :func:`input_releases`, for the ledger."""
-    from clipless.nn import InputNorm
+    from clipless.nn.input import releases_in
 
-    out: list[tuple[str, float]] = []
-    for m in module.modules():  # modules() yields each module object once
-        if isinstance(m, InputNorm):
-            out.extend(m.releases)
-    return tuple(out)
+    return tuple((label, sigma) for _, label, sigma in releases_in(module))
 
 
 def _refuse_opacus_options(

@@ -85,6 +85,7 @@ from clipless._bits import same_bits
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.nn._functional import _wrapped
+from clipless.nn.input import releases_in
 from clipless.nn.validate import _HOOK_KINDS, foreign_hooks
 from clipless.sampling import PoissonDataLoader
 
@@ -407,13 +408,8 @@ _LAYER_BACKWARD = (
 
 
 def _input_releases(module: torch.nn.Module) -> tuple[tuple[int, str, float], ...]:
-    """``(id of the InputNorm, label, noise multiplier)`` of every release the model applies."""
-    return tuple(
-        (id(m), label, sigma)
-        for m in module.modules()
-        if isinstance(m, _cnn.InputNorm)
-        for label, sigma in m.releases
-    )
+    """:func:`clipless.nn.input.releases_in` with each layer by identity (what the check keeps)."""
+    return tuple((id(m), label, sigma) for m, label, sigma in releases_in(module))
 
 
 def _outermost(t: torch.Tensor) -> torch.Tensor:

@@ -215,3 +215,15 @@ class InputNorm(LipschitzModule):
     def extra_repr(self) -> str:
         premapped = ", inputs_premapped=True" if self.inputs_premapped else ""
         return f"max_norm={self.max_norm}, mode={self.mode!r}{premapped}"
+
+
+def releases_in(module: torch.nn.Module) -> tuple[tuple[InputNorm, str, float], ...]:
+    """``(layer, label, noise multiplier)`` of every release the ``InputNorm`` layers of
+    ``module`` carry, in module order (a layer reached twice counts once: it applies one released
+    value). The engine accounts them; the optimizer refuses a forward once they changed."""
+    return tuple(
+        (m, label, sigma)
+        for m in module.modules()  # modules() yields each module object once
+        if isinstance(m, InputNorm)
+        for label, sigma in m.releases
+    )
