@@ -219,3 +219,145 @@ def test_clipping_profile_on_the_thesis_example() -> None:
     assert s.fraction_clipped == pytest.approx(1.0, abs=1e-12)
     assert round(s.clipped_norm, 4) == 0.7791 and round(s.bias, 4) == 0.7791
     assert s.mean_norm < 1e-12 and s.relative_error > 1e6  # all of the update is bias
+
+
+# ---------------------------------------------------------------- sensitivity_use (private model)
+
+
+def _private(model, loss, x, y, **kw):
+    import clipless
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    engine = clipless.PrivacyEngine(accountant="pld")
+    options = {"max_norm": 1.0, "constraint": "clip", "scaling": "per-sample", **kw}
+    model, opt, _ = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader, loss=loss,
+        target_epsilon=1.0, target_delta=1e-5, epochs=1, **options,
+    )  # fmt: skip
+    return model, opt
+
+
+def _reference_contributions(model, opt, x, y) -> dict[str, torch.Tensor]:
+    """Each sample's contribution through the real training path: a training forward and
+    backward of a batch of one (the optimizer clips the output cotangent and the layers scale),
+    read from ``.grad`` before any step: [n, *shape] per noised tensor."""
+    opt.data_loader = None  # batches chosen here, no step taken
+    names = list(opt.refresh().sensitivities)
+    params = dict(model.named_parameters())
+    out: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for i in range(x.shape[0]):
+        opt.zero_grad(set_to_none=True)
+        opt.loss(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for n in names:
+            g = params[n].grad
+            out[n].append(torch.zeros_like(params[n]) if g is None else g.detach().clone())
+    opt.zero_grad(set_to_none=True)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def _norms(v: torch.Tensor) -> torch.Tensor:
+    return v.flatten(1).double().norm(dim=1)
+
+
+def _models():
+    from clipless import nn
+    from clipless.models import convnet, mlp
+
+    yield "mlp-bias", mlp((10,), (16,), 3, bias=True), (10,), {}
+    yield "mlp-global-bound", mlp((10,), (8, 8), 3), (10,), {"scaling": "bound"}
+    yield "mlp-per-layer", mlp((10,), (8,), 3, bias=True), (10,), {"noise": "per-layer"}
+    yield (
+        "linear-clip-threshold",
+        nn.Sequential(nn.InputNorm(2.0), nn.Linear(10, 3), nn.LossGradientClip(0.2)),
+        (10,),
+        {"scaling": "threshold", "thresholds": {"1": 1.5}, "constraint": None},
+    )
+    yield "convnet", convnet((1, 8, 8), (4, 6), 3, bias=True), (1, 8, 8), {}
+
+
+@pytest.mark.parametrize("case", list(_models()), ids=lambda c: c[0])
+def test_sensitivity_use_is_the_training_path_per_sample(case) -> None:
+    """The norms ``sensitivity_use`` reports are those of each sample's contribution through
+    a real training backward; they never exceed the planned sensitivity, and the contributions
+    of a batch sum to its training gradient."""
+    from clipless.diagnostics import sensitivity_use
+    from clipless.nn import CrossEntropyLoss
+
+    _, model, shape, kw = case
+    torch.manual_seed(0)
+    n = 24
+    x = torch.randn(n, *shape) * torch.linspace(0.05, 3.0, n).view(-1, *([1] * len(shape)))
+    y = torch.randint(0, 3, (n,))
+    model, opt = _private(model, CrossEntropyLoss(temperature=0.3), x, y, **kw)
+    report = sensitivity_use(opt, x, y)
+    ref = _reference_contributions(model, opt, x, y)
+    assert set(report.tensors) == set(ref) == set(opt.sensitivities())
+    for name, use in report.tensors.items():
+        norms = _norms(ref[name])
+        assert use.samples == n
+        assert use.sensitivity == opt.sensitivities()[name]
+        assert use.mean == pytest.approx(float(norms.mean()), rel=1e-5)
+        assert use.median == pytest.approx(float(norms.median()), rel=1e-5)
+        assert use.max == pytest.approx(float(norms.max()), rel=1e-5)
+        assert use.max <= use.sensitivity
+        assert 0.0 < use.ratio < 1.0
+    assert report.output.sensitivity == opt.current_plan().output_bound
+    assert report.output.max <= report.output.sensitivity
+    # the batch's training gradient is the sum of the contributions
+    opt.zero_grad(set_to_none=True)
+    opt.loss(model(x), y).backward()
+    for name, p in model.named_parameters():
+        if name in ref:
+            torch.testing.assert_close(p.grad, ref[name].sum(0), rtol=1e-4, atol=1e-6)
+    opt.zero_grad(set_to_none=True)
+    # chunking changes nothing
+    chunked = sensitivity_use(opt, x, y, chunk_size=5)
+    for name, use in report.tensors.items():
+        assert chunked.tensors[name].mean == pytest.approx(use.mean, rel=1e-6)
+
+
+def test_sensitivity_use_of_one_dense_layer_is_its_output_cotangent() -> None:
+    """With per-sample scaling a bias-free dense layer's contribution is ``dy_i x_i^T /
+    ||x_i||``, of norm exactly ``||dy_i||``: the layer uses what the loss gradient uses."""
+    from clipless import nn
+    from clipless.diagnostics import sensitivity_use
+
+    torch.manual_seed(3)
+    x, y = torch.randn(40, 6) * 3.0, torch.randint(0, 4, (40,))
+    model = nn.Sequential(nn.InputNorm(1.0), nn.Linear(6, 4, bias=False))
+    model, opt = _private(model, nn.CrossEntropyLoss(temperature=0.05), x, y, constraint=None)
+    report = sensitivity_use(opt, x, y)
+    use = report.tensors["1.weight"]
+    assert use.mean == pytest.approx(report.output.mean, rel=1e-6)
+    assert use.max == pytest.approx(report.output.max, rel=1e-6)
+    # L = sqrt(2) / T; the tensor's sensitivity is L inflated by the float32 rounding margin
+    assert report.output.sensitivity == pytest.approx(math.sqrt(2.0) / 0.05, rel=1e-12)
+    assert use.sensitivity == pytest.approx(report.output.sensitivity * (1 + 2.0**-12), rel=1e-12)
+
+
+def test_sensitivity_use_refuses_what_it_cannot_measure() -> None:
+    from clipless import nn
+    from clipless.diagnostics import sensitivity_use
+
+    torch.manual_seed(4)
+    x, y = torch.randn(8, 5), torch.randint(0, 2, (8,))
+    model, opt = _private(
+        nn.Sequential(nn.InputNorm(1.0), nn.Linear(5, 2)), nn.CrossEntropyLoss(), x, y
+    )
+    with pytest.raises(TypeError, match="DPOptimizer"):
+        sensitivity_use(torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    with pytest.raises(ValueError, match=r"x must have shape \[n, 5\]"):
+        sensitivity_use(opt, x[:, :4], y)
+    with pytest.raises(ValueError, match="one row per sample"):
+        sensitivity_use(opt, x, y[:5])
+    with pytest.raises(ValueError, match="chunk_size"):
+        sensitivity_use(opt, x, y, chunk_size=0)
+    with opt.sample_multiplicity(2), pytest.raises(ValueError, match="sample_multiplicity"):
+        sensitivity_use(opt, x, y)
+    model, opt = _private(
+        nn.Sequential(nn.InputNorm(1.0), nn.Linear(5, 2)), nn.CrossEntropyLoss(), x, y,
+        scaling="batch-max", allow_unproven=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="batch-max"):
+        sensitivity_use(opt, x, y)

@@ -31,19 +31,23 @@ The per-sample gradients are exact: ``torch.func.vmap(torch.func.grad(...))`` ov
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, vjp, vmap
 
 __all__ = [
     "ClippingStats",
+    "SensitivityReport",
+    "SensitivityUse",
     "clipped_mean_gradient",
     "clipping_bias",
     "clipping_profile",
     "mean_gradient",
     "per_sample_gradients",
+    "sensitivity_use",
 ]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -64,6 +68,11 @@ def per_sample_gradients(
     ``requires_grad`` are differentiated; buffers are used as they are (call ``model.eval()``
     first for a deterministic model). ``chunk_size`` bounds how many samples ``vmap`` processes at
     once (memory), without changing the result.
+
+    On a model made private, the clipless layers keep the scaling thresholds of the last step, so
+    the gradients of their parameters are the *scaled* per-sample gradients (divided by
+    ``max(n_i, T_k)``, :mod:`clipless.nn._scaled`), without the optimizer's clip of the output
+    cotangent; :func:`sensitivity_use` computes exactly what a step sums.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise TypeError("x and y must be torch.Tensor of shape [n, ...]")
@@ -278,3 +287,151 @@ def clipping_profile(
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class SensitivityUse:
+    """The norms of the samples' contributions to one summed quantity of a step, against the
+    bound the step's noise is calibrated to.
+
+    ``sensitivity`` is the bound (a noised tensor's planned ``Delta_p``, or the loss constant
+    ``L`` for the output cotangent); ``mean``, ``median`` and ``max`` are over the samples of the
+    contribution norms (float64); ``samples`` is how many. :attr:`ratio` is ``mean /
+    sensitivity``.
+    """
+
+    sensitivity: float
+    mean: float
+    median: float
+    max: float
+    samples: int
+
+    @property
+    def ratio(self) -> float:
+        """``mean / sensitivity``: the share of its sensitivity a typical sample uses."""
+        return self.mean / self.sensitivity
+
+
+@dataclass(frozen=True)
+class SensitivityReport:
+    """What :func:`sensitivity_use` measured: ``output`` for the model output's cotangent (after
+    the step's clip at the loss constant ``L``) and ``tensors`` for every noised parameter."""
+
+    output: SensitivityUse
+    tensors: Mapping[str, SensitivityUse]
+
+
+def _use(norms: torch.Tensor, sensitivity: float) -> SensitivityUse:
+    n = norms.to(torch.float64)
+    return SensitivityUse(
+        sensitivity=float(sensitivity),
+        mean=float(n.mean()),
+        median=float(n.median()),
+        max=float(n.max()),
+        samples=int(n.numel()),
+    )
+
+
+def sensitivity_use(
+    optimizer: object,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+) -> SensitivityReport:
+    """How much of its planned sensitivity each sample's contribution to a step uses.
+
+    For a :class:`clipless.optim.DPOptimizer` (from ``make_private``) at its current weights,
+    and samples ``x`` (one row each, the input shape the model was made private for) with
+    targets ``y``: each sample's contribution to the step's gradient sum, exactly as a step
+    computes it (the loss gradient at the output clipped to the loss constant ``L`` in float64,
+    then backpropagated through the scaled kernels at the plan's thresholds), its norm per noised
+    tensor, and the sensitivity ``Delta_p`` the noise of that tensor is calibrated to
+    (:func:`clipless.mechanism.plan_step`). No ratio exceeds 1 (the plan's guarantee; the tests
+    check it against these exact contributions).
+
+    A ratio far below 1 means the noise is large next to a typical sample's signal: the Clipless
+    DP-SGD paper's gradient-to-noise argument (Béthune et al. 2024, section 4) for
+    gradient-norm-preserving networks, a higher temperature, a smaller loss-gradient clip or a
+    scaling threshold closer to the samples' norm factors (:mod:`clipless.nn._scaled`). The
+    ``output`` entry shows how much of ``L`` the loss gradients use.
+
+    **Not private.** The report is computed from the rows you pass and is not covered by the
+    training's epsilon: use it on public data, or on data whose privacy you account for
+    separately (as the papers state, not account, their tuning cost).
+
+    Computed with ``torch.func`` (``vmap`` of a ``vjp`` over
+    ``torch.func.functional_call`` with detached parameters): no training pass, no noise, no
+    accounting. The call sets the layers' scaling thresholds for the current weights
+    (:meth:`~clipless.optim.DPOptimizer.refresh`), as the next training forward would.
+    ``chunk_size`` bounds how many samples ``vmap`` processes at once (memory). The
+    ``"batch-max"`` scaling mode has no per-sample contribution and is refused.
+    """
+    from clipless.nn._scaled import BATCH_MAX
+    from clipless.optim import DPOptimizer, _safe_radius
+
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError(
+            "optimizer must be the clipless.optim.DPOptimizer returned by "
+            f"PrivacyEngine.make_private; got {type(optimizer).__name__}"
+        )
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise TypeError("x and y must be torch.Tensor with one row per sample")
+    shape = tuple(optimizer.input_shape)
+    if x.ndim < 1 or tuple(x.shape[1:]) != shape or x.shape[0] == 0:
+        raise ValueError(
+            f"x must have shape [n, {', '.join(map(str, shape))}] with n >= 1 (the input shape "
+            f"the model was made private for); got {tuple(x.shape)}"
+        )
+    if y.ndim < 1 or y.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"y must have one row per sample of x ({x.shape[0]}); got shape {tuple(y.shape)}"
+        )
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be None or an integer >= 1; got {chunk_size!r}")
+    plan = optimizer.refresh()
+    if plan.multiplicity != 1:
+        raise ValueError(
+            f"called inside sample_multiplicity({plan.multiplicity}): each sample here is one row"
+        )
+    if any(t == BATCH_MAX for t in plan.thresholds.values()):
+        raise ValueError(
+            "scaling='batch-max' divides by the largest factor of the whole batch, so one "
+            "sample's contribution is not defined; use a rigorous scaling mode"
+        )
+    model, loss = optimizer.module, optimizer.loss
+    noised = {n: p.detach() for n, p in model.named_parameters() if n in plan.sensitivities}
+    frozen = {n: p.detach() for n, p in model.named_parameters() if n not in noised}
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+    device = next(iter(noised.values())).device
+    x, y = x.to(device), y.to(device)
+
+    def contribution(xi: torch.Tensor, yi: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def forward(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            out: torch.Tensor = functional_call(
+                model, ({**p, **frozen}, buffers), (xi.unsqueeze(0),)
+            )
+            return out
+
+        out, pull = vjp(forward, noised)[:2]
+        g = grad(lambda o: loss(o, yi.unsqueeze(0)))(out)
+        # the optimizer's output clip (clipless.optim._enforce_bound): a non-finite row is zeroed,
+        # the others are clipped to the safe radius of L with float64 norms
+        g = torch.where(torch.isfinite(g).all(), g, torch.zeros((), dtype=g.dtype))
+        norm = torch.linalg.vector_norm(g.double())
+        radius = _safe_radius(plan.output_bound, g.dtype)
+        g = g * (radius / norm.clamp_min(1e-300)).clamp(max=1.0).to(g.dtype)
+        (parts,) = pull(g)
+        clipped = torch.linalg.vector_norm(g.double())
+        return (clipped, *(torch.linalg.vector_norm(parts[n].double()) for n in noised))
+
+    with torch.no_grad():  # nothing here can reach the live parameters' gradients
+        norms = vmap(contribution, chunk_size=chunk_size)(x, y)
+    return SensitivityReport(
+        output=_use(norms[0], plan.output_bound),
+        tensors=MappingProxyType(
+            {n: _use(v, plan.sensitivities[n]) for n, v in zip(noised, norms[1:], strict=True)}
+        ),
+    )

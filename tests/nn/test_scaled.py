@@ -137,3 +137,42 @@ def test_thresholds_modes() -> None:
         thresholds_for(rep, "threshold", {paths[0]: 1.0, paths[1]: -1.0})
     with pytest.raises(ValueError, match="scaling must be"):
         thresholds_for(rep, "nope")
+
+
+@pytest.mark.parametrize("make", LAYERS)
+@pytest.mark.parametrize("threshold", [0.0, 2.5])
+def test_vmap_of_the_scaled_kernel_is_each_sample_scaled_alone(make, threshold) -> None:
+    """Under vmap (the kernels' generated vmap rule) each sample's parameter gradient is its
+    own unscaled gradient divided by max(n_i, T), and the per-sample gradients sum to the
+    batch's scaled gradient: vmap sees the same contributions a step sums."""
+    torch.manual_seed(2)
+    layer = make().double()
+    x = _input_for(layer, 7)
+    with torch.no_grad():
+        cot = torch.randn_like(layer(x))
+    ref = _per_sample_grads(layer, x, cot)
+    s = torch.clamp(layer.sample_norm_factor(x), min=max(threshold, 1e-30))
+    layer.scaling_threshold = threshold
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+
+    def f(p: dict, xi: torch.Tensor, ci: torch.Tensor) -> torch.Tensor:
+        return (functional_call(layer, p, (xi.unsqueeze(0),)).squeeze(0) * ci).sum()
+
+    got = vmap(grad(f), in_dims=(None, 0, 0))(params, x, cot)
+    batch, _ = _scaled_batch_grads(layer, x, cot)
+    for name, g in ref.items():
+        expected = g / s.view(-1, *([1] * (g.dim() - 1)))
+        torch.testing.assert_close(got[name], expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got[name].sum(0), batch[name], rtol=1e-10, atol=1e-12)
+
+
+def test_vmap_refuses_batch_max_with_a_clear_error() -> None:
+    layer = nn.Linear(3, 2).double()
+    layer.scaling_threshold = BATCH_MAX
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+
+    def f(p: dict, xi: torch.Tensor) -> torch.Tensor:
+        return functional_call(layer, p, (xi.unsqueeze(0),)).sum()
+
+    with pytest.raises(ValueError, match=r"batch-max.*not defined"):
+        vmap(grad(f), in_dims=(None, 0))(params, torch.randn(4, 3, dtype=DT))

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
+from clipless.nn._functional import _wrapped
+
 if TYPE_CHECKING:
     from clipless.nn._base import ParametricLipschitzModule
 
@@ -69,6 +71,12 @@ def _divisors(
     with torch.no_grad():
         n = layer.sample_norm_factor(x.detach()).to(torch.float64)
         if threshold == BATCH_MAX:
+            if _wrapped(x):
+                raise ValueError(
+                    "scaling='batch-max' divides by the largest factor of the whole batch, so "
+                    "one sample's contribution is not defined inside a torch.func transform "
+                    "(vmap); use a rigorous scaling mode"
+                )
             t = float(n.max()) if n.numel() > 0 else 1.0
         else:
             t = float(threshold)
@@ -77,6 +85,15 @@ def _divisors(
 
 
 class _ScaledLinear(torch.autograd.Function):
+    """``F.linear`` whose weight and bias gradients divide row ``i`` of the cotangent by
+    ``inv_scale[i]`` (module docstring); the input gradient is exact.
+
+    ``generate_vmap_rule``: under :func:`torch.func.vmap` (exact per-sample contributions, e.g.
+    :func:`clipless.diagnostics.sensitivity_use`) each mapped slice is its own batch, with the
+    divisors :func:`_divisors` computed for that slice's rows."""
+
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(
         x: torch.Tensor,
@@ -107,6 +124,10 @@ class _ScaledLinear(torch.autograd.Function):
 
 
 class _ScaledConv2d(torch.autograd.Function):
+    """The 2-D convolution counterpart of :class:`_ScaledLinear` (same scaling, same vmap rule)."""
+
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(
         x: torch.Tensor,
