@@ -1054,3 +1054,61 @@ def test_power_iteration_on_a_live_private_layer_is_allowed() -> None:
         m.train(training)
         estimate = power_iteration(m[1], input_shape=(1, DIM), iters=50).lower_bound
         assert 0.5 < estimate <= m[1].lipschitz()
+
+
+def _tied_biased() -> torch.nn.Module:
+    """Two Linears sharing one weight, each with its own bias, then a last layer: the shared
+    group has U = 2 uses and P = 3 tensors (D_c = 2), the last layer D_c = 1."""
+    first = nn.Linear(4, 4, bias=True)
+    second = nn.Linear(4, 4, bias=True)
+    second.weight = first.weight
+    return nn.Sequential(nn.InputNorm(1.0), first, nn.GroupSort(2), second, nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize(
+    "make, tensors, mechanisms, tight",
+    [
+        (lambda: nn.Sequential(nn.InputNorm(1.0), nn.Linear(4, 2, bias=True)), 2, 1, 0.999),
+        (
+            lambda: nn.Sequential(
+                nn.InputNorm(1.0),
+                nn.Linear(4, 6, bias=True),
+                nn.GroupSort(2),
+                nn.Linear(6, 2, bias=True),
+            ),
+            4,
+            2,
+            0.999,
+        ),
+        (_tied_biased, 5, 3, 0.85),
+    ],
+)
+def test_per_layer_noise_mahalanobis_sensitivity_is_at_most_one_over_sigma_eff(
+    make, tensors: int, mechanisms: int, tight: float
+) -> None:
+    """Per-layer noise counts D = sum_c min(U_c, P_c) mechanisms (mechanism.py, "Noise
+    allocation"). Checked on every sample's contribution through the real training path: the
+    squared Mahalanobis norm ``sum_p ||c_p||^2 / std_p^2`` of one sample's contributions under the
+    step's stds is at most ``1 / sigma_eff^2``, and comes close to it (so a smaller D, or noise
+    stds a little smaller, would fail; counting every tensor, as before, gave 0.707 for the
+    layers with a bias)."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(60, 4), torch.randint(0, 2, (60,)))
+    _, m, o, _ = _private(
+        model=make(), dataset=data, noise="per-layer", loss=nn.CrossEntropyLoss(temperature=0.05)
+    )
+    assert o.config.num_tensors == tensors and o.config.mechanisms == mechanisms
+    plan = o.current_plan()
+    worst = 0.0
+    for i in range(60):
+        o.zero_grad(set_to_none=True)
+        x, y = data.tensors[0][i : i + 1] * 10, data.tensors[1][i : i + 1]
+        o.loss(m(x), y).backward()
+        sq = sum(
+            (p.grad.double().norm().item() / plan.stds[name]) ** 2
+            for name, p in m.named_parameters()
+            if p.grad is not None and name in plan.stds
+        )
+        worst = max(worst, math.sqrt(sq) * plan.effective_noise_multiplier)
+        o._pending.clear()
+    assert tight < worst <= 1.0

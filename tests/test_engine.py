@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import dp_accounting
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
 from clipless import mechanism, nn
+from clipless.mechanism import PrivacyConfig
 
 N = 200
 DIM = 5
@@ -82,12 +84,28 @@ def test_global_noise_epsilon_identity() -> None:
 
 
 def test_per_layer_noise_epsilon_identity() -> None:
+    """Two layers with biases: four noised tensors, but each (weight, bias) pair is one
+    Gaussian mechanism (mechanism.py, "Noise allocation"), so D = 2."""
     engine, m, o, dl = _private("per-layer", noise_multiplier=2.0, bias=True)
-    d = len(list(m.parameters()))
-    assert d == 4
+    assert len(list(m.parameters())) == 4
+    assert o.config.num_mechanisms == 2 and o.config.mechanisms == 2
     _train_steps(m, o, dl, o.loss, 10)
-    ref = _dpa_epsilon(2.0 / math.sqrt(d), 0.1, 10, 1e-5)
+    ref = _dpa_epsilon(2.0 / math.sqrt(2), 0.1, 10, 1e-5)
     assert engine.get_epsilon(1e-5) == pytest.approx(ref, rel=5e-3)
+
+
+def test_per_layer_noise_counts_every_tensor_of_a_config_saved_before() -> None:
+    """A config without num_mechanisms (saved before it existed) keeps D = the tensor count."""
+    _, _, o, _ = _private("per-layer", noise_multiplier=2.0, bias=True)
+    old = dataclasses.replace(o.config, num_mechanisms=None)
+    assert old.mechanisms == 4
+    assert old.effective_noise_multiplier == pytest.approx(2.0 / math.sqrt(4), rel=1e-15)
+    assert (
+        PrivacyConfig.from_dict(
+            {k: v for k, v in o.config.to_dict().items() if k != "num_mechanisms"}
+        )
+        == old
+    )
 
 
 def test_replace_one_doubles_sensitivities() -> None:

@@ -273,6 +273,12 @@ class PrivacyEngine:
             if target_epsilon is None and epochs is None and steps is None
             else (_total_steps(epochs, steps, q))
         )
+        # Everything the step relies on is checked before any state changes.
+        report = bounds.report(module, loss, input_shape)
+        names = [name for name, p in module.named_parameters() if any(p is t for t in noised)]
+        # per-layer noise composes one Gaussian mechanism per group of layer uses, not one per
+        # tensor (a weight and its bias are one: mechanism.py, "Noise allocation")
+        mechanisms = mechanism.per_layer_mechanisms(report, names)
         config = PrivacyConfig(
             noise_multiplier=1.0 if noise_multiplier is None else noise_multiplier,
             sample_rate=q,
@@ -288,6 +294,9 @@ class PrivacyEngine:
             thresholds=thresholds,
             allow_unproven=allow_unproven,
             releases=input_releases(module),
+            num_mechanisms=(
+                mechanisms if noise == "per-layer" and mechanisms < len(noised) else None
+            ),
         )
         if target_epsilon is not None:
             if target_delta is None:
@@ -296,8 +305,6 @@ class PrivacyEngine:
             assert planned is not None
             config = config.calibrate(target_epsilon, target_delta, planned)
 
-        # Everything the step relies on is checked before any state changes.
-        report = bounds.report(module, loss, input_shape)
         if validate_data:
             _validate_dataset(loader.dataset, report, loss, _float_dtype(module))
         self.ledger = accounting.PrivacyLedger(

@@ -31,9 +31,24 @@ contributions, so its bound is the *sum* of their ``G`` (triangle inequality). A
 neighbours change the sum by one contribution; replace-one by the difference of two, which
 doubles every sensitivity (``sensitivity_factor = 2``).
 
-**Noise allocation.** ``"per-layer"``: tensor ``p`` gets noise ``sigma * Delta_p``; each tensor is
-a Gaussian mechanism with multiplier ``sigma`` and the ``D`` noised tensors compose into one with
-``sigma_eff = sigma / sqrt(D)`` (the Mahalanobis sensitivity is ``sqrt(D) / sigma``).
+**Noise allocation.** ``"per-layer"``: tensor ``p`` gets noise ``sigma * Delta_p``, and the step
+is one Gaussian mechanism with ``sigma_eff = sigma / sqrt(D)`` when the squared Mahalanobis
+sensitivity ``sum_p ||c_p||^2 / (sigma Delta_p)^2`` of one sample's contributions ``c_p`` is at
+most ``D / sigma^2``. Every term is at most ``1 / sigma^2``, so ``D`` = the number of noised
+tensors is always valid. Tensors that one layer use produces together (a weight and its bias)
+are not independent mechanisms, though: one sample's *joint* (weight, bias) contribution has
+norm at most ``G_k``, so for ``std_p = sigma Delta_p`` with ``Delta_p = G_k`` the pair's squared
+Mahalanobis sensitivity is
+``(||c_w||^2 + ||c_b||^2) / (sigma G_k)^2 <= 1 / sigma^2``, that of ONE mechanism. In general,
+for a connected group ``c`` of layer uses sharing parameters (``Delta_p`` the sum of the ``G`` of
+the uses touching ``p``), with ``a_{u,p} = ||c_{u,p}|| / G_u`` (``sum_p a_{u,p}^2 <= 1`` for every
+use ``u``) and the convex weights ``w_{u,p} = G_u / Delta_p``: ``||sum_u c_{u,p}||^2 / Delta_p^2 <=
+(sum_u w_{u,p} a_{u,p})^2 <= sum_u w_{u,p} a_{u,p}^2`` (Jensen), and summing over ``p`` gives at
+most ``sum_u sum_p a_{u,p}^2 <= U_c``, the group's number of uses; each term is also at most 1,
+so at most ``P_c``, its number of tensors. Per-layer noise is therefore ``D = sum_c min(U_c,
+P_c)`` mechanisms, not one per tensor (:func:`per_layer_mechanisms`; ``D`` = the number of
+parametric layers for a network of distinct layers, with or without biases; configs saved
+before this counted every tensor, ``num_mechanisms = None``, which over-counts and stays valid).
 ``"global"``: one Gaussian mechanism on the concatenation of all noised gradients, whose L2
 sensitivity is ``G = sqrt(sum_c B_c^2)`` over the connected groups ``c`` of layer uses that
 share a parameter, ``B_c`` the sum of their ``G_k``; every tensor gets ``sigma G`` and
@@ -77,6 +92,7 @@ __all__ = [
     "SCALING_MODES",
     "NoisePlan",
     "PrivacyConfig",
+    "per_layer_mechanisms",
     "plan_step",
     "rounding_margin",
     "thresholds_for",
@@ -141,6 +157,7 @@ class PrivacyConfig:
     thresholds: Mapping[str, float] | None = None
     allow_unproven: bool = False
     releases: tuple[float, ...] = ()
+    num_mechanisms: int | None = None
 
     def __post_init__(self) -> None:
         # numbers.Real / Integral (NumPy scalars included) are stored as Python floats / ints
@@ -203,6 +220,15 @@ class PrivacyConfig:
         if self.thresholds is not None:
             object.__setattr__(self, "thresholds", MappingProxyType(dict(self.thresholds)))
         object.__setattr__(self, "releases", _check_releases(self.releases))
+        d = self.num_mechanisms
+        if d is not None:
+            if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+                raise ValueError(f"num_mechanisms must be None or an integer; got {d!r}")
+            if not 1 <= d <= self.num_tensors:
+                raise ValueError(
+                    f"num_mechanisms must be in [1, num_tensors = {self.num_tensors}]; got {d!r}"
+                )
+            object.__setattr__(self, "num_mechanisms", int(d))
 
     # ----------------------------------------------------------------- derived
     @property
@@ -216,11 +242,16 @@ class PrivacyConfig:
         return _sensitivity_factor(self.neighbouring)
 
     @property
+    def mechanisms(self) -> int:
+        """``D`` of per-layer noise: ``num_mechanisms``, or ``num_tensors`` when not given."""
+        return self.num_tensors if self.num_mechanisms is None else self.num_mechanisms
+
+    @property
     def effective_noise_multiplier(self) -> float:
         """``sigma_eff`` of one step, relative to the sensitivities."""
         if self.noise == "global":
             return float(self.noise_multiplier)
-        return float(self.noise_multiplier) / math.sqrt(self.num_tensors)
+        return float(self.noise_multiplier) / math.sqrt(self.mechanisms)
 
     @property
     def accounting_noise_multiplier(self) -> float:
@@ -273,7 +304,7 @@ class PrivacyConfig:
             releases=self.releases,
         )
         sigma_eff = sigma_acc / self.sensitivity_factor
-        sigma = sigma_eff if self.noise == "global" else sigma_eff * math.sqrt(self.num_tensors)
+        sigma = sigma_eff if self.noise == "global" else sigma_eff * math.sqrt(self.mechanisms)
         out = dataclasses.replace(self, noise_multiplier=sigma, steps=int(steps))
         # The conversion rounds: the multiplier the ledger records (converted back) must not
         # fall below the calibrated one, whose epsilon was checked (at most a few ulps).
@@ -408,8 +439,9 @@ def use_bound(cotangent_bound: float, config: PrivacyConfig, margin: float) -> f
 
 def _groups(
     uses: Sequence[tuple[str, float, frozenset[str]]],
-) -> list[tuple[list[str], float]]:
-    """Connected groups of layer uses sharing a noised parameter, with the sum of their bounds."""
+) -> list[tuple[list[str], float, int]]:
+    """Connected groups of layer uses sharing a noised parameter: (members, the sum of the uses'
+    bounds, the number of uses)."""
     parent = list(range(len(uses)))
 
     def find(i: int) -> int:
@@ -427,11 +459,31 @@ def _groups(
                 owner[name] = i
     sums: dict[int, float] = {}
     members: dict[int, set[str]] = {}
+    counts: dict[int, int] = {}
     for i, (_, bound, params) in enumerate(uses):
         root = find(i)
         sums[root] = _up(sums.get(root, 0.0) + bound)
         members.setdefault(root, set()).update(params)
-    return [(sorted(members[r]), sums[r]) for r in sums]
+        counts[root] = counts.get(root, 0) + 1
+    return [(sorted(members[r]), sums[r], counts[r]) for r in sums]
+
+
+def _mechanism_count(groups: Sequence[tuple[list[str], float, int]]) -> int:
+    """``D = sum_c min(U_c, P_c)`` (module docstring, "Noise allocation")."""
+    return sum(min(n_uses, len(members)) for members, _, n_uses in groups)
+
+
+def per_layer_mechanisms(report: BoundReport, names: Iterable[str]) -> int:
+    """How many Gaussian mechanisms per-layer noise on the noised tensors ``names`` composes:
+    ``D = sum_c min(U_c, P_c)`` over the connected groups of layer uses (module docstring,
+    "Noise allocation"); at most the number of tensors. Depends on the model's structure only."""
+    noised = frozenset(names)
+    uses = [
+        (lb.path, 0.0, touched)
+        for lb in report.layers
+        if (touched := frozenset(n for n in lb.gradient_bounds if n in noised))
+    ]
+    return _mechanism_count(_groups(uses))
 
 
 def plan_step(
@@ -487,8 +539,14 @@ def plan_step(
         )
     sigma = float(config.noise_multiplier)
     groups = _groups(uses)
+    if config.noise == "per-layer" and _mechanism_count(groups) > config.mechanisms:
+        raise ValueError(
+            f"per-layer noise: the model's layers now form {_mechanism_count(groups)} Gaussian "
+            f"mechanisms but the config accounts for {config.mechanisms} (its structure changed "
+            "after make_private): the noise would be mis-calibrated"
+        )
     if config.noise == "global":
-        total = _up(math.sqrt(_up(math.fsum(b * b for _, b in groups))))
+        total = _up(math.sqrt(_up(math.fsum(b * b for _, b, _ in groups))))
         stds = dict.fromkeys(noised, _up(sigma * total))
     else:
         stds = {n: _up(sigma * per_tensor[n]) for n in noised}
@@ -513,5 +571,5 @@ def plan_step(
         multiplicity=multiplicity,
         rounding_margin=margin,
         proven=config.proven,
-        groups=tuple(tuple(m) for m, _ in groups),
+        groups=tuple(tuple(m) for m, _, _ in groups),
     )
