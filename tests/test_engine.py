@@ -625,3 +625,28 @@ def test_the_target_is_the_second_tensor_of_a_record() -> None:
         torch.randn(20, DIM, generator=g), torch.randint(0, 2, (20,), generator=g), torch.ones(20)
     )
     _private(dataset=data)  # the weights column is not a target
+
+
+PLANNED = {
+    "bias": True,
+    "noise_multiplier": None,
+    "target_epsilon": 1.0,
+    "target_delta": 1e-5,
+    "epochs": 2,
+}
+
+
+def test_a_per_layer_checkpoint_saved_before_num_mechanisms_is_refused_by_name() -> None:
+    """A per-layer run with biases saved by the version that counted every tensor had its
+    multiplier calibrated for that D: resuming it under the new D is refused, with the reason."""
+    from clipless.engine import CheckpointMismatchError
+
+    engine, *_ = _private("per-layer", **PLANNED)
+    state = engine.state_dict()
+    saved = dict(state["config"])
+    assert saved.pop("num_mechanisms") == 2
+    saved["noise_multiplier"] *= math.sqrt(2)  # calibrated for 4 mechanisms
+    state["config"] = saved
+    again, *_ = _private("per-layer", **PLANNED)
+    with pytest.raises(CheckpointMismatchError, match="counted every tensor"):
+        again.load_state_dict(state)

@@ -542,12 +542,20 @@ class PrivacyEngine:
                 if f.name != "steps" and getattr(theirs, f.name) != getattr(mine, f.name)
             ]
             if diff:
+                hint = ""
+                if "num_mechanisms" in diff and theirs.num_mechanisms is None:
+                    hint = (
+                        "; the checkpoint was saved by a clipless that counted every tensor as a "
+                        "mechanism of per-layer noise (num_mechanisms None): finish that run with "
+                        "the version that started it"
+                    )
                 raise CheckpointMismatchError(
                     "the checkpoint was taken with another privacy configuration: "
                     + ", ".join(
                         f"{k} {getattr(theirs, k)!r} (checkpoint) vs {getattr(mine, k)!r} (now)"
                         for k in diff
                     )
+                    + hint
                 )
             if theirs.steps is not None and (mine.steps is None or theirs.steps > mine.steps):
                 opt.config = mine.with_steps(theirs.steps)
