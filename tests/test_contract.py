@@ -1112,3 +1112,63 @@ def test_per_layer_noise_mahalanobis_sensitivity_is_at_most_one_over_sigma_eff(
         worst = max(worst, math.sqrt(sq) * plan.effective_noise_multiplier)
         o._pending.clear()
     assert tight < worst <= 1.0
+
+
+def _substitution_attacks():
+    """Audit findings (session 17): a gradient through a substituted parameter reached the step
+    with 25-1000 times the planned sensitivity, and the step accepted it."""
+    from torch.func import functional_call, grad, jacrev, vjp
+
+    def vjp_primal(m, o, x, y):  # the primal output of a vjp over the live weight
+        w = m[3].weight
+        out, _ = vjp(lambda wi: functional_call(m, {"3.weight": wi}, (x,)), w)
+        return o.loss(m(x), y) + 1000.0 * out.sum()
+
+    def grad_penalty(m, o, x, y):  # a parameter-gradient penalty through torch.func.grad
+        w = m[3].weight
+        g = grad(lambda wi: o.loss(functional_call(m, {"3.weight": wi}, (x,)), y))(w)
+        return o.loss(m(x), y) + 1000.0 * (g**2).sum()
+
+    def jacobian(m, o, x, y):
+        w = m[3].weight
+        jac = jacrev(lambda wi: functional_call(m, {"3.weight": wi}, (x,)))(w)
+        return o.loss(m(x), y) + 1000.0 * (jac * w).sum()
+
+    def same_bits(m, o, x, y):  # w's bits, 100 times its gradient: plan and snapshots pass
+        w = m[3].weight
+        return o.loss(
+            functional_call(m, {"3.weight": w.detach() + 100 * (w - w.detach())}, (x,)), y
+        )
+
+    def scaled(m, o, x, y):
+        return o.loss(functional_call(m, {"3.weight": 10.0 * m[3].weight}, (x,)), y)
+
+    return [vjp_primal, grad_penalty, jacobian, same_bits, scaled]
+
+
+@pytest.mark.parametrize("attack", _substitution_attacks(), ids=lambda f: f.__name__)
+def test_a_parameter_substituted_by_a_tensor_requiring_grad_is_refused(attack) -> None:
+    _, m, o, _ = _private()
+    x, y = _one(0, scale=1.0)
+    o.zero_grad(set_to_none=True)
+    with pytest.raises(PrivacyContractError, match=r"replaced in this forward|torch.func"):
+        attack(m, o, x, y).backward()
+
+
+def test_detached_substitutes_and_the_diagnostics_still_run() -> None:
+    """What the refusal must not catch: a reference forward with detached parameters through
+    functional_call, and the torch.func diagnostics (vmap over detached parameters)."""
+    from torch.func import functional_call
+
+    from clipless.diagnostics import per_sample_gradients, sensitivity_use
+
+    _, m, o, _ = _private()
+    x, y = _data().tensors
+    detached = {k: v.detach() for k, v in m.named_parameters()}
+    with torch.no_grad():
+        assert torch.equal(functional_call(m, detached, (x,)), m(x))
+    assert set(per_sample_gradients(m, o.loss, x[:6], y[:6])) == set(dict(m.named_parameters()))
+    assert sensitivity_use(o, x[:6], y[:6]).output.samples == 6
+    o.zero_grad(set_to_none=True)
+    o.loss(m(x[:4]), y[:4]).backward()
+    o.step()  # an honest step after all of it

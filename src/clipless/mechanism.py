@@ -42,12 +42,13 @@ Mahalanobis sensitivity is
 ``(||c_w||^2 + ||c_b||^2) / (sigma G_k)^2 <= 1 / sigma^2``, that of ONE mechanism. In general,
 for a connected group ``c`` of layer uses sharing parameters (``Delta_p`` the sum of the ``G`` of
 the uses touching ``p``), with ``a_{u,p} = ||c_{u,p}|| / G_u`` (``sum_p a_{u,p}^2 <= 1`` for every
-use ``u``) and the convex weights ``w_{u,p} = G_u / Delta_p``: ``||sum_u c_{u,p}||^2 / Delta_p^2 <=
-(sum_u w_{u,p} a_{u,p})^2 <= sum_u w_{u,p} a_{u,p}^2`` (Jensen), and summing over ``p`` gives at
+use ``u``) and the weights ``w_{u,p} = G_u / Delta_p`` (summing to at most 1 over ``u``, as
+``Delta_p`` is rounded up): ``||sum_u c_{u,p}||^2 / Delta_p^2 <= (sum_u w_{u,p} a_{u,p})^2 <=
+sum_u w_{u,p} a_{u,p}^2`` (Cauchy-Schwarz), and summing over ``p`` gives at
 most ``sum_u sum_p a_{u,p}^2 <= U_c``, the group's number of uses; each term is also at most 1,
 so at most ``P_c``, its number of tensors. Per-layer noise is therefore ``D = sum_c min(U_c,
-P_c)`` mechanisms, not one per tensor (:func:`per_layer_mechanisms`; ``D`` = the number of
-parametric layers for a network of distinct layers, with or without biases; configs saved
+P_c)`` mechanisms, not one per tensor (:func:`per_layer_mechanisms`; for a network of distinct
+layers, with or without biases, ``D`` = the number of layers with a noised tensor; configs saved
 before this counted every tensor, ``num_mechanisms = None``, which over-counts and stays valid).
 ``"global"``: one Gaussian mechanism on the concatenation of all noised gradients, whose L2
 sensitivity is ``G = sqrt(sum_c B_c^2)`` over the connected groups ``c`` of layer uses that

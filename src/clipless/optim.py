@@ -16,8 +16,11 @@ loop cannot void the guarantee. One step:
    A training forward is refused while hooks that clipless did not place could change what the
    guarded pass computes: forward, backward or gradient hooks on the model's modules and noised
    parameters, global module hooks, or saved-tensor hooks; also one whose model carries other
-   input releases than at ``make_private`` (they are accounted once, then), and one inside a
-   ``torch.func`` transform on parameters that require a gradient (no output guard runs there).
+   input releases than at ``make_private`` (they are accounted once, then), one inside a
+   ``torch.func`` transform on parameters that require a gradient (no output guard runs there),
+   and one in which a parameter is replaced by another tensor that requires a gradient
+   (``torch.func.functional_call``, or a transform over a weight: its gradient would reach the
+   parameter outside the scaled kernels' bound).
    A backward pass with ``create_graph=True`` through an unguarded output is refused.
 2. *Backward*: the model output passes through a guard whose backward clips every row's cotangent
    to the certified loss constant ``L`` (norm in float64) and zeroes non-finite rows, so no
@@ -532,6 +535,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._drawn_at_step = 0
         self.data_loader = data_loader
         self._names = self._noised_parameters()
+        self._live_ids = frozenset(id(p) for p in self._names)
         self._releases = _input_releases(module)
         if tuple(sigma for *_, sigma in self._releases) != tuple(config.releases):
             raise ValueError(
@@ -755,6 +759,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if _is_transformed(x):
             self._check_transformed(module)
             return
+        self._check_substituted(module)
         if not module.training:
             self._stack[-1] = "eval"  # its output taints a backward pass (_after_forward)
             return
@@ -956,7 +961,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> torch.Tensor | None:
         record = self._stack.pop() if self._stack else None
-        if record is None or not isinstance(output, torch.Tensor) or _is_transformed(output):
+        if isinstance(output, torch.Tensor) and _is_transformed(output):
+            # a plain input and a transformed output: torch.func wrapped a parameter (vjp, grad
+            # or jacrev over a weight passed through functional_call), which the input did not
+            # show to _before_forward
+            self._check_transformed(module)
+            return None
+        if record is None or not isinstance(output, torch.Tensor):
             return None
         if not output.requires_grad:
             return None
@@ -978,6 +989,29 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         marked: torch.Tensor = _OutputMark.apply(output, _Unguarded(self, _LAYER_BACKWARD))
         return marked
+
+    def _check_substituted(self, module: torch.nn.Module) -> None:
+        """Refuse a forward (gradients on, plain input) in which a tensor the model uses as one
+        of its parameters requires a gradient but is not one of the live parameters this
+        optimizer noises: ``torch.func.functional_call`` substitutes it, and a substitute such
+        as ``w.detach() + 100 * (w - w.detach())`` has ``w``'s bits (so the plan, the weight
+        snapshots and the output clip all pass) while the gradient reaching ``w`` through it
+        is 100 times the scaled one; a ``torch.func`` transform over a parameter (``vjp``,
+        ``grad``, ``jacrev``) substitutes a wrapped tensor the same way. Detached substitutes
+        (no gradient) are allowed: nothing reaches the trained parameters through them."""
+        foreign = [
+            name
+            for name, p in module.named_parameters()
+            if p.requires_grad and id(p) not in self._live_ids
+        ]
+        if foreign:
+            raise PrivacyContractError(
+                f"parameters {foreign} of the private model are replaced in this forward by "
+                "tensors that require a gradient (torch.func.functional_call, or a torch.func "
+                "transform over a parameter): a gradient through them reaches the trained "
+                "parameters outside the planned sensitivity. Pass detached tensors for a "
+                "reference computation (clipless.diagnostics does), or train the model itself"
+            )
 
     def _check_transformed(self, module: torch.nn.Module) -> None:
         """A forward inside a ``torch.func`` transform is not guarded (no output clip, no taint):
