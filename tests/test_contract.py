@@ -1172,3 +1172,85 @@ def test_detached_substitutes_and_the_diagnostics_still_run() -> None:
     o.zero_grad(set_to_none=True)
     o.loss(m(x[:4]), y[:4]).backward()
     o.step()  # an honest step after all of it
+
+
+# ---------------------------------------------------------------- audit of session 17, round 2
+
+
+def _noiseless(monkeypatch) -> None:
+    """Draw zero noise, so that what a step applies is exactly the gradient it noised."""
+    import clipless.optim as optim
+
+    def zero(plan, name, shape, generator, dtype, *, std=None, out=None):
+        return torch.zeros(shape, dtype=dtype) if out is None else out.zero_()
+
+    monkeypatch.setattr(optim, "draw_noise", zero)
+
+
+@pytest.mark.parametrize("how", ["no backward", "numpy view", "restricted backward"])
+def test_a_write_into_the_released_gradient_carries_nothing_into_the_next_step(
+    monkeypatch, how: str
+) -> None:
+    """Audit finding: after a step, ``p.grad`` holds the released noisy gradient, recognised by
+    its identity and version. A write through ``.data`` or a NumPy view changes neither, and the
+    next step noised and applied what was written (3185 times the sensitivity with no backward,
+    1593 through a backward restricted to the first layer). The release is now zeroed when it
+    is recognised, so the step applies only this batch's gradient."""
+    _noiseless(monkeypatch)
+    _, m, o, _ = _private(constraint=None)
+    x, y = _one(0, scale=1.0)
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()
+    for p in m.parameters():
+        if how == "numpy view":
+            p.grad.numpy()[...] = 100.0
+        else:
+            p.grad.data.fill_(100.0)
+    if how == "restricted backward":
+        m[1].weight.grad = None
+        m[1].bias.grad = None
+        torch.autograd.backward(o.loss(m(x), y), inputs=[m[1].weight, m[1].bias])
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    o.step()
+    for n, p in m.named_parameters():
+        if how == "restricted backward" and n.startswith("1."):
+            continue  # this batch's (clipped, scaled) gradient
+        assert torch.equal(p.grad, torch.zeros_like(p)), n
+        assert torch.equal(p.detach(), before[n]), n
+
+
+def test_a_parameter_hook_registered_after_the_forward_is_refused_in_the_backward() -> None:
+    """Audit finding: parameter hooks were checked at the forward only; one registered between
+    the forward and the backward (removed before the step) scaled the gradient 100 times."""
+    _, m, o, _ = _private()
+    x, y = _one(0, scale=1.0)
+    out = m(x)
+    handle = m[3].weight.register_hook(lambda g: 100 * g)
+    with pytest.raises(PrivacyContractError, match="gradient hook that clipless did not place"):
+        o.loss(out, y).backward()
+    handle.remove()
+
+
+def test_the_guarded_output_is_not_a_view_of_the_unguarded_one() -> None:
+    """Audit finding: the guard returned a view, whose ``_base`` was the unguarded output; a
+    loss on ``out._base`` reached the parameters unclipped (3292 times the sensitivity)."""
+    _, m, _, _ = _private()
+    out = m(_one(0, scale=1.0)[0])
+    assert out._base is None and out.grad_fn is not None
+    out /= 2.0  # in-place arithmetic on the output works (it failed on the view)
+
+
+def test_live_parameters_swapped_between_layers_are_refused() -> None:
+    """Audit finding: under per-layer noise each noised tensor draws the noise of its
+    make_private name; swapping same-shaped live parameters between layers gave one of them
+    another's (100 times smaller) noise: 421 times its sensitivity."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.InputNorm(1.0), nn.Linear(4, 4), nn.GroupSort(2), nn.Linear(4, 4), nn.Linear(4, 2)
+    )
+    data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+    _, m, _, _ = _private(model=model, dataset=data, noise="per-layer")
+    m[1].bias, m[3].bias = m[3].bias, m[1].bias
+    with pytest.raises(PrivacyContractError, match="moved to another place"):
+        m(data.tensors[0][:1])

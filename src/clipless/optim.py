@@ -194,7 +194,9 @@ class _OutputMark(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, record: _Pass | _Unguarded) -> torch.Tensor:
-        return x.view_as(x)
+        # a copy, not a view: a view's ``_base`` is the unguarded output (an audit backpropagated
+        # 100 times a loss of ``out._base`` next to the guarded loss, and the step accepted it)
+        return x.clone()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -391,6 +393,7 @@ class _GradHook:
         owner = self._owner() if self._owner is not None else None
         param = self._param() if self._param is not None else None
         if owner is not None and param is not None:
+            owner._check_param_hooks(param)
             owner._before_accumulate(param)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _GradHook:
@@ -535,7 +538,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._drawn_at_step = 0
         self.data_loader = data_loader
         self._names = self._noised_parameters()
-        self._live_ids = frozenset(id(p) for p in self._names)
+        self._live_names = {id(p): name for p, name in self._names.items()}
         self._releases = _input_releases(module)
         if tuple(sigma for *_, sigma in self._releases) != tuple(config.releases):
             raise ValueError(
@@ -927,17 +930,24 @@ class DPOptimizer(torch.optim.Optimizer):
                     "runs inside the guarded pass and can change one example's gradient beyond "
                     "what the noise covers; remove it (or register it on a copy of the model)"
                 )
-        for p, name in self._names.items():
-            tensor_hooks = getattr(p, "_backward_hooks", None) or {}
-            after = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-            if any(not isinstance(h, _GradHook) for h in tensor_hooks.values()) or any(
-                not isinstance(h, _Hook) for h in after.values()
-            ):
-                raise PrivacyContractError(
-                    f"parameter {name!r} has a gradient hook that clipless did not place "
-                    "(register_hook / register_post_accumulate_grad_hook): it can change the "
-                    "gradient the noise was calibrated for; remove it"
-                )
+        for p in self._names:
+            self._check_param_hooks(p)
+
+    def _check_param_hooks(self, p: torch.nn.Parameter) -> None:
+        """Refuse a tensor hook on a noised parameter that clipless did not place. Checked before
+        every training forward and again in the backward pass (by the parameter's own hook, which
+        runs first): a hook registered between the forward and the backward, and removed before
+        the step, scaled the gradient 100 times unseen (audit, RESULTS.md section 30)."""
+        tensor_hooks = getattr(p, "_backward_hooks", None) or {}
+        after = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        if any(not isinstance(h, _GradHook) for h in tensor_hooks.values()) or any(
+            not isinstance(h, _Hook) for h in after.values()
+        ):
+            raise PrivacyContractError(
+                f"parameter {self._names.get(p, '?')!r} has a gradient hook that clipless did "
+                "not place (register_hook / register_post_accumulate_grad_hook): it can change "
+                "the gradient the noise was calibrated for; remove it"
+            )
 
     def _snapshot(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A copy of ``p`` as this forward uses it, for the check in :meth:`_on_backward`.
@@ -998,19 +1008,24 @@ class DPOptimizer(torch.optim.Optimizer):
         snapshots and the output clip all pass) while the gradient reaching ``w`` through it
         is 100 times the scaled one; a ``torch.func`` transform over a parameter (``vjp``,
         ``grad``, ``jacrev``) substitutes a wrapped tensor the same way. Detached substitutes
-        (no gradient) are allowed: nothing reaches the trained parameters through them."""
+        (no gradient) are allowed: nothing reaches the trained parameters through them. The
+        check is by identity *and name*: live parameters swapped between layers (``m[1].bias,
+        m[3].bias = m[3].bias, m[1].bias``) would each get the noise of the other's
+        sensitivity (per-layer noise: an audit measured 421 times the planned sensitivity)."""
         foreign = [
             name
             for name, p in module.named_parameters()
-            if p.requires_grad and id(p) not in self._live_ids
+            if p.requires_grad and self._live_names.get(id(p)) != name
         ]
         if foreign:
             raise PrivacyContractError(
                 f"parameters {foreign} of the private model are replaced in this forward by "
-                "tensors that require a gradient (torch.func.functional_call, or a torch.func "
-                "transform over a parameter): a gradient through them reaches the trained "
-                "parameters outside the planned sensitivity. Pass detached tensors for a "
-                "reference computation (clipless.diagnostics does), or train the model itself"
+                "tensors that require a gradient, or moved to another place in the model "
+                "(torch.func.functional_call, a torch.func transform over a parameter, "
+                "parameters swapped between layers): a gradient through them reaches the "
+                "trained parameters outside the planned sensitivity, or gets another "
+                "parameter's noise. Pass detached tensors for a reference computation "
+                "(clipless.diagnostics does), or train the model as make_private saw it"
             )
 
     def _check_transformed(self, module: torch.nn.Module) -> None:
@@ -1060,11 +1075,21 @@ class DPOptimizer(torch.optim.Optimizer):
         """Before a gradient is accumulated into ``p.grad``: is ``p.grad`` empty (``None``, zeros,
         or the noisy gradient released by the last step)? Read by :meth:`_accumulated_grad`."""
         grad = p.grad
-        self._incoming[p] = (
-            grad is None
-            or self._released.get(p) == (id(grad), grad._version)
-            or not bool(torch.count_nonzero(grad))
-        )
+        released = self._is_release(p, grad)
+        self._incoming[p] = grad is None or released or not bool(torch.count_nonzero(grad))
+
+    def _is_release(self, p: torch.nn.Parameter, grad: torch.Tensor | None) -> bool:
+        """Is ``grad`` the noisy gradient the last step released into ``p.grad``? If so, it is
+        zeroed: it carries nothing into the next step. Its identity and version are all that
+        recognise it, and a write through ``.data`` or a NumPy view changes neither (an audit
+        wrote 100 times an unclipped gradient into it that way, and the next step noised and
+        applied it as this batch's gradient)."""
+        if grad is None or self._released.get(p) != (id(grad), grad._version):
+            return False
+        with torch.no_grad():
+            grad.zero_()
+        self._released[p] = (id(grad), grad._version)
+        return True
 
     def _accumulated_grad(self, p: torch.nn.Parameter) -> None:
         grad = p.grad
@@ -1222,8 +1247,8 @@ class DPOptimizer(torch.optim.Optimizer):
         if pending:
             for p, name in self._names.items():
                 grad = p.grad
-                if grad is None or self._released.get(p) == (id(grad), grad._version):
-                    continue  # not reached by this backward: nothing, or last step's release
+                if grad is None or self._is_release(p, grad):
+                    continue  # not reached by this backward: nothing, or last step's (zeroed)
                 record = self._accumulated.get(p)
                 if record is None or record != (id(grad), grad._version, True):
                     why = self._refusal.get(p) if record is not None and not record[2] else None
@@ -1241,8 +1266,8 @@ class DPOptimizer(torch.optim.Optimizer):
             return pending[0].plan
         for p, name in self._names.items():
             grad = p.grad
-            if grad is None or self._released.get(p) == (id(grad), grad._version):
-                continue  # no gradient, or the noisy gradient this optimizer released last step
+            if grad is None or self._is_release(p, grad):
+                continue  # no gradient, or the (zeroed) gradient this optimizer released last step
             if bool(torch.count_nonzero(grad)):
                 raise PrivacyContractError(
                     f"parameter {name!r} has a gradient that did not come through a training-mode "
