@@ -89,3 +89,17 @@ def test_from_dict_drops_thresholds_saved_with_another_scaling() -> None:
     assert PrivacyConfig.from_dict(data).thresholds is None
     with pytest.raises(ValueError, match="threshold' only"):
         PrivacyConfig(**{**saved.to_dict(), "thresholds": {"1": 0.5}})
+
+
+@pytest.mark.parametrize("bad", [0, 5, 1.5, True, "2"])
+def test_num_mechanisms_must_be_an_integer_between_one_and_num_tensors(bad) -> None:
+    with pytest.raises(ValueError, match="num_mechanisms"):
+        PrivacyConfig(
+            noise_multiplier=1.0, sample_rate=0.1, num_samples=100, num_tensors=4,
+            noise="per-layer", num_mechanisms=bad,
+        )  # fmt: skip
+    config = PrivacyConfig(
+        noise_multiplier=2.0, sample_rate=0.1, num_samples=100, num_tensors=4,
+        noise="per-layer", num_mechanisms=2,
+    )  # fmt: skip
+    assert config.effective_noise_multiplier == pytest.approx(2.0 / math.sqrt(2), rel=1e-15)

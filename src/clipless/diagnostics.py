@@ -368,7 +368,7 @@ def sensitivity_use(
     ``"batch-max"`` scaling mode has no per-sample contribution and is refused.
     """
     from clipless.nn._scaled import BATCH_MAX
-    from clipless.optim import DPOptimizer, _safe_radius
+    from clipless.optim import DPOptimizer, _clip_rows
 
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError(
@@ -416,13 +416,8 @@ def sensitivity_use(
             return out
 
         out, pull = vjp(forward, noised)[:2]
-        g = grad(lambda o: loss(o, yi.unsqueeze(0)))(out)
-        # the optimizer's output clip (clipless.optim._enforce_bound): a non-finite row is zeroed,
-        # the others are clipped to the safe radius of L with float64 norms
-        g = torch.where(torch.isfinite(g).all(), g, torch.zeros((), dtype=g.dtype))
-        norm = torch.linalg.vector_norm(g.double())
-        radius = _safe_radius(plan.output_bound, g.dtype)
-        g = g * (radius / norm.clamp_min(1e-300)).clamp(max=1.0).to(g.dtype)
+        # the optimizer's output guard clips this sample's (one-row) loss gradient
+        g, _ = _clip_rows(grad(lambda o: loss(o, yi.unsqueeze(0)))(out), plan.output_bound)
         (parts,) = pull(g)
         clipped = torch.linalg.vector_norm(g.double())
         return (clipped, *(torch.linalg.vector_norm(parts[n].double()) for n in noised))

@@ -275,7 +275,8 @@ class PrivacyEngine:
         )
         # Everything the step relies on is checked before any state changes.
         report = bounds.report(module, loss, input_shape)
-        names = [name for name, p in module.named_parameters() if any(p is t for t in noised)]
+        noised_ids = {id(p) for p in noised}
+        names = [name for name, p in module.named_parameters() if id(p) in noised_ids]
         # per-layer noise composes one Gaussian mechanism per group of layer uses, not one per
         # tensor (a weight and its bias are one: mechanism.py, "Noise allocation")
         mechanisms = mechanism.per_layer_mechanisms(report, names)

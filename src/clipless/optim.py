@@ -211,12 +211,7 @@ def _enforce_bound(grad: torch.Tensor, bound: float, owner: DPOptimizer) -> torc
     """Zero non-finite rows, clip every row to norm ``bound`` (float64 norms, safe radius)."""
     if grad.shape[0] == 0:
         return grad
-    flat = grad.detach().reshape(grad.shape[0], -1)
-    finite = torch.isfinite(flat).all(dim=1)
-    if not bool(finite.all()):
-        grad = torch.where(_rows(finite, grad), grad, torch.zeros((), dtype=grad.dtype))
-        flat = grad.detach().reshape(grad.shape[0], -1)
-    norms = torch.linalg.vector_norm(flat.double(), dim=1)
+    clipped, norms = _clip_rows(grad, bound)
     largest = float(norms.max())
     owner._last_cotangent_norm = largest
     rows = grad.shape[0] // max(1, owner._multiplicity)
@@ -230,9 +225,21 @@ def _enforce_bound(grad: torch.Tensor, bound: float, owner: DPOptimizer) -> torc
             RuntimeWarning,
             stacklevel=2,
         )
+    return clipped
+
+
+def _clip_rows(grad: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output guard's clip: zero non-finite rows, then scale every row to norm at most
+    ``bound`` (float64 norms, a safe radius). Returns the clipped rows and the float64 norms of
+    the rows before the scaling. Branch-free, so :func:`clipless.diagnostics.sensitivity_use`
+    runs it under ``vmap``."""
+    flat = grad.detach().reshape(grad.shape[0], -1)
+    finite = torch.isfinite(flat).all(dim=1)
+    grad = torch.where(_rows(finite, grad), grad, torch.zeros((), dtype=grad.dtype))
+    norms = torch.linalg.vector_norm(grad.detach().reshape(grad.shape[0], -1).double(), dim=1)
     radius = _safe_radius(bound, grad.dtype)
     factor = (radius / norms.clamp_min(1e-300)).clamp(max=1.0)
-    return grad * factor.to(grad.dtype).reshape(-1, *([1] * (grad.ndim - 1)))
+    return grad * factor.to(grad.dtype).reshape(-1, *([1] * (grad.ndim - 1))), norms
 
 
 def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -538,7 +545,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self._drawn_at_step = 0
         self.data_loader = data_loader
         self._names = self._noised_parameters()
-        self._live_names = {id(p): name for p, name in self._names.items()}
         self._releases = _input_releases(module)
         if tuple(sigma for *_, sigma in self._releases) != tuple(config.releases):
             raise ValueError(
@@ -1015,7 +1021,7 @@ class DPOptimizer(torch.optim.Optimizer):
         foreign = [
             name
             for name, p in module.named_parameters()
-            if p.requires_grad and self._live_names.get(id(p)) != name
+            if p.requires_grad and self._names.get(p) != name
         ]
         if foreign:
             raise PrivacyContractError(
@@ -1075,10 +1081,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """Before a gradient is accumulated into ``p.grad``: is ``p.grad`` empty (``None``, zeros,
         or the noisy gradient released by the last step)? Read by :meth:`_accumulated_grad`."""
         grad = p.grad
-        released = self._is_release(p, grad)
+        released = self._clear_release(p, grad)
         self._incoming[p] = grad is None or released or not bool(torch.count_nonzero(grad))
 
-    def _is_release(self, p: torch.nn.Parameter, grad: torch.Tensor | None) -> bool:
+    def _clear_release(self, p: torch.nn.Parameter, grad: torch.Tensor | None) -> bool:
         """Is ``grad`` the noisy gradient the last step released into ``p.grad``? If so, it is
         zeroed: it carries nothing into the next step. Its identity and version are all that
         recognise it, and a write through ``.data`` or a NumPy view changes neither (an audit
@@ -1247,7 +1253,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if pending:
             for p, name in self._names.items():
                 grad = p.grad
-                if grad is None or self._is_release(p, grad):
+                if grad is None or self._clear_release(p, grad):
                     continue  # not reached by this backward: nothing, or last step's (zeroed)
                 record = self._accumulated.get(p)
                 if record is None or record != (id(grad), grad._version, True):
@@ -1266,7 +1272,7 @@ class DPOptimizer(torch.optim.Optimizer):
             return pending[0].plan
         for p, name in self._names.items():
             grad = p.grad
-            if grad is None or self._is_release(p, grad):
+            if grad is None or self._clear_release(p, grad):
                 continue  # no gradient, or the (zeroed) gradient this optimizer released last step
             if bool(torch.count_nonzero(grad)):
                 raise PrivacyContractError(

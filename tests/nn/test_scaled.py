@@ -14,18 +14,33 @@ from clipless.mechanism import BATCH_MAX, thresholds_for
 DT = torch.float64
 
 
-def _per_sample_grads(layer: torch.nn.Module, x: torch.Tensor, cot: torch.Tensor) -> dict:
-    """Per-sample gradients of <layer(x_i), cot_i> w.r.t. the parameters (no scaling)."""
+def _per_sample_grads(
+    layer: torch.nn.Module, x: torch.Tensor, cot: torch.Tensor, *, scaled: bool = False
+) -> dict:
+    """Per-sample gradients of <layer(x_i), cot_i> w.r.t. the parameters by vmap: unscaled, or
+    with ``scaled=True`` through the layer's scaled kernel at its current threshold."""
     params = {k: v.detach() for k, v in layer.named_parameters()}
     saved = layer.scaling_threshold
-    layer.scaling_threshold = None
+    if not scaled:
+        layer.scaling_threshold = None
 
     def f(p: dict, xi: torch.Tensor, ci: torch.Tensor) -> torch.Tensor:
         return (functional_call(layer, p, (xi.unsqueeze(0),)).squeeze(0) * ci).sum()
 
-    out = vmap(grad(f), in_dims=(None, 0, 0))(params, x, cot)
-    layer.scaling_threshold = saved
-    return out
+    try:
+        return vmap(grad(f), in_dims=(None, 0, 0))(params, x, cot)
+    finally:
+        layer.scaling_threshold = saved
+
+
+def _case(make, seed: int, batch: int) -> tuple:
+    """A float64 layer, a batch for it, random cotangents and the unscaled per-sample grads."""
+    torch.manual_seed(seed)
+    layer = make().double()
+    x = _input_for(layer, batch)
+    with torch.no_grad():
+        cot = torch.randn_like(layer(x))
+    return layer, x, cot, _per_sample_grads(layer, x, cot)
 
 
 def _scaled_batch_grads(layer: torch.nn.Module, x: torch.Tensor, cot: torch.Tensor) -> dict:
@@ -58,12 +73,7 @@ def _input_for(layer: torch.nn.Module, batch: int) -> torch.Tensor:
 @pytest.mark.parametrize("make", LAYERS)
 @pytest.mark.parametrize("threshold", [0.0, 2.5, BATCH_MAX])
 def test_scaled_gradient_equals_reference(make, threshold) -> None:
-    torch.manual_seed(0)
-    layer = make().double()
-    x = _input_for(layer, 7)
-    with torch.no_grad():
-        cot = torch.randn_like(layer(x))
-    ref = _per_sample_grads(layer, x, cot)
+    layer, x, cot, ref = _case(make, 0, 7)
     n = layer.sample_norm_factor(x)
     t = float(n.max()) if threshold == BATCH_MAX else threshold
     s = torch.clamp(n, min=max(t, 1e-30))
@@ -81,12 +91,7 @@ def test_scaled_gradient_equals_reference(make, threshold) -> None:
 @pytest.mark.parametrize("make", LAYERS)
 def test_scaled_contribution_bounded_by_cotangent(make) -> None:
     """Each sample's scaled joint contribution has norm <= ||dy_i||, for any threshold."""
-    torch.manual_seed(1)
-    layer = make().double()
-    x = _input_for(layer, 9)
-    with torch.no_grad():
-        cot = torch.randn_like(layer(x))
-    ref = _per_sample_grads(layer, x, cot)
+    layer, x, cot, ref = _case(make, 1, 9)
     n = layer.sample_norm_factor(x)
     joint = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in ref.values()))
     cot_norm = cot.flatten(1).norm(dim=1)
@@ -145,20 +150,10 @@ def test_vmap_of_the_scaled_kernel_is_each_sample_scaled_alone(make, threshold) 
     """Under vmap (the kernels' generated vmap rule) each sample's parameter gradient is its
     own unscaled gradient divided by max(n_i, T), and the per-sample gradients sum to the
     batch's scaled gradient: vmap sees the same contributions a step sums."""
-    torch.manual_seed(2)
-    layer = make().double()
-    x = _input_for(layer, 7)
-    with torch.no_grad():
-        cot = torch.randn_like(layer(x))
-    ref = _per_sample_grads(layer, x, cot)
+    layer, x, cot, ref = _case(make, 2, 7)
     s = torch.clamp(layer.sample_norm_factor(x), min=max(threshold, 1e-30))
     layer.scaling_threshold = threshold
-    params = {k: v.detach() for k, v in layer.named_parameters()}
-
-    def f(p: dict, xi: torch.Tensor, ci: torch.Tensor) -> torch.Tensor:
-        return (functional_call(layer, p, (xi.unsqueeze(0),)).squeeze(0) * ci).sum()
-
-    got = vmap(grad(f), in_dims=(None, 0, 0))(params, x, cot)
+    got = _per_sample_grads(layer, x, cot, scaled=True)
     batch, _ = _scaled_batch_grads(layer, x, cot)
     for name, g in ref.items():
         expected = g / s.view(-1, *([1] * (g.dim() - 1)))
@@ -169,10 +164,6 @@ def test_vmap_of_the_scaled_kernel_is_each_sample_scaled_alone(make, threshold) 
 def test_vmap_refuses_batch_max_with_a_clear_error() -> None:
     layer = nn.Linear(3, 2).double()
     layer.scaling_threshold = BATCH_MAX
-    params = {k: v.detach() for k, v in layer.named_parameters()}
-
-    def f(p: dict, xi: torch.Tensor) -> torch.Tensor:
-        return functional_call(layer, p, (xi.unsqueeze(0),)).sum()
-
+    x = torch.randn(4, 3, dtype=DT)
     with pytest.raises(ValueError, match=r"batch-max.*not defined"):
-        vmap(grad(f), in_dims=(None, 0))(params, torch.randn(4, 3, dtype=DT))
+        _per_sample_grads(layer, x, torch.ones(4, 2, dtype=DT), scaled=True)
