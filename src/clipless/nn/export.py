@@ -56,7 +56,7 @@ def mix_channels(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
             f"InputNorm: whiten is {tuple(matrix.shape)} but the samples have shape "
             f"{tuple(x.shape[1:])} (their first axis must be the {matrix.shape[0]} channels)"
         )
-    w = matrix.to(x.dtype)
+    w = matrix.to(device=x.device, dtype=x.dtype)
     flat = x.reshape(x.shape[0], x.shape[1], -1)
     if flat.shape[2] == 1:  # flat samples: one matrix product (a batched one is far slower)
         return (flat[:, :, 0] @ w.T).reshape(x.shape)
@@ -75,7 +75,9 @@ def input_map(
     if center is not None or whiten is not None:
         x = project_norm(x, 1.0, "sphere")
     if center is not None:
-        x = x - center.to(x.dtype)
+        # the data may live on another device than the model's buffers (a CPU dataset mapped
+        # once by premap_ while the model trains on a GPU)
+        x = x - center.to(device=x.device, dtype=x.dtype)
     if whiten is not None:
         x = mix_channels(x, whiten)
     return project_norm(x, max_norm, mode)
