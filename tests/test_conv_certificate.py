@@ -371,3 +371,32 @@ def test_conv_fft_certificate_against_the_explicit_jacobian(
     if mode == "circular" and stride == 1 and 2 * padding == w.shape[2] - 1:
         assert fft <= exact * (1 + TIGHT), (name, fft / exact - 1)  # the symbol is exact here
     assert conv_norm(w, **kw) <= fft  # type: ignore[arg-type]  # "auto": min(fft, frobenius)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("name", "w", "stride", "padding", "mode", "n"), _kernels(), ids=[k[0] for k in _kernels()]
+)
+def test_accelerator_conv_certificate_against_the_explicit_jacobian(
+    name: str,
+    w: torch.Tensor,
+    stride: int,
+    padding: int,
+    mode: str,
+    n: int,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What "auto" runs off the CPU (batched Gram iteration of the frequency matrices, of the
+    explicit matrix for small layers) is never below the exact norm and within 1% of "fft"."""
+    w = w.to(dtype)
+    if not bool(torch.isfinite(w).all()):
+        pytest.skip(f"{name} is not representable in {dtype}")
+    kw = {"stride": stride, "padding": padding, "padding_mode": mode, "input_size": n}
+    exact = _jacobian_norm(w.double(), stride, padding, mode, (n, n))
+    fft_cpu = conv_norm(w, method="fft", **kw)  # type: ignore[arg-type]
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
+    fft = conv_norm(w, method="fft", **kw)  # type: ignore[arg-type]
+    auto = conv_norm(w, **kw)  # type: ignore[arg-type]
+    assert exact <= fft <= fft_cpu * 1.01, (name, fft / fft_cpu - 1)
+    assert exact <= auto <= exact * 1.01 or auto <= fft, (name, auto / exact - 1)

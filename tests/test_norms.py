@@ -141,7 +141,20 @@ def test_dense_norm_auto_switches_to_gram(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(norms, "_CHOLESKY_MAX_DIM", 50)
     assert dense_norm(mat) == dense_norm(mat, method="eigh")
     monkeypatch.setattr(norms, "_SVD_MAX_DIM", 50)
-    assert dense_norm(mat) == dense_norm(mat, method="gram") != dense_norm(mat, method="svd")
+    gram = dense_norm(mat, method="gram", gram_iters=norms._GRAM_AUTO_ITERS)
+    assert dense_norm(mat) == gram != dense_norm(mat, method="svd")
+
+
+def test_dense_norm_auto_uses_matrix_products_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator path (forced on the CPU) is Gram iteration at every size."""
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
+    gen = torch.Generator().manual_seed(7)
+    for shape in ((10, 300), (90, 70), (300, 300)):
+        mat = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        gram = dense_norm(mat, method="gram", gram_iters=norms._GRAM_AUTO_ITERS)
+        assert dense_norm(mat) == gram
+        exact = float(torch.linalg.svdvals(mat)[0])
+        assert exact <= gram <= exact * 1.002, (shape, gram / exact)
 
 
 def _adversarial(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
@@ -639,3 +652,27 @@ def test_cholesky_norm_over_blocks_of_rows(
     result = norms._cholesky_norm(mat)
     assert result is not None
     assert exact <= result[0] <= exact * 1.006
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_accelerator_certificate_is_certified_on_adversarial_matrices(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The matrix-products certificate (what "auto" runs off the CPU) never falls below the exact
+    norm, and stays within 0.3% of it on these spectra (all equal: exact through Hoelder)."""
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
+    for name, mat in _adversarial(dtype):
+        exact = exact_norm(mat)
+        bound = dense_norm(mat)
+        assert exact <= bound <= exact * 1.003, (name, bound / exact - 1)
+    with pytest.raises(ValueError, match="finite"):
+        dense_norm(torch.tensor([[1.0, float("nan")]], dtype=dtype))
+
+
+def test_gram_bounds_mark_non_finite_matrices_infinite_without_a_host_read() -> None:
+    mats = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mats[1, 2, 3] = float("inf")
+    mats[2, 0, 0] = float("nan")
+    bounds = norms._gram_bounds(mats, 6)
+    assert math.isinf(float(bounds[1])) and math.isinf(float(bounds[2]))
+    assert exact_norm(mats[0]) <= float(bounds[0]) <= exact_norm(mats[0]) * 1.001
