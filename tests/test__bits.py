@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clipless._bits import _NUMPY_FROM, same_bits
+from clipless._bits import _NUMPY_FROM, same_bits, same_bits_tensor
 
 SIZES = [7, _NUMPY_FROM + 3]  # the torch path and the NumPy path
 
@@ -56,3 +56,16 @@ def test_complex_and_conjugate_views(n: int) -> None:
     assert torch.equal(z, w) and not same_bits(z, w)  # bits, not values (review finding)
     assert not same_bits(z, z.conj())  # a lazy conjugate is compared by value
     assert same_bits(z.conj(), z.conj().resolve_conj())
+
+
+@pytest.mark.parametrize("n", [7, 2**15])
+def test_same_bits_tensor_agrees_with_same_bits(n: int) -> None:
+    a = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    b = a.clone()
+    assert bool(same_bits_tensor(a, b)) and same_bits(a, b)
+    b[n // 2] = -b[n // 2] if b[n // 2] != 0 else 1.0
+    assert not bool(same_bits_tensor(a, b)) and not same_bits(a, b)
+    nan = torch.full((3,), float("nan"))
+    assert bool(same_bits_tensor(nan, nan.clone()))  # the same NaN bits
+    assert not bool(same_bits_tensor(torch.zeros(3), -torch.zeros(3)))  # -0.0 differs
+    assert not bool(same_bits_tensor(a, a[:-1].clone()))  # shapes

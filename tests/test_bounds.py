@@ -18,7 +18,21 @@ from clipless import bounds, norms
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "clipless"
 
 
-@pytest.mark.parametrize("name", norms.__all__)
+# the names clipless.bounds has always re-exported (a frozen compatibility list: newer
+# certificate helpers, such as norms.norm_tensor, live in clipless.norms only)
+_REEXPORTED = (
+    "NUMERIC_MARGIN",
+    "PowerIterationResult",
+    "conv_multiplicity",
+    "conv_norm",
+    "conv_power_iteration",
+    "dense_norm",
+    "gram_iteration",
+    "power_iteration",
+)
+
+
+@pytest.mark.parametrize("name", _REEXPORTED)
 def test_norms_are_reexported(name: str) -> None:
     assert name in bounds.__all__
     assert getattr(bounds, name) is getattr(norms, name)

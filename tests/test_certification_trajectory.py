@@ -9,6 +9,8 @@ weight the next forward uses, whether it was certified exactly or carried
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -128,39 +130,51 @@ def test_forward_snapshot_reuses_the_certified_copy() -> None:
     opt.step()
     out = model(x[16:32])
     layers[1].weight.data.add_(1.0)
+    loss(out, y[16:32]).backward()
     with pytest.raises(clipless.optim.PrivacyContractError, match="changed between the forward"):
-        loss(out, y[16:32]).backward()
+        opt.step()
     snapshot = opt._snapshot(layers[0].weight)
     assert snapshot is layers[0].__dict__["_bound_cache"][0]
     assert torch.equal(snapshot, layers[0].weight.detach())
 
 
+def _set_tf32_products(on: bool) -> None:
+    """TF32 float32 products on CUDA, through the API the installed torch has."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9 (the legacy flag mixes APIs)
+        matmul.fp32_precision = "tf32" if on else "ieee"
+    else:
+        matmul.allow_tf32 = on
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_certification_and_steps_on_cuda() -> None:
-    """Off the CPU, ``auto`` certifies with eigh / Gram iteration on the device; a private step
-    keeps every tensor (noise included) on the device and its bounds certified."""
+    """Off the CPU, ``auto`` certifies by Gram iteration on the device; make_private switches
+    TF32 off (with a warning), a private step keeps every tensor (noise included) on the device
+    and its bounds certified, and TF32 switched on again afterwards is refused."""
     gen = torch.Generator().manual_seed(4)
     mat = torch.randn(200, 150, generator=gen).cuda()
     exact = _exact(mat.cpu())
     from clipless.norms import dense_norm
 
     assert exact <= dense_norm(mat) <= exact * 1.01
-    previous = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     try:
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 products: refused
+        _set_tf32_products(True)
+        with pytest.warns(RuntimeWarning, match="switched float32 to full precision"):
+            model, opt, loss, x, y = _private_on("cuda")
+        assert clipless.optim.reduced_float32_precision({"cuda"}) is None
+        layers = _steps(model, opt, loss, x, y)
+        _set_tf32_products(True)
         with pytest.raises(clipless.optim.PrivacyContractError, match="TF32"):
-            _train_on("cuda")
-        # cuDNN's TF32 (CUDA's default) concerns convolutions only: a dense model trains
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
-        layers = _train_on("cuda")
+            model(x[:32])
     finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = previous
+        clipless.optim.full_float32_precision()
     for layer in layers:
         assert layer.weight.device.type == "cuda"
         assert _exact(layer.weight.cpu()) <= layer.lipschitz() <= 1.0
 
 
-def _train_on(device: str) -> list[cnn.Linear]:
+def _private_on(device: str) -> tuple[Any, Any, Any, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = cnn.Sequential(
         cnn.InputNorm(1.0), cnn.Linear(20, 96), cnn.GroupSort(2), cnn.Linear(96, 3)
@@ -177,12 +191,20 @@ def _train_on(device: str) -> list[cnn.Linear]:
         noise_multiplier=1.0,
     )
     opt.data_loader = None  # own rows, on the device
+    return model, opt, loss, x, y
+
+
+def _steps(model: Any, opt: Any, loss: Any, x: torch.Tensor, y: torch.Tensor) -> list[cnn.Linear]:
     for step in range(3):
-        idx = torch.arange(32, device=device) + 32 * step
+        idx = torch.arange(32, device=x.device) + 32 * step
         opt.zero_grad()
         loss(model(x[idx]), y[idx]).backward()
         opt.step()
     return [m for m in model.modules() if isinstance(m, cnn.Linear)]
+
+
+def _train_on(device: str) -> list[cnn.Linear]:
+    return _steps(*_private_on(device))
 
 
 def test_train_on_cpu_helper() -> None:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import functional_call, grad, vmap
 
-from clipless import bounds, constraints
+from clipless import bounds, constraints, norms
 from clipless import nn as cnn
 from clipless.constraints import project, projection_state
 
@@ -185,7 +185,10 @@ def test_orthogonal_keeps_scale_below_c() -> None:
         project(layer, "orthogonal", 1.0)
     sv = torch.linalg.svdvals(layer.weight.detach().double())
     assert float(sv.min()) > 0.5 * 0.999
-    assert float(sv.max()) <= 0.5 * (1 + 1e-5)
+    # Björck scales back by a certified bound: the accelerator's Gram iteration is up to ~1e-4
+    # looser than the CPU's certificate before the weight is orthogonal, which the scale keeps
+    drift = 1e-3 if norms.ACCELERATOR_PATH_ON_CPU else 1e-5
+    assert float(sv.max()) <= 0.5 * (1 + drift)
 
 
 @pytest.mark.parametrize("kind", ["conv-zeros", "conv-strided", "conv-circular"])
@@ -575,15 +578,23 @@ def test_rejects_non_clipless_models_and_non_finite_weights() -> None:
         project(model)
 
 
+def test_power_iteration_steers_carried_bounds_only() -> None:
+    """Exact certification at every call (the default) runs no power iteration."""
+    layer = make_linear(6, 5, 3.0, 1)
+    project(layer, "clip", 1.0)
+    state = projection_state(layer)
+    assert state is not None and state.vector is None and state.lower_bound == 0.0
+
+
 def test_power_iteration_state_persists_and_spares_global_rng() -> None:
     for layer in (make_linear(6, 5, 3.0, 1), make_conv(2, 3, 3, 1, 1, "zeros", 5, 3.0, 1)):
         rng = torch.random.get_rng_state()
-        project(layer, "clip", 1.0)
+        project(layer, "clip", 1.0, certify_every=2)
         state = projection_state(layer)
         assert state is not None and state.vector is not None
         vector, snapshot = state.vector, state.vector.clone()
         _perturb(layer, 0.3, 5)
-        project(layer, "fix", 1.0)
+        project(layer, "fix", 1.0, certify_every=2)
         again = projection_state(layer)
         assert again is state and again.vector is vector  # same tensor object ...
         assert not torch.equal(vector, snapshot)  # ... updated in place

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
-from clipless import mechanism, nn
+from clipless import bounds, mechanism, nn
 from clipless.optim import PlanExhaustedError, PrivacyContractError
 from clipless.training import training_loss
 
@@ -115,8 +115,9 @@ def test_mean_reduced_loss_is_reported() -> None:
     _, m, o, _ = _private()
     x, y = _data().tensors[0][:32], _data().tensors[1][:32]
     o.zero_grad()
-    with pytest.warns(RuntimeWarning, match="mean-reduced"):
-        torch.nn.CrossEntropyLoss()(m(x), y).backward()
+    torch.nn.CrossEntropyLoss()(m(x), y).backward()
+    with pytest.warns(RuntimeWarning, match="mean-reduced"):  # read with the step's checks
+        o.step()
 
 
 def test_steps_past_the_plan_are_refused_and_extend_re_accounts() -> None:
@@ -191,8 +192,37 @@ def test_weights_changed_between_forward_and_backward_are_refused() -> None:
     x, y = _data().tensors[0][:20], _data().tensors[1][:20]
     out = m(x)
     m[3].weight.data.mul_(100.0)
+    o.loss(out, y).backward()  # compared on the device, refused before the noise
+    before = [p.detach().clone() for p in m.parameters()]
+    steps = o.ledger.steps
     with pytest.raises(PrivacyContractError, match="changed between the forward"):
-        o.loss(out, y).backward()
+        o.step()
+    assert o.ledger.steps == steps  # nothing recorded ...
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))  # or moved
+
+
+def test_a_weight_written_through_data_after_certification_refuses_the_step() -> None:
+    """The bound cache trusts a weight autograd saw unchanged and checks its bits on the device,
+    read with the step's checks: a write through .data (no version bump) is refused before the
+    noise, and the next forward certifies the new weight."""
+    _, m, o, _ = _private()
+    x, y = _data().tensors[0][:20], _data().tensors[1][:20]
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()  # seeds the bounds of the projected weights
+    m[3].weight.data.mul_(100.0)
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    steps, before = o.ledger.steps, [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(PrivacyContractError, match="'3' was changed without autograd seeing it"):
+        o.step()
+    assert o.ledger.steps == steps
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))
+    o.zero_grad()
+    o.loss(m(x), y).backward()
+    o.step()  # planned for the new weight
+    assert o.ledger.steps == steps + 1
+    assert m[3].lipschitz() == pytest.approx(bounds.dense_norm(m[3].weight), rel=1e-5)
 
 
 def test_noise_is_planned_at_the_weights_the_forward_used() -> None:
@@ -389,6 +419,30 @@ def test_reduced_float32_precision_is_refused(how: str) -> None:
     assert o.ledger.steps == 1
 
 
+def test_make_private_switches_reduced_float32_precision_off() -> None:
+    """A float32 model made private under bfloat16 products (TF32 on CUDA, CUDA's default for
+    convolutions) would have every step refused: make_private turns full float32 on itself, with
+    a warning; switched back on afterwards, the training forward refuses it as before."""
+    from clipless.optim import reduced_float32_precision
+
+    mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+    if mkldnn is None:
+        pytest.skip("torch < 2.9 has no torch.backends.mkldnn.matmul.fp32_precision")
+    try:
+        mkldnn.fp32_precision = "bf16"
+        with pytest.warns(RuntimeWarning, match="switched float32 to full precision"):
+            _, m, o, dl = _private()
+        assert reduced_float32_precision({"cpu"}) is None
+        x, y = next(iter(dl))
+        o.loss(m(x), y).backward()
+        o.step()
+        mkldnn.fp32_precision = "bf16"
+        with pytest.raises(PrivacyContractError, match=r"TF32 or bfloat16"):
+            m(x)
+    finally:
+        mkldnn.fp32_precision = "none"
+
+
 def test_opacus_names() -> None:
     with pytest.raises(TypeError, match="max_grad_norm: there is no per-sample gradient clipping"):
         _private(max_grad_norm=1.0)
@@ -583,8 +637,9 @@ def test_frozen_weights_changed_between_forward_and_backward_are_refused() -> No
     x, y = _data().tensors[0][:20], _data().tensors[1][:20]
     out = m(x)
     m[3].weight.data.mul_(100.0)
+    o.loss(out, y).backward()
     with pytest.raises(PrivacyContractError, match=r"'3\.weight' changed between the forward"):
-        o.loss(out, y).backward()
+        o.step()
 
 
 def test_trainable_parameters_outside_the_optimizer_are_refused() -> None:
@@ -897,13 +952,15 @@ def test_convolution_precision_concerns_convolutional_models_only() -> None:
         images = torch.utils.data.TensorDataset(
             torch.randn(64, 1, 4, 4), torch.randint(0, 2, (64,))
         )
-        model, _, loader = clipless.PrivacyEngine(seed=0).make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=torch.utils.data.DataLoader(images, batch_size=16),
-            loss=nn.CrossEntropyLoss(),
-            noise_multiplier=1.0,
-        )
+        with pytest.warns(RuntimeWarning, match="switched float32 to full precision"):
+            model, _, loader = clipless.PrivacyEngine(seed=0).make_private(
+                module=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=torch.utils.data.DataLoader(images, batch_size=16),
+                loss=nn.CrossEntropyLoss(),
+                noise_multiplier=1.0,
+            )
+        conv.fp32_precision = "tf32"  # switched on again after make_private: refused
         x, y = next(iter(loader))
         with pytest.raises(PrivacyContractError, match=r"mkldnn\.conv"):
             model(x)

@@ -46,3 +46,25 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if x.device.type == "cpu" and x.numel() >= _NUMPY_FROM:
         return bool(np.array_equal(x.numpy(), y.numpy()))
     return torch.equal(x, y)
+
+
+def same_bits_tensor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """:func:`same_bits` as a 0-dim boolean tensor on ``a``'s device, computed without a host
+    read, so that many comparisons leave an accelerator in one transfer."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return torch.zeros((), dtype=torch.bool, device=a.device)
+    plain = a.layout == torch.strided and not (
+        a.is_conj() or a.is_neg() or b.is_conj() or b.is_neg()
+    )
+    x, y = a.detach(), b.detach()
+    if not plain or x.is_quantized:
+        return torch.eq(x, y).all()
+    if x.is_complex():
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
+    as_int = _INT.get(x.dtype.itemsize)
+    if as_int is None:  # pragma: no cover - every real dtype has an integer of its size
+        return torch.eq(x, y).all()
+    x, y = x.view(as_int), y.view(as_int)
+    if x.device.type == "cpu" and x.numel() >= _NUMPY_FROM:  # no transfer to avoid on the CPU
+        return torch.tensor(bool(np.array_equal(x.numpy(), y.numpy())))
+    return torch.eq(x, y).all()

@@ -308,10 +308,10 @@ def _bjorck(weight: torch.Tensor, iters: int) -> None:
     if iters == 0:
         return
     mat = weight.detach().reshape(weight.shape[0], -1)
-    scale = norms.dense_norm(mat)
-    if scale == 0.0:
-        return
     work = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    # a tensor (no host read on an accelerator); a zero weight stays zero (scale 1 below)
+    scale = norms.norm_tensor(mat)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(work)
     x = mat.to(work) / scale
     tall = x.shape[0] >= x.shape[1]
     for _ in range(iters):
@@ -519,7 +519,8 @@ def _project_layer(
     m = _multiplicity(layer)
     if mode == "orthogonal":
         _bjorck(weight, bjorck_iters)
-    lower = _lower_bound(layer, state)
+    # the power iteration only steers carried bounds: without them it would be wasted work
+    lower = _lower_bound(layer, state) if certify_every > 1 else 0.0
     ub = _certified_bound(layer, state, mode, max_norm, m, lower, certify_every, tolerance)
     if ub > max_norm or (mode == "fix" and ub > 0.0):
         bound, scale = _rescale(layer, ub, max_norm, m)
@@ -538,6 +539,137 @@ def _project_layer(
             state.reference.copy_(weight.detach())
     else:
         state.reference = None
+    return bound
+
+
+# --------------------------------------------------------------------------------------------
+# The accelerator path: every layer certified and rescaled on its device, one host read
+# --------------------------------------------------------------------------------------------
+
+_ROUND_UP_T = 1.0 + 8.0 * _EPS64  # covers the few round-to-nearest tensor operations below
+
+
+def _fro_upper_t(t: torch.Tensor) -> torch.Tensor:
+    """:func:`_fro_upper` as a 0-dim tensor, branch-free: the entries are first scaled by the
+    power of two bringing the largest into ``[0.5, 1)`` (exact but for underflow, whose loss is
+    inside the ``sqrt(n) 2^-537`` allowance), as ``_fro_upper`` does outside ``[2^-400, 2^400]``."""
+    n = t.numel()
+    amax = t.abs().amax()
+    usable = torch.isfinite(amax) & (amax > 0)
+    _, e = torch.frexp(torch.where(usable, amax, torch.ones_like(amax)))
+    half = torch.div(e, 2, rounding_mode="floor")
+    one = torch.ones_like(amax)
+    scaled = t * torch.ldexp(one, -half) * torch.ldexp(one, half - e)
+    value = torch.linalg.vector_norm(scaled) * (1.0 + (n + 4) * _EPS64)
+    value = (value + math.sqrt(n) * 2.0**-537 * (1.0 + _EPS64)) * _ROUND_UP_T
+    value = torch.ldexp(value, e) + 2.0**-1074
+    value = torch.where(amax > 0, value, torch.zeros_like(value))
+    return torch.where(torch.isfinite(amax), value, torch.full_like(value, math.inf))
+
+
+def _rescale_t(
+    layer: _Layer, ub: torch.Tensor, max_norm: float, m: float, need: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_rescale` without host reads: ``(bound after, scale, verified)`` as tensors.
+
+    Two candidates, with 3/4 of the a-priori slack and with all of it (which verifies by the
+    module docstring's argument), each verified on the device by the same inequality; the first
+    that verifies is written where ``need`` holds. A layer that needs no rescale keeps its
+    weight bit for bit and its bound ``ub``; ``verified`` is false only where no candidate
+    verified (a non-finite weight or bound, or a scale beyond the dtype's range)."""
+    weight = layer.weight
+    w64 = weight.detach().to(torch.float64)  # exact
+    fro = _fro_upper_t(w64)
+    u, sub = _unit_roundoff(weight.dtype)
+    target = max_norm / (1.0 + 4.0 * NUMERIC_MARGIN)
+    apriori = m * ((u + 2.0 * _EPS64) * fro) * 1.01
+    free = max(target - m * math.sqrt(w64.numel()) * sub, 0.0)
+    chosen = None
+    for fraction in (0.75, 1.0):
+        scale = free / (ub + fraction * apriori)
+        scaled = w64 * scale  # s W, one float64 rounding per entry
+        candidate = scaled.to(weight.dtype)  # fl(s W) in the weight's dtype
+        resid = _fro_upper_t(scaled - candidate.to(torch.float64)) + _EPS64 * scale * fro
+        bound = (scale * ub + m * resid) * ((1.0 + NUMERIC_MARGIN) * _ROUND_UP_T)
+        ok = torch.isfinite(bound) & (bound <= max_norm) & (scale > 0)
+        if chosen is None:
+            chosen = (candidate, bound, scale, ok)
+            continue
+        first = chosen[3]
+        chosen = (
+            torch.where(first, chosen[0], candidate),
+            torch.where(first, chosen[1], bound),
+            torch.where(first, chosen[2], scale),
+            first | ok,
+        )
+    assert chosen is not None
+    candidate, bound, scale, ok = chosen
+    write = need & ok
+    weight.copy_(torch.where(write, candidate, weight.detach()))
+    one = torch.ones_like(scale)
+    return torch.where(need, bound, ub), torch.where(write, scale, one), ok | ~need
+
+
+def _project_on_device(
+    layers: list[tuple[str, _Layer]], mode: str, max_norm: float, bjorck_iters: int
+) -> dict[str, float]:
+    """:func:`project` with exact certification every call, computed on the weights' device
+    (the accelerator path of :func:`clipless.norms.matrix_products_only`): every layer's
+    certificate and rescale are tensors, and the bounds leave the device in one transfer."""
+    results = []
+    for _, layer in layers:
+        state = _state_for(layer)
+        state.calls += 1
+        if mode == "orthogonal":
+            _bjorck(layer.weight, bjorck_iters)
+        ub = layer.lipschitz_tensor()
+        need = (ub > max_norm) if mode != "fix" else (ub > 0)
+        need = need | ~torch.isfinite(ub)
+        bound, scale, verified = _rescale_t(layer, ub, max_norm, _multiplicity(layer), need)
+        results.append(torch.stack((ub, bound, scale, verified.to(torch.float64))))
+    values = _read(results)
+    out: dict[str, float] = {}
+    for (path, layer), row in zip(layers, values, strict=True):
+        out[path] = _settle(path, layer, row[0], row[1], row[3] > 0)
+    return out
+
+
+def _read(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """The values of ``tensors`` (1-D, float64) on the host: one transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    values: list[list[float]] = [[] for _ in tensors]
+    for indices in by_device.values():
+        rows = torch.stack([tensors[i] for i in indices]).tolist()
+        for i, row in zip(indices, rows, strict=True):
+            values[i] = row
+    return values
+
+
+def _settle(path: str, layer: _Layer, ub: float, bound: float, verified: bool) -> float:
+    """Record one layer's device projection on the host (or raise what :func:`_project_layer`
+    raises: a non-finite weight, a rescale beyond the dtype)."""
+    if not math.isfinite(ub):
+        raise ValueError(
+            f"the weight of layer {path or '<root>'!r} is not finite (NaN or inf); lower the "
+            "learning rate or check the inputs"
+        )
+    if not verified:  # pragma: no cover - the a-priori slack verifies unless the dtype overflows
+        raise ValueError(
+            f"rescaling the weight of layer {path or '<root>'!r} to a certified norm of at most "
+            f"the constraint overflows its dtype {layer.weight.dtype}; choose a smaller max_norm "
+            "or a wider dtype"
+        )
+    state = _state_for(layer)
+    state.calls_since_exact = 0
+    state.exact_certifications += 1
+    state.slack = 0.0
+    state.carried_waste = 1.0
+    state.upper_bound = bound
+    state.lower_bound = 0.0
+    state.reference = None
+    layer.seed_bound(bound)
     return bound
 
 
@@ -591,8 +723,11 @@ def project(
     cnn.validate(model)
     out: dict[str, float] = {}
     layers = _parametric_layers(model)
+    on_device = certify_every == 1 and all(norms.matrix_products_only(m.weight) for _, m in layers)
     with torch.no_grad():
-        for path, layer in layers:
+        if on_device:
+            out = _project_on_device(layers, mode, c, bjorck_iters)
+        for path, layer in [] if on_device else layers:
             out[path] = _project_layer(
                 path, layer, mode, c, certify_every, float(tolerance), bjorck_iters
             )

@@ -30,7 +30,7 @@ from clipless import accounting, bounds, constraints, mechanism, models
 from clipless.mechanism import PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.norms import all_finite
-from clipless.optim import DPOptimizer
+from clipless.optim import DPOptimizer, switch_to_full_float32
 
 __all__ = ["CheckpointMismatchError", "PrivacyEngine"]
 
@@ -321,6 +321,7 @@ class PrivacyEngine:
         # The initial weights are public; projecting them is free.
         if constraint is not None:
             constraints.project(module, mode=constraint, max_norm=max_norm)  # type: ignore[arg-type]
+        _prepare_precision(module)
         device = noised[0].device
         generator = torch.Generator(device=device)
         generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
@@ -774,6 +775,21 @@ def _run_id(seed: int | None) -> str:
     if seed is None:
         return secrets.token_hex(16)
     return hashlib.sha256(f"clipless run {seed}".encode()).hexdigest()[:32]
+
+
+def _prepare_precision(module: torch.nn.Module) -> None:
+    """Float32 computed in float32: CUDA's default TF32 convolutions (and TF32 / bfloat16
+    products where enabled) round beyond the noise's float32 margin, and the optimizer would
+    refuse every step. Switched off here, process-wide, with a warning that says so."""
+    setting = switch_to_full_float32(module)
+    if setting is not None:
+        warnings.warn(
+            f"make_private switched float32 to full precision for this process ({setting} "
+            "rounds float32 products to TF32 or bfloat16, beyond the rounding margin the noise "
+            "covers): clipless.optim.full_float32_precision() was called",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _warn_large_delta(delta: object, n: int, name: str) -> None:

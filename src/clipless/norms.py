@@ -38,6 +38,8 @@ __all__ = [
     "conv_power_iteration",
     "dense_norm",
     "gram_iteration",
+    "matrix_products_only",
+    "norm_tensor",
     "power_iteration",
 ]
 
@@ -166,8 +168,8 @@ def gram_iteration(mats: torch.Tensor, iters: int) -> torch.Tensor:
     tends to 1 doubly exponentially. To avoid overflow every iterate is divided by its Frobenius
     norm ``c_t`` and the scales are carried as ``prod_t c_t^(2^-t)``. An iterate's spectral
     norm is bounded by ``min(||H||_F, sqrt(||H||_1 ||H||_inf))`` (Hoelder; the second is exact for
-    diagonal iterates, i.e. orthogonal ``W``). Every step ``t <= iters`` gives such a bound and
-    the result is their minimum (rounding usually makes the last the best, not always).
+    diagonal iterates, i.e. orthogonal ``W``); the result is the smaller of that bound and the
+    previous step's Frobenius bound (rounding can make the last step's the worse, rarely).
     Rounding of the products is covered by :func:`_gram_rounding_factor` (its factor bounds the
     accumulated error after any number of steps); the final norms, ``log`` and ``exp`` (scales
     carried in the log domain) add a relative error of at most a few hundred ``u``, inside
@@ -216,18 +218,19 @@ def _gram_bounds(mats: torch.Tensor, iters: int) -> torch.Tensor:
     # Put the smaller dimension last once, so every Gram matrix is min(m, n) square.
     if rows < cols:
         h = h.mH
+    # After step t, log_scale is the bound from ||G_t||_F (the Frobenius norm c_t divides the
+    # iterate); the last iterate's Hoelder / Frobenius bound usually improves on it, but with
+    # rounding not always: the result is the smaller of the two.
     best = torch.full_like(log_scale, math.inf)
-    for t in range(iters + 1):
-        last = _hoelder_fro(h)
-        # log(0) = -inf gives a zero bound for a zero matrix, the exact norm
-        best = torch.minimum(best, log_scale + torch.log(last) * (2.0**-t))
-        if t == iters:
-            break
+    for t in range(iters):
         c = torch.linalg.vector_norm(h, dim=(-2, -1))
         c = torch.where(c > 0, c, torch.ones_like(c))
         log_scale = log_scale + torch.log(c) * (2.0**-t)
         h = h / c[..., None, None]
         h = h.mH @ h
+        best = log_scale
+    # log(0) = -inf gives a zero bound for a zero matrix, the exact norm
+    best = torch.minimum(best, log_scale + torch.log(_hoelder_fro(h)) * (2.0**-iters))
     bound = torch.exp(best) * factor
     # a subnormal result has lost relative precision: the smallest normal number bounds it
     bound = torch.where(bound > 0, bound.clamp_min(_TINY), torch.zeros_like(bound))
@@ -1288,6 +1291,103 @@ def conv_norm(
         if method == "fft":
             return fft
         return min(fft, _conv_norm_frobenius(weight, st, pd, padding_mode, size))
+
+
+# --------------------------------------------------------------------------------------------
+# Certificates as device tensors (no host read on an accelerator)
+# --------------------------------------------------------------------------------------------
+
+
+def _inflated(t: torch.Tensor) -> torch.Tensor:
+    """``t (1 + NUMERIC_MARGIN)`` as a tensor; the extra ``4u`` covers the product's rounding."""
+    return t * ((1.0 + NUMERIC_MARGIN) * (1.0 + 4.0 * UNIT_ROUNDOFF))
+
+
+def _as_tensor(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64, device=like.device)
+
+
+def _conv_fft_tensor(
+    weight: torch.Tensor,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    circular: bool,
+    input_size: tuple[int, int],
+) -> torch.Tensor:
+    """:func:`_conv_norm_fft` on the accelerator path, as a tensor (no host read)."""
+    kh, kw = weight.shape[-2:]
+    bounds = []
+    for dims in itertools.product(
+        _polyphase_candidates(input_size[0], kh, stride[0], padding[0], circular),
+        _polyphase_candidates(input_size[1], kw, stride[1], padding[1], circular),
+    ):
+        copies = dims[0].duplication * dims[1].duplication * dims[0].copies * dims[1].copies
+        mats = _polyphase_symbol(weight, dims, (dims[0].decimation, dims[1].decimation))
+        rows, cols = int(mats.shape[-2]), int(mats.shape[-1])
+        top = _gram_bounds(mats.reshape(-1, rows, cols), _GRAM_CONV_ITERS).max()
+        bounds.append(_inflated(top * _certified.sqrt(copies)))
+    return torch.stack(bounds).min()
+
+
+def _conv_tensor(
+    weight: torch.Tensor,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    padding_mode: str,
+    size: tuple[int, int] | None,
+) -> torch.Tensor:
+    """``conv_norm(..., method="auto")`` on the accelerator path, as a tensor."""
+    kh, kw = (int(weight.shape[-2]), int(weight.shape[-1]))
+    k_eff = conv_multiplicity((kh, kw), stride, padding, padding_mode, size)
+    mat = weight.detach().reshape(weight.shape[0], -1)
+    frob = _inflated(_gram_bounds(mat, _GRAM_AUTO_ITERS) * _certified.sqrt(k_eff))
+    if size is None:
+        return frob
+    if _small(weight, stride, padding, size):
+        c_in = int(weight.shape[1])
+        d_in = c_in * size[0] * size[1]
+        basis = torch.eye(d_in, dtype=torch.float64, device=weight.device)
+        out = _conv_apply(
+            basis.reshape(d_in, c_in, *size),
+            weight.to(torch.float64),
+            stride,
+            padding,
+            padding_mode,
+        )
+        return _gram_bounds(out.reshape(d_in, -1), _GRAM_AUTO_ITERS)
+    fft = _conv_fft_tensor(weight, stride, padding, padding_mode == "circular", size)
+    return torch.minimum(fft, frob)
+
+
+def norm_tensor(
+    weight: torch.Tensor,
+    *,
+    stride: int | tuple[int, int] = 1,
+    padding: int | tuple[int, int] = 0,
+    padding_mode: str = "zeros",
+    input_size: int | tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """The certified bound of ``"auto"`` as a 0-dim float64 tensor on ``weight``'s device.
+
+    A 2-D ``weight``: :func:`dense_norm`; a 4-D one: :func:`conv_norm` with the geometry given.
+    On an accelerator (:func:`matrix_products_only`) it is computed there without a host read
+    (``inf`` for a non-finite weight), so that many layers' bounds leave the device in one
+    transfer; on the CPU it is the float the functions above return.
+    """
+    with torch.no_grad():
+        w = weight.detach()
+        if w.dim() == 2:
+            if not matrix_products_only(w):
+                return _as_tensor(dense_norm(w), w)
+            return _gram_bounds(w, _GRAM_AUTO_ITERS)
+        st, pd = _as_pair(stride, "stride"), _as_pair(padding, "padding")
+        size = None if input_size is None else _as_pair(input_size, "input_size")
+        _check_conv_args((int(w.shape[-2]), int(w.shape[-1])), st, pd, padding_mode, size)
+        if not matrix_products_only(w) or w.numel() == 0:
+            value = conv_norm(w, stride=st, padding=pd, padding_mode=padding_mode, input_size=size)
+            return _as_tensor(value, w)
+        bound = _conv_tensor(w, st, pd, padding_mode, size)
+        return torch.where(torch.isfinite(bound), bound, torch.full_like(bound, math.inf))
 
 
 # --------------------------------------------------------------------------------------------

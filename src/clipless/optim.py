@@ -84,9 +84,10 @@ import torch.nn.modules.module as _module_hooks
 
 from clipless import _workspace, accounting, bounds, constraints, mechanism
 from clipless import nn as _cnn
-from clipless._bits import same_bits
+from clipless._bits import same_bits_tensor
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
+from clipless.nn._base import deferred_weight_checks
 from clipless.nn._functional import _wrapped
 from clipless.nn.input import releases_in
 from clipless.nn.validate import _HOOK_KINDS, foreign_hooks
@@ -208,24 +209,30 @@ class _OutputMark(torch.autograd.Function):
 
 
 def _enforce_bound(grad: torch.Tensor, bound: float, owner: DPOptimizer) -> torch.Tensor:
-    """Zero non-finite rows, clip every row to norm ``bound`` (float64 norms, safe radius)."""
+    """Zero non-finite rows, clip every row to norm ``bound`` (float64 norms, safe radius).
+
+    Whether every row is at most ``L / B`` (a mean-reduced loss) is kept as a tensor, read with
+    the step's other checks (:meth:`DPOptimizer._read_checks`): no host read here."""
     if grad.shape[0] == 0:
         return grad
     clipped, norms = _clip_rows(grad, bound)
-    largest = float(norms.max())
-    owner._last_cotangent_norm = largest
     rows = grad.shape[0] // max(1, owner._multiplicity)
-    if not owner._mean_warning_given and rows >= 8 and 0.0 < largest <= bound / rows * (1.0 + 1e-6):
-        owner._mean_warning_given = True
-        warnings.warn(
-            f"every sample's loss gradient at the model output has norm <= L/B = {bound:.4g}/"
-            f"{rows} (largest {largest:.3g}): the loss looks mean-reduced. Its gradients are "
-            "B times too small for the noise, which is calibrated to one sample's summed loss; "
-            "use reduction='sum' (make_private sets it on the loss it is given)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    if not owner._mean_warning_given and rows >= 8:
+        largest = norms.max()
+        owner._warnings.append((largest, bound, rows))
     return clipped
+
+
+def _mean_warning(largest: float, bound: float, rows: int) -> str | None:
+    """The mean-reduced-loss warning, when every row's cotangent was at most ``L / B``."""
+    if not 0.0 < largest <= bound / rows * (1.0 + 1e-6):
+        return None
+    return (
+        f"every sample's loss gradient at the model output has norm <= L/B = {bound:.4g}/"
+        f"{rows} (largest {largest:.3g}): the loss looks mean-reduced. Its gradients are "
+        "B times too small for the noise, which is calibrated to one sample's summed loss; "
+        "use reduction='sum' (make_private sets it on the loss it is given)"
+    )
 
 
 def _clip_rows(grad: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,6 +363,21 @@ def full_float32_precision() -> None:
     backends.cudnn.allow_tf32 = False
     backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
+
+
+def switch_to_full_float32(module: torch.nn.Module) -> str | None:
+    """Call :func:`full_float32_precision` if a float32 ``module`` would otherwise round below
+    float32 on its devices (TF32 / bfloat16 products, :func:`reduced_float32_precision`): returns
+    the setting that was switched off, or ``None`` when nothing needed to change."""
+    params = list(module.parameters())
+    if not params or any(p.dtype != torch.float32 for p in params):
+        return None
+    devices = {p.device.type for p in params}
+    convolutions = any(not isinstance(m, _DENSE_LAYERS) for m in module.modules())
+    setting = reduced_float32_precision(devices, convolutions)
+    if setting is not None:
+        full_float32_precision()
+    return setting
 
 
 class _Hook:
@@ -576,7 +598,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._released: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self._current: _Pass | None = None
         self._mean_warning_given = False
-        self._last_cotangent_norm = 0.0
+        # Checks whose verdict is a device tensor, read together once per step before anything
+        # is released (_read_checks): (flags, what a false flag means, the layers behind them)
+        self._checks: list[tuple[torch.Tensor, list[str], list[ParametricLipschitzModule]]] = []
+        self._warnings: list[tuple[torch.Tensor, float, int]] = []
         self._weight_owner: dict[torch.nn.Parameter, ParametricLipschitzModule] = {}
         for layer in module.modules():
             weight = layer._parameters.get("weight")
@@ -794,7 +819,16 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"{k} (every sample occupies {k} consecutive rows)"
             )
         self._check_rows(int(x.shape[0]), k)
-        plan = self.current_plan(k)
+        with deferred_weight_checks() as memos:
+            plan = self.current_plan(k)
+        if memos:
+            self._checks.append(
+                (
+                    torch.stack([flag for _, flag in memos]),
+                    [_STALE_BOUND.format(self._layer_name(layer)) for layer, _ in memos],
+                    [layer for layer, _ in memos],
+                )
+            )
         self._apply(plan)
         params = tuple(self._watched)
         self._stack[-1] = _Pass(
@@ -1054,12 +1088,17 @@ class DPOptimizer(torch.optim.Optimizer):
             )
 
     def _on_backward(self, record: _Pass) -> None:
-        for p, w in zip(record.params, record.weights, strict=True):
-            if not same_bits(p.detach(), w):
-                raise PrivacyContractError(
-                    f"parameter {self._watched[p]!r} changed between the forward and the backward "
-                    "pass: the noise was planned for the weights the forward used"
+        # compared on the device now, refused by step() before anything is released
+        pairs = zip(record.params, record.weights, strict=True)
+        flags = [same_bits_tensor(p.detach(), w) for p, w in pairs]
+        if flags:
+            self._checks.append(
+                (
+                    torch.stack(flags),
+                    [_CHANGED_SINCE_FORWARD.format(self._watched[p]) for p in record.params],
+                    [],
                 )
+            )
         record.backwards += 1
         self._pending.append(record)
         self._in_backward(tainted=None)
@@ -1113,21 +1152,54 @@ class DPOptimizer(torch.optim.Optimizer):
             self._refusal[p] = "it already held a gradient from another backward pass"
 
     def _check_fingerprints(self) -> None:
-        """Refuse a gradient changed in place without bumping its version counter (``.data``,
-        a NumPy view): its float64 norm must be bitwise the one recorded at accumulation."""
+        """Queue the check that no gradient was changed in place without bumping its version
+        counter (``.data``, a NumPy view): its float64 norm must be bitwise the one recorded at
+        accumulation (read with the step's other checks)."""
         params = [p for p in self._fingerprints if p.grad is not None]
         if not params:
             return
         before = torch.stack([self._fingerprints[p] for p in params])
         now = torch.stack([_fingerprint(p.grad) for p in params])  # type: ignore[arg-type]
-        if torch.equal(before, now):
-            return
-        changed = [self._names[p] for p, a, b in zip(params, before, now, strict=True) if a != b]
-        raise PrivacyContractError(
-            f"the gradient of {changed[0]!r} was changed after the backward pass without autograd "
-            "seeing it (a write through .data or a NumPy view): the noise was calibrated for the "
-            "gradient the guarded backward pass accumulated"
+        self._checks.append(
+            (
+                torch.eq(before, now),
+                [_CHANGED_AFTER_BACKWARD.format(self._names[p]) for p in params],
+                [],
+            )
         )
+
+    def _read_checks(self) -> None:
+        """Read every queued verdict in one transfer (the step's one host read before the
+        noise) and refuse the step at the first false one, in the order the checks were made.
+        A layer whose memoised bound proved stale forgets it (the next forward recertifies)."""
+        checks, self._checks = self._checks, []
+        warnings_, self._warnings = self._warnings, []
+        tensors = [flags.to(torch.float64).reshape(-1) for flags, _, _ in checks]
+        tensors += [largest.to(torch.float64).reshape(1) for largest, _, _ in warnings_]
+        if not tensors:
+            return
+        values = torch.cat([t.to(tensors[0].device) for t in tensors]).tolist()
+        flat = iter(values)
+        failures = []
+        for flags, reasons, layers in checks:
+            for i, reason in enumerate(reasons[: flags.numel()]):
+                if next(flat) == 0.0:
+                    failures.append(reason)
+                    if layers:
+                        layers[i].forget_bound()
+        for _, bound, rows in warnings_:
+            message = _mean_warning(next(flat), bound, rows)
+            if message is not None and not self._mean_warning_given:
+                self._mean_warning_given = True
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+        if failures:
+            raise PrivacyContractError(failures[0])
+
+    def _layer_name(self, layer: ParametricLipschitzModule) -> str:
+        for name, module in self.module.named_modules():
+            if module is layer:
+                return name or "<root>"
+        return type(layer).__name__
 
     def _before_inner_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._stepping:
@@ -1269,6 +1341,7 @@ class DPOptimizer(torch.optim.Optimizer):
                         )
                     )
             self._check_fingerprints()
+            self._read_checks()
             return pending[0].plan
         for p, name in self._names.items():
             grad = p.grad
@@ -1279,6 +1352,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     f"parameter {name!r} has a gradient that did not come through a training-mode "
                     "forward and backward pass of the private model since the last step"
                 )
+        self._checks, self._warnings = [], []  # of forwards never backpropagated
         return self.current_plan(self._multiplicity)  # no gradient: an empty batch
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -1325,6 +1399,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._fingerprints = {}
             self._incoming = {}
             self._refusal = {}
+            self._checks, self._warnings = [], []
         self._stepping = True
         try:
             self.original_optimizer.step()
@@ -1369,6 +1444,23 @@ class DPOptimizer(torch.optim.Optimizer):
             f"noise_multiplier={c.noise_multiplier}, sample_rate={c.sample_rate}, "
             f"scaling={c.scaling!r}, constraint={c.constraint!r}, max_norm={c.max_norm})"
         )
+
+
+_STALE_BOUND = (
+    "the weight of layer {!r} was changed without autograd seeing it (a write through .data or "
+    "a NumPy view) after its certified bound was computed: this step's noise was planned for the "
+    "old weight, so the step is refused (the next forward certifies the new weight); change "
+    "weights in place under torch.no_grad() instead"
+)
+_CHANGED_SINCE_FORWARD = (
+    "parameter {!r} changed between the forward and the backward pass: the noise was planned "
+    "for the weights the forward used"
+)
+_CHANGED_AFTER_BACKWARD = (
+    "the gradient of {!r} was changed after the backward pass without autograd seeing it (a "
+    "write through .data or a NumPy view): the noise was calibrated for the gradient the "
+    "guarded backward pass accumulated"
+)
 
 
 def _real(value: object) -> bool:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 import torch
 
 from clipless import _certified
-from clipless._bits import same_bits
+from clipless._bits import same_bits, same_bits_tensor
 
 __all__ = [
     "LipschitzModule",
@@ -110,6 +110,12 @@ class ParametricLipschitzModule(LipschitzModule):
         param = getattr(self, "weight")  # noqa: B009
         self.__dict__.pop("_bound_cache", None)  # freed before the copy: no second copy at once
         self.__dict__["_bound_cache"] = (param.detach().clone(), self._bound_key(), float(value))
+        self.__dict__["_bound_stamp"] = _stamp(param)
+
+    def forget_bound(self) -> None:
+        """Drop the memoised bound: the next :meth:`lipschitz` certifies the weight again."""
+        self.__dict__.pop("_bound_cache", None)
+        self.__dict__.pop("_bound_stamp", None)
 
     @contextlib.contextmanager
     def unmemoised(self) -> Iterator[None]:
@@ -174,6 +180,10 @@ class ParametricLipschitzModule(LipschitzModule):
         cached = self.__dict__.get("_bound_cache")
         if cached is not None:
             w_ref, key_ref, value = cached
+            checks = _DEFERRED[-1] if _DEFERRED else None
+            if key_ref == key and checks is not None and self._stamped(param):
+                checks.append((self, same_bits_tensor(w_ref, weight)))
+                return float(value)
             if key_ref == key and same_bits(w_ref, weight):
                 return float(value)
         value = float(compute())
@@ -181,7 +191,49 @@ class ParametricLipschitzModule(LipschitzModule):
             return value  # the caller records the bound of the weight it keeps (seed_bound)
         self.__dict__.pop("_bound_cache", None)  # freed before the copy: no second copy at once
         self.__dict__["_bound_cache"] = (weight.clone(), key, value)
+        self.__dict__["_bound_stamp"] = _stamp(param)
         return value
+
+    def _stamped(self, param: torch.Tensor) -> bool:
+        """Has autograd seen no write into ``param`` since its bound was memoised?"""
+        stamp = self.__dict__.get("_bound_stamp")
+        return stamp is not None and stamp[1:] == _stamp(param)[1:]
+
+
+def _stamp(param: torch.Tensor) -> tuple[object, int, int, int]:
+    """What identifies a weight's values as far as autograd knows: its storage (held, so that
+    its address cannot be reused by a new storage after ``.data`` or ``.to()`` replaced it),
+    address, offset and version counter (writes through ``.data`` or a NumPy view do not bump
+    the counter: the deferred bitwise check catches those)."""
+    return (
+        param.untyped_storage(),
+        param.data_ptr(),
+        int(param.storage_offset()),
+        param._version,
+    )
+
+
+# the lists of (layer, bitwise-equal flag) that deferred_weight_checks() collects
+_DEFERRED: list[list[tuple[ParametricLipschitzModule, torch.Tensor]]] = []
+
+
+@contextlib.contextmanager
+def deferred_weight_checks() -> Iterator[list[tuple[ParametricLipschitzModule, torch.Tensor]]]:
+    """Inside, a memoised bound whose weight autograd has seen unchanged is returned at once, and
+    the bitwise comparison that proves it still valid is appended to the yielded list as a
+    0-dim boolean tensor computed on the weight's device, without a host read.
+
+    For :class:`clipless.optim.DPOptimizer`, which plans a step from these bounds and reads every
+    such flag, with its other checks, in one transfer before anything is released; a false flag
+    (a weight changed through ``.data`` or a NumPy view) refuses the step. A weight whose
+    version counter moved is compared at once, as outside this context.
+    """
+    checks: list[tuple[ParametricLipschitzModule, torch.Tensor]] = []
+    _DEFERRED.append(checks)
+    try:
+        yield checks
+    finally:
+        _DEFERRED.pop()
 
 
 def _digest(t: torch.Tensor) -> str:

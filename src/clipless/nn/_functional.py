@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from clipless._certified import NUMERIC_MARGIN, inflate
 from clipless.nn._checks import safe_radius
+from clipless.norms import matrix_products_only
 
 __all__ = [
     "NUMERIC_MARGIN",
@@ -99,6 +100,8 @@ def _norms_and_upper(x: torch.Tensor, differentiable: bool) -> tuple[torch.Tenso
     if flat.dtype not in (torch.float32, torch.float64):
         flat = flat.float()
     numel = int(flat.shape[1])
+    if flat.dtype == torch.float32 and matrix_products_only(flat):
+        return _scaled_norms_and_upper(flat)
     norms = torch.linalg.vector_norm(flat, dim=1)
     sq = _sq_norm_upper(norms.double().square(), numel, flat.dtype)
     if flat.dtype == torch.float32:
@@ -111,6 +114,25 @@ def _norms_and_upper(x: torch.Tensor, differentiable: bool) -> tuple[torch.Tenso
             wide = torch.linalg.vector_norm(flat.double(), dim=1).square()
             sq = torch.where(bad, _sq_norm_upper(wide, numel, torch.float64), sq)
     return norms, torch.sqrt(sq) * (1.0 + 2.0**-50)  # the float64 sqrt and this product round
+
+
+def _scaled_norms_and_upper(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_norms_and_upper` of float32 rows without a data-dependent branch (no host read on
+    an accelerator): each row is first scaled by the power of two ``2^-e`` bringing its largest
+    entry into ``[0.5, 1)``, so no square overflows. The scaling is exact except for entries
+    that fall below float32's normal range, each moved by at most ``2^-150``: the row's scaled
+    norm by at most ``sqrt(numel) 2^-150`` (triangle inequality), added before scaling back by
+    the exact ``2^e`` in float64."""
+    numel = int(flat.shape[1])
+    amax = flat.detach().abs().amax(dim=1)
+    usable = torch.isfinite(amax) & (amax > 0)
+    _, e = torch.frexp(torch.where(usable, amax, torch.ones_like(amax)))
+    scaled = flat * torch.ldexp(torch.ones_like(amax), -e)[:, None]
+    norms = torch.linalg.vector_norm(scaled, dim=1)
+    upper = torch.sqrt(_sq_norm_upper(norms.double().square(), numel, torch.float32))
+    upper = (upper * (1.0 + 2.0**-50) + math.sqrt(numel) * 2.0**-150) * (1.0 + 2.0**-50)
+    back = torch.ldexp(torch.ones_like(upper), e.to(torch.float64))  # exact in float64
+    return norms * back.to(norms.dtype), upper * back
 
 
 def sample_norms_upper(x: torch.Tensor, *, differentiable: bool = False) -> torch.Tensor:
@@ -150,7 +172,8 @@ def project_norm(x: torch.Tensor, max_norm: float, mode: str) -> torch.Tensor:
         raise ValueError("InputNorm expects an input of shape [batch, ...]")
     computed, norms = _norms_and_upper(x, differentiable=True)
     finite = torch.isfinite(norms)
-    if _wrapped(x) or not bool(finite.all()):  # branch-free inside torch.func transforms
+    # branch-free inside torch.func transforms and on accelerators (no host read)
+    if _wrapped(x) or matrix_products_only(x) or not bool(finite.all()):
         x = torch.where(_broadcast(finite, x).bool(), x, torch.zeros((), dtype=x.dtype))
         computed = torch.where(finite, computed, torch.zeros_like(computed))
         norms = torch.where(finite, norms, torch.ones_like(norms))

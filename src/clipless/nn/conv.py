@@ -235,6 +235,18 @@ class Conv2d(ParametricLipschitzModule):
             ),
         )
 
+    def lipschitz_tensor(self) -> torch.Tensor:
+        """:meth:`lipschitz` at the recorded input size as a 0-dim float64 tensor on the weight's
+        device, not memoised (:func:`clipless.norms.norm_tensor`: no host read on an
+        accelerator)."""
+        return norms.norm_tensor(
+            self.weight,
+            stride=self.stride,
+            padding=self.padding,
+            padding_mode=self.padding_mode,
+            input_size=self._size(None),
+        )
+
     def output_bound(self, input_bound: float) -> float:
         """``Lip X + sqrt(P) ||b||`` (the bias adds ``b_o`` at each of the ``P`` positions).
 

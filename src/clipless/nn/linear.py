@@ -83,6 +83,11 @@ class Linear(ParametricLipschitzModule):
         """Certified ``||W||_2`` (:func:`clipless.norms.dense_norm`; thesis eq. 5.2.3)."""
         return self._cached_bound(None, lambda: norms.dense_norm(self.weight.detach()))
 
+    def lipschitz_tensor(self) -> torch.Tensor:
+        """A certified ``||W||_2`` of the current weight as a 0-dim float64 tensor on its device,
+        not memoised (:func:`clipless.norms.norm_tensor`: no host read on an accelerator)."""
+        return norms.norm_tensor(self.weight)
+
     def output_bound(self, input_bound: float) -> float:
         """``||W||_2 X + ||b||_2`` (triangle inequality), rounded up."""
         x_bound = _checks.as_bound("input_bound", input_bound)

@@ -148,8 +148,10 @@ def _class_indices(input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             f"{tuple(target.shape)} ({target.dtype})"
         )
     num_classes = input.shape[1]
-    if _checkable(target) and (int(target.min()) < 0 or int(target.max()) >= num_classes):
-        raise ValueError(f"target class indices must lie in [0, {num_classes})")
+    if _checkable(target):
+        low, high = torch.stack(torch.aminmax(target)).tolist()  # one host read
+        if low < 0 or high >= num_classes:
+            raise ValueError(f"target class indices must lie in [0, {num_classes})")
     return target.long()
 
 

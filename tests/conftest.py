@@ -1,0 +1,27 @@
+"""Suite-wide options.
+
+``CLIPLESS_TEST_ACCELERATOR_PATH=1`` runs the tests with the certificates and projections an
+accelerator runs (:data:`clipless.norms.ACCELERATOR_PATH_ON_CPU`: matrix products only, one host
+read per projection), so that the CPU-only CI also checks the path a GPU takes (``make test``
+re-runs the certification, projection and contract tests this way).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from clipless import norms
+
+
+@pytest.fixture(autouse=True)
+def _accelerator_path() -> Iterator[None]:
+    forced = os.environ.get("CLIPLESS_TEST_ACCELERATOR_PATH") == "1"
+    previous = norms.ACCELERATOR_PATH_ON_CPU
+    norms.ACCELERATOR_PATH_ON_CPU = forced or previous
+    try:
+        yield
+    finally:
+        norms.ACCELERATOR_PATH_ON_CPU = previous

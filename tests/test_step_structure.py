@@ -1,0 +1,84 @@
+"""What a steady-state private step runs on the accelerator path (issue 34), checked on the CPU.
+
+With :data:`clipless.norms.ACCELERATOR_PATH_ON_CPU` the CPU runs what a GPU runs. A CPU
+profile then shows every operator and every value read on the host (a synchronisation on a
+GPU): the step must call no LAPACK decomposition, and read the host three times: the loss's
+label check, the step's contract checks (one transfer before the noise) and the projected
+weights' certified bounds (one transfer). Counted, not timed.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import clipless
+from clipless import models, norms
+from clipless import nn as cnn
+
+DECOMPOSITIONS = ("eig", "svd", "cholesky", "matrix_norm", "linalg_qr", "linalg_solve", "lstsq")
+
+
+def _private(model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[Any, Any, Any, Any]:
+    x = torch.rand(64, *shape, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
+    loss = cnn.CrossEntropyLoss()
+    m, o, _ = clipless.PrivacyEngine(seed=0).make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, y), batch_size=16
+        ),
+        loss=loss,
+        noise_multiplier=1.0,
+        constraint="clip",
+    )
+    o.data_loader = None
+    return m, o, loss, (x[:16], y[:16])
+
+
+def _step(m: Any, o: Any, loss: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    o.zero_grad()
+    loss(m(batch[0]), batch[1]).backward()
+    o.step()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["mlp", "convnet"],
+)
+def test_a_steady_step_on_the_accelerator_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
+    torch.manual_seed(0)
+    if name == "mlp":
+        shape: tuple[int, ...] = (1, 8, 8)
+        model = models.mlp(shape, (48, 48), 10, input_norm=1.0, bias=False)
+    else:
+        shape = (1, 8, 8)
+        model = models.convnet(shape, (4, 8), 10, input_norm=1.0, pool="l2", bias=False)
+    m, o, loss, batch = _private(model, shape)
+    for _ in range(2):
+        _step(m, o, loss, batch)
+    tolist = collections.Counter[str]()
+    original = torch.Tensor.tolist
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        tolist["calls"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _step(m, o, loss, batch)
+    ops = collections.Counter(e.name for e in prof.events())
+    reads = ops["aten::_local_scalar_dense"] + ops["aten::equal"] + tolist["calls"]
+    assert reads == 3, (ops["aten::_local_scalar_dense"], ops["aten::equal"], tolist["calls"])
+    assert not [k for k in ops if any(d in k for d in DECOMPOSITIONS)]
+    # and the bounds it planned with are certified
+    for layer in m.modules():
+        if isinstance(layer, cnn.Linear):
+            exact = float(torch.linalg.matrix_norm(layer.weight.detach().double(), ord=2))
+            assert exact <= layer.lipschitz() <= 1.0
