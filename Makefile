@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow lint typecheck format demo data bench bench-speed clean
+.PHONY: test test-slow lint typecheck format demo data bench bench-speed bench-gpu gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,18 @@ demo: $(STAMP)
 # through the bench extra); a few minutes on two cores. Results: benchmarks/out/speed.json.
 bench-speed: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/speed.py
+
+# On a CUDA machine: the CUDA tests and benchmarks/gpu_speed.py in one command (issue 34; within
+# 5 minutes). A bare GPU image lacks a few packages: `make gpu-wheels` (here, with PyPI) puts
+# them in .whl/ for Python 3.12, and the script installs them there.
+bench-gpu:
+	bash benchmarks/gpu/run.sh
+
+GPU_WHEELS ?= dp-accounting==0.6.0 dm-tree==0.1.10 opacus==1.6.0 kymatio==0.3.0
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -154,6 +154,7 @@ def make_runner(
     dataset_batches: int = 16,
     max_grad_sample_gib: float = math.inf,
     certify_every: int = 10,
+    device: str | torch.device = "cpu",
 ) -> Runner:
     """Build ``config`` for ``model_name``; every configuration starts from the same weights.
 
@@ -166,6 +167,8 @@ def make_runner(
     # A dataset of `dataset_batches` copies of the batch: only its size matters (q = B / N).
     x_all = xb.repeat(dataset_batches, 1, 1, 1)
     y_all = yb.repeat(dataset_batches)
+    cmodel.to(device)  # the loaders' copies stay on the CPU: they only tell N and B
+    xb, yb = xb.to(device), yb.to(device)
     if config.startswith("clipless"):
         scaling = "bound" if config == "clipless-bound" else "per-sample"
         extra: dict[str, Any] = {}
