@@ -4,6 +4,7 @@ Each test does real work on the device and compares it with the same work on the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from clipless.features import (
     release_mean,
     whitening,
 )
+from clipless.mechanism import PrivacyConfig
 from clipless.sampling import poisson_loader
 from clipless.training import fit
 
@@ -278,3 +280,46 @@ def test_the_feature_front_end_and_its_releases_on_the_device(device: torch.devi
     _same(white_dev, white)
     with pytest.raises(RuntimeError, match="device type for generator"):  # as CUDA refuses it
         release_mean(feats, CENTER_NOISE, generator=_cpu_gen(1))
+
+
+def test_clipless_train_default_feature_pipeline_on_the_device(
+    device: torch.device, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``clipless train --device cuda`` of issue 34 with the default image pipeline (scattering
+    features premapped by the model's released centre and whitening): the whole command, its
+    ``--device`` resolved to the simulated device, saves the model the CPU run saves."""
+    pytest.importorskip("kymatio")
+    from clipless import cli
+
+    monkeypatch.setenv("CLIPLESS_DATA", str(tmp_path / "cache"))
+    calibrate, calibrated = PrivacyConfig.calibrate, {}
+
+    def once(config: PrivacyConfig, *args: Any) -> PrivacyConfig:
+        # the noise calibration (host arithmetic, most of the run's time) is done once for both
+        key = (repr(config), *args)
+        if key not in calibrated:
+            calibrated[key] = calibrate(config, *args)
+        return calibrated[key]
+
+    monkeypatch.setattr(PrivacyConfig, "calibrate", once)
+    argv = ["train", "--dataset", "digits", "--features", "scatter", "--epochs", "1"]
+    argv += ["--batch-size", "720", "--no-progress", "--quiet", "--unsafe-seed", "3"]
+    argv += ["--no-feature-cache"]
+    runs = {}
+    for where in (device, torch.device("cpu")):
+        monkeypatch.setattr(cli, "_resolve_device", lambda spec, where=where: where)
+        out = tmp_path / where.type
+        assert cli.main([*argv, "--out", str(out)]) == 0
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["config"]["device"] == str(where)
+        assert metrics["config"]["center_noise"] and metrics["config"]["whiten_noise"]
+        runs[where.type] = (
+            [{k: v for k, v in r.items() if k != "time_s"} for r in metrics["history"]],
+            torch.load(out / "model.pt", weights_only=True)["state_dict"],
+        )
+    (history, weights), (cpu_history, cpu_weights) = runs["simgpu"], runs["cpu"]
+    assert history == cpu_history and history[-1]["steps"] >= 2
+    assert weights.keys() == cpu_weights.keys()
+    for name, value in weights.items():
+        assert type(value) is torch.Tensor  # saved from the device as plain CPU tensors
+        torch.testing.assert_close(value, cpu_weights[name], rtol=0, atol=0)
