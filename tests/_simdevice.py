@@ -71,19 +71,21 @@ class SimTensor(torch.Tensor):
             requires_grad=False,
         )
         wrapper.elem = elem
-        return wrapper  # type: ignore[no-any-return]
+        return wrapper
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
         return f"SimTensor({self.elem!r}, device='{DEVICE}')"
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # torch.save pickles a plain CPU tensor, which is what a CUDA tensor's checkpoint gives
         # back under torch.load(map_location="cpu", weights_only=True) (clipless's loaders)
         plain = self.elem.detach().clone().requires_grad_(self.requires_grad)
-        return plain.__reduce_ex__(protocol)
+        return plain.__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         return _run(func, args, kwargs or {})
 
 
@@ -169,8 +171,8 @@ def _register() -> str | None:
     try:
         if torch._C._get_privateuse1_backend_name() != NAME:
             _setup_privateuseone_for_python_backend(NAME)
-        library = torch.library.Library("_", "IMPL")
-        library.fallback(_fallback, "PrivateUse1")
+        library = torch.library.Library("_", "IMPL")  # type: ignore[no-untyped-call]
+        library.fallback(_fallback, "PrivateUse1")  # type: ignore[no-untyped-call]
     except (RuntimeError, AttributeError, TypeError) as exc:
         return f"torch {torch.__version__} cannot register a Python backend: {exc}"
     _LIBRARIES.append(library)
@@ -191,18 +193,20 @@ class SimGenerator(_RealGenerator, metaclass=_GeneratorType):
     """``torch.Generator`` while :func:`simulated_device` is active: a ``simgpu`` generator is a
     CPU generator that reports ``simgpu:0`` as its device."""
 
+    _sim: bool
+
     def __new__(cls, device: Any = "cpu") -> SimGenerator:
         sim = _is_sim_device(device)
-        generator = _RealGenerator.__new__(cls, _CPU if sim else device)
+        generator = _RealGenerator.__new__(cls, _CPU if sim else device)  # type: ignore[call-arg]
         generator._sim = sim
-        return generator  # type: ignore[no-any-return]
+        return generator
 
     def __init__(self, device: Any = "cpu") -> None:
         pass
 
-    @property  # type: ignore[misc]
-    def device(self) -> torch.device:
-        return DEVICE if self._sim else _RealGenerator.device.__get__(self)  # type: ignore[attr-defined]
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return DEVICE if self._sim else _RealGenerator.device.__get__(self)
 
 
 class _DeviceMode(TorchFunctionMode):

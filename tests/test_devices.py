@@ -119,13 +119,12 @@ def _private_step(
 ) -> dict[str, Any]:
     """make_private, then one private step on ``device``: what the step produced, on the host."""
     torch.manual_seed(SEED)
-    model = build().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    plain = build().to(device)
     engine = clipless.PrivacyEngine(seed=SEED)
     loss = nn.CrossEntropyLoss()
     model, opt, loader = engine.make_private(
-        module=model,
-        optimizer=opt,
+        module=plain,
+        optimizer=torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9),
         data_loader=DataLoader(data, batch_size=16),
         loss=loss,
         noise_multiplier=1.0,
@@ -133,7 +132,7 @@ def _private_step(
     x, y = next(iter(loader))
     opt.zero_grad()
     loss(model(x.to(device)), y.to(device)).backward()
-    clean = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    clean = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     opt.step()
     report = opt.bound_report()
     out: dict[str, Any] = {"sensitivities": {}, "clean": {}, "noisy": {}, "weights": {}}
@@ -148,7 +147,6 @@ def _private_step(
         out["weights"][name] = p.detach().cpu()
     for buffer in model.buffers():
         _on(buffer, device)
-    out["steps"] = engine.ledger.steps if engine.ledger is not None else None
     return out
 
 
@@ -199,15 +197,13 @@ def _features_run(device: torch.device, out: Path, epochs: int) -> dict[str, Any
         center, CENTER_NOISE, white, WHITEN_NOISE,
     )  # fmt: skip
     built.append(nn.LossGradientClip(FEATURES_LOSS_CLIP))
-    model = built.to(device)
+    plain = built.to(device)
     loss = nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    loader = poisson_loader(train, sample_rate=0.25, generator=_cpu_gen(3))
     engine = clipless.PrivacyEngine(seed=SEED)
     model, opt, loader = engine.make_private(
-        module=model,
-        optimizer=opt,
-        data_loader=loader,
+        module=plain,
+        optimizer=torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9),
+        data_loader=poisson_loader(train, sample_rate=0.25, generator=_cpu_gen(3)),
         loss=loss,
         constraint=None,
         noise_multiplier=2.0,
