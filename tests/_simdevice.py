@@ -20,7 +20,18 @@ fails the same way while computing exactly what the CPU computes:
   :func:`simulated_device` is active ``torch.Generator(device="simgpu")`` returns a CPU
   generator that reports ``simgpu:0`` as its device (:class:`SimGenerator`). The same seed gives
   the same draws as a CPU generator, which lets tests compare a device run with a CPU run bit for
-  bit.
+  bit (and a random op on the CPU refuses a ``simgpu`` generator);
+* the CPU's arithmetic where torch would take another path for a tensor subclass: ``torch.linalg``
+  calls without autograd run on the unwrapped tensors; ``torch.tensor(data, device="simgpu")``
+  and ``new_tensor`` are made on the CPU and moved; ``tolist`` works and ``numpy`` refuses, as on
+  CUDA.
+
+Not simulated: CUDA's numerics (TF32, other summation orders), code behind
+``device.type == "cuda"`` or ``torch.cuda.*`` (streams, graphs, synchronisation, pinned memory:
+``Tensor.pin_memory`` fails once ``simgpu`` is registered, as torch then takes it for the
+accelerator), and NCCL. Registration cannot be undone: after the first use ``simgpu`` stays
+registered in the process (``torch.accelerator`` reports it); the generator patch and the
+mode are active only inside the context.
 
 Use the :func:`simulated_device` context (``tests/test_devices.py`` wraps it in a fixture); it
 yields ``torch.device("simgpu", 0)``, or raises :class:`SimDeviceUnavailableError` where the
@@ -81,6 +92,15 @@ class SimTensor(torch.Tensor):
         # back under torch.load(map_location="cpu", weights_only=True) (clipless's loaders)
         plain = self.elem.detach().clone().requires_grad_(self.requires_grad)
         return plain.__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
+
+    def tolist(self) -> Any:  # torch refuses it for every subclass; CUDA tensors allow it
+        return self.elem.tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        raise TypeError(
+            f"can't convert {DEVICE} device type tensor to numpy. Use Tensor.cpu() to copy the "
+            "tensor to host memory first. (simulated device)"
+        )
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -209,14 +229,41 @@ class SimGenerator(_RealGenerator, metaclass=_GeneratorType):
         return DEVICE if self._sim else _RealGenerator.device.__get__(self)
 
 
+_DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
+
+
+def _from_data(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``torch.tensor(data, device="simgpu")`` and kin, or ``None`` for other calls: made on the
+    CPU, then moved (torch builds them with the Python dispatch key excluded, which a Python
+    backend cannot serve)."""
+    if func is torch.Tensor.new_tensor and isinstance(args[0], SimTensor):
+        if not _is_sim_device(kwargs.get("device", DEVICE)):
+            return None
+        rest = {k: v for k, v in kwargs.items() if k not in ("device", "requires_grad")}
+        rest.setdefault("dtype", args[0].dtype)
+        plain = torch.tensor(args[1], **rest)
+    elif func in _DATA_FACTORIES and _is_sim_device(kwargs.get("device")):
+        if args and isinstance(args[0], torch.Tensor):
+            return None
+        rest = {k: v for k, v in kwargs.items() if k not in ("device", "requires_grad")}
+        plain = func(*args, **rest)
+    else:
+        return None
+    return plain.to(DEVICE).requires_grad_(bool(kwargs.get("requires_grad", False)))
+
+
 class _DeviceMode(TorchFunctionMode):
     """What the dispatcher cannot do, at the Python API: check generators (kernels receive a new
-    Python object for the generator) and keep torch.linalg's arithmetic the CPU's (its composite
-    kernels compute singular or eigen vectors for every tensor subclass, ``svdvals`` and
-    ``eigvalsh`` included, which changes the last bits of the values)."""
+    Python object for the generator), make tensors from data (:func:`_from_data`) and keep
+    torch.linalg's arithmetic the CPU's (its composite kernels compute singular or eigen vectors
+    for every tensor subclass, ``svdvals`` and ``eigvalsh`` included, which changes the last bits
+    of the values)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        made = _from_data(func, args, kwargs)
+        if made is not None:
+            return made
         generator = kwargs.get("generator")
         linalg = getattr(func, "__module__", None) == "torch._C._linalg"
         if generator is None and not linalg:

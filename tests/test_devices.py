@@ -52,12 +52,25 @@ def _same(device_tensor: torch.Tensor, cpu_tensor: torch.Tensor) -> None:
     torch.testing.assert_close(moved, cpu_tensor.detach(), rtol=0, atol=0)
 
 
-def test_the_simulation_refuses_mixed_devices_as_cuda_does(device: torch.device) -> None:
+def test_the_simulated_device_computes_as_the_cpu_and_refuses_what_cuda_refuses(
+    device: torch.device,
+) -> None:
     x = torch.arange(6.0).reshape(2, 3)
     on = x.to(device)
     _same(on * 2 + torch.tensor(1.0), x * 2 + 1)  # a 0-dim CPU tensor is a scalar
     _same(torch.zeros(2, 3, device=device), torch.zeros(2, 3))
+    _same(torch.tensor([[0.0, 1, 2], [3, 4, 5]], device=device), x)
+    _same(on.new_tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
     _same(on[torch.tensor([1])], x[[1]])  # CPU indices
+    _same(torch.eye(3, device=device, dtype=torch.float64), torch.eye(3, dtype=torch.float64))
+    assert on.tolist() == x.tolist() and on.sum().item() == 15.0
+    gram = torch.randn(5, 5, generator=_cpu_gen(), dtype=torch.float64)
+    gram = gram @ gram.T
+    # the CPU's LAPACK calls, not the ones torch picks for tensor subclasses (last bits differ)
+    _same(torch.linalg.eigvalsh(gram.to(device)), torch.linalg.eigvalsh(gram))
+    _same(torch.linalg.matrix_norm(gram.to(device), ord=2), torch.linalg.matrix_norm(gram, ord=2))
+    with pytest.raises(TypeError, match="to numpy"):
+        on.numpy()
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         _ = on - x
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
