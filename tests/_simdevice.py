@@ -109,12 +109,15 @@ class SimTensor(torch.Tensor):
         return _run(func, args, kwargs or {})
 
 
-# ops that take tensors of two devices on CUDA too: copies, and indices on the CPU
-_CROSS_DEVICE = {
+# ops that take tensors of two devices on CUDA too: copies, and (below) indices on the CPU
+_COPIES = {
     _aten.copy_.default,
     _aten._to_copy.default,
     _aten._copy_from.default,
     _aten._copy_from_and_resize.default,
+}
+# ops whose second argument (the list of indices) may hold CPU tensors
+_INDEXING = {
     _aten.index.Tensor,
     _aten.index_put.default,
     _aten.index_put_.default,
@@ -126,11 +129,13 @@ def _is_sim_device(value: object) -> bool:
     return isinstance(value, torch.device | str) and torch.device(value).type == NAME
 
 
-def _check_devices(func: Any, leaves: list[Any], on_device: bool) -> None:
-    """CUDA's rule for the tensors of one op whose arguments are ``leaves`` (flattened)."""
-    if func in _CROSS_DEVICE or not on_device:
+def _check_devices(func: Any, args: Any, kwargs: dict[str, Any], on_device: bool) -> None:
+    """CUDA's rule for the tensors of one op."""
+    if func in _COPIES or not on_device:
         return
-    for leaf in leaves:
+    if func in _INDEXING:
+        args = (args[0], *args[2:])
+    for leaf in pytree.arg_tree_leaves(*args, **kwargs):
         if isinstance(leaf, torch.Tensor) and not isinstance(leaf, SimTensor) and leaf.dim() > 0:
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two devices, "
@@ -142,7 +147,7 @@ def _run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """``func`` on the CPU with every ``simgpu`` argument unwrapped, its outputs wrapped."""
     leaves = pytree.arg_tree_leaves(*args, **kwargs)
     on_device = any(isinstance(x, SimTensor) or _is_sim_device(x) for x in leaves)
-    _check_devices(func, leaves, on_device)
+    _check_devices(func, args, kwargs, on_device)
     owners = {id(x.elem): x for x in leaves if isinstance(x, SimTensor)}
 
     def unwrap(x: Any) -> Any:

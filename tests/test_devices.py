@@ -72,6 +72,8 @@ def test_the_simulated_device_computes_as_the_cpu_and_refuses_what_cuda_refuses(
         _ = on - x
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.cat([on, x])
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        on[torch.tensor([0])] = torch.ones(1, 3)  # CPU indices, but CPU values too
     with pytest.raises(RuntimeError, match="device type for generator"):
         torch.randn(3, device=device, generator=torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="device type for generator"):
