@@ -1,4 +1,4 @@
-"""Suite-wide options.
+"""Fixtures shared by the test modules of this folder.
 
 ``CLIPLESS_TEST_ACCELERATOR_PATH=1`` runs the tests with the certificates and projections an
 accelerator runs (:data:`clipless.norms.ACCELERATOR_PATH_ON_CPU`: matrix products only, one host
@@ -12,7 +12,9 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
+from _simdevice import SimDeviceUnavailableError, simulated_device
 from clipless import norms
 
 
@@ -25,3 +27,14 @@ def _accelerator_path() -> Iterator[None]:
         yield
     finally:
         norms.ACCELERATOR_PATH_ON_CPU = previous
+
+
+@pytest.fixture
+def simgpu() -> Iterator[torch.device]:
+    """The simulated accelerator of ``tests/_simdevice.py`` (``simgpu:0``: CPU kernels, CUDA's
+    device rules), active for the test; skipped where the installed torch cannot register it."""
+    try:
+        with simulated_device() as device:
+            yield device
+    except SimDeviceUnavailableError as exc:
+        pytest.skip(f"no simulated device: {exc}")
