@@ -126,7 +126,9 @@ _INDEXING = {
 
 
 def _is_sim_device(value: object) -> bool:
-    return isinstance(value, torch.device | str) and torch.device(value).type == NAME
+    if isinstance(value, torch.device):
+        return value.type == NAME
+    return isinstance(value, str) and value.split(":")[0] == NAME  # other strings: modes, names
 
 
 def _check_devices(func: Any, args: Any, kwargs: dict[str, Any], on_device: bool) -> None:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
 from _simdevice import SimTensor
-from clipless import models, nn
+from clipless import models, nn, norms
 from clipless.cli import FEATURES_INPUT_NORM, FEATURES_LOSS_CLIP, _premap_inputs
 from clipless.features import (
     CENTER_NOISE,
@@ -35,8 +35,11 @@ SEED = 7
 
 
 @pytest.fixture
-def device(simgpu: torch.device) -> torch.device:
-    """The simulated accelerator (the ``simgpu`` fixture of ``tests/conftest.py``)."""
+def device(simgpu: torch.device, monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """The simulated accelerator (the ``simgpu`` fixture of ``tests/conftest.py``). An
+    accelerator certifies by matrix products (clipless.norms.matrix_products_only): the CPU
+    reference runs of these tests take the same path, so the two agree bit for bit."""
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
     return simgpu
 
 

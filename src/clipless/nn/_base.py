@@ -197,20 +197,38 @@ class ParametricLipschitzModule(LipschitzModule):
     def _stamped(self, param: torch.Tensor) -> bool:
         """Has autograd seen no write into ``param`` since its bound was memoised?"""
         stamp = self.__dict__.get("_bound_stamp")
-        return stamp is not None and stamp[1:] == _stamp(param)[1:]
+        return isinstance(stamp, _Stamp) and stamp.matches(param)
 
 
-def _stamp(param: torch.Tensor) -> tuple[object, int, int, int]:
+class _Stamp:
     """What identifies a weight's values as far as autograd knows: its storage (held, so that
     its address cannot be reused by a new storage after ``.data`` or ``.to()`` replaced it),
     address, offset and version counter (writes through ``.data`` or a NumPy view do not bump
-    the counter: the deferred bitwise check catches those)."""
-    return (
-        param.untyped_storage(),
-        param.data_ptr(),
-        int(param.storage_offset()),
-        param._version,
-    )
+    the counter: the deferred bitwise check catches those). A copy (``deepcopy``, pickle) of the
+    layer gets an empty stamp, which matches nothing: its first plan compares the bits."""
+
+    __slots__ = ("key", "storage")
+
+    def __init__(self, param: torch.Tensor | None) -> None:
+        self.storage = None if param is None else param.untyped_storage()
+        self.key = None if param is None else _stamp_key(param)
+
+    def matches(self, param: torch.Tensor) -> bool:
+        return self.storage is not None and self.key == _stamp_key(param)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _Stamp:
+        return _Stamp(None)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_Stamp, (None,))
+
+
+def _stamp(param: torch.Tensor) -> _Stamp:
+    return _Stamp(param)
+
+
+def _stamp_key(param: torch.Tensor) -> tuple[int, int, int]:
+    return (param.data_ptr(), int(param.storage_offset()), param._version)
 
 
 # the lists of (layer, bitwise-equal flag) that deferred_weight_checks() collects
