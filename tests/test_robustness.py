@@ -5,11 +5,11 @@
   certificate must equal it (the pairwise head constants make it exact) and the generic
   ``margin / (sqrt(2) K)`` must not exceed it. With a sphere projection, a brute-force scan of a
   2-D input plane gives an upper bound on the true minimal distance the radius must stay under.
-* Attack: a PGD L2 attack (written here on torch: normalised-gradient steps on the margin,
-  random starts, projection onto the ball) never changes a certified prediction within its
-  radius, on every model of the zoo (linear, MLP, ConvNet with L2 / average pooling, ResNet, GNP)
-  and every ``InputNorm`` map (ball, sphere, centred and whitened); the same attack at a few
-  times the radius does break predictions, so it is not a vacuous attack.
+* Attack: a PGD L2 attack (:func:`clipless.robustness.pgd_l2`, on torch: normalised-gradient
+  steps on the margin, random starts, projection onto the ball) never changes a certified
+  prediction within its radius, on every model of the zoo (linear, MLP, ConvNet with L2 /
+  average pooling, ResNet, GNP) and every ``InputNorm`` map (ball, sphere, centred and
+  whitened); the same attack a little beyond the radius breaks predictions (it is not vacuous).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from clipless.robustness import (
     certified_accuracy,
     certify,
     lipschitz_summary,
+    pgd_l2,
 )
 
 
@@ -48,57 +49,6 @@ def _perturb(model: torch.nn.Module, seed: int, spread: float = 1.5) -> None:
         for p in model.parameters():
             fan = p[0].numel() if p.ndim > 1 else p.numel()
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * spread / math.sqrt(fan))
-
-
-def _margin(z: torch.Tensor, cls: torch.Tensor) -> torch.Tensor:
-    """``z_cls - max_{j != cls} z_j`` (for one logit: ``z`` signed towards ``cls``)."""
-    if z.shape[1] == 1:
-        return torch.where(cls == 1, z[:, 0], -z[:, 0])
-    own = z.gather(1, cls[:, None])[:, 0]
-    others = z.scatter(1, cls[:, None], -math.inf)
-    return own - others.amax(dim=1)
-
-
-def pgd_l2(
-    model: torch.nn.Module,
-    x: torch.Tensor,
-    cls: torch.Tensor,
-    eps: torch.Tensor,
-    steps: int = 40,
-    restarts: int = 3,
-    seed: int = 0,
-) -> torch.Tensor:
-    """The smallest margin PGD finds within ``||d|| <= eps`` (per sample; < 0: broken).
-
-    Steps of size ``2.5 eps / steps`` along the normalised gradient of the margin, each followed
-    by the projection onto the ball (Madry et al. 2018); the first restart starts at ``x``, the
-    others at a random point of the ball. Samples with ``eps = inf`` are attacked at 10 times the
-    norm of ``x`` (nothing can flip them: the certificate says so).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    shape = (-1, *([1] * (x.ndim - 1)))
-    norms = torch.linalg.vector_norm(x.reshape(len(x), -1), dim=1)
-    eps = torch.where(torch.isinf(eps), 10.0 * norms + 10.0, eps).reshape(shape)
-    best = torch.full((len(x),), math.inf, dtype=x.dtype)
-    for restart in range(restarts):
-        if restart == 0:
-            delta = torch.zeros_like(x)
-        else:
-            delta = torch.randn(x.shape, generator=gen, dtype=x.dtype)
-            delta = delta / _norm(delta).reshape(shape) * eps
-            delta = delta * torch.rand(len(x), generator=gen, dtype=x.dtype).reshape(shape)
-        for _ in range(steps):
-            delta.requires_grad_(True)
-            margin = _margin(model(x + delta), cls)
-            (grad,) = torch.autograd.grad(margin.sum(), delta)
-            with torch.no_grad():
-                best = torch.minimum(best, margin.detach())
-                step = grad / _norm(grad).clamp(min=1e-30).reshape(shape)
-                delta = delta - 2.5 * eps / steps * step
-                delta = delta * (eps / _norm(delta).clamp(min=1e-30).reshape(shape)).clamp(max=1.0)
-        with torch.no_grad():
-            best = torch.minimum(best, _margin(model(x + delta), cls))
-    return best
 
 
 def _norm(t: torch.Tensor) -> torch.Tensor:
@@ -409,6 +359,12 @@ def test_errors_name_the_argument() -> None:
         certified_accuracy(model, x, torch.zeros(3), 0.1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="labels"):
         certified_accuracy(model, x, torch.zeros(4), [0.1])
+    with pytest.raises(ValueError, match="steps"):
+        pgd_l2(model, x, torch.zeros(3), 0.1, steps=0)
+    with pytest.raises(ValueError, match="eps"):
+        pgd_l2(model, x, torch.zeros(3), -0.1)
+    with pytest.raises(ValueError, match="eps"):
+        pgd_l2(model, x, torch.zeros(3), torch.ones(2))
     premapped, _ = _prepare("linear", "centred-ball", seed=0)
     premapped[0].premap_(x.clone())
     with pytest.raises(ValueError, match="inputs_premapped"):

@@ -71,6 +71,7 @@ __all__ = [
     "certified_accuracy",
     "certify",
     "lipschitz_summary",
+    "pgd_l2",
 ]
 
 NORMS = ("l2", "linf")
@@ -426,3 +427,68 @@ def certified_accuracy(
         norm=norm,
         space=space,
     )
+
+
+def _margin(z: torch.Tensor, cls: torch.Tensor) -> torch.Tensor:
+    """``z_cls - max_{j != cls} z_j`` (one logit: ``z`` signed towards ``cls``)."""
+    if z.shape[1] == 1:
+        return torch.where(cls == 1, z[:, 0], -z[:, 0])
+    own = z.gather(1, cls[:, None])[:, 0]
+    others = z.scatter(1, cls[:, None], -math.inf)
+    return own - others.amax(dim=1)
+
+
+def pgd_l2(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    eps: torch.Tensor | float,
+    *,
+    steps: int = 40,
+    restarts: int = 3,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Empirical robustness by a PGD attack in L2 (Madry et al. 2018): per sample, the smallest
+    margin ``z_label - max_{j != label} z_j`` found within ``||d||_2 <= eps`` (< 0: broken).
+
+    An attack gives an *upper* bound on robust accuracy (``(pgd_l2(...) > 0).mean()``), where
+    :func:`certify` gives a lower bound; it works on any model returning logits (an Opacus twin
+    too). ``eps`` is a number or a tensor of one radius per sample (``inf``: 10 times ``||x||``
+    plus 10). Each of ``restarts`` runs takes ``steps`` steps of ``2.5 eps / steps`` along the
+    normalised gradient of the margin, each followed by the projection onto the ball; the first
+    run starts at ``x``, the others at a random point of the ball (seeded by ``seed``). The
+    model is used as it is (call ``model.eval()`` first if it has a training mode).
+    """
+    for name, value, low in (("steps", steps, 1), ("restarts", restarts, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
+        raise ValueError("x must be a floating tensor of samples [n, ...]")
+    radius = torch.as_tensor(eps, dtype=x.dtype, device=x.device).reshape(-1)
+    if radius.numel() not in (1, len(x)) or bool((radius < 0).any()):
+        raise ValueError(f"eps must be a radius >= 0 or one per sample ({len(x)}); got {eps!r}")
+    gen = torch.Generator().manual_seed(seed)
+    shape = (-1, *([1] * (x.ndim - 1)))
+    far = 10.0 * _flat_norm(x.detach()) + 10.0
+    radius = torch.where(torch.isinf(radius), far, radius.expand(len(x))).reshape(shape)
+    cls = labels.reshape(-1).to(device=x.device, dtype=torch.int64)
+    best = torch.full((len(x),), math.inf, dtype=x.dtype, device=x.device)
+    for restart in range(restarts):
+        delta = torch.zeros_like(x)
+        if restart:
+            delta = torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device)
+            scale = torch.rand(len(x), generator=gen, dtype=x.dtype).to(x.device).reshape(shape)
+            delta = delta / _flat_norm(delta).reshape(shape) * radius * scale
+        for _ in range(steps):
+            delta.requires_grad_(True)
+            margin = _margin(model(x + delta).reshape(len(x), -1), cls)
+            (grad,) = torch.autograd.grad(margin.sum(), delta)
+            with torch.no_grad():
+                best = torch.minimum(best, margin.detach())
+                step = grad / _flat_norm(grad).clamp(min=1e-30).reshape(shape)
+                delta = delta - 2.5 * radius / steps * step
+                shrink = (radius / _flat_norm(delta).clamp(min=1e-30).reshape(shape)).clamp(max=1.0)
+                delta = delta * shrink
+        with torch.no_grad():
+            best = torch.minimum(best, _margin(model(x + delta).reshape(len(x), -1), cls))
+    return best
