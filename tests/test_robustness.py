@@ -26,7 +26,8 @@ from clipless.robustness import (
     Certificate,
     LipschitzSummary,
     RobustAccuracy,
-    _inverse_chord,
+    _ball_move,
+    _chord,
     certified_accuracy,
     certify,
     lipschitz_summary,
@@ -231,40 +232,62 @@ def test_projection_onto_a_small_ball_makes_far_predictions_constant() -> None:
     assert bool(torch.isinf(cert.radii).all()) and bool((cert.predictions == 0).all())
 
 
-def _chord_sup(r: float, n: float, samples: int = 20000) -> float:
-    """Brute-force sup of ||y/|y| - e_1|| over ||y - n e_1|| <= r in the plane (a lower bound of
-    the true sup, which 2-D attains: the worst direction lies in the plane of x and y)."""
-    theta = torch.linspace(0, 2 * math.pi, samples, dtype=torch.float64)
-    rho = torch.linspace(0, r, 200, dtype=torch.float64)
-    ys = torch.stack(
-        [n + rho[:, None] * torch.cos(theta), rho[:, None] * torch.sin(theta)], dim=-1
-    ).reshape(-1, 2)
+def _plane_ball(n: float, r: float, angles: int = 4001, rings: int = 400) -> torch.Tensor:
+    """Points of the disc of radius ``r`` around ``n e_1`` in the plane (where the worst case
+    of both bounds below lies: the plane of ``x`` and the perturbation)."""
+    theta = torch.linspace(0, 2 * math.pi, angles, dtype=torch.float64)
+    rho = torch.linspace(0, r, rings, dtype=torch.float64)[:, None]
+    return torch.stack([n + rho * torch.cos(theta), rho * torch.sin(theta)], -1).reshape(-1, 2)
+
+
+def _project(ys: torch.Tensor, radius: float | None) -> torch.Tensor:
+    """The unit vector (``radius=None``, 0 for 0) or the projection onto the ball of ``radius``."""
     norms = torch.linalg.vector_norm(ys, dim=1, keepdim=True)
-    unit = torch.where(norms > 0, ys / norms.clamp(min=1e-300), torch.zeros_like(ys))
-    return float(torch.linalg.vector_norm(unit - torch.tensor([1.0, 0.0]).double(), dim=1).max())
+    if radius is None:
+        return torch.where(norms > 0, ys / norms.clamp(min=1e-300), torch.zeros_like(ys))
+    return ys * (radius / norms.clamp(min=1e-300)).clamp(max=1.0)
 
 
-@pytest.mark.parametrize("tau", [0.05, 0.5, 1.0, 1.4, 1.41, 1.5, 1.99])
-def test_inverse_chord_against_a_brute_force_supremum(tau: float) -> None:
+@pytest.mark.parametrize("s", [1e-9, 0.05, 0.5, 0.9, 0.999, 1.0, 1.2])
+def test_chord_bounds_the_move_of_the_unit_vector_and_is_tight(s: float) -> None:
     n = 2.5
-    r = float(_inverse_chord(torch.tensor([tau], dtype=torch.float64), torch.tensor([n]).double()))
-    assert _chord_sup(r * (1 - 1e-9), n) < tau
-    if tau < math.sqrt(2):  # tight: a little further the unit vector moves by more than tau
-        assert _chord_sup(r * 1.01, n) > tau
-    else:  # beyond ||x|| the perturbation reaches through the origin
-        assert r == pytest.approx(n, rel=1e-8)
-    big = _inverse_chord(torch.tensor([2.01]).double(), torch.tensor([n]).double())
-    assert bool(torch.isinf(big).all())
+    f64 = torch.float64
+    bound = float(_chord(torch.tensor([s * n], dtype=f64), torch.tensor([n], dtype=f64)))
+    ys = _plane_ball(n, s * n)
+    moved = torch.linalg.vector_norm(
+        _project(ys, None) - torch.tensor([1.0, 0.0], dtype=f64), dim=1
+    )
+    assert float(moved.max()) <= bound + 1e-15  # the scan's own rounding (absolute ~1e-16)
+    if s <= 1:  # tight (the grid's resolution apart); small s without cancellation
+        assert float(moved.max()) >= bound * (1 - 1e-3) or s == 1e-9
+        assert bound == pytest.approx(2 * math.sin(math.asin(s) / 2), rel=1e-8)
+    else:  # the disc holds the origin's other side
+        assert bound == 2.0
 
 
-@pytest.mark.parametrize("variant", ["sphere", "centred-sphere", "centred-ball"])
+@pytest.mark.parametrize(("n", "d"), [(3.0, 0.5), (3.0, 1.5), (3.0, 2.5), (1.0, 0.3), (2.1, 4)])
+def test_ball_move_bounds_the_projection(n: float, d: float) -> None:
+    radius = 2.0
+    f64 = torch.float64
+    bound = float(_ball_move(torch.tensor([d], dtype=f64), torch.tensor([n], dtype=f64), radius))
+    ys = _plane_ball(n, d)
+    here = _project(torch.tensor([[n, 0.0]]).double(), radius)
+    moved = torch.linalg.vector_norm(_project(ys, radius) - here, dim=1)
+    assert float(moved.max()) <= bound
+    assert bound <= d * (1 + 1e-8)  # never worse than the 1-Lipschitz bound
+    if n - radius > d:  # entirely outside the ball: the sphere map's contraction, tight
+        assert float(moved.max()) >= bound * (1 - 1e-3)
+        assert bound < d * radius / (n - d) * (1 + 1e-8)
+
+
+@pytest.mark.parametrize("variant", ["ball", "sphere", "centred-sphere", "centred-ball"])
 def test_local_radius_stays_under_a_brute_force_scan(variant: str) -> None:
     """2-D inputs: the smallest flipping perturbation found on a dense polar grid is an upper
     bound of the exact minimal distance, which the certified radius must not exceed."""
     model = models.linear((2,), 3, input_norm=1.5).double()
     _perturb(model, seed=21, spread=2.0)
-    if variant == "sphere":
-        model[0] = cnn.InputNorm(1.5, "sphere")
+    if variant in ("ball", "sphere"):  # most inputs lie outside the ball of radius 1.5
+        model[0] = cnn.InputNorm(1.5, variant)
     else:
         model = _centred_whitened(model, (2,), 3, variant.split("-")[1])
     x = _inputs((2,), 8, seed=22)

@@ -16,16 +16,18 @@ the model (:func:`certify` takes raw inputs), so the displacement ``t`` allowed 
 is converted back through ``P``:
 
 * ``mode="ball"``, no centre or whitening: ``P`` is the Euclidean projection onto a ball of
-  radius ``R``, 1-Lipschitz and with outputs at most ``2R`` apart: the radius is ``t``, or
-  infinite when ``t > 2R`` (every input gets the same class).
+  radius ``R``, 1-Lipschitz and with outputs at most ``2R`` apart: the radius is at least ``t``,
+  infinite when ``t > 2R`` (every input gets the same class), and larger for an input outside
+  the ball, where ``P`` contracts (:func:`_ball_move`).
 * ``mode="sphere"`` (``x -> R x / ||x||``), or a released centre / whitening (``x -> P_R(A (x /
   ||x|| - mu))``): the normalisation ``x / ||x||`` is not Lipschitz near 0, so no global
   constant exists. The certificate is local and exact for that step: over the ball of radius
   ``r`` around ``x`` the unit vector moves by at most ``chord(r / ||x||) = sqrt(2 - 2 sqrt(1 -
   (r / ||x||)^2))`` (the chord of the widest angle, ``arcsin(r / ||x||)``; 2 once ``r > ||x||``),
   the whitening ``A`` (channel mixing) multiplies it by at most its certified ``||A||_2``, and a
-  final sphere projection ``v -> R v / ||v||`` is again a chord at ``||v||``. Inverting these
-  monotone bounds gives the radius in closed form (:func:`_inverse_chord`).
+  final sphere projection ``v -> R v / ||v||`` is again a chord at ``||v||``; a final ball
+  projection contracts like the sphere map for points outside the ball (:func:`_ball_move`).
+  These bounds are non-decreasing in ``r``, and the radius is found by bisection on them.
 
 **What is not certified.** A front-end applied *before* the model (``clipless train --features
 scatter``: a scattering transform followed by a per-sample group normalisation, which is not
@@ -286,45 +288,82 @@ def _allowed_displacement(
     return pred, t * _DOWN
 
 
-def _inverse_chord(tau: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """The largest ``r`` with ``chord(r', n) < tau`` for all ``r' < r`` (class docstring).
+def _chord(d: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Upper bound on ``||y / ||y|| - x / ||x|| ||`` over ``||y - x|| <= d``, ``||x|| = n``.
 
-    ``chord(r, n)`` bounds how far ``y / ||y||`` moves from ``x / ||x||`` for ``||y - x|| <= r``
-    and ``||x|| = n``: ``sqrt(2 - 2 sqrt(1 - (r/n)^2))`` below ``n`` (at most ``sqrt(2)``), 2
-    above. Inverting: ``n tau sqrt(1 - tau^2 / 4)`` for ``tau <= sqrt(2)``, ``n`` up to
-    ``tau = 2``, ``inf`` beyond (no move of ``y / ||y||`` reaches ``tau``).
+    The widest angle between ``y`` and ``x`` is ``arcsin(d / n)`` while ``d <= n``, whose chord is
+    ``sqrt(2 - 2 sqrt(1 - s^2)) = s sqrt(2 / (1 + sqrt(1 - s^2)))`` with ``s = d / n`` (the second
+    form has no cancellation for small ``s``); beyond, ``y`` may reach through the origin: 2
+    (also for ``n = 0``; the normalisation maps 0 to 0, so 1 would do).
     """
-    tau = tau.clamp(min=0.0)
-    inner = n * tau * torch.sqrt((1.0 - tau.clamp(max=math.sqrt(2.0)) ** 2 / 4.0).clamp(min=0.0))
-    out = torch.where(tau <= math.sqrt(2.0), inner, n)
-    return torch.where(tau > 2.0, torch.full_like(out, math.inf), out * _DOWN)
+    s = d / n.clamp(min=1e-300)
+    inside = s * torch.sqrt(2.0 / (1.0 + torch.sqrt((1.0 - s * s).clamp(min=0.0))))
+    out = torch.where((s <= 1.0) & (n > 0), inside * _UP, torch.full_like(s, 2.0))
+    return out.clamp(max=2.0)
+
+
+def _ball_move(d: torch.Tensor, n: torch.Tensor, radius: float) -> torch.Tensor:
+    """Upper bound on ``||P(w) - P(v)||`` over ``||w - v|| <= d``, ``||v|| = n``, for the
+    projection ``P`` onto the ball of radius ``R``.
+
+    ``P`` is 1-Lipschitz (``d``) with outputs at most ``2R`` apart; and for ``n > R``, writing
+    ``P(w) = min(||w||, R) u(w)`` and ``P(v) = R u(v)`` (``u`` the unit vector),
+    ``||P(w) - P(v)|| <= (R - min(||w||, R)) + R ||u(w) - u(v)|| <= max(0, d - (n - R)) + R
+    chord(d, n)``: outside the ball the projection contracts like the sphere map ``R / n``.
+    """
+    excess = (d - (n - radius) + 4.0 * NUMERIC_MARGIN * (n + radius)).clamp(min=0.0)
+    outside = excess + radius * _chord(d, n)
+    bound = torch.where(n > radius, torch.minimum(d, outside), d)
+    return bound.clamp(max=2.0 * radius) * _UP
 
 
 def _flat_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1)
 
 
+#: bisection steps of :func:`_radii`: the interval shrinks to 2^-80 of its start
+_BISECTIONS = 80
+
+
 def _radii(
     x: torch.Tensor, t: torch.Tensor, first: cnn.InputNorm, lip: LipschitzSummary
 ) -> torch.Tensor:
-    """Certified input radii from the allowed displacements ``t`` at the InputNorm's output."""
-    r_out = lip.radius
-    unbounded = t > 2.0 * r_out  # outputs of P are at most 2R apart: nothing can flip
+    """Certified input radii from the allowed displacements ``t`` at the InputNorm's output.
+
+    ``move(r)`` bounds how far the InputNorm's output moves for an input moved by ``r``; it is
+    non-decreasing in ``r``, so the largest ``r`` with ``move(r) < t`` is found by bisection,
+    keeping as the answer a point where the bound has been checked (never the midpoint's guess).
+    A ``move`` that stays below ``t`` for every ``r`` (its saturated value, at ``r`` beyond
+    ``||x||``) gives ``inf``.
+    """
     # the implemented projection scales by R' / N(x), N(x) >= ||x|| a certified norm bound and
     # R' <= R: its outputs differ from the exact map's by a relative ~n u, covered here
-    t = (t - 4.0 * NUMERIC_MARGIN * r_out).clamp(min=0.0)
-    if lip.input_map == "ball":
-        radii = t
-    else:
-        x_norm = _flat_norm(x) * _DOWN
-        if lip.input_map == "sphere":
-            radii = _inverse_chord(t / r_out * _DOWN, x_norm)
+    t = (t - 4.0 * NUMERIC_MARGIN * lip.radius).clamp(min=0.0)
+    x_norm = _flat_norm(x) * _DOWN
+    v_norm = x_norm
+    if lip.input_map.startswith("normalised"):
+        v_norm = (_flat_norm(_normalised(x, first)) * _DOWN - _absolute_error(first, lip)).clamp(
+            min=0.0
+        )
+
+    def move(r: torch.Tensor) -> torch.Tensor:
+        if lip.input_map.startswith("normalised"):  # A (x / ||x|| - mu), then the projection
+            d = _chord(r, x_norm) * (lip.whiten_norm * _UP)
         else:
-            if lip.input_map == "normalised-sphere":  # how far A (x / ||x|| - mu) may move
-                v_norm = _flat_norm(_normalised(x, first)) * _DOWN - _absolute_error(first, lip)
-                t = _inverse_chord(t / r_out * _DOWN, v_norm.clamp(min=0.0))
-            radii = _inverse_chord(t / (lip.whiten_norm * _UP) * _DOWN, x_norm)
-    return torch.where(unbounded, torch.full_like(radii, math.inf), radii)
+            d = r
+        if lip.input_map.endswith("sphere"):
+            return (lip.radius * _chord(d, v_norm)).clamp(max=2.0 * lip.radius) * _UP
+        return _ball_move(d, v_norm, lip.radius)
+
+    high = 2.0 * (x_norm + lip.radius) + 1.0  # beyond ||x||: every chord is 2, move saturated
+    unbounded = move(high) < t
+    low = torch.zeros_like(t)
+    for _ in range(_BISECTIONS):
+        mid = 0.5 * (low + high)
+        ok = move(mid) < t
+        low = torch.where(ok, mid, low)
+        high = torch.where(ok, high, mid)
+    return torch.where(unbounded, torch.full_like(low, math.inf), low)
 
 
 def _normalised(x: torch.Tensor, first: cnn.InputNorm) -> torch.Tensor:
