@@ -148,9 +148,9 @@ class RobustAccuracy:
     """Clean and certified robust accuracy of a model on labelled data (:func:`certified_accuracy`).
 
     ``certified[k]`` is the fraction of the ``num_samples`` samples correctly classified with a
-    certified radius above ``radii[k]`` (in ``norm``); ``median_radius`` is the median certified
-    radius of the correctly classified samples (0 for an incorrect one, so it is the radius that
-    half the samples reach correctly). ``space`` names what the radii are measured in:
+    certified radius above ``radii[k]`` (in ``norm``); ``median_radius`` is the (lower) median over
+    all samples of the certified radius, counted as 0 for a wrong prediction: the radius that half
+    the samples reach correctly classified. ``space`` names what the radii are measured in:
     ``"input"`` (the model's input) unless the caller says otherwise (``"features"`` for a model
     behind a feature front-end).
     """
