@@ -319,9 +319,10 @@ def _add_train_parser(sub: Any) -> None:
             "is calibrated so that --epochs epochs spend at most --epsilon at --delta; training "
             "stops before any step that would exceed it. Prints one line per epoch (train/test "
             "accuracy, epsilon) and writes config.json, metrics.json, metrics.csv, ledger.json, "
-            "model.pt, training.png and checkpoint.pt under --out. A folder that already holds a "
-            "run is refused unless --resume (continue it, same configuration) or --force (start "
-            "over; the old run is moved to OUT.old-<timestamp>, nothing is deleted)."
+            "model.pt, training.png, robustness.png (certified robust accuracy against the "
+            "radius, also in metrics.json) and checkpoint.pt under --out. A folder that already "
+            "holds a run is refused unless --resume (continue it, same configuration) or --force "
+            "(start over; the old run is moved to OUT.old-<timestamp>, nothing is deleted)."
         ),
         formatter_class=_HelpFormatter,
     )
