@@ -17,7 +17,7 @@ import torch
 from clipless._robustness_cli import DEFAULT_RADII
 from clipless.cli import load_trained_model, main
 from clipless.data import load_dataset
-from clipless.robustness import certified_accuracy
+from clipless.robustness import certified_accuracy, certify, pgd_l2
 
 
 def _train(out: Path, *extra: str) -> None:
@@ -45,6 +45,13 @@ def test_train_reports_and_evaluate_reproduces_certified_accuracy(
     assert rob["certified_accuracy"] == expected.to_dict()["certified_accuracy"]
     assert rob["accuracy"] == pytest.approx(metrics["final"]["test_accuracy"], abs=1e-12)
     assert max(rob["certified_accuracy"].values()) > 0  # a model that certifies something
+    # the trained model's certificates hold against the attack too
+    model = load_trained_model(out / "model.pt").double().eval()
+    cert = certify(model, x[:60])
+    inside = torch.where(cert.radii > 0, cert.radii * (1 - 1e-6), torch.zeros_like(cert.radii))
+    assert int((cert.radii > 0).sum()) >= 20
+    worst = pgd_l2(model, x[:60].double(), cert.predictions, inside)
+    assert bool((worst[cert.radii > 0] > 0).all())
     # evaluate: the same numbers from the saved run
     assert main(["evaluate", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == rob
