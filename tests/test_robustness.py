@@ -366,6 +366,8 @@ def test_errors_name_the_argument() -> None:
     x = _inputs(shape, 3, seed=0)
     with pytest.raises(ValueError, match="InputNorm"):
         certify(cnn.Sequential(cnn.Linear(12, 3)), x)
+    with pytest.raises(ValueError, match="front-end"):
+        certify(torch.nn.Sequential(torch.nn.Identity(), model), x)
     with pytest.raises(TypeError, match="model"):
         certify("model", x)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="x must be"):

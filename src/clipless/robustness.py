@@ -193,6 +193,17 @@ def _input_norm(model: torch.nn.Module) -> cnn.InputNorm:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a clipless model (torch.nn.Module); got {type(model)}")
     first = _leading_module(model)
+    if (
+        isinstance(model, torch.nn.Sequential)
+        and len(model) == 2
+        and isinstance(_leading_module(model[1]), cnn.InputNorm)
+    ):
+        raise ValueError(
+            f"model starts with a {type(model[0]).__name__} front-end before its InputNorm (as "
+            "clipless.cli.load_trained_model returns a --features run): the front-end is not "
+            "certified; certify model[1] on model[0](x), whose radii are in feature space "
+            "(docs/robustness.md)"
+        )
     if not isinstance(first, cnn.InputNorm):
         raise ValueError(
             "model must start with a clipless.nn.InputNorm (the models of clipless.models do); "
