@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_parser(sub)
     _add_stats_parsers(sub)
     _add_audit_parser(sub)
+    from clipless._robustness_cli import add_evaluate_parser
+
+    add_evaluate_parser(sub)
     return parser
 
 
@@ -316,9 +319,10 @@ def _add_train_parser(sub: Any) -> None:
             "is calibrated so that --epochs epochs spend at most --epsilon at --delta; training "
             "stops before any step that would exceed it. Prints one line per epoch (train/test "
             "accuracy, epsilon) and writes config.json, metrics.json, metrics.csv, ledger.json, "
-            "model.pt, training.png and checkpoint.pt under --out. A folder that already holds a "
-            "run is refused unless --resume (continue it, same configuration) or --force (start "
-            "over; the old run is moved to OUT.old-<timestamp>, nothing is deleted)."
+            "model.pt, training.png, robustness.png (certified robust accuracy against the "
+            "radius, also in metrics.json) and checkpoint.pt under --out. A folder that already "
+            "holds a run is refused unless --resume (continue it, same configuration) or --force "
+            "(start over; the old run is moved to OUT.old-<timestamp>, nothing is deleted)."
         ),
         formatter_class=_HelpFormatter,
     )
@@ -1358,6 +1362,9 @@ def _run_train(args: argparse.Namespace) -> int:
         ) from None
     if distributed.launched_by_torchrun():
         distributed.make_data_parallel(optimizer, loader)
+    # the certificate is stated for the features the model maps (clipless.robustness): keep
+    # them before the premapping below replaces them in place
+    raw_test_x = test.tensors[0].clone() if args.features != "none" else test.tensors[0]
     if saved is None and args.features != "none":
         _premap_inputs(model, train, test)
     config = engine.config
@@ -1508,6 +1515,9 @@ def _run_train(args: argparse.Namespace) -> int:
     # atomically: a run killed while saving keeps its previous model.pt (or none), never a torn one
     atomic_write_with(out / "model.pt", lambda handle: torch.save(model_file, handle))
     plot_training(result, out / "training.png")
+    from clipless._robustness_cli import train_robustness
+
+    train_robustness(out, raw_test_x, test.tensors[1], args.features, args.quiet)
     final = result.final
     elapsed = time.perf_counter() - started
     print(
