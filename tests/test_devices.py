@@ -23,6 +23,7 @@ from clipless.features import (
     WHITEN_SHRINK,
     Scattering2d,
     apply_features,
+    cached_features,
     release_channel_moment,
     release_mean,
     whitening,
@@ -291,6 +292,21 @@ def test_the_feature_front_end_and_its_releases_on_the_device(device: torch.devi
     _same(white_dev, white)
     with pytest.raises(RuntimeError, match="device type for generator"):  # as CUDA refuses it
         release_mean(feats, CENTER_NOISE, generator=_cpu_gen(1))
+
+
+def test_features_of_cpu_data_computed_on_the_device(device: torch.device, tmp_path: Path) -> None:
+    """``apply_features(..., device=)`` (what ``clipless train --device`` uses) maps CPU data on
+    the device and returns CPU features equal to the CPU's; the cache keys them by device."""
+    images = torch.rand(30, 1, 16, 16, generator=_cpu_gen(5))
+    front = Scattering2d((1, 16, 16), J=2, L=2, max_order=1, groups=5)
+    expected = apply_features(front, TensorDataset(images), batch_size=7).tensors[0]
+    feats = apply_features(front, TensorDataset(images), batch_size=7, device=device).tensors[0]
+    assert feats.device.type == "cpu"
+    torch.testing.assert_close(feats, expected, rtol=0, atol=0)
+    cached, path, found = cached_features(front, TensorDataset(images), tmp_path, device=device)
+    assert not found and cached.tensors[0].device.type == "cpu"
+    _, cpu_path, cpu_found = cached_features(front.cpu(), TensorDataset(images), tmp_path)
+    assert not cpu_found and cpu_path != path  # another device's features are not reused
 
 
 # clipless train with the default pipeline for images (on digits: 8 x 8, scattering to 2 x 2)

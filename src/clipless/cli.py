@@ -1219,7 +1219,8 @@ def _run_train(args: argparse.Namespace) -> int:
         if not args.feature_cache:
             if not args.quiet:
                 print(f"clipless train: computing {args.features} features ...", flush=True)
-            train, test = apply_features(front, train), apply_features(front, test)
+            train = apply_features(front, train, device=device)
+            test = apply_features(front, test, device=device)
         else:
             cache = data_root(args.data_root) / "features"
             if not args.quiet:
@@ -1228,8 +1229,8 @@ def _run_train(args: argparse.Namespace) -> int:
                     f"{cache}) ...",
                     flush=True,
                 )
-            train, _, _ = cached_features(front, train, cache)
-            test, _, _ = cached_features(front, test, cache)
+            train, _, _ = cached_features(front, train, cache, device=device)
+            test, _, _ = cached_features(front, test, cache, device=device)
         input_shape = tuple(front.output_shape)
     if args.lr is None:
         if args.dataset == "adult":

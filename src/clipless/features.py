@@ -425,16 +425,28 @@ def build_features(name: str, input_shape: Sequence[int]) -> Scattering2d | None
 
 @torch.no_grad()
 def apply_features(
-    features: torch.nn.Module, data: TensorDataset, batch_size: int = 1024
+    features: torch.nn.Module,
+    data: TensorDataset,
+    batch_size: int = 1024,
+    device: torch.device | str | None = None,
 ) -> TensorDataset:
     """``TensorDataset(features(x), y)``, computed once in batches (the map is per-sample, so the
-    batching does not change the result)."""
+    batching does not change the result). With ``device`` (e.g. ``"cuda"``) each batch is mapped
+    there and the features come back to ``x``'s device: the dataset stays where it was."""
     if not _is_integer(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
     x, *rest = data.tensors
     if len(x) == 0:
         raise ValueError("data must hold at least one sample")
-    out = torch.cat([features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+    if device is not None:
+        features = features.to(device)
+
+    def mapped(chunk: torch.Tensor) -> torch.Tensor:
+        if device is None:
+            return features(chunk)
+        return features(chunk.to(device)).to(x.device)
+
+    out = torch.cat([mapped(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
     return TensorDataset(out, *rest)
 
 
@@ -477,14 +489,20 @@ def _hash_tensor(h: hashlib._Hash, name: str, t: torch.Tensor) -> None:
     h.update(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def feature_cache_key(features: torch.nn.Module, x: torch.Tensor, batch_size: int = 1024) -> str:
+def feature_cache_key(
+    features: torch.nn.Module,
+    x: torch.Tensor,
+    batch_size: int = 1024,
+    device: torch.device | str | None = None,
+) -> str:
     """SHA-256 (hex) naming the output of ``apply_features(features, x, batch_size)``.
 
     It covers everything the output depends on: the map's class and configuration, with every
     submodule's (``repr``, which nests the children's ``extra_repr``), its training mode, every
     tensor of its state (a scattering's filter bank), the source files of the clipless modules
     that define its classes (so an edited ``forward`` or constant does not reuse old features),
-    the torch and kymatio versions, the batch size, and the input's dtype, shape and bytes. Two
+    the torch and kymatio versions, the batch size, the device type that computes them (another
+    device's kernels round differently), and the input's dtype, shape and bytes. Two
     calls with the same key compute the same features, so a cached tensor can stand in for the
     computation. A map whose output depends on plain attributes that its ``repr`` does not show
     is not covered: give it an ``extra_repr``.
@@ -495,6 +513,9 @@ def feature_cache_key(features: torch.nn.Module, x: torch.Tensor, batch_size: in
         f"{FEATURE_CACHE_FORMAT}\n{type(features).__module__}.{type(features).__qualname__}\n"
         f"{features!r}\nmodes {modes}\n{_library_versions()}\nbatch_size {batch_size}\n".encode()
     )
+    kind = torch.device(device).type if device is not None else x.device.type
+    if kind != "cpu":  # CPU keys are those of the files cached before devices were recorded
+        h.update(f"device {kind}\n".encode())
     h.update(_clipless_sources(features))
     for name, t in sorted(features.state_dict().items()):
         _hash_tensor(h, f"state {name}", t)
@@ -533,13 +554,15 @@ def cached_features(
     data: TensorDataset,
     cache_dir: str | os.PathLike[str],
     batch_size: int = 1024,
+    device: torch.device | str | None = None,
 ) -> tuple[TensorDataset, Path, bool]:
     """:func:`apply_features` through a cache on disk: ``(dataset, cache file, found)``.
 
     The features of ``data`` are stored under ``cache_dir`` in a file named by
     :func:`feature_cache_key` (the map, its state, the library versions and the input's bytes), so
     a later call with the same map and data loads them instead of computing them; any change of
-    these gives another file. A file that cannot be read or does not match its key is recomputed
+    these gives another file. ``device`` computes them there (:func:`apply_features`). A file
+    that cannot be read or does not match its key is recomputed
     and replaced, with a warning; a cache that cannot be written (read-only, full) only warns.
     Files are written atomically, so concurrent processes (the ranks of ``clipless train
     --nproc``) at worst compute the same tensor twice.
@@ -553,12 +576,12 @@ def cached_features(
     from clipless._io import atomic_write_with
 
     x, *rest = data.tensors
-    key = feature_cache_key(features, x, batch_size)
+    key = feature_cache_key(features, x, batch_size, device)
     path = Path(cache_dir) / f"{key[:40]}.pt"
     cached = _read_cached(path, key, len(x))
     if cached is not None:
         return TensorDataset(cached, *rest), path, True
-    out = apply_features(features, data, batch_size)
+    out = apply_features(features, data, batch_size, device)
     payload = {"format": FEATURE_CACHE_FORMAT, "key": key, "features": out.tensors[0]}
     # owner-only, like any copy of training data (the folder is the user's dataset cache)
     try:
