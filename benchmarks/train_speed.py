@@ -382,10 +382,10 @@ def peak_rss_mib() -> float:
 
 # ----------------------------------------------------------------------------------- profile
 _STEP_PARTS = {
-    "noise (add_noise)": ("optim.py", "add_noise"),
+    "noise (add_noise)": ("optim/optimizer.py", "add_noise"),
     "inner SGD step": ("sgd.py", "step"),
     "projection (constraints.project)": ("constraints.py", "project"),
-    "bound refresh (DPOptimizer.refresh)": ("optim.py", "refresh"),
+    "bound refresh (DPOptimizer.refresh)": ("optim/optimizer.py", "refresh"),
     "accounting (ledger.record)": ("ledger.py", "record"),
 }
 _CERTIFY = {"dense_norm": ("norms.py", "dense_norm"), "conv_norm": ("norms.py", "conv_norm")}

@@ -60,9 +60,21 @@ def test_layering_is_one_way() -> None:
     ):
         imported = _imported_modules(SRC / name)
         assert not {m for m in imported if any(m.startswith(f) for f in forbidden)}, name
+    above_nn = (
+        "clipless.bounds",
+        "clipless.constraints",
+        "clipless.mechanism",
+        "clipless.optim",
+        "clipless.engine",
+        "clipless.training",
+        "clipless.cli",
+    )
     for path in sorted((SRC / "nn").glob("*.py")):
         imported = _imported_modules(path)
-        assert not {m for m in imported if m.startswith("clipless.bounds")}, path.name
+        assert not {m for m in imported if m.startswith(above_nn)}, path.name
+    for name in ("_errors.py", "_hooks.py"):  # below nn: torch and each other only
+        imported = _imported_modules(SRC / name)
+        assert imported <= {"clipless._errors", "clipless._errors.PrivacyContractError"}, name
 
 
 def test_certified_and_norms_import_alone() -> None:

@@ -972,7 +972,8 @@ def test_full_float32_precision_clears_every_reduced_setting() -> None:
     """The legacy writes (``allow_tf32 = False``) leave a TF32 setting inherited from
     ``torch.backends.fp32_precision`` in place on torch >= 2.9; ``full_float32_precision`` sets
     every backend's precision explicitly (review finding)."""
-    from clipless.optim import _FP32_LEAVES, full_float32_precision, reduced_float32_precision
+    from clipless.optim import full_float32_precision, reduced_float32_precision
+    from clipless.optim.precision import _FP32_LEAVES
 
     backends = torch.backends
     if not isinstance(getattr(backends, "fp32_precision", None), str):
@@ -1236,7 +1237,7 @@ def test_detached_substitutes_and_the_diagnostics_still_run() -> None:
 
 def _noiseless(monkeypatch) -> None:
     """Draw zero noise, so that what a step applies is exactly the gradient it noised."""
-    import clipless.optim as optim
+    import clipless.optim.optimizer as optim  # the module whose step draws the noise
 
     def zero(plan, name, shape, generator, dtype, *, std=None, out=None):
         return torch.zeros(shape, dtype=dtype) if out is None else out.zero_()

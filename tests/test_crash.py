@@ -2,8 +2,8 @@
 
 After every kill: ``ledger.json`` is valid (strict JSON, a well-formed ledger), it records at least
 as many steps as noise was drawn for (the noise draws are logged, fsynced, by a wrapper around
-``clipless.optim.draw_noise`` *before* each draw, which makes the check stricter), the budget is
-never overspent, and ``checkpoint.pt`` / ``config.json`` are readable whenever they exist. After
+``clipless.optim.optimizer.draw_noise`` *before* each draw, which makes the check stricter),
+the budget is never overspent, and ``checkpoint.pt`` / ``config.json`` are readable whenever they exist. After
 the last kill the run is resumed to completion: its ledger equals the ledger of a run that was
 never interrupted (the plan caps the steps, so the steps lost with a crash are spent, not redone).
 """
@@ -32,7 +32,7 @@ EPSILON, DELTA = 1.0, 1e-5
 
 DRIVER = r"""
 import os, sys
-import clipless.optim as optim
+import clipless.optim.optimizer as optim  # the module whose step draws the noise
 
 _real = optim.draw_noise
 _log = os.environ["CLIPLESS_NOISE_LOG"]
@@ -140,7 +140,7 @@ class _Forked:
 
 
 def _forked_main(argv: list[str], log: str) -> None:
-    import clipless.optim as optim
+    import clipless.optim.optimizer as optim  # the module whose step draws the noise
     from clipless.cli import main
 
     real = optim.draw_noise

@@ -190,7 +190,7 @@ def test_the_gradient_fingerprint_of_a_large_gradient() -> None:
     """The fingerprint converts a large CPU gradient 1 MiB at a time (no whole float64 copy):
     equal bits give equal fingerprints, any rescale or single change another one, and a
     rescaled large gradient is refused at step() as a small one is."""
-    from clipless.optim import _FINGERPRINT_CHUNK, _fingerprint
+    from clipless.optim.guard import _FINGERPRINT_CHUNK, _fingerprint
 
     g = torch.randn(3 * _FINGERPRINT_CHUNK + 17, generator=torch.Generator().manual_seed(0))
     f = _fingerprint(g)

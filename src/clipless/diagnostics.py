@@ -368,7 +368,8 @@ def sensitivity_use(
     ``"batch-max"`` scaling mode has no per-sample contribution and is refused.
     """
     from clipless.nn._scaled import BATCH_MAX
-    from clipless.optim import DPOptimizer, _clip_rows
+    from clipless.optim import DPOptimizer
+    from clipless.optim.guard import _clip_rows
 
     if not isinstance(optimizer, DPOptimizer):
         raise TypeError(

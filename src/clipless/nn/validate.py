@@ -9,10 +9,9 @@ once, with the clipless replacement where one exists.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from clipless._hooks import _Hook
 from clipless.nn._base import LipschitzModule, ParametricLipschitzModule
 
 __all__ = ["validate"]
@@ -84,9 +83,9 @@ def foreign_hooks(module: torch.nn.Module) -> list[str]:
 
     A forward hook can change the module's output (``o * 10`` multiplies every later gradient by
     10), so a hooked layer no longer computes the function its bound certifies. The hooks that
-    :func:`clipless.make_private` places (``clipless.optim._Hook``) are not counted.
+    :func:`clipless.make_private` places (``clipless._hooks._Hook``) are not counted.
     """
-    placed = _placed_hook_type()
+    placed = _Hook
     return [
         f"a {kind.replace('_', '-')} hook"
         for kind in _HOOK_KINDS
@@ -95,13 +94,6 @@ def foreign_hooks(module: torch.nn.Module) -> list[str]:
             for h in (getattr(module, f"_{kind}_hooks", None) or {}).values()
         )
     ]
-
-
-@functools.cache
-def _placed_hook_type() -> type:
-    from clipless.optim import _Hook  # clipless.optim imports clipless.nn
-
-    return _Hook
 
 
 def _advice(module: torch.nn.Module) -> str:

@@ -67,86 +67,27 @@ Mironov (2012); the statistical release of :mod:`clipless.stats` uses exact disc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
-import numbers
-import os
-import secrets
 import warnings
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.modules.module as _module_hooks
 
-from clipless import _workspace, accounting, bounds, constraints, mechanism
-from clipless import nn as _cnn
+from clipless import _workspace
 from clipless._bits import same_bits_tensor
-from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
+from clipless._errors import PrivacyContractError
+from clipless._hooks import _GradHook, _Hook
+from clipless.mechanism import NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.nn._base import deferred_weight_checks
 from clipless.nn._functional import _wrapped
 from clipless.nn.input import releases_in
 from clipless.nn.validate import _HOOK_KINDS, foreign_hooks
+from clipless.optim.precision import _DENSE_LAYERS, reduced_float32_precision
 from clipless.sampling import PoissonDataLoader
 
-if TYPE_CHECKING:
-    from clipless.accounting import PrivacyLedger
-    from clipless.bounds import BoundReport
-
-__all__ = [
-    "CONSTRAINTS",
-    "NOISE_STRATEGIES",
-    "AdamBC",
-    "DPOptimizer",
-    "PlanExhaustedError",
-    "PrivacyContractError",
-    "draw_noise",
-]
-
-
-def draw_noise(
-    plan: NoisePlan,
-    name: str,
-    shape: tuple[int, ...],
-    generator: torch.Generator,
-    dtype: torch.dtype,
-    std: float | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Gaussian noise of the plan's standard deviation for the noised tensor ``name``.
-
-    ``shape`` is the tensor's shape, or a batch of independent draws ``(n, *shape)`` (the
-    privacy audit, :mod:`clipless.audit`, releases thousands of steps at once through this
-    function). Drawn on ``generator``'s device. ``std`` replaces the plan's only where the
-    caller holds a larger one (data-parallel replicas agree on the largest, never a smaller one).
-    ``out`` (of ``shape`` and ``dtype``, on the generator's device) receives the draw instead of
-    a new tensor: the same values from the same generator state.
-    """
-    if std is not None and std < plan.stds[name]:
-        raise ValueError(f"std {std} for {name} is below the plan's {plan.stds[name]}")
-    scale = plan.stds[name] if std is None else std
-    if out is not None:
-        if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != generator.device:
-            raise ValueError(
-                f"out must have shape {tuple(shape)}, dtype {dtype} and device "
-                f"{generator.device}; got {tuple(out.shape)}, {out.dtype}, {out.device}"
-            )
-        return torch.normal(0.0, scale, size=shape, generator=generator, out=out)
-    return torch.normal(
-        0.0, scale, size=shape, generator=generator, device=generator.device, dtype=dtype
-    )
-
-
-class PrivacyContractError(RuntimeError):
-    """A training step would break an assumption the noise calibration relies on."""
-
-
-class PlanExhaustedError(PrivacyContractError):
-    """The run has taken every step its privacy budget was planned for."""
+__all__ = ["ContractGuard"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -156,7 +97,7 @@ class _Pass:
     plan: NoisePlan
     weights: tuple[torch.Tensor, ...]
     params: tuple[torch.nn.Parameter, ...]
-    owner: DPOptimizer
+    owner: ContractGuard
     backwards: int = 0
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -169,7 +110,7 @@ class _Pass:
 class _Unguarded:
     """A forward whose gradients the noise does not cover, and why (module doc, 1)."""
 
-    owner: DPOptimizer
+    owner: ContractGuard
     reason: str
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
@@ -208,7 +149,7 @@ class _OutputMark(torch.autograd.Function):
         return ctx.record.backward(grad), None
 
 
-def _enforce_bound(grad: torch.Tensor, bound: float, owner: DPOptimizer) -> torch.Tensor:
+def _enforce_bound(grad: torch.Tensor, bound: float, owner: ContractGuard) -> torch.Tensor:
     """Zero non-finite rows, clip every row to norm ``bound`` (float64 norms, safe radius).
 
     Whether every row is at most ``L / B`` (a mean-reduced loss) is kept as a tensor, read with
@@ -257,179 +198,6 @@ def _safe_radius(bound: float, dtype: torch.dtype) -> float:
     """A radius whose rounding in ``dtype`` keeps a rescaled row within ``bound``."""
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
     return float(bound) * (1.0 - 8.0 * eps)
-
-
-def reduced_float32_precision(devices: set[str], convolutions: bool = True) -> str | None:
-    """The torch setting (a description) under which float32 convolutions or matrix products on
-    one of the device types ``devices`` round below float32, or ``None``.
-
-    CUDA runs float32 convolutions in TF32 by default (``torch.backends.cudnn.allow_tf32`` is
-    True): a 10-bit mantissa, like half precision, whose rounding exceeds the float32 margin of
-    the noise plan (:data:`clipless.mechanism.ROUNDING_MARGIN`; an audit emulating TF32 measured
-    one record's contribution at 1.00025 times its planned sensitivity). ``torch.
-    set_float32_matmul_precision("high"/"medium")`` allows TF32 or bfloat16 products on CUDA and
-    on CPUs with bfloat16 units. torch >= 2.9 keeps these settings per backend
-    (``fp32_precision``, ``"none"`` inheriting from the backend, then from
-    ``torch.backends.fp32_precision``; the legacy setters write them): those are read. Older
-    torch: the legacy flags. :func:`full_float32_precision` turns everything off.
-    ``convolutions=False`` (a model of dense layers only) skips the convolution settings.
-    """
-    backends = torch.backends
-    ops = ("conv", "matmul") if convolutions else ("matmul",)
-    wanted = []
-    if "cuda" in devices:
-        wanted += [("cudnn" if op == "conv" else "cuda", op) for op in ops]
-    if "cpu" in devices:
-        wanted += [("mkldnn", op) for op in ops]
-    root = getattr(backends, "fp32_precision", None)
-    if isinstance(root, str):  # torch >= 2.9
-        for backend, op in wanted:
-            parent = getattr(backends, backend, None)
-            leaf = getattr(parent, op, None)
-            chain = [
-                (f"torch.backends.{backend}.{op}.fp32_precision", leaf),
-                (f"torch.backends.{backend}.fp32_precision", parent),
-                ("torch.backends.fp32_precision", backends),
-            ]
-            for name, owner in chain:
-                try:
-                    value = (
-                        getattr(owner, "fp32_precision", "none") if owner is not None else "none"
-                    )
-                except (AttributeError, RuntimeError):
-                    value = "none"
-                if value != "none":  # the first explicit setting up the chain decides
-                    if value != "ieee":
-                        return f"{name} is {value!r}"
-                    break
-        return None
-    precision = torch.get_float32_matmul_precision()  # torch < 2.9: the legacy settings
-    if precision != "highest":
-        return f"torch.get_float32_matmul_precision() is {precision!r}"
-    if "cuda" in devices:
-        legacy: list[tuple[str, Any]] = [
-            ("torch.backends.cuda.matmul.allow_tf32", backends.cuda.matmul)
-        ]
-        if convolutions:
-            legacy.append(("torch.backends.cudnn.allow_tf32", backends.cudnn))
-        for name, owner in legacy:
-            if getattr(owner, "allow_tf32", False) is True:
-                return f"{name} is True"
-    return None
-
-
-# clipless layers that run no convolution (the precision check's cuDNN exemption)
-_DENSE_LAYERS: tuple[type, ...] = (
-    _cnn.Sequential,
-    _cnn.Residual,
-    _cnn.Linear,
-    _cnn.InputNorm,
-    _cnn.GroupSort,
-    _cnn.ReLU,
-    _cnn.Tanh,
-    _cnn.Sigmoid,
-    _cnn.Abs,
-    _cnn.Flatten,
-    _cnn.LossGradientClip,
-)
-
-
-_FP32_LEAVES = (
-    ("cudnn", "conv"),
-    ("cudnn", "rnn"),
-    ("cuda", "matmul"),
-    ("mkldnn", "conv"),
-    ("mkldnn", "matmul"),
-    ("mkldnn", "rnn"),
-)
-
-
-def full_float32_precision() -> None:
-    """Turn TF32 and bfloat16 products off, so that float32 is computed in float32 everywhere
-    (what :func:`reduced_float32_precision` checks; ``clipless train`` calls this on CUDA).
-
-    torch >= 2.9: every backend's ``fp32_precision`` is set to ``"ieee"`` (writing the legacy
-    flags there leaves a setting such as ``torch.backends.fp32_precision = "tf32"`` inherited);
-    older torch: ``allow_tf32 = False`` for cuDNN and cuBLAS and the ``"highest"`` matmul
-    precision. A global setting of the process, like the flags it writes.
-    """
-    backends = torch.backends
-    leaves = [getattr(getattr(backends, a, None), b, None) for a, b in _FP32_LEAVES]
-    new_api = [leaf for leaf in leaves if leaf is not None and hasattr(leaf, "fp32_precision")]
-    if new_api:
-        for leaf in new_api:
-            leaf.fp32_precision = "ieee"
-        return
-    backends.cudnn.allow_tf32 = False
-    backends.cuda.matmul.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-
-
-def switch_to_full_float32(module: torch.nn.Module) -> str | None:
-    """Call :func:`full_float32_precision` if a float32 ``module`` would otherwise round below
-    float32 on its devices (TF32 / bfloat16 products, :func:`reduced_float32_precision`): returns
-    the setting that was switched off, or ``None`` when nothing needed to change."""
-    params = list(module.parameters())
-    if not params or any(p.dtype != torch.float32 for p in params):
-        return None
-    devices = {p.device.type for p in params}
-    convolutions = any(not isinstance(m, _DENSE_LAYERS) for m in module.modules())
-    setting = reduced_float32_precision(devices, convolutions)
-    if setting is not None:
-        full_float32_precision()
-    return setting
-
-
-class _Hook:
-    """A model hook calling ``owner.<method>``; copies of the model (EMA, export) drop it.
-
-    The hook holds its optimizer weakly, and a deep copy or pickle of the model gets an inert
-    hook: only the model that was made private is enforced.
-    """
-
-    def __init__(self, owner: DPOptimizer | None, method: str) -> None:
-        self._owner = weakref.ref(owner) if owner is not None else None
-        self._method = method
-
-    def __call__(self, *args: Any) -> Any:
-        owner = self._owner() if self._owner is not None else None
-        if owner is None:
-            if self._owner is not None and self._method == "_before_inner_step":
-                # the DPOptimizer is gone but its wrapped optimizer is not: a step now would
-                # apply the raw private gradient
-                raise PrivacyContractError(
-                    "this optimizer was wrapped by a DPOptimizer that no longer exists: step the "
-                    "DPOptimizer, or call its detach() before using the wrapped optimizer alone"
-                )
-            return None
-        return getattr(owner, self._method)(*args)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
-        return _Hook(None, self._method)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_Hook, (None, self._method))
-
-
-class _GradHook:
-    """A noised parameter's tensor hook: tells ``owner`` a gradient is about to be accumulated."""
-
-    def __init__(self, owner: DPOptimizer | None, param: torch.nn.Parameter | None) -> None:
-        self._owner = weakref.ref(owner) if owner is not None else None
-        self._param = weakref.ref(param) if param is not None else None
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        owner = self._owner() if self._owner is not None else None
-        param = self._param() if self._param is not None else None
-        if owner is not None and param is not None:
-            owner._check_param_hooks(param)
-            owner._before_accumulate(param)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _GradHook:
-        return _GradHook(None, None)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_GradHook, (None, None))
 
 
 _EVAL_BACKWARD = (
@@ -481,88 +249,31 @@ def _is_transformed(x: object) -> bool:
     return isinstance(x, torch.Tensor) and _wrapped(x)
 
 
-class DPOptimizer(torch.optim.Optimizer):
-    """Differentially private wrapper around ``optimizer`` (see the module docstring).
+class ContractGuard:
+    """The enforcement half of :class:`clipless.optim.DPOptimizer` (module docstring): hooks on the
+    model, its parameters and the wrapped optimizer, the taint of unguarded backward passes, the
+    queued device checks, and :meth:`_plan_for_step`, which refuses a step that is not one
+    private gradient or returns the plan of the one it is. Each check is pinned by a test in
+    ``tests/test_contract.py``."""
 
-    Built by :meth:`clipless.PrivacyEngine.make_private`; it shares ``param_groups`` and ``state``
-    with the wrapped optimizer, so learning-rate schedulers and ``state_dict`` work as usual.
-    ``config`` is the frozen :class:`clipless.mechanism.PrivacyConfig` of every step.
-    """
+    # provided by DPOptimizer
+    module: torch.nn.Module
+    input_shape: tuple[int, ...]
+    data_parallel: Any
+    _dtype: str
+    if TYPE_CHECKING:
 
-    # The wrapped optimizer's own lists, read through (torch's load_state_dict replaces them on
-    # the wrapped optimizer: copies taken at construction went stale, and a scheduler on this
-    # optimizer then changed nothing).
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.original_optimizer.param_groups
+        @property
+        def param_groups(self) -> list[dict[str, Any]]: ...
 
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.original_optimizer.param_groups = value
+        def current_plan(self, multiplicity: int = 1) -> NoisePlan: ...
 
-    @property
-    def state(self) -> Any:
-        return self.original_optimizer.state
+        def _apply(self, plan: NoisePlan) -> None: ...
 
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.original_optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.original_optimizer.defaults = value
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        module: torch.nn.Module,
-        loss: torch.nn.Module,
-        input_shape: tuple[int, ...],
-        config: PrivacyConfig,
-        ledger: PrivacyLedger,
-        generator: torch.Generator | None = None,
-        ledger_path: str | os.PathLike[str] | None = None,
-        certify_every: int = 1,
-        data_loader: PoissonDataLoader | None = None,
+    def _init_guard(
+        self, module: torch.nn.Module, config: PrivacyConfig, data_loader: PoissonDataLoader | None
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}"
-            )
-        if not isinstance(config, PrivacyConfig):
-            raise TypeError(f"config must be a PrivacyConfig; got {type(config).__name__}")
-        self.original_optimizer = optimizer
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self.module = module
-        self.loss = loss
-        self.input_shape = tuple(input_shape)
-        self.config = config
-        self.ledger = ledger
-        self.ledger_path = ledger_path
-        self._ledger_file_checked: object = None  # the ledger_path read before its first write
-        bad = isinstance(certify_every, bool) or not isinstance(certify_every, numbers.Integral)
-        if bad or certify_every < 1:
-            raise ValueError(f"certify_every must be an integer >= 1; got {certify_every!r}")
-        self.certify_every = int(certify_every)
-        if not isinstance(ledger, accounting.PrivacyLedger):
-            raise TypeError(
-                f"ledger must be a clipless.accounting.PrivacyLedger; got {type(ledger).__name__}"
-            )
-        if ledger_path is not None and not isinstance(ledger_path, str | os.PathLike):
-            raise TypeError(
-                f"ledger_path must be a str, an os.PathLike or None; got "
-                f"{type(ledger_path).__name__}"
-            )
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(
-                f"generator must be a torch.Generator or None; got {type(generator).__name__}"
-            )
+        """The noised parameters and the input releases, checked against ``config``."""
         self._loader: PoissonDataLoader | None = None
         self._drawn_at_step = 0
         self.data_loader = data_loader
@@ -579,20 +290,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"config.num_tensors is {config.num_tensors} but the optimizer holds "
                 f"{len(self._names)} trainable parameters"
             )
-        dtypes = {p.dtype for p in self._names}
-        if len(dtypes) != 1:
-            raise ValueError(
-                f"all trained parameters must share one dtype; got {sorted(map(str, dtypes))}"
-            )
-        self._dtype = str(next(iter(dtypes))).removeprefix("torch.")
-        mechanism.rounding_margin(self._dtype)  # refuses half precision up front
-        device = next(iter(self._names)).device
-        if generator is None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(secrets.randbits(63))
-        self.generator = generator
-        #: Set by :func:`clipless.distributed.make_data_parallel` (None: one process).
-        self.data_parallel: Any = None
+
+    def _install_guard(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The guard's state and its hooks on the model, the parameters and ``optimizer``."""
         self._multiplicity = 1
         self._pending: list[_Pass] = []
         self._released: dict[torch.nn.Parameter, tuple[int, int]] = {}
@@ -638,7 +338,6 @@ class DPOptimizer(torch.optim.Optimizer):
             self._hooks.append(
                 p.register_post_accumulate_grad_hook(_Hook(self, "_accumulated_grad"))
             )
-        self.refresh()
 
     # ------------------------------------------------------------- parameters
     def _noised_parameters(self) -> dict[torch.nn.Parameter, str]:
@@ -711,62 +410,6 @@ class DPOptimizer(torch.optim.Optimizer):
                     "backend's float32 precision to IEEE; clipless train does this on CUDA), or "
                     "train in float64"
                 )
-
-    # ------------------------------------------------------------------ plans
-    def bound_report(self) -> BoundReport:
-        """The certified bounds at the current weights (layer norms are memoised exactly)."""
-        return bounds.report(self.module, self.loss, self.input_shape)
-
-    def current_plan(self, multiplicity: int = 1) -> NoisePlan:
-        """The :class:`NoisePlan` a step would use at the current weights."""
-        return mechanism.plan_step(
-            self.config,
-            self.bound_report(),
-            list(self._names.values()),
-            dtype=self._dtype,
-            multiplicity=multiplicity,
-        )
-
-    def _apply(self, plan: NoisePlan) -> None:
-        """Set the plan's scaling threshold and multiplicity on every parametric layer.
-
-        A layer reached at several paths (one module used twice) gets the largest of its paths'
-        thresholds (the thresholds only trade bias against variance, never privacy).
-        """
-        chosen: dict[int, tuple[ParametricLipschitzModule, float | str]] = {}
-        for path, value in plan.thresholds.items():
-            layer = self.module.get_submodule(path)
-            if not isinstance(layer, ParametricLipschitzModule):
-                raise TypeError(f"{path!r} is not a clipless parametric layer")
-            prev = chosen.get(id(layer))
-            if prev is not None and isinstance(prev[1], float) and isinstance(value, float):
-                value = max(prev[1], value)
-            chosen[id(layer)] = (layer, value)
-        for layer, value in chosen.values():
-            layer.scaling_threshold = value
-            layer.scaling_multiplicity = plan.multiplicity
-
-    def refresh(self) -> NoisePlan:
-        """Plan at the current weights and set the layers' scaling thresholds for it."""
-        plan = self.current_plan(self._multiplicity)
-        self._apply(plan)
-        return plan
-
-    @contextlib.contextmanager
-    def sample_multiplicity(self, k: int) -> Iterator[None]:
-        """Within the block, every sample occupies ``k`` consecutive rows (augmentation copies).
-
-        Each row's contribution to the parameter gradients is divided by ``k`` inside the scaled
-        kernels (after the cotangent clipping), so one sample's ``k`` copies together contribute at
-        most the layer's sensitivity. Do not divide the loss by ``k`` yourself.
-        """
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be an integer >= 1; got {k!r}")
-        previous, self._multiplicity = self._multiplicity, k
-        try:
-            yield
-        finally:
-            self._multiplicity = previous
 
     # ------------------------------------------------------------------ hooks
     def _before_forward(
@@ -1209,108 +852,16 @@ class DPOptimizer(torch.optim.Optimizer):
                 "returned"
             )
 
-    # ------------------------------------------------------- compatibility API
-    @property
-    def noise_multiplier(self) -> float:
-        return float(self.config.noise_multiplier)
-
-    @property
-    def noise(self) -> str:
-        return self.config.noise
-
-    @property
-    def scaling(self) -> str:
-        return self.config.scaling
-
-    @property
-    def constraint(self) -> str | None:
-        return self.config.constraint
-
-    @property
-    def max_norm(self) -> float:
-        return float(self.config.max_norm)
-
-    @property
-    def sample_rate(self) -> float:
-        return float(self.config.sample_rate)
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.config.num_samples)
-
-    @property
-    def expected_batch_size(self) -> float:
-        return self.config.expected_batch_size
-
-    @property
-    def effective_noise_multiplier(self) -> float:
-        """``sigma_eff`` of the whole step, relative to the sensitivities ``Delta_p``."""
-        return self.config.effective_noise_multiplier
-
-    @property
-    def accounting_noise_multiplier(self) -> float:
-        """The multiplier recorded in the ledger (``dp_accounting``'s convention)."""
-        return self.config.accounting_noise_multiplier
-
-    def sensitivities(self) -> dict[str, float]:
-        """``Delta_p`` per noised parameter at the current weights (:func:`mechanism.plan_step`)."""
-        return dict(self.current_plan().sensitivities)
-
-    def layer_sensitivities(self) -> dict[str, float]:
-        """Joint (weight, bias) sensitivity of each parametric layer path, summed over uses."""
-        plan = self.current_plan()
-        out: dict[str, float] = {}
-        for lb in self.bound_report().layers:
-            names = [n for n in lb.gradient_bounds if n in plan.sensitivities]
-            if names:
-                g = mechanism.use_bound(lb.cotangent_bound, self.config, plan.rounding_margin)
-                out[lb.path] = math.nextafter(out.get(lb.path, 0.0) + g, math.inf)
-        return out
-
-    def noise_stds(self) -> dict[str, float]:
-        """Noise standard deviation per noised parameter at the current weights."""
-        return dict(self.current_plan().stds)
-
-    @property
-    def steps_remaining(self) -> int | None:
-        """Steps left in the plan (``None`` when the config plans no number of steps)."""
-        if self.config.steps is None:
-            return None
-        return max(0, self.config.steps - self.ledger.steps)
-
-    # -------------------------------------------------------------------- step
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
-
-    @torch.no_grad()
-    def add_noise(self, plan: NoisePlan | None = None) -> None:
-        """Add the plan's noise to every noised gradient and divide by the expected batch size."""
-        plan = plan if plan is not None else self.current_plan(self._multiplicity)
-        parallel = self.data_parallel
-        stds = dict(plan.stds)
-        if parallel is not None:  # clipless.distributed: sum the ranks' gradients first
-            for p in self._names:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            parallel.reduce([p.grad for p in self._names if p.grad is not None])
-            stds = parallel.largest(stds)  # replicas agree; if not, the safe (largest) noise
-        for p, name in self._names.items():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if parallel is not None and not parallel.adds_noise:
-                p.grad.div_(plan.expected_batch_size)
-                continue
-            shape, dtype = tuple(p.shape), p.grad.dtype
-            # a reused buffer (clipless._workspace: no page faults per step), consumed here
-            buffer = _workspace.scratch("weight.draft", shape, dtype, self.generator.device)
-            noise = draw_noise(plan, name, shape, self.generator, dtype, std=stds[name], out=buffer)
-            p.grad.add_(noise.to(p.grad.device))
-            p.grad.div_(plan.expected_batch_size)
-        observe = getattr(self.original_optimizer, "set_noise_variance", None)
-        if observe is not None:  # AdamBC: the noise's variance in each averaged gradient
-            observe({p: (stds[n] / plan.expected_batch_size) ** 2 for p, n in self._names.items()})
-        if parallel is not None:  # every rank steps with the noisy gradient of the noising rank
-            parallel.broadcast([p.grad for p in self._names if p.grad is not None])
+    def _end_step(self) -> None:
+        """Forget the step's gradients' records (a refused step consumes its batch too)."""
+        if self.data_loader is not None:
+            self._drawn_at_step = self.data_loader.batches_yielded
+        self._pending = []
+        self._accumulated = {}
+        self._fingerprints = {}
+        self._incoming = {}
+        self._refusal = {}
+        self._checks, self._warnings = [], []
 
     def _plan_for_step(self) -> NoisePlan:
         """The plan of the one private gradient the step releases (or refuse it)."""
@@ -1355,96 +906,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self._checks, self._warnings = [], []  # of forwards never backpropagated
         return self.current_plan(self._multiplicity)  # no gradient: an empty batch
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Checks, accounting, noise, inner step, projection (module docstring)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        try:
-            self._check_parameters()
-            plan = self._plan_for_step()
-            remaining = self.steps_remaining
-            if remaining is not None and remaining <= 0:
-                raise PlanExhaustedError(
-                    f"the privacy budget was planned for {self.config.steps} steps and all were "
-                    "taken; a further step would spend more than the target epsilon. To train "
-                    "longer, call engine.extend(steps=...) (it re-accounts and reports the new "
-                    "epsilon)"
-                )
-            self._check_batch_drawn()
-            # Write-ahead accounting: the step is recorded (and persisted, with a ledger_path)
-            # before any noisy value exists, so a crash can only over-count, never under-count.
-            writes = self.data_parallel is None or self.data_parallel.writes_ledger
-            if (
-                self.ledger_path is not None
-                and writes
-                and self._ledger_file_checked != self.ledger_path
-            ):
-                # Before the first write: the file must not record more than this ledger (a
-                # fresh run, or a hand-written resume from an older checkpoint, would forget it).
-                self.ledger.check_overwrite(self.ledger_path)
-                self._ledger_file_checked = self.ledger_path
-            self.ledger.record(
-                plan.accounting_noise_multiplier, plan.sample_rate, proven=plan.proven
-            )
-            if self.ledger_path is not None and writes:
-                self.ledger.to_json(self.ledger_path)
-            self.add_noise(plan)
-        finally:
-            if self.data_loader is not None:  # a refused step consumes its batch too
-                self._drawn_at_step = self.data_loader.batches_yielded
-            self._pending = []
-            self._accumulated = {}
-            self._fingerprints = {}
-            self._incoming = {}
-            self._refusal = {}
-            self._checks, self._warnings = [], []
-        self._stepping = True
-        try:
-            self.original_optimizer.step()
-        finally:
-            self._stepping = False
-        self._released = {
-            p: (id(p.grad), p.grad._version) for p in self._names if p.grad is not None
-        }
-        if self.config.constraint is not None:
-            constraints.project(
-                self.module,
-                mode=self.config.constraint,  # type: ignore[arg-type]
-                max_norm=self.config.max_norm,
-                certify_every=self.certify_every,
-            )
-        return loss
-
-    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
-        """Registered on the wrapped optimizer: it runs inside :meth:`step`, after the noise."""
-        return self.original_optimizer.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
-        """Registered on the wrapped optimizer: it runs inside :meth:`step`, after the noise."""
-        return self.original_optimizer.register_step_post_hook(hook)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.original_optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.original_optimizer.load_state_dict(state_dict)
-
-    def detach(self) -> None:
-        """Remove the hooks this optimizer placed on the model (the model stays usable)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    def __repr__(self) -> str:
-        c = self.config
-        return (
-            f"DPOptimizer({type(self.original_optimizer).__name__}, noise={c.noise!r}, "
-            f"noise_multiplier={c.noise_multiplier}, sample_rate={c.sample_rate}, "
-            f"scaling={c.scaling!r}, constraint={c.constraint!r}, max_norm={c.max_norm})"
-        )
-
 
 _STALE_BOUND = (
     "the weight of layer {!r} was changed without autograd seeing it (a write through .data or "
@@ -1461,110 +922,6 @@ _CHANGED_AFTER_BACKWARD = (
     "write through .data or a NumPy view): the noise was calibrated for the gradient the "
     "guarded backward pass accumulated"
 )
-
-
-def _real(value: object) -> bool:
-    """A real number (NumPy scalars included), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-class AdamBC(torch.optim.Optimizer):
-    """Adam with the privacy noise's variance removed from its second moment (DP-AdamBC).
-
-    Tang, Shpilevskiy and Lécuyer, "DP-AdamBC: Your DP-Adam Is Actually DP-SGD (Unless You Apply
-    Bias Correction)", AAAI 2024, Algorithm 1. The private gradient is ``g~ = g + z / B`` with
-    ``z`` Gaussian of the plan's standard deviation ``s`` (per tensor) and ``B`` the expected batch
-    size, so Adam's second moment estimates ``E[g^2] + (s / B)^2``: the noise's variance
-    ``Phi = (s / B)^2`` dominates every coordinate whose signal is small, and DP-Adam then behaves
-    like DP-SGD with a rescaled step (the paper's observation). This optimizer subtracts it:
-
-    ``m_t = b1 m + (1 - b1) g~``, ``v_t = b2 v + (1 - b2) g~^2``,
-    ``phi_t = b2 phi + (1 - b2) Phi_t``,
-    ``p -= lr (m_t / (1 - b1^t)) / sqrt(max((v_t - phi_t) / (1 - b2^t), floor))``.
-
-    ``phi_t`` is the same moving average of the per-step noise variance as ``v_t``'s, so the
-    correction is exact in expectation when the noise scale changes between steps (certified
-    bounds follow the weights). ``floor`` (the paper's ``gamma'``) keeps the denominator away
-    from zero where ``v_t - phi_t`` is small or negative: ``max(floor, floor_ratio * phi_t /
-    (1 - b2^t))``, i.e. an absolute floor and one relative to the noise variance.
-
-    **Privacy.** Post-processing: ``Phi`` is computed from the plan's public noise scale and the
-    public expected batch size, and everything else is a function of the released noisy
-    gradients. :class:`DPOptimizer` passes the variances before each inner step
-    (:meth:`set_noise_variance`); used alone (no variance given) this is Adam with ``eps``
-    inside the square root.
-
-    Measured here (``benchmarks/RESULTS.md`` section 22a): no gain over Adam on Adult or on
-    Fashion-MNIST's scattering features (linear models); a ``floor_ratio`` below ~0.3 loses.
-    """
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        floor: float = 1e-12,
-        floor_ratio: float = 0.0,
-    ) -> None:
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}")
-        for name, value, lo, hi in (
-            ("lr", lr, 0.0, math.inf),
-            ("betas[0]", betas[0], 0.0, 1.0),
-            ("betas[1]", betas[1], 0.0, 1.0),
-        ):
-            if not (_real(value) and lo <= value < hi):
-                raise ValueError(f"{name} must be a number in [{lo}, {hi}); got {value!r}")
-        if not (_real(floor) and 0.0 < floor < math.inf):
-            raise ValueError(f"floor must be a positive finite number; got {floor!r}")
-        if not (_real(floor_ratio) and 0.0 <= floor_ratio < math.inf):
-            raise ValueError(f"floor_ratio must be a finite number >= 0; got {floor_ratio!r}")
-        defaults = {
-            "lr": float(lr),
-            "betas": (float(betas[0]), float(betas[1])),
-            "floor": float(floor),
-            "floor_ratio": float(floor_ratio),
-        }
-        super().__init__(params, defaults)
-        self._variance: dict[torch.nn.Parameter, float] = {}
-
-    def set_noise_variance(self, variances: dict[torch.nn.Parameter, float]) -> None:
-        """Per-coordinate variance of the noise in each parameter's gradient, for the next step."""
-        for var in variances.values():
-            if not (isinstance(var, float) and 0.0 <= var < math.inf):
-                raise ValueError(f"noise variance must be a finite float >= 0; got {var!r}")
-        self._variance = dict(variances)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        variance, self._variance = self._variance, {}
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["noise_avg"] = 0.0
-                state["step"] += 1
-                t = state["step"]
-                state["exp_avg"].lerp_(grad, 1.0 - b1)
-                state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-                state["noise_avg"] = b2 * state["noise_avg"] + (1.0 - b2) * variance.get(p, 0.0)
-                c2 = 1.0 - b2**t
-                phi = state["noise_avg"] / c2
-                floor = max(group["floor"], group["floor_ratio"] * phi)
-                denom = (state["exp_avg_sq"] / c2).sub_(phi).clamp_(min=floor).sqrt_()
-                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1.0 - b1**t))
-        return loss
 
 
 _FINGERPRINT_CHUNK = 2**17  # float64 entries (1 MiB) converted at a time
