@@ -85,6 +85,7 @@ import torch.nn.modules.module as _module_hooks
 from clipless import _workspace, accounting, bounds, constraints, mechanism
 from clipless import nn as _cnn
 from clipless._bits import same_bits
+from clipless._modes import foreign_mode
 from clipless.mechanism import CONSTRAINTS, NOISE_STRATEGIES, NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.nn._functional import _wrapped
@@ -400,6 +401,7 @@ class _GradHook:
         owner = self._owner() if self._owner is not None else None
         param = self._param() if self._param is not None else None
         if owner is not None and param is not None:
+            owner._check_modes("backward pass")
             owner._check_param_hooks(param)
             owner._before_accumulate(param)
 
@@ -780,6 +782,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         self._check_precision()
         self._check_foreign_hooks()
+        self._check_modes("training forward")
         if _input_releases(self.module) != self._releases:
             raise PrivacyContractError(
                 "the model's input releases changed after make_private (an InputNorm carrying a "
@@ -1053,7 +1056,19 @@ class DPOptimizer(torch.optim.Optimizer):
                 "under torch.no_grad(); a penalty on input gradients is not supported"
             )
 
+    def _check_modes(self, where: str) -> None:
+        """Refuse a Python dispatch or function mode around the guarded pass or the step
+        (:mod:`clipless._modes`: it can change any operator's result, the noise draw included)."""
+        mode = foreign_mode()
+        if mode is not None:
+            raise PrivacyContractError(
+                f"{mode} is active around the private model's {where}: it intercepts every "
+                "operator and can change one example's gradient (or the noise) beyond what the "
+                "privacy guarantee covers; exit it while training privately"
+            )
+
     def _on_backward(self, record: _Pass) -> None:
+        self._check_modes("backward pass")
         for p, w in zip(record.params, record.weights, strict=True):
             if not same_bits(p.detach(), w):
                 raise PrivacyContractError(
@@ -1288,6 +1303,7 @@ class DPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
+            self._check_modes("step")
             self._check_parameters()
             plan = self._plan_for_step()
             remaining = self.steps_remaining
