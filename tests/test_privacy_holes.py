@@ -117,3 +117,60 @@ def test_a_default_device_context_is_not_a_foreign_mode() -> None:
         o.loss(m(x), y).backward()
         o.step()
     assert o.ledger.steps == 1
+
+
+# ------------------------------------------------------- 2. records present twice
+def _repeats():
+    data = _data()
+    x, y = data.tensors
+    balanced = torch.utils.data.Subset(data, [0, 0, 0, *range(1, N)])
+    return {
+        "subset with repeated indices": balanced,
+        "nested subsets": torch.utils.data.Subset(
+            torch.utils.data.Subset(data, list(range(50))), [3, 4, 5, 3]
+        ),
+        "a negative index": torch.utils.data.Subset(data, [N - 1, -1]),
+        "a tensor index": torch.utils.data.Subset(data, torch.tensor([7, 8, 7])),
+        "the same dataset concatenated": torch.utils.data.ConcatDataset([data, data]),
+        "two datasets over the same rows": torch.utils.data.ConcatDataset(
+            [TensorDataset(x, y), TensorDataset(x[:10], y[:10])]
+        ),
+        "subsets of one dataset, concatenated": torch.utils.data.ConcatDataset(
+            [torch.utils.data.Subset(data, [1, 2]), torch.utils.data.Subset(data, [2, 3])]
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_repeats()))
+def test_a_dataset_holding_a_record_twice_is_refused(case: str) -> None:
+    """Review finding 2: ``Subset(ds, [0, 0, 0, 1, ...])`` (oversampling, the path a refused
+    ``WeightedRandomSampler`` pointed to) was taken as distinct records: a record present twice
+    contributed 2.0 times its sensitivity, three times 3.0, and was sampled as often. Refused at
+    make_private, before any state changes."""
+    engine = clipless.PrivacyEngine(seed=0)
+    model = _model()
+    with pytest.raises(ValueError, match=r"data_loader\.dataset holds a record"):
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_repeats()[case], batch_size=20),
+            loss=nn.CrossEntropyLoss(),
+            noise_multiplier=1.0,
+        )
+    assert engine.optimizer is None
+
+
+def test_distinct_records_in_subsets_and_concatenations_are_accepted() -> None:
+    data = _data()
+    x, y = data.tensors
+    for dataset in (
+        torch.utils.data.Subset(data, [5, 1, -3, 0]),
+        torch.utils.data.ConcatDataset(
+            [TensorDataset(x[:100], y[:100]), TensorDataset(x[100:], y[100:])]
+        ),
+        torch.utils.data.ConcatDataset(
+            [torch.utils.data.Subset(data, [1, 2]), torch.utils.data.Subset(data, [3, 4])]
+        ),
+        TensorDataset(x[:1].expand(10, DIM), y[:10]),  # equal values, distinct records
+    ):
+        _private(dataset=dataset)
