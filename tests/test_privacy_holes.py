@@ -174,3 +174,64 @@ def test_distinct_records_in_subsets_and_concatenations_are_accepted() -> None:
         TensorDataset(x[:1].expand(10, DIM), y[:10]),  # equal values, distinct records
     ):
         _private(dataset=dataset)
+
+
+# ------------------------------------------------------ 1. batch-mixing augmentation
+def _mix_flip(x: torch.Tensor) -> torch.Tensor:
+    """The review's transform: every row averaged with its mirror row in the batch."""
+    return 0.5 * x + 0.5 * x.flip(0)
+
+
+def _mixup(x: torch.Tensor) -> torch.Tensor:
+    lam = 0.3
+    return lam * x + (1 - lam) * x[torch.randperm(x.shape[0])]
+
+
+def _canary_ratio(o, m, augment, canaries: int = 30, batch: int = 6) -> float:
+    """Worst contribution of one example to the batch's gradient sum (with it minus without it),
+    through ``training_loss(..., augment=, optimizer=o)`` (what :func:`fit` runs), in the noise's
+    metric."""
+    from clipless.training import training_loss
+
+    x_all, y_all = _data().tensors
+    plan = o.current_plan()
+    worst = 0.0
+    for c in range(canaries):
+        rows = [c, *range(100, 100 + batch - 1)]
+        grads = []
+        for keep in (rows, rows[1:]):
+            o.zero_grad(set_to_none=True)
+            x, y = x_all[keep] * 50, y_all[keep]
+            torch.manual_seed(c)  # the same random draws with and without the canary
+            training_loss(m, o.loss, x, y, augment=augment, optimizer=o)[0].backward()
+            o._pending.clear()  # measured without stepping
+            grads.append({n: p.grad.double().clone() for n, p in m.named_parameters()})
+        sq = sum(((grads[0][n] - grads[1][n]).norm().item() / plan.stds[n]) ** 2 for n in plan.stds)
+        worst = max(worst, math.sqrt(sq) * plan.accounting_noise_multiplier)
+    return worst
+
+
+@pytest.mark.parametrize("augment", [_mix_flip, _mixup])
+def test_an_augmentation_cannot_mix_the_examples_of_a_batch(augment) -> None:
+    """Review finding 1: ``fit(..., augment=lambda x: 0.5 * x + 0.5 * x.flip(0))`` gave one
+    example 1.94 times its calibrated contribution (the row count is unchanged: no check fired).
+    ``augment`` now runs on every row alone (``training.per_sample``, vmap): the same transform
+    sees a batch of one and cannot reach another example. Measured as the difference of the
+    batch gradients with and without each canary."""
+    _, m, o, _ = _private()
+    o.data_loader = None
+    worst = _canary_ratio(o, m, augment)
+    assert 0.5 < worst <= 1.0
+
+
+def test_a_per_sample_augmentation_is_unchanged_and_draws_per_row() -> None:
+    from clipless.training import per_sample
+
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(per_sample(lambda t: 2 * t.flip(1), x), 2 * x.flip(1))
+    noisy = per_sample(lambda t: t + torch.randn_like(t), torch.zeros(6, 3))
+    assert len({tuple(r.tolist()) for r in noisy}) == 6  # independent draws per row
+    with pytest.raises(ValueError, match="vmap"):
+        per_sample(lambda t: t * float(t.sum().item()), x)
+    with pytest.raises(ValueError, match="one row per input row"):
+        per_sample(lambda t: torch.cat([t, t]), x)
