@@ -235,3 +235,83 @@ def test_a_per_sample_augmentation_is_unchanged_and_draws_per_row() -> None:
         per_sample(lambda t: t * float(t.sum().item()), x)
     with pytest.raises(ValueError, match="one row per input row"):
         per_sample(lambda t: torch.cat([t, t]), x)
+
+
+# ---------------------------------------- 5. a data-parallel rank training on other rows
+def _shard_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from clipless import distributed
+    from clipless.training import training_loss
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen: dict[str, str] = {}
+    try:
+        _, m, o, loader = _private(loss=nn.CrossEntropyLoss())
+        distributed.make_data_parallel(o, loader)
+        batches = iter(loader)
+
+        def attempt(name: str, rows) -> None:
+            xb, yb = next(batches)
+            try:
+                o.zero_grad()
+                x, y = rows(xb, yb)
+                o.loss(m(x), y).backward()
+                o.step()
+                seen[name] = "accepted"
+            except PrivacyContractError as exc:
+                seen[name] = str(exc)
+                o.discard_batch()
+
+        attempt("shard", lambda x, y: distributed.shard(x, y, loader=loader))
+        attempt("first rows", lambda x, y: (x[: len(x) // world], y[: len(y) // world]))
+        attempt(
+            "first rows after shard()",
+            lambda x, y: (
+                distributed.shard(x, y, loader=loader) and x[: len(x) // world],
+                y[: len(y) // world],
+            ),
+        )
+        xb, yb = next(batches)
+        x, y = distributed.shard(xb, yb, loader=loader)
+        o.zero_grad()
+        value = training_loss(m, o.loss, x, y, augment=lambda t: t.flip(1), augmult=2, optimizer=o)
+        value[0].backward()
+        o.step()
+        seen["augmented shard"] = "accepted"
+        torch.save(seen, Path(out) / f"shard{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_a_rank_training_on_other_rows_than_its_shard_is_refused(tmp_path) -> None:
+    """Review finding 5: every rank training on ``x[: len(x) // world]`` instead of its shard gave
+    1.54 (the first examples counted on both ranks) and was accepted: the check compared row
+    counts only. ``shard()`` now records an exact digest of the rows it handed out, and the
+    training forward requires exactly those rows (an augmented forward only through
+    ``training_loss``, which checks the shard first)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    torch.multiprocessing.spawn(_shard_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        seen = torch.load(tmp_path / f"shard{rank}.pt")
+        assert seen["shard"] == "accepted" and seen["augmented shard"] == "accepted"
+        assert "is not the" in seen["first rows"], seen
+        assert "is not the" in seen["first rows after shard()"], seen

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from clipless import _shards
 from clipless.optim import DPOptimizer, PrivacyContractError
 
 __all__ = ["DataParallel", "current_rank", "init_from_env", "make_data_parallel", "shard", "spawn"]
@@ -184,6 +185,12 @@ def shard(
     last_batch_fingerprint`), so random per-example transforms in the dataset may differ between
     ranks; without it, the batch size and a float64 checksum of the contents (non-finite values
     counted apart). The check runs on the group's device (CUDA for NCCL).
+
+    The rows returned (their first tensor: the inputs) are recorded, and the private model's
+    next training forward must receive exactly them (:mod:`clipless._shards`): training on other
+    rows of the batch (``x[: len(x) // world]`` on every rank counts the first examples once per
+    rank) is refused. Augment them with :func:`clipless.training.training_loss` (``augment=``),
+    which checks the shard before augmenting it.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -223,7 +230,9 @@ def shard(
             "the ranks hold different batches: every rank must draw the same Poisson batch "
             "(pass make_private's loader to make_data_parallel) before taking its shard"
         )
-    return tuple(t[rank::world] for t in tensors)
+    out = tuple(t[rank::world] for t in tensors)
+    _shards.record(out[0])  # the training forward checks it receives exactly these rows
+    return out
 
 
 # ------------------------------------------------------------------------------- launching

@@ -82,7 +82,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.modules.module as _module_hooks
 
-from clipless import _workspace, accounting, bounds, constraints, mechanism
+from clipless import _shards, _workspace, accounting, bounds, constraints, mechanism
 from clipless import nn as _cnn
 from clipless._bits import same_bits
 from clipless._modes import foreign_mode
@@ -797,6 +797,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"{k} (every sample occupies {k} consecutive rows)"
             )
         self._check_rows(int(x.shape[0]), k)
+        self._check_shard(x)
         plan = self.current_plan(k)
         self._apply(plan)
         params = tuple(self._watched)
@@ -861,6 +862,20 @@ class DPOptimizer(torch.optim.Optimizer):
             "copies of each example (from the loop or from a collate_fn) use "
             "optimizer.sample_multiplicity(K)"
         )
+
+    def _check_shard(self, x: torch.Tensor) -> None:
+        """Under :mod:`clipless.distributed`, refuse a training forward whose input is not the
+        rows :func:`clipless.distributed.shard` handed this rank (:mod:`clipless._shards`)."""
+        if self.data_parallel is None:
+            return
+        why = _shards.check(x)
+        if why is not None:
+            raise PrivacyContractError(
+                f"{why}: under clipless.distributed each rank must train on exactly its rows "
+                "rank::world of the batch, from clipless.distributed.shard (other rows count "
+                "some examples on several ranks); augment them with clipless.training."
+                "training_loss(augment=...)"
+            )
 
     def _check_batch_drawn(self) -> None:
         """Refuse a step that does not follow exactly one batch of the Poisson loader.

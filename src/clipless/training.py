@@ -87,10 +87,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from clipless import _shards
 from clipless._io import atomic_write, atomic_write_with
 from clipless.distributed import shard
 from clipless.nn import LossGradientClip
-from clipless.optim import DPOptimizer
+from clipless.optim import DPOptimizer, PrivacyContractError
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -501,6 +502,8 @@ def training_loss(
     Returns ``(loss, logits, targets)`` (``logits``/``targets`` of the ``B*K`` rows).
     """
     if augment is not None:
+        if optimizer is not None and getattr(optimizer, "data_parallel", None) is not None:
+            _shard_before_augmenting(x, x.shape[0] * augmult)
         x_in = per_sample(augment, x.repeat_interleave(augmult, dim=0))
         y_in = y.repeat_interleave(augmult, dim=0)
     else:
@@ -518,6 +521,17 @@ def training_loss(
         )
     logits = model(x_in)
     return _loss_sum(loss, logits, y_in) / augmult, logits, y_in
+
+
+def _shard_before_augmenting(x: torch.Tensor, rows: int) -> None:
+    """Under :mod:`clipless.distributed`: ``x`` must be this rank's shard (:mod:`clipless._shards`);
+    the forward of its ``rows`` augmented rows is then allowed."""
+    why = _shards.allow_augmented(x, rows)
+    if why is not None:
+        raise PrivacyContractError(
+            f"{why}: under clipless.distributed augment the rows clipless.distributed.shard "
+            "handed this rank"
+        )
 
 
 def per_sample(augment: Augment, x: torch.Tensor) -> torch.Tensor:
