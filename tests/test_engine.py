@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
-from clipless import mechanism, nn
+from clipless import nn
 from clipless.mechanism import PrivacyConfig
 
 N = 200
@@ -125,7 +125,7 @@ def test_sensitivities_are_cotangent_bounds() -> None:
     rep = bounds.report(m, o.loss, (DIM,))
     sens = o.sensitivities()
     lip_last = m[3].lipschitz()
-    margin = 1.0 + mechanism.ROUNDING_MARGIN["float32"]  # floating-point allowance of the step
+    margin = 1.0 + o.current_plan().rounding_margin  # floating-point allowance of the step
     assert sens["3.weight"] == pytest.approx(math.sqrt(2) * margin, rel=1e-9)
     assert sens["1.weight"] == pytest.approx(math.sqrt(2) * lip_last * margin, rel=1e-9)
     assert rep.layers[0].cotangent_bound * margin == pytest.approx(sens["1.weight"], rel=1e-12)

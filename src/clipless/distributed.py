@@ -76,9 +76,19 @@ class DataParallel:
         return self.rank == 0
 
     def reduce(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum every tensor over the ranks, in place (same order on every rank)."""
+        """Sum every tensor over the ranks, in place (same order on every rank).
+
+        The sum is taken in float64 and rounded once to the tensor's dtype: the proof of the
+        rounding margin (:func:`clipless.mechanism.rounding_margin`) allows one rounding of the
+        whole sum here, whatever the number of ranks (a float32 all-reduce over ``W`` ranks
+        rounds ``W - 1`` partial sums)."""
         for t in tensors:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            if t.dtype == torch.float64:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+                continue
+            wide = t.double()
+            dist.all_reduce(wide, op=dist.ReduceOp.SUM, group=self.group)
+            t.copy_(wide)
 
     def largest(self, values: dict[str, float]) -> dict[str, float]:
         """The largest value of every key over the ranks (same keys, same order everywhere).
