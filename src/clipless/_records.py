@@ -60,7 +60,11 @@ def _collect(dataset: Any, index: np.ndarray, leaves: _Leaves) -> None:
         indices = dataset.indices
         if isinstance(indices, torch.Tensor):
             indices = indices.detach().cpu().numpy()
-        mapped = np.asarray(indices, dtype=np.int64).reshape(-1)
+        try:
+            mapped = np.asarray(indices, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError):  # not integer positions: a leaf of its own
+            leaves.setdefault(("dataset", id(dataset)), []).append(index)
+            return
         size = _length(inner)
         if size is not None and size > 0:
             mapped = np.where(mapped < 0, mapped + size, mapped)
