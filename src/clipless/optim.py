@@ -15,8 +15,11 @@ loop cannot void the guarantee. One step:
    it *taints* every gradient it accumulates into a noised parameter (input gradients are free).
    A training forward is refused while hooks that clipless did not place could change what the
    guarded pass computes: forward, backward or gradient hooks on the model's modules and noised
-   parameters, global module hooks, or saved-tensor hooks; also one whose model carries other
-   input releases than at ``make_private`` (they are accounted once, then), one inside a
+   parameters, global module hooks, saved-tensor hooks, or a Python dispatch or function mode
+   (:mod:`clipless._modes`; also refused in the backward and at the step), and under
+   :mod:`clipless.distributed` an input other than this rank's shard (:mod:`clipless._shards`);
+   also one whose model carries other input releases than at ``make_private`` (they are
+   accounted once, then), one inside a
    ``torch.func`` transform on parameters that require a gradient (no output guard runs there),
    and one in which a parameter is replaced by another tensor that requires a gradient
    (``torch.func.functional_call``, or a transform over a weight: its gradient would reach the
