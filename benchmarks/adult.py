@@ -54,7 +54,7 @@ from clipless.features import (
 )
 from clipless.nn.export import mix_channels
 from clipless.optim import AdamBC
-from clipless.training import WeightEMA, training_loss
+from clipless.training import WeightEMA
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 EPSILON = 0.414
@@ -293,13 +293,6 @@ def clipless_loss(cfg: dict[str, Any]) -> torch.nn.Module:
     raise ValueError(f"loss must be 'ce' or 'hinge'; got {cfg['loss']!r}")
 
 
-def _view_of_row(repeated: torch.Tensor) -> torch.Tensor:
-    """Row ``i K + j`` of ``[B K, K, ...]`` (each sample's views, repeated ``K`` times) -> view
-    ``j``: the ``augment`` of :func:`clipless.training.training_loss` for precomputed views."""
-    idx = torch.arange(repeated.shape[0], device=repeated.device)
-    return repeated[idx, idx % repeated.shape[1]]
-
-
 def run_clipless(
     cfg: dict[str, Any], seed: int, train: TensorDataset, test: TensorDataset
 ) -> dict[str, Any]:
@@ -365,10 +358,10 @@ def run_clipless(
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
             if cfg["augment"] is not None:  # [B, K, ...]: row j of sample i is its view j
-                batch_loss, _, _ = training_loss(
-                    model, loss, x, y, augment=_view_of_row, augmult=x.shape[1], optimizer=opt
-                )
-                batch_loss.backward()
+                views = x.shape[1]
+                with opt.sample_multiplicity(views):  # each sample's K rows: its views
+                    logits = model(x.reshape(-1, *x.shape[2:]))
+                loss(logits, y.repeat_interleave(views)).backward()
             else:
                 loss(model(x), y).backward()
             opt.step()

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
-from clipless import bounds, mechanism, nn
+from clipless import bounds, nn
 from clipless.optim import PlanExhaustedError, PrivacyContractError
 from clipless.training import training_loss
 
@@ -324,7 +324,7 @@ def test_tied_weights_add_their_bounds_under_global_noise() -> None:
     report = o.bound_report()
     uses = [lb.cotangent_bound for lb in report.layers if lb.path in ("1", "3")]
     assert len(uses) == 2
-    margin = 1.0 + mechanism.ROUNDING_MARGIN["float32"]
+    margin = 1.0 + o.current_plan().rounding_margin
     sens = o.sensitivities()
     assert sens["1.weight"] == pytest.approx(sum(uses) * margin, rel=1e-12)
     plan = o.current_plan()

@@ -3,9 +3,10 @@
 After every kill: ``ledger.json`` is valid (strict JSON, a well-formed ledger), it records at least
 as many steps as noise was drawn for (the noise draws are logged, fsynced, by a wrapper around
 ``clipless.optim.optimizer.draw_noise`` *before* each draw, which makes the check stricter),
-the budget is never overspent, and ``checkpoint.pt`` / ``config.json`` are readable whenever they exist. After
-the last kill the run is resumed to completion: its ledger equals the ledger of a run that was
-never interrupted (the plan caps the steps, so the steps lost with a crash are spent, not redone).
+the budget is never overspent, and ``checkpoint.pt`` / ``config.json`` are readable whenever they
+exist. After the last kill the run is resumed to completion: its ledger equals the ledger of a
+run that was never interrupted (the plan caps the steps, so the steps lost with a crash are
+spent, not redone).
 """
 
 from __future__ import annotations

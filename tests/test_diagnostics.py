@@ -14,6 +14,7 @@ import pytest
 import torch
 from scipy.optimize import root
 
+from clipless import mechanism
 from clipless.diagnostics import (
     clipped_mean_gradient,
     clipping_bias,
@@ -333,7 +334,9 @@ def test_sensitivity_use_of_one_dense_layer_is_its_output_cotangent() -> None:
     assert use.max == pytest.approx(report.output.max, rel=1e-6)
     # L = sqrt(2) / T; the tensor's sensitivity is L inflated by the float32 rounding margin
     assert report.output.sensitivity == pytest.approx(math.sqrt(2.0) / 0.05, rel=1e-12)
-    assert use.sensitivity == pytest.approx(report.output.sensitivity * (1 + 2.0**-12), rel=1e-12)
+    margin = opt.current_plan().rounding_margin
+    assert margin == mechanism.rounding_margin("float32", batch_bound=41)
+    assert use.sensitivity == pytest.approx(report.output.sensitivity * (1 + margin), rel=1e-12)
 
 
 def test_sensitivity_use_refuses_what_it_cannot_measure() -> None:

@@ -59,6 +59,7 @@ class _GradHook:
         owner = self._owner() if self._owner is not None else None
         param = self._param() if self._param is not None else None
         if owner is not None and param is not None:
+            owner._check_modes("backward pass")
             owner._check_param_hooks(param)
             owner._before_accumulate(param)
 

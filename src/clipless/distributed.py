@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from clipless import _shards
 from clipless.optim import DPOptimizer, PrivacyContractError
 
 __all__ = ["DataParallel", "current_rank", "init_from_env", "make_data_parallel", "shard", "spawn"]
@@ -75,9 +76,19 @@ class DataParallel:
         return self.rank == 0
 
     def reduce(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum every tensor over the ranks, in place (same order on every rank)."""
+        """Sum every tensor over the ranks, in place (same order on every rank).
+
+        The sum is taken in float64 and rounded once to the tensor's dtype: the proof of the
+        rounding margin (:func:`clipless.mechanism.rounding_margin`) allows one rounding of the
+        whole sum here, whatever the number of ranks (a float32 all-reduce over ``W`` ranks
+        rounds ``W - 1`` partial sums)."""
         for t in tensors:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            if t.dtype == torch.float64:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+                continue
+            wide = t.double()
+            dist.all_reduce(wide, op=dist.ReduceOp.SUM, group=self.group)
+            t.copy_(wide)
 
     def largest(self, values: dict[str, float]) -> dict[str, float]:
         """The largest value of every key over the ranks (same keys, same order everywhere).
@@ -184,6 +195,12 @@ def shard(
     last_batch_fingerprint`), so random per-example transforms in the dataset may differ between
     ranks; without it, the batch size and a float64 checksum of the contents (non-finite values
     counted apart). The check runs on the group's device (CUDA for NCCL).
+
+    The rows returned (their first tensor: the inputs) are recorded, and the private model's
+    next training forward must receive exactly them (:mod:`clipless._shards`): training on other
+    rows of the batch (``x[: len(x) // world]`` on every rank counts the first examples once per
+    rank) is refused. Augment them with :func:`clipless.training.training_loss` (``augment=``),
+    which checks the shard before augmenting it.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -223,7 +240,9 @@ def shard(
             "the ranks hold different batches: every rank must draw the same Poisson batch "
             "(pass make_private's loader to make_data_parallel) before taking its shard"
         )
-    return tuple(t[rank::world] for t in tensors)
+    out = tuple(t[rank::world] for t in tensors)
+    _shards.record(out[0])  # the training forward checks it receives exactly these rows
+    return out
 
 
 # ------------------------------------------------------------------------------- launching

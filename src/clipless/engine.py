@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from clipless import accounting, bounds, constraints, mechanism, models
+from clipless._records import refuse_repeated_records
 from clipless.mechanism import PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.norms import all_finite
@@ -185,7 +186,10 @@ class PrivacyEngine:
         probability ``q`` per step would break delta). A ``target_delta`` (or a ``delta`` read
         later) above ``1 / n`` warns: such a claim protects little. The loader's sampler
         must be torch's default (sequential or shuffling); one that selects or weights records
-        is refused rather than dropped (pass a ``torch.utils.data.Subset`` instead).
+        is refused rather than dropped (pass a ``torch.utils.data.Subset`` instead). A dataset
+        that reaches one record through two indices (``Subset(ds, [0, 0, 1])``, ``ConcatDataset(
+        [ds, ds])``: oversampling) is refused (:mod:`clipless._records`): a repeated record
+        contributes and is sampled as many times as it appears.
 
         A model whose :class:`clipless.nn.InputNorm` subtracts a released mean (``center=``, from
         :func:`clipless.features.release_mean`) carries that release: it is composed with the
@@ -306,6 +310,7 @@ class PrivacyEngine:
             assert planned is not None
             config = config.calibrate(target_epsilon, target_delta, planned)
 
+        refuse_repeated_records(loader.dataset)  # structural, cheap: always
         if validate_data:
             _validate_dataset(loader.dataset, report, loss, _float_dtype(module))
         self.ledger = accounting.PrivacyLedger(

@@ -58,11 +58,16 @@ Both are one Poisson-subsampled Gaussian mechanism per step, accounted with ``dp
 
 **Floating point.** The bounds are computed in float64 with upward rounding, but the training step
 itself runs in the parameters' dtype. Every sensitivity is inflated by a relative margin
-(:data:`ROUNDING_MARGIN`: ``2^-12`` in float32, ``2^-40`` in float64) covering the rounding of the
-step's own arithmetic (the largest excess measured over 288 end-to-end float32 configurations was
-``6.7e-8``, 3,600 times below the margin). This margin is an engineering allowance, not a proof;
-half precision (float16 / bfloat16) is refused because its rounding (measured excess ``1.4e-3`` in
-bfloat16, overflow in float16) is not covered.
+(:func:`rounding_margin`) of two parts. (a) :data:`ROUNDING_MARGIN` (``2^-12`` in float32,
+``2^-40`` in float64) covers the rounding of each row's own arithmetic (its forward, its cotangent,
+its clip and scaling; the largest excess measured over 288 end-to-end float32 configurations was
+``6.7e-8``, 3,600 times below it): an engineering allowance, not a proof. (b) The batch sum, the
+one operation that mixes rows, is covered by a proof (:func:`rounding_margin`), as a function of
+the dtype, the largest number of uses of one tensor, and a *public* bound on the batch size (the
+dataset size plus one, never the private batch): a review measured 1.000167 times the planned
+sensitivity at ``B = 8192`` in float32 with (a) alone. Half precision (float16 / bfloat16) is
+refused because its rounding (measured excess ``1.4e-3`` in bfloat16, overflow in float16) is not
+covered.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from clipless import accounting
 from clipless.accounting._checks import _check_releases
-from clipless.nn._scaled import BATCH_MAX, SCALING_MODES
+from clipless.nn._scaled import BATCH_MAX, SCALING_MODES, SUM_CHUNK_TERMS, SUM_MAX_CHUNKS
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -105,14 +110,44 @@ NOISE_STRATEGIES: tuple[str, ...] = ("global", "per-layer")
 CONSTRAINTS: tuple[str, ...] = ("clip", "fix", "orthogonal")
 NEIGHBOURING: tuple[str, ...] = ("add_remove", "replace_one")
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
-#: Relative inflation of every sensitivity, by parameter dtype name (module docstring).
+#: The per-row part of the relative inflation of every sensitivity, by parameter dtype name
+#: (module docstring, (a)); :func:`rounding_margin` adds the batch sum's.
 ROUNDING_MARGIN: Mapping[str, float] = MappingProxyType({"float32": 2.0**-12, "float64": 2.0**-40})
+#: Unit roundoff of the parameters' dtype.
+_UNIT: Mapping[str, float] = MappingProxyType({"float32": 2.0**-24, "float64": 2.0**-53})
 
 
-def rounding_margin(dtype_name: str) -> float:
-    """The relative sensitivity margin for parameters of dtype ``dtype_name`` (e.g. ``"float32"``).
+def _gamma(n: int, u: float) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``: the relative error of ``n`` rounded additions."""
+    return n * u / (1.0 - n * u)
 
-    Raises :class:`ValueError` for dtypes whose rounding the margin does not cover.
+
+def rounding_margin(dtype_name: str, batch_bound: int = 1, uses: int = 1) -> float:
+    """The relative sensitivity margin for parameters of dtype ``dtype_name`` (e.g. ``"float32"``)
+    when at most ``batch_bound`` examples (a public bound: the dataset size plus one) enter one
+    step's sum and a noised tensor is used at most ``uses`` times by the model.
+
+    ``ROUNDING_MARGIN[dtype] + 2 B (g64 + gamma_{uses+1}(u)) (1 + ROUNDING_MARGIN[dtype])``, with
+    ``B = batch_bound``, ``u`` the dtype's unit roundoff and ``g64 = gamma_{2^22}(2^-53)``.
+
+    *Proof.* Let ``c_r`` be row ``r``'s contribution to a tensor as the scaled kernel forms it
+    (covered, row by row, by :data:`ROUNDING_MARGIN`) and ``A = sum_r |c_r|`` coordinatewise; the
+    rows of one example have norms summing to at most the use's ``G`` (``K`` copies, each ``G /
+    K``), so ``||A|| <= sum_r ||c_r|| <= B Delta`` (for a convolution, ``|c_r|`` sums ``|dy| |x|``
+    over positions, whose norm obeys the same certified factor). The kernels
+    (:mod:`clipless.nn._scaled`) form the products in float64 (exact for float32 operands) and sum
+    at most :data:`SUM_CHUNK_TERMS` of them per chunk, then at most :data:`SUM_MAX_CHUNKS` chunk
+    sums, in float64: error ``<= (gamma_{2^20} + gamma_{2^20}) A <= gamma_{2^21} A`` (any order
+    of summation: Higham, *Accuracy and Stability*, 4.2). Rounding that to the dtype, adding the
+    uses of a tensor (``uses - 1`` additions) and, under :mod:`clipless.distributed`, the ranks'
+    float32 gradients in float64 (at most 2^20 ranks) then rounding once more, add at most
+    ``gamma_{2^20}(2^-53) A + gamma_{uses+1}(u) (1 + g64) A``. So the computed gradient sum of a
+    dataset is within ``e = (g64 + gamma_{uses+1}(u)) (1 + 2^-30) B Delta`` of the exact sum of
+    its rows, and two neighbouring datasets' computed sums differ by at most the exact difference
+    (at most ``Delta (1 + ROUNDING_MARGIN)``) plus ``2 e``. The dominant term is the rounding of
+    the sum itself to the dtype (``|S| u``, ``|S|`` up to ``B Delta``): in float32, about
+    ``B 2^-22`` (``0.014`` at ``B = 60,001``); in float64, ``B 2^-30``. Raises
+    :class:`ValueError` for dtypes whose rounding is not covered.
     """
     name = str(dtype_name).removeprefix("torch.")
     if name not in ROUNDING_MARGIN:
@@ -121,7 +156,13 @@ def rounding_margin(dtype_name: str) -> float:
             "rounding of half precision (float16, bfloat16) can exceed the certified "
             "sensitivities (measured 1.4e-3 relative in bfloat16; overflow in float16)"
         )
-    return ROUNDING_MARGIN[name]
+    for label, value in (("batch_bound", batch_bound), ("uses", uses)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{label} must be an integer >= 1; got {value!r}")
+    base = ROUNDING_MARGIN[name]
+    g64 = _gamma(2 * SUM_CHUNK_TERMS + SUM_MAX_CHUNKS + 2, 2.0**-53)
+    per_example = (g64 + _gamma(int(uses) + 1, _UNIT[name])) * (1.0 + 2.0**-30)
+    return _up(base + _up(2.0 * int(batch_bound) * per_example * (1.0 + base)))
 
 
 def _sensitivity_factor(neighbouring: str) -> float:
@@ -433,6 +474,16 @@ def _up(value: float) -> float:
     return math.nextafter(float(value), math.inf)
 
 
+def _most_uses(report: BoundReport, noised: frozenset[str]) -> int:
+    """The largest number of layer uses that touch one noised tensor (at least 1)."""
+    counts: dict[str, int] = {}
+    for lb in report.layers:
+        for name in lb.gradient_bounds:
+            if name in noised:
+                counts[name] = counts.get(name, 0) + 1
+    return max(counts.values(), default=1)
+
+
 def use_bound(cotangent_bound: float, config: PrivacyConfig, margin: float) -> float:
     """Sensitivity of one use of a layer: ``G_k`` times the neighbouring factor and the margin."""
     return _up(float(cotangent_bound) * (1.0 + margin) * config.sensitivity_factor)
@@ -512,8 +563,10 @@ def plan_step(
         )
     if isinstance(multiplicity, bool) or not isinstance(multiplicity, int) or multiplicity < 1:
         raise ValueError(f"multiplicity must be an integer >= 1; got {multiplicity!r}")
-    margin = rounding_margin(dtype)
     noised_set = frozenset(noised)
+    margin = rounding_margin(
+        dtype, batch_bound=int(config.num_samples) + 1, uses=_most_uses(report, noised_set)
+    )
 
     per_tensor: dict[str, float] = {}
     uses: list[tuple[str, float, frozenset[str]]] = []

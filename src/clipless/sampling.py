@@ -455,8 +455,8 @@ def _refuse_custom_sampler(loader: DataLoader[Any]) -> None:
             f"data_loader has the sampler {type(sampler).__name__}, which Poisson sampling would "
             "drop: clipless draws every record of loader.dataset with the same probability "
             "sample_rate (what the accounting assumes). To train on part of a dataset, pass "
-            "torch.utils.data.Subset(dataset, indices) as the dataset; weighted sampling is not "
-            "supported"
+            "torch.utils.data.Subset(dataset, indices) as the dataset (each index once); "
+            "weighted sampling and oversampling by repeated indices are not supported"
             + (
                 "; under clipless.distributed every rank passes the plain DataLoader (the ranks "
                 "draw the same Poisson batch and shard() gives each its rows)"

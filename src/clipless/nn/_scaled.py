@@ -16,6 +16,13 @@ elementwise rescale of the cotangent, then the usual batched matrix product or
 ``torch.nn.grad.conv2d_weight``). No per-sample gradient is ever materialised. The gradient with
 respect to the layer *input* is not scaled, so cotangents propagate exactly as without scaling.
 
+The parameter gradients (the batch sums, the one place where rows meet) are accumulated in
+float64 whatever the parameters' dtype, in chunks of at most :data:`SUM_CHUNK_TERMS` summands per
+coordinate, and rounded to the parameters' dtype once: the proof of the rounding margin
+(:func:`clipless.mechanism.rounding_margin`) relies on it. A float32 sum of ``B`` terms can be off
+by ``(B - 1) 2^-24`` times the sum of their magnitudes (up to ``B`` sensitivities), which no
+constant margin covers (a review measured 1.000167 times the planned sensitivity at ``B = 8192``).
+
 Modes (:func:`clipless.mechanism.thresholds_for` chooses ``T_k``):
 
 * ``"bound"``: ``T_k`` = the certified bound on ``n_i`` propagated from the input norm bound
@@ -47,6 +54,8 @@ if TYPE_CHECKING:
 __all__ = [
     "BATCH_MAX",
     "SCALING_MODES",
+    "SUM_CHUNK_TERMS",
+    "SUM_MAX_CHUNKS",
     "ScalingMode",
     "scaled_conv2d",
     "scaled_linear",
@@ -58,6 +67,55 @@ SCALING_MODES: tuple[str, ...] = ("bound", "per-sample", "threshold", "batch-max
 BATCH_MAX = "batch-max"
 #: Floor on the divisor so that an all-zero sample (whose contribution is zero) never divides by 0.
 _TINY = 1e-30
+#: Float64 summands per coordinate in one chunk of a parameter gradient's batch sum, and the
+#: most chunks whose sums are added (the rounding margin's proof,
+#: :func:`clipless.mechanism.rounding_margin`).
+SUM_CHUNK_TERMS = 2**20
+SUM_MAX_CHUNKS = 2**20
+
+
+def _chunks(rows: int, terms_per_row: int) -> range:
+    """Start rows of the chunks of at most :data:`SUM_CHUNK_TERMS` summands per coordinate."""
+    if terms_per_row > SUM_CHUNK_TERMS:
+        raise ValueError(
+            f"a parameter gradient would sum {terms_per_row} positions of one example per "
+            f"coordinate, more than the {SUM_CHUNK_TERMS} the rounding margin's proof covers: "
+            "use a smaller input or a larger stride"
+        )
+    step = SUM_CHUNK_TERMS // terms_per_row
+    if rows > step * SUM_MAX_CHUNKS:
+        raise ValueError(f"a batch of {rows} rows is beyond the rounding margin's proof")
+    return range(0, rows, step)
+
+
+def _weight_sum(dys: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dys^T x`` over the rows of 2-D ``dys`` and ``x``, in float64 by chunks, in ``dtype``."""
+    total: torch.Tensor | None = None
+    for start in _chunks(dys.shape[0], 1):
+        part = (
+            dys[start : start + SUM_CHUNK_TERMS].double().t()
+            @ x[start : start + SUM_CHUNK_TERMS].double()
+        )
+        total = part if total is None else total.add_(part)
+    if total is None:
+        total = torch.zeros(dys.shape[1], x.shape[1], dtype=torch.float64, device=dys.device)
+    return total.to(dtype)
+
+
+def _rows_sum(t: torch.Tensor, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``t.sum(dims)`` (``dims`` include 0, the rows) in float64 by chunks of rows, in ``dtype``."""
+    per_row = 1
+    for d in dims:
+        if d != 0:
+            per_row *= t.shape[d]
+    total: torch.Tensor | None = None
+    for start in _chunks(t.shape[0], per_row):
+        step = SUM_CHUNK_TERMS // per_row
+        part = t[start : start + step].double().sum(dim=dims)
+        total = part if total is None else total.add_(part)
+    if total is None:
+        total = t.double().sum(dim=dims)
+    return total.to(dtype)
 
 
 def _divisors(
@@ -116,10 +174,11 @@ class _ScaledLinear(torch.autograd.Function):
         shape = (-1,) + (1,) * (dy.dim() - 1)
         dys = dy * inv_scale.view(shape)
         grad_w = grad_b = None
+        rows = dys.reshape(-1, dys.shape[-1])
         if ctx.needs_input_grad[1]:
-            grad_w = dys.reshape(-1, dys.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            grad_w = _weight_sum(rows, x.reshape(-1, x.shape[-1]), weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = dys.reshape(-1, dys.shape[-1]).sum(0)
+            grad_b = _rows_sum(rows, (0,), weight.dtype)
         return grad_x, grad_w, grad_b, None
 
 
@@ -155,10 +214,35 @@ class _ScaledConv2d(torch.autograd.Function):
             grad_x = conv2d_input(x.shape, weight, dy, stride=ctx.stride, padding=ctx.padding)
         dys = dy * inv_scale.view(-1, 1, 1, 1)
         if ctx.needs_input_grad[1]:
-            grad_w = conv2d_weight(x, weight.shape, dys, stride=ctx.stride, padding=ctx.padding)
+            grad_w = _conv_weight_sum(x, weight, dys, ctx.stride, ctx.padding)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = dys.sum(dim=(0, 2, 3))
+            grad_b = _rows_sum(dys, (0, 2, 3), weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _conv_weight_sum(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    dys: torch.Tensor,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+) -> torch.Tensor:
+    """``conv2d_weight`` in float64 by chunks of rows (module docstring), in the weight's dtype."""
+    total: torch.Tensor | None = None
+    positions = dys.shape[2] * dys.shape[3]
+    for start in _chunks(dys.shape[0], max(1, positions)):
+        stop = start + SUM_CHUNK_TERMS // max(1, positions)
+        part = conv2d_weight(
+            x[start:stop].double(),
+            weight.shape,
+            dys[start:stop].double(),
+            stride=stride,
+            padding=padding,
+        )
+        total = part if total is None else total.add_(part)
+    if total is None:
+        total = torch.zeros(weight.shape, dtype=torch.float64, device=weight.device)
+    return total.to(weight.dtype)
 
 
 def scaled_linear(

@@ -15,8 +15,11 @@ loop cannot void the guarantee. One step:
    it *taints* every gradient it accumulates into a noised parameter (input gradients are free).
    A training forward is refused while hooks that clipless did not place could change what the
    guarded pass computes: forward, backward or gradient hooks on the model's modules and noised
-   parameters, global module hooks, or saved-tensor hooks; also one whose model carries other
-   input releases than at ``make_private`` (they are accounted once, then), one inside a
+   parameters, global module hooks, saved-tensor hooks, or a Python dispatch or function mode
+   (:mod:`clipless._modes`; also refused in the backward and at the step), and under
+   :mod:`clipless.distributed` an input other than this rank's shard (:mod:`clipless._shards`);
+   also one whose model carries other input releases than at ``make_private`` (they are
+   accounted once, then), one inside a
    ``torch.func`` transform on parameters that require a gradient (no output guard runs there),
    and one in which a parameter is replaced by another tensor that requires a gradient
    (``torch.func.functional_call``, or a transform over a weight: its gradient would reach the
@@ -74,10 +77,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.modules.module as _module_hooks
 
-from clipless import _workspace
+from clipless import _shards, _workspace
 from clipless._bits import same_bits_tensor
 from clipless._errors import PrivacyContractError
 from clipless._hooks import _GradHook, _Hook
+from clipless._modes import foreign_mode
 from clipless.mechanism import NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.nn._base import deferred_weight_checks
@@ -448,6 +452,7 @@ class ContractGuard:
             )
         self._check_precision()
         self._check_foreign_hooks()
+        self._check_modes("training forward")
         if _input_releases(self.module) != self._releases:
             raise PrivacyContractError(
                 "the model's input releases changed after make_private (an InputNorm carrying a "
@@ -462,6 +467,7 @@ class ContractGuard:
                 f"{k} (every sample occupies {k} consecutive rows)"
             )
         self._check_rows(int(x.shape[0]), k)
+        self._check_shard(x)
         with deferred_weight_checks() as memos:
             plan = self.current_plan(k)
         if memos:
@@ -535,6 +541,20 @@ class ContractGuard:
             "copies of each example (from the loop or from a collate_fn) use "
             "optimizer.sample_multiplicity(K)"
         )
+
+    def _check_shard(self, x: torch.Tensor) -> None:
+        """Under :mod:`clipless.distributed`, refuse a training forward whose input is not the
+        rows :func:`clipless.distributed.shard` handed this rank (:mod:`clipless._shards`)."""
+        if self.data_parallel is None:
+            return
+        why = _shards.check(x)
+        if why is not None:
+            raise PrivacyContractError(
+                f"{why}: under clipless.distributed each rank must train on exactly its rows "
+                "rank::world of the batch, from clipless.distributed.shard (other rows count "
+                "some examples on several ranks); augment them with clipless.training."
+                "training_loss(augment=...)"
+            )
 
     def _check_batch_drawn(self) -> None:
         """Refuse a step that does not follow exactly one batch of the Poisson loader.
@@ -730,7 +750,19 @@ class ContractGuard:
                 "under torch.no_grad(); a penalty on input gradients is not supported"
             )
 
+    def _check_modes(self, where: str) -> None:
+        """Refuse a Python dispatch or function mode around the guarded pass or the step
+        (:mod:`clipless._modes`: it can change any operator's result, the noise draw included)."""
+        mode = foreign_mode()
+        if mode is not None:
+            raise PrivacyContractError(
+                f"{mode} is active around the private model's {where}: it intercepts every "
+                "operator and can change one example's gradient (or the noise) beyond what the "
+                "privacy guarantee covers; exit it while training privately"
+            )
+
     def _on_backward(self, record: _Pass) -> None:
+        self._check_modes("backward pass")
         # compared on the device now, refused by step() before anything is released
         pairs = zip(record.params, record.weights, strict=True)
         flags = [same_bits_tensor(p.detach(), w) for p, w in pairs]

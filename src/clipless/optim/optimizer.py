@@ -307,6 +307,7 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
 
     def _admit_step(self) -> NoisePlan:
         """The guard's verdict on the gradients, then the budget: the step's plan, or refuse."""
+        self._check_modes("step")
         self._check_parameters()
         plan = self._plan_for_step()
         remaining = self.steps_remaining
