@@ -102,7 +102,6 @@ class _Pass:
     weights: tuple[torch.Tensor, ...]
     params: tuple[torch.nn.Parameter, ...]
     owner: ContractGuard
-    backwards: int = 0
 
     def backward(self, grad: torch.Tensor) -> torch.Tensor:
         """The guard: enforce the per-row cotangent bound ``L`` (module doc, 2)."""
@@ -300,7 +299,6 @@ class ContractGuard:
         self._multiplicity = 1
         self._pending: list[_Pass] = []
         self._released: dict[torch.nn.Parameter, tuple[int, int]] = {}
-        self._current: _Pass | None = None
         self._mean_warning_given = False
         # Checks whose verdict is a device tensor, read together once per step before anything
         # is released (_read_checks): (flags, what a false flag means, the layers behind them)
@@ -774,7 +772,6 @@ class ContractGuard:
                     [],
                 )
             )
-        record.backwards += 1
         self._pending.append(record)
         self._in_backward(tainted=None)
 
