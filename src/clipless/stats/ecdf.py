@@ -2,12 +2,12 @@
 
 :func:`ecdf` releases ``F(tau_i) = #{x <= tau_i} / n`` at every threshold of a public
 :class:`~clipless.stats.grid.Grid` with a counting mechanism of :mod:`clipless.stats.counting`
-(``mechanism="auto"``: the consistent k-ary tree under pure DP, the square-root factorisation
-under zCDP; ``"binary"``: the thesis's binary tree of :mod:`clipless.stats.tree`, Theorem
-6.3.1 for replace-one, Lemma 6.3.1 / Theorem 6.3.2 for add/remove), exact discrete noise
-(Canonne, Kamath, Steinke 2020), least-squares consistency (Hay et al. 2010) and optional
-monotone smoothing (thesis section 6.3.2, in :mod:`clipless.stats.smoothing`). Everything
-after the noisy vector is post-processing.
+(``mechanism="auto"``: the shape of smallest exact error at this ``N``, relation and budget,
+:func:`~clipless.stats.counting.default_mechanism`; ``"binary"``: the thesis's binary tree of
+:mod:`clipless.stats.tree`, Theorem 6.3.1 for replace-one, Lemma 6.3.1 / Theorem 6.3.2 for
+add/remove), exact discrete noise (Canonne, Kamath, Steinke 2020), least-squares consistency (Hay et
+al. 2010) and optional monotone smoothing (thesis section 6.3.2, in
+:mod:`clipless.stats.smoothing`). Everything after the noisy vector is post-processing.
 
 **Clamping.** A value below ``tau_1`` counts as ``tau_1`` and a value above ``tau_N`` as
 ``tau_N``: the release is the ECDF of the clamped data, so ``F(tau_N) = 1`` before noise.
@@ -285,16 +285,17 @@ def ecdf(
     rho:
         zCDP budget for Gaussian noise.
     mechanism:
-        The counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default): the most
-        accurate measured one for the noise, ``"k-ary"`` for Laplace (pure DP),
-        ``"factorization"`` for Gaussian (zCDP). ``"binary"``: the thesis's tree (reproduces
-        the thesis; with ``consistency=False`` its plain estimator). ``"k-ary"``: consistent
-        ``k``-ary tree with optimised level budgets. ``"factorization"``: square-root
-        factorisation (Gaussian only). ``"smooth-binary"``: the smooth binary mechanism
-        (Andersson & Pagh 2023), the same variance at every threshold. All use exact discrete
-        noise. ``docs/statistics.md`` says which to choose.
+        The counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default): the one with
+        the smallest exact error at this grid size, relation and budget
+        (:func:`~clipless.stats.counting.default_mechanism`; under pure DP the ``k``-ary tree of
+        :func:`~clipless.stats.counting.counting_plan`, the flat histogram included). ``"binary"``:
+        the thesis's tree (reproduces the thesis; with ``consistency=False`` its plain estimator).
+        ``"k-ary"``: consistent ``k``-ary tree with optimised level budgets. ``"factorization"``:
+        square-root factorisation (Gaussian only). ``"smooth-binary"``: the smooth binary mechanism
+        (Andersson & Pagh 2023), the same variance at every threshold. All use exact discrete noise.
+        ``docs/statistics.md`` says which to choose.
     branching:
-        ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size).
+        ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size and budget).
     node_noise:
         Optional keyed node-noise source replacing ``rng`` (see
         :func:`~clipless.stats.tree.release_counts`; :class:`clipless.federated.NodeNoise`).
