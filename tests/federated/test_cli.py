@@ -248,3 +248,34 @@ def test_process_counts_are_capped(
     assert "argument --owners: expected an integer [1, 1000]" in capsys.readouterr().err
     assert main(["train", "--nproc", "1000"]) == 2
     assert "argument --nproc" in capsys.readouterr().err
+
+
+def test_analyst_stdout_is_the_table_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 37: the analyst's stdout mixed a JSON status line into the released table; the
+    status now goes to stderr (the other parties keep it on stdout, the simulation reads it)."""
+    import numpy as np
+
+    import clipless.federated.cli
+    import clipless.federated.session
+    from clipless.federated.transport import Counter
+
+    counter = Counter()
+    counter.sent["server 0"] = 12
+    monkeypatch.setattr(
+        clipless.federated.session, "run_analyst", lambda s, k: (np.zeros(4, np.int64), counter)
+    )
+    monkeypatch.setattr(clipless.federated.session, "_finish", lambda *a: "released")
+    monkeypatch.setattr(clipless.federated.cli, "_print_release", lambda res: print("TABLE"))
+    run = tmp_path / "run"
+    assert _init(run) == 0
+    capsys.readouterr()
+    code = main([
+        "federated", "analyst", str(run / "session.json"),
+        "--secret", str(run / "secrets" / "analyst-0.json"),
+    ])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert out == "TABLE\n"
+    assert json.loads(err.strip().splitlines()[-1]) == {"sent": {"server 0": 12}, "error": None}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from clipless._argtypes import integer, number
-from clipless.audit.step import AUDIT_MODES, audit_step
+from clipless.audit._modes import AUDIT_MODES
 
 __all__ = ["add_audit_parser", "audit_command"]
 
@@ -113,6 +113,8 @@ def audit_command(args: argparse.Namespace) -> int:
             print(f"clipless audit: error: argument --plot: .{suffix} is not an image format "
                   "(use .png, .pdf or .svg)", file=sys.stderr)  # fmt: skip
             return 2
+    from clipless.audit.step import audit_step  # torch: loaded only once the arguments pass
+
     result = audit_step(
         args.mode,
         noise=args.noise,

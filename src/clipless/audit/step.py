@@ -63,11 +63,11 @@ import torch
 from numpy.typing import NDArray
 from torch.utils.data import DataLoader, TensorDataset
 
+from clipless.audit._modes import AUDIT_MODES
 from clipless.audit.bounds import ThresholdTest, epsilon_lower_bound
 
 __all__ = ["AUDIT_MODES", "StepAudit", "audit_step"]
 
-AUDIT_MODES: tuple[str, ...] = ("per-sample", "bound", "threshold", "batch-max")
 _DIM = 8
 _CLASSES = 2
 

@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from clipless._argtypes import integer, number
 from clipless.federated.noise import server_keys
@@ -403,7 +403,8 @@ def _party(args: argparse.Namespace) -> int:
             res = fs._finish(sess, out, dict(counter.sent), 0.0, "isotonic", True)
             _print_release(res)
     except FederatedError as exc:
-        print(json.dumps({"sent": {}, "error": [exc.code, str(exc), exc.party]}), flush=True)
+        status = {"sent": {}, "error": [exc.code, str(exc), exc.party]}
+        print(json.dumps(status), file=_status_stream(cmd), flush=True)
         print(f"clipless federated {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # e.g. the port is taken, or the host is not this machine's
@@ -412,8 +413,16 @@ def _party(args: argparse.Namespace) -> int:
     except ValueError as exc:  # this party's input (values, labels) against the session
         print(f"clipless federated {cmd}: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"sent": dict(counter.sent), "error": None}), flush=True)
+    print(json.dumps({"sent": dict(counter.sent), "error": None}), file=_status_stream(cmd),
+          flush=True)  # fmt: skip
     return 0
+
+
+def _status_stream(cmd: str) -> TextIO:
+    """Where a party prints its JSON status line (bytes sent, error): stdout, which the
+    simulation reads; the analyst's stdout is the released table, so its status goes to
+    stderr."""
+    return sys.stderr if cmd == "analyst" else sys.stdout
 
 
 _SESSION_KEYS = ("session", "protocol", "servers", "owners", "noise_sharing", "thresholds",

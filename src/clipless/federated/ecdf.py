@@ -307,7 +307,7 @@ def federated_ecdf(
         contributions = [prefix_indicators(lv_, points) for lv_ in leaves]
         out = ustat.publish(contributions, noise, param, noise_levels, noise_index, matrix)
 
-    m_noise = ustat.servers if ustat.noise_sharing == "distributed" else 1
+    m_noise = ustat.noise_source.copies  # servers under "distributed": each adds full noise
     counts, values, release, F = assemble(
         out,
         g,

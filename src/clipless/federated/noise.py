@@ -123,6 +123,10 @@ class NodeNoise:
     of the two releases is exact counts. Reuse a key only for more thresholds of the same tree.
     """
 
+    copies = 1
+    """Independent draws summed into each node's noise (its variance is ``copies`` times one
+    draw's): 1 here, ``m`` for :class:`SummedNoise` of ``m`` keys."""
+
     def __init__(self, key: bytes) -> None:
         self._key = _check_key(key, "key")
 
@@ -170,12 +174,17 @@ class NodeNoise:
 
 
 class SummedNoise:
-    """The sum of several independent node-noise sources (the ``"distributed"`` option)."""
+    """The sum of several independent node-noise sources (the ``"distributed"`` option).
+
+    Each source draws the full-scale noise, so a node's noise variance is :attr:`copies` (the
+    number of sources) times one draw's; :func:`clipless.stats.tree.release_counts` reads it.
+    """
 
     def __init__(self, sources: Sequence[NodeNoise]) -> None:
         if len(sources) == 0:
             raise ValueError("sources must be non-empty")
         self.sources = list(sources)
+        self.copies = sum(int(getattr(src, "copies", 1)) for src in self.sources)
 
     def nodes(
         self,
@@ -205,6 +214,7 @@ class TaggedNoise:
             raise ValueError(f"tag must be in [0, 2^31), got {tag}")
         self.source = source
         self.tag = tag
+        self.copies = int(getattr(source, "copies", 1))
 
     def nodes(
         self,
