@@ -204,7 +204,9 @@ def test_serve_listens_at_the_session_address(
 
     bound: list[int] = []
 
-    def run_server(sess: object, secret: object, index: int, listener: socket.socket) -> Counter:
+    def run_server(
+        sess: object, secret: object, index: int, listener: socket.socket, key: object = None
+    ) -> Counter:
         bound.append(listener.getsockname()[1])
         listener.close()
         return Counter()
@@ -279,3 +281,49 @@ def test_analyst_stdout_is_the_table_only(
     assert code == 0
     assert out == "TABLE\n"
     assert json.loads(err.strip().splitlines()[-1]) == {"sent": {"server 0": 12}, "error": None}
+
+
+def test_serve_noise_key_file_is_the_servers_own(tmp_path: Path) -> None:
+    """Issue 37: a distributed server's key is its own: created 0600 with a fresh key when the
+    file is absent, read back (the same noise for later queries) when present."""
+    import stat
+
+    from clipless.federated.cli import _own_noise_key
+
+    dist = {"noise_sharing": "distributed"}
+    path = tmp_path / "k"
+    key = _own_noise_key(str(path), dist)
+    assert key is not None and len(key) == 16
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_text().strip() == key.hex()
+    assert _own_noise_key(str(path), dist) == key
+    assert _own_noise_key(None, dist) is None
+    with pytest.raises(ValueError, match="only for noise_sharing distributed"):
+        _own_noise_key(str(path), {"noise_sharing": "dealer"})
+    path.write_text("abc")
+    with pytest.raises(ValueError, match="32 hex digits"):
+        _own_noise_key(str(path), dist)
+
+
+def test_simulate_distributed_subprocesses_with_key_files(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The server processes get their own keys through --noise-key-file (none in any secret):
+    the TCP release equals the central one with the summed noise of those keys."""
+    import numpy as np
+
+    from clipless.federated import NodeNoise, SummedNoise
+    from clipless.federated.noise import tree_context, tree_key
+    from clipless.federated.session import simulate
+    from clipless.stats import Grid, ecdf
+
+    keys = [bytes([5 + j]) * 16 for j in range(3)]
+    vals = [[0.2], [0.5], [0.7], [0.9]]
+    res = simulate("shares", vals, 3, 8, 1.0, spawn="subprocess", timeout=30.0,
+                   noise_sharing="distributed", noise_keys=keys)  # fmt: skip
+    grid = Grid(0, 1, size=8)
+    ctx = tree_context(grid.thresholds, "ecdf")
+    central = ecdf([v[0] for v in vals], grid, 1.0, mechanism="binary",
+                   node_noise=SummedNoise([NodeNoise(tree_key(k, ctx)) for k in keys]))  # fmt: skip
+    assert res.ecdf is not None
+    assert np.array_equal(res.ecdf.values, central.values)

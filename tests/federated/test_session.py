@@ -378,3 +378,77 @@ def test_make_session_bounds_the_timeout() -> None:
             fs.make_session(
                 owners=2, servers=2, protocol="shares", size=4, epsilon=1.0, timeout=bad
             )
+
+
+def test_no_file_written_by_init_reconstructs_the_distributed_noise(tmp_path) -> None:
+    """Issue 37: ``init --noise-sharing distributed`` wrote every server's noise key into the
+    secret files from one process, so whoever ran init knew all the noise. Now init writes
+    link keys only and each server draws its own key when it serves. The test runs a real
+    release from init's files and tries every 16-byte value found in them (raw and bound to
+    the tree), alone and summed in twos and threes (the noise is a sum of three server noises):
+    none gives the released noise."""
+    import itertools
+    import json
+    import multiprocessing
+    import re
+    import socket
+
+    from clipless.cli import main
+    from clipless.federated.ecdf import noise_parameter
+    from clipless.federated.session import _child, run_analyst, run_owner, run_server
+    from clipless.stats.tree import node_counts_from_leaves
+
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    at = [f"127.0.0.1:{lst.getsockname()[1]}" for lst in listeners]
+    run = tmp_path / "run"
+    assert main([
+        "federated", "init", "--out", str(run), "--owners", "2", "--servers", "3",
+        "--protocol", "shares", "--noise-sharing", "distributed", "--size", "4",
+        "--epsilon", "1", "--timeout", "20",
+        *itertools.chain.from_iterable(("--server-at", a) for a in at),
+    ]) == 0  # fmt: skip
+    files = [run / "session.json", *sorted((run / "secrets").iterdir())]
+    session = json.loads(files[0].read_text())
+    secret = {p.stem.replace("-", " "): json.loads(p.read_text()) for p in files[1:]}
+    assert all(set(s) == {"links"} for s in secret.values()), secret  # link keys only
+
+    ctx = multiprocessing.get_context("fork")
+    procs, pipes = [], []
+    for j, lst in enumerate(listeners):
+        pipes.append(ctx.Pipe(duplex=False))
+        child = pipes[-1][1]
+        args = (session, secret[f"server {j}"], j, lst)
+        procs.append(ctx.Process(target=_child, args=(run_server, args, child), daemon=True))
+        procs[-1].start()
+        lst.close()
+    values = [[0.1], [0.8]]
+    for i, v in enumerate(values):
+        pipes.append(ctx.Pipe(duplex=False))
+        child = pipes[-1][1]
+        args = (session, secret[f"owner {i}"], i, v)
+        procs.append(ctx.Process(target=_child, args=(run_owner, args, child), daemon=True))
+        procs[-1].start()
+    out, _ = run_analyst(session, secret["analyst 0"])
+    for p in procs:
+        p.join(30)
+    assert [parent.recv()["error"] for parent, _ in pipes] == [None] * 5
+    grid = Grid(0, 1, size=4)
+    depth = 2
+    true_nodes = np.concatenate(node_counts_from_leaves(grid.counts([0.1, 0.8]), depth))
+    released_noise = np.asarray(out, dtype=np.int64) - true_nodes
+    assert np.any(released_noise != 0)
+
+    param, _, _ = noise_parameter(depth, "replace_one", "laplace", 1.0, None)
+    context = tree_context(session["thresholds"], "ecdf")
+    found = set()
+    for path in files:
+        for hexa in re.findall(r"[0-9a-f]{32,}", path.read_text()):
+            raw = bytes.fromhex(hexa[: len(hexa) // 32 * 32])
+            found.update(raw[k : k + 16] for k in range(0, len(raw), 16))
+    assert len(found) >= 10  # the session id and the link keys
+    candidates = [NodeNoise(k)("laplace", param, depth) for k in sorted(found)]
+    candidates += [NodeNoise(tree_key(k, context))("laplace", param, depth) for k in sorted(found)]
+    stack = np.stack(candidates)
+    for r in (1, 2, 3):
+        for combo in itertools.combinations(range(len(stack)), r):
+            assert not np.array_equal(stack[list(combo)].sum(axis=0), released_noise)

@@ -4,7 +4,9 @@
 Beta(2, 5) on [0, 1] from ``--data-seed``) and, for ``--noise-sharing dealer``, a noise dealer,
 each a separate process on 127.0.0.1, then acts as the analyst: it prints the released ECDF,
 the wall time, one line ``total: N bytes`` and the bytes sent by each role. ``init`` writes a
-public session file and one secret file per party; ``serve``, ``owner``, ``dealer`` and
+public session file and one secret file per party (link keys; the dealer's noise key with
+``--noise-sharing dealer``, no noise key at all with ``distributed``, where each ``serve``
+draws its own); ``serve``, ``owner``, ``dealer`` and
 ``analyst`` run one party from the session file and its own secret file (docs/federated.md shows
 how to run them on several machines; the protocol is :mod:`clipless.federated.session`).
 """
@@ -184,6 +186,15 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
                 "--index; 0: any free port, printed). Another port than the recorded one is for "
                 "a tunnel, TLS proxy or port forward that reaches it from there (a note says so)",
             )
+        if name == "serve":
+            q.add_argument(
+                "--noise-key-file",
+                default=None,
+                help="noise_sharing distributed: this server's own noise key (32 hex digits), "
+                "created (mode 0600) with a fresh key if absent, reused if present: the same "
+                "noise for later queries of the same data and grid. Default: a fresh key per "
+                "run, never written. No other party ever has it (init writes no noise key)",
+            )
         if name == "owner":
             q.add_argument("--values", required=True, help="comma-separated values")
             q.add_argument("--labels", default=None, help="comma-separated 0/1 labels (roc)")
@@ -362,6 +373,7 @@ def _party(args: argparse.Namespace) -> int:
         sess, secret = _load_party(args)
         if cmd == "serve":
             at, recorded = _listen_address(args, sess)
+            own_key = _own_noise_key(args.noise_key_file, sess)
     except ValueError as exc:
         print(f"clipless federated {cmd}: error: {exc}", file=sys.stderr)
         return 2
@@ -381,7 +393,7 @@ def _party(args: argparse.Namespace) -> int:
             # load the release code (clipless.stats, scipy) while the owners start, not after
             import clipless.federated.ecdf  # noqa: F401
 
-            counter = fs.run_server(sess, secret, args.index, listener)
+            counter = fs.run_server(sess, secret, args.index, listener, own_key)
         elif cmd == "owner":
             try:
                 vals = [float(v) for v in args.values.split(",") if v.strip()]
@@ -416,6 +428,39 @@ def _party(args: argparse.Namespace) -> int:
     print(json.dumps({"sent": dict(counter.sent), "error": None}), file=_status_stream(cmd),
           flush=True)  # fmt: skip
     return 0
+
+
+def _own_noise_key(path: str | None, sess: dict[str, Any]) -> bytes | None:
+    """``serve --noise-key-file``: read this server's own noise key, or create the file (mode
+    0600, never overwritten) with a fresh one."""
+    if path is None:
+        return None
+    if sess.get("noise_sharing") != "distributed":
+        raise ValueError(
+            "--noise-key-file: only for noise_sharing distributed (with a dealer the servers "
+            "hold shares of the dealer's noise, not a key)"
+        )
+    import secrets
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        text = Path(path).read_text().strip()
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            key = b""
+        if len(key) != 16:
+            raise ValueError(
+                f"--noise-key-file: {path} must hold 32 hex digits (a 16-byte key)"
+            ) from None
+        return key
+    except OSError as exc:
+        raise ValueError(f"--noise-key-file: {path}: {exc.strerror or exc}") from None
+    key = secrets.token_bytes(16)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key.hex() + "\n")
+    return key
 
 
 def _status_stream(cmd: str) -> TextIO:

@@ -36,7 +36,9 @@ Noise sharing (``noise_sharing``, for ``"shares"``)
     with the analyst (or anyone who reads the output) learns the exact counts; all ``m``
     servers together learn every input.
 ``"distributed"``
-    No dealer: server ``j`` holds its own key ``K_j`` and adds its own full-scale node noise
+    No dealer: server ``j`` holds its own key ``K_j`` (over TCP drawn by the server itself,
+    :func:`clipless.federated.session.run_server`; nobody else ever has it, ``init`` included;
+    in process the one :class:`UStat` plays every server) and adds its own full-scale node noise
     ``eta^(j)_k`` (same PRF derivation) to its share; the released noise is
     ``sum_j eta^(j)_k`` (variance ``m Var(eta)``). **Survives**: any coalition of at most
     ``m - 1`` servers with any owners and the analyst: one honest server's noise is unknown to
