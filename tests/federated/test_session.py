@@ -36,7 +36,7 @@ def test_tcp_release_equals_central_and_bytes_match_formula(protocol: str, serve
     res = simulate(protocol, owners, servers, size, 0.8, timeout=20.0, noise_keys=[KEY])
     grid = Grid(0, 1, size=size)
     bound = NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf")))
-    central = ecdf(np.concatenate(owners), grid, 0.8, node_noise=bound)
+    central = ecdf(np.concatenate(owners), grid, 0.8, node_noise=bound, mechanism="binary")
     assert res.ecdf is not None
     assert res.ecdf.values.tobytes() == central.values.tobytes()
     fed = federated_ecdf(
@@ -46,6 +46,7 @@ def test_tcp_release_equals_central_and_bytes_match_formula(protocol: str, serve
         protocol=protocol,  # type: ignore[arg-type]
         servers=servers,
         noise_keys=[KEY],
+        mechanism="binary",  # what the TCP session releases
     )
     assert res.prefix_counts.tolist() == fed.prefix_counts.tolist()
     # bytes on the wire, exactly: every payload is framed (23-byte header + 32-byte tag)
@@ -129,7 +130,7 @@ def test_unauthenticated_connections_change_nothing(protocol: str, servers: int)
     res = simulate(protocol, owners, servers, 8, 1.0, timeout=20.0, noise_keys=[KEY],
                    faults=faults)  # fmt: skip
     fed = federated_ecdf(owners, Grid(0, 1, size=8), 1.0, protocol=protocol,  # type: ignore[arg-type]
-                         servers=servers, noise_keys=[KEY])  # fmt: skip
+                         servers=servers, noise_keys=[KEY], mechanism="binary")  # fmt: skip
     assert res.prefix_counts.tolist() == fed.prefix_counts.tolist()
 
 
@@ -241,7 +242,10 @@ def test_add_remove_sessions_publish_no_n() -> None:
     )
     grid = Grid(0, 1, size=size)
     bound = NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf")))
-    central = ecdf(np.concatenate(owners), grid, 0.8, node_noise=bound, neighbouring="add_remove")
+    central = ecdf(
+        np.concatenate(owners), grid, 0.8, node_noise=bound, neighbouring="add_remove",
+        mechanism="binary",
+    )  # fmt: skip
     assert res.ecdf is not None
     assert res.ecdf.values.tobytes() == central.values.tobytes()
 

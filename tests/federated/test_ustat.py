@@ -137,6 +137,7 @@ def test_federated_equals_central_bit_for_bit(
         servers=servers,  # type: ignore[arg-type]
         neighbouring=neighbouring,
         noise_keys=[KEY],  # type: ignore[arg-type]
+        mechanism="binary",
     )
     central = ecdf(
         np.concatenate(owners),
@@ -144,6 +145,7 @@ def test_federated_equals_central_bit_for_bit(
         0.7,
         neighbouring,  # type: ignore[arg-type]
         node_noise=NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf"))),
+        mechanism="binary",
     )
     assert fed.ecdf is not None and fed.release is not None
     for a, b in zip(fed.release.node_counts, central.release.node_counts, strict=True):
@@ -207,6 +209,7 @@ def test_distributed_noise_equals_summed_central() -> None:
         servers=3,
         noise_sharing="distributed",
         noise_keys=keys,
+        mechanism="binary",
     )
     context = tree_context(grid.thresholds, "ecdf")
     central = release_counts(
@@ -317,7 +320,7 @@ def test_summed_noise_has_the_true_variance_and_equals_federated_bit_for_bit(smo
     keys = [bytes([7 + j]) * 16 for j in range(3)]
     fed = federated_ecdf(
         owners, grid, 1.0, protocol="shares", servers=3, noise_sharing="distributed",
-        noise_keys=keys, smoothing=smoothing,
+        noise_keys=keys, smoothing=smoothing, mechanism="binary",
     )  # fmt: skip
     context = tree_context(grid.thresholds, "ecdf")
     source = SummedNoise([NodeNoise(tree_key(k, context)) for k in keys])

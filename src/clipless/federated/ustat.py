@@ -55,13 +55,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from clipless.federated.noise import NodeNoise, SummedNoise, tree_key
+from clipless.federated.noise import NodeNoise, NoiseParam, SummedNoise, tree_key
 from clipless.federated.prg import SEED_BYTES, _check_key, prf_words, prg_words, random_seed
 
 if TYPE_CHECKING:
@@ -145,7 +144,11 @@ class NoiseDealer:
         self.seeds = [random_seed() for _ in range(servers - 1)] if seeds is None else list(seeds)
 
     def messages(
-        self, kind: NoiseKind, param: Fraction, levels: NDArray[np.int64], index: NDArray[np.int64]
+        self,
+        kind: NoiseKind,
+        param: NoiseParam,
+        levels: NDArray[np.int64],
+        index: NDArray[np.int64],
     ) -> list[bytes]:
         """Seeds for servers ``0..m-2``; explicit shares of the given nodes for the last one."""
         eta = self.noise.nodes(kind, param, levels, index).view(np.uint64)
@@ -223,7 +226,11 @@ class ShareServer:
             self._noise_seed = _check_key(payload, "noise seed")
 
     def noise_shares(
-        self, kind: NoiseKind, param: Fraction, levels: NDArray[np.int64], index: NDArray[np.int64]
+        self,
+        kind: NoiseKind,
+        param: NoiseParam,
+        levels: NDArray[np.int64],
+        index: NDArray[np.int64],
     ) -> NDArray[np.uint64]:
         """This server's share of the noise of nodes ``(levels, index)``."""
         if self.noise_key is not None:
@@ -240,7 +247,7 @@ class ShareServer:
     def output(
         self,
         kind: NoiseKind,
-        param: Fraction,
+        param: NoiseParam,
         noise_levels: NDArray[np.int64],
         noise_index: NDArray[np.int64],
         matrix: sp.spmatrix | None = None,
@@ -336,7 +343,7 @@ class UStat:
         self,
         contributions: Sequence[ArrayLike],
         kind: NoiseKind,
-        param: Fraction,
+        param: NoiseParam,
         noise_levels: NDArray[np.int64],
         noise_index: NDArray[np.int64],
         matrix: sp.spmatrix | None = None,

@@ -132,7 +132,7 @@ import random
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import scipy.signal
@@ -162,6 +162,7 @@ __all__ = [
     "CountRelease",
     "CountingPlan",
     "Mechanism",
+    "NodeNoiseSource",
     "best_branching",
     "counting_plan",
     "default_mechanism",
@@ -173,9 +174,12 @@ __all__ = [
     "factorization_sensitivity",
     "kary_consistent_leaves",
     "kary_depth",
+    "kary_estimate",
     "kary_node_counts",
+    "kary_params",
     "kary_prefix_covariance_with_last",
     "kary_prefix_variance",
+    "kary_released_nodes",
     "kary_sensitivity",
     "level_shares",
     "release_prefix_counts",
@@ -187,6 +191,17 @@ __all__ = [
 ]
 
 Mechanism = Literal["auto", "binary", "k-ary", "factorization", "smooth-binary"]
+
+
+class NodeNoiseSource(Protocol):
+    """Keyed node noise (:class:`clipless.federated.NodeNoise`): the exact noise of nodes
+    ``(levels[i], index[i])`` at parameter ``param``, the same wherever it is recomputed."""
+
+    def nodes(
+        self, kind: NoiseKind, param: Fraction, levels: NDArray[np.int64], index: NDArray[np.int64]
+    ) -> NDArray[np.int64]: ...
+
+
 MECHANISMS: tuple[str, ...] = ("auto", "binary", "k-ary", "factorization", "smooth-binary")
 
 _FACT_MAX_N = 1 << 22
@@ -1144,6 +1159,7 @@ def release_prefix_counts(
     *,
     mechanism: Mechanism = "auto",
     branching: int | None = None,
+    node_noise: Any = None,
 ) -> TreeRelease | CountRelease:
     """Release every prefix count of ``leaf_counts`` with the chosen counting ``mechanism``.
 
@@ -1156,13 +1172,21 @@ def release_prefix_counts(
     proofs). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` of
     :func:`counting_plan` (the levels and shares are chosen for the budget either way).
     Under ``replace_one`` the size ``n = sum(leaf_counts)`` is public and used exactly.
+
+    ``node_noise`` (``"binary"`` and ``"k-ary"``): a keyed node-noise source
+    (:class:`clipless.federated.NodeNoise`, or ``SummedNoise`` whose ``copies`` multiply the
+    variances) replacing the draw from ``rng``; node ``(l, j)`` of the released tree gets its
+    noise at level ``l``'s parameter. The federated release with the same source is equal bit
+    for bit.
     """
     _check_mechanism(mechanism)
     _check_neighbouring(neighbouring)
     if mechanism == "binary":
         if branching is not None:
             raise ValueError("branching is only for mechanism='k-ary'")
-        return release_counts(leaf_counts, epsilon, neighbouring, noise, rng, rho)
+        return release_counts(
+            leaf_counts, epsilon, neighbouring, noise, rng, rho, node_noise=node_noise
+        )
     counts = _leaf_counts_array(leaf_counts)
     budget, eps_out, rho_out = _budget(noise, epsilon, rho)
     gen = resolve_rng(rng)
@@ -1173,7 +1197,14 @@ def release_prefix_counts(
         )
     if mechanism == "k-ary":
         plan = counting_plan(N, neighbouring, noise, budget, branching)
-        return _release_kary(counts, plan, neighbouring, noise, budget, gen, eps_out, rho_out)
+        return _release_kary(
+            counts, plan, neighbouring, noise, budget, gen, eps_out, rho_out, node_noise
+        )
+    if node_noise is not None:
+        raise ValueError(
+            f"node_noise is for mechanism 'binary' or 'k-ary' (the federated releases), got "
+            f"{mechanism!r}"
+        )
     if mechanism == "smooth-binary":
         if branching is not None:
             raise ValueError("branching is only for mechanism='k-ary'")
@@ -1221,6 +1252,40 @@ def release_prefix_counts(
     )
 
 
+def kary_params(
+    plan: CountingPlan, neighbouring: Neighbouring, noise: NoiseKind, budget: Fraction
+) -> tuple[Fraction | None, ...]:
+    """The exact noise parameter of every noisy level of ``plan`` (``None``: not released)."""
+    per = _per_level(neighbouring)
+    return tuple(None if w == 0 else _level_param(w, per, noise, budget) for w in plan.shares)
+
+
+def kary_released_nodes(
+    num_leaves: int, plan: CountingPlan, neighbouring: Neighbouring
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """``(level, index)`` of every released node of ``plan``, in the order of
+    :attr:`CountRelease.noisy` (levels from the leaves up, each left to right)."""
+    h = kary_depth(num_leaves, plan.branching)
+    lev, idx = [], []
+    for level, share in enumerate(plan.shares):
+        if share != 0:
+            size = plan.branching ** (h - level)
+            lev.append(np.full(size, level, dtype=np.int64))
+            idx.append(np.arange(size, dtype=np.int64))
+    del neighbouring  # the shares already exclude the public root under replace-one
+    return np.concatenate(lev), np.concatenate(idx)
+
+
+def _check_plan(num_leaves: int, plan: CountingPlan, neighbouring: Neighbouring) -> int:
+    k = _check_branching(plan.branching)
+    h = kary_depth(num_leaves, k)
+    m = h + 1 if neighbouring == "add_remove" else h
+    shares = plan.shares
+    if len(shares) != m or sum(shares) != 1 or shares[0] <= 0 or min(shares) < 0:
+        raise ValueError("shares must give every noisy level a share >= 0, the leaves > 0, sum 1")
+    return h
+
+
 def _release_kary(
     counts: NDArray[np.int64],
     plan: CountingPlan,
@@ -1230,38 +1295,83 @@ def _release_kary(
     gen: random.Random,
     eps_out: float | None,
     rho_out: float | None,
+    node_noise: NodeNoiseSource | None = None,
 ) -> CountRelease:
     """``mechanism="k-ary"`` with the plan's branching and level shares (module docstring):
-    level ``l`` with share ``w_l > 0`` gets noise at :func:`_level_param`, a level with share 0
-    is not released; least squares, then (replace-one) conditioning on ``C_N = n``."""
+    level ``l`` with share ``w_l > 0`` gets noise at :func:`_level_param` (drawn from ``gen``,
+    or the keyed ``node_noise`` of node ``(l, j)``), a level with share 0 is not released;
+    then :func:`kary_estimate`."""
     N = int(counts.size)
-    k, shares = plan.branching, plan.shares
-    per = _per_level(neighbouring)
-    true_nodes = kary_node_counts(counts, k)
-    noisy_levels = true_nodes if neighbouring == "add_remove" else true_nodes[:-1]
-    if len(shares) != len(noisy_levels) or sum(shares) != 1 or shares[0] <= 0:
-        raise ValueError("shares must give every noisy level a share >= 0, the leaves > 0, sum 1")
-    params: list[Fraction | None] = []
-    values: list[NDArray[np.float64]] = []
-    for arr, share in zip(noisy_levels, shares, strict=True):
-        if share == 0:  # not released: no noise drawn, no budget spent
-            params.append(None)
-            values.append(np.zeros(arr.size))
+    h = _check_plan(N, plan, neighbouring)
+    params = kary_params(plan, neighbouring, noise, budget)
+    true_nodes = kary_node_counts(counts, plan.branching)
+    noisy: list[NDArray[np.int64]] = []
+    for level, param in enumerate(params):
+        if param is None:  # not released: no noise drawn, no budget spent
             continue
-        param = _level_param(share, per, noise, budget)
-        if noise == "laplace":
-            eta = discrete_laplace(param, arr.size, gen)
+        size = plan.branching ** (h - level)
+        if node_noise is not None:
+            lev = np.full(size, level, dtype=np.int64)
+            eta = np.asarray(node_noise.nodes(noise, param, lev, np.arange(size)), np.int64)
+        elif noise == "laplace":
+            eta = discrete_laplace(param, size, gen)
         else:
-            eta = discrete_gaussian(None, arr.size, gen, sigma2=param)
-        params.append(param)
-        values.append((arr + eta).astype(np.float64))
-    level_var = exact_level_variances(shares, neighbouring, noise, budget)
+            eta = discrete_gaussian(None, size, gen, sigma2=param)
+        noisy.append(true_nodes[level] + eta)
+    copies = 1 if node_noise is None else int(getattr(node_noise, "copies", 1))
+    return kary_estimate(
+        np.concatenate(noisy), N, plan, neighbouring, noise, budget, int(counts.sum()),
+        eps_out, rho_out, copies,
+    )  # fmt: skip
+
+
+def kary_estimate(
+    noisy: ArrayLike,
+    num_leaves: int,
+    plan: CountingPlan,
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+    budget: Fraction,
+    n_public: int,
+    epsilon: float | None,
+    rho: float | None,
+    copies: int = 1,
+) -> CountRelease:
+    """The :class:`CountRelease` of a released ``k``-ary vector (post-processing only).
+
+    ``noisy``: the released nodes in :func:`kary_released_nodes` order (integers: true counts
+    plus noise); ``n_public``: the public ``n`` (replace-one; ignored under add/remove);
+    ``copies``: independent full-scale draws summed in each node's noise (``m`` for the
+    federated ``"distributed"`` option), which multiplies the variances. Least squares with the
+    exact level variances, then (replace-one) conditioning on ``C_N = n``. The central release
+    and the federated one call this same function: equal inputs give equal outputs, bit for bit.
+    """
+    N = int(num_leaves)
+    k, shares = plan.branching, plan.shares
+    h = _check_plan(N, plan, neighbouring)
+    params = kary_params(plan, neighbouring, noise, budget)
+    vec = np.asarray(noisy)
+    if not np.issubdtype(vec.dtype, np.integer):
+        raise ValueError(f"noisy must hold integers, got {vec.dtype}")
+    values: list[NDArray[np.float64]] = []
+    start = 0
+    for level, param in enumerate(params):
+        size = k ** (h - level)
+        if param is None:
+            values.append(np.zeros(size))
+            continue
+        values.append(vec[start : start + size].astype(np.float64))
+        start += size
+    if start != vec.size:
+        raise ValueError(f"noisy must hold the {start} released nodes, got {vec.size}")
+    level_var = [v * copies for v in exact_level_variances(shares, neighbouring, noise, budget)]
     if neighbouring == "replace_one":
-        values.append(true_nodes[-1].astype(np.float64))  # the public n, exact
+        values.append(np.array([float(n_public)]))  # the root: the public n, exact
     weights, scale_var = level_var, 1.0
-    if any(v == 0.0 for v in level_var[: len(noisy_levels)]):
+    if any(v == 0.0 for v in level_var[: len(params)]):
         # noise too small to have a float variance (huge budget): weight by a unit-budget
         # profile (any positive weights give an unbiased estimate); its variance underflows to 0
+        per = _per_level(neighbouring)
         weights = [math.inf if w == 0 else float(per / w) ** 2 for w in shares]
         weights += [0.0] if neighbouring == "replace_one" else []
         scale_var = 0.0
@@ -1273,10 +1383,10 @@ def _release_kary(
         # Chat_N stays noisy: condition on C_N = n as well (Gaussian conditioning of the
         # linear estimate, post-processing; exact already when N = k^h).
         prefix, unit_var = _condition_on_total(
-            prefix, unit_var, kary_prefix_covariance_with_last(N, k, weights), counts.sum()
+            prefix, unit_var, kary_prefix_covariance_with_last(N, k, weights), n_public
         )
     variance = scale_var * unit_var
-    noisy_vec = np.concatenate([v for v, p in zip(values, params, strict=False) if p is not None])
+    noisy_vec = vec.astype(np.float64)
     for a in (prefix, variance, noisy_vec):
         a.setflags(write=False)
     leaf_param = params[0]
@@ -1288,14 +1398,14 @@ def _release_kary(
         variance=variance,
         noisy=noisy_vec,
         noise=noise,
-        noise_param=tuple(params),
+        noise_param=params,
         noise_scale=float(leaf_param) if noise == "laplace" else float(leaf_param) ** 0.5,
         node_variance=level_var[0],
-        sensitivity=float(per * sum(1 for p in params if p is not None)),
+        sensitivity=float(_per_level(neighbouring) * sum(1 for p in params if p is not None)),
         branching=k,
         neighbouring=neighbouring,
-        epsilon=eps_out,
-        rho=rho_out,
+        epsilon=epsilon,
+        rho=rho,
         shares=shares,
     )
 
