@@ -309,11 +309,11 @@ def test_simulate_distributed_subprocesses_with_key_files(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The server processes get their own keys through --noise-key-file (none in any secret):
-    the TCP release equals the central one with the summed noise of those keys."""
+    the TCP release (the central default's k-ary plan) equals the in-process one and the
+    central one with the summed noise of those keys, bit for bit."""
     import numpy as np
 
-    from clipless.federated import NodeNoise, SummedNoise
-    from clipless.federated.noise import tree_context, tree_key
+    from clipless.federated import federated_ecdf
     from clipless.federated.session import simulate
     from clipless.stats import Grid, ecdf
 
@@ -322,8 +322,10 @@ def test_simulate_distributed_subprocesses_with_key_files(
     res = simulate("shares", vals, 3, 8, 1.0, spawn="subprocess", timeout=30.0,
                    noise_sharing="distributed", noise_keys=keys)  # fmt: skip
     grid = Grid(0, 1, size=8)
-    ctx = tree_context(grid.thresholds, "ecdf")
-    central = ecdf([v[0] for v in vals], grid, 1.0, mechanism="binary",
-                   node_noise=SummedNoise([NodeNoise(tree_key(k, ctx)) for k in keys]))  # fmt: skip
-    assert res.ecdf is not None
+    fed = federated_ecdf(vals, grid, 1.0, servers=3, noise_sharing="distributed",
+                         noise_keys=keys)  # fmt: skip
+    central = ecdf([v[0] for v in vals], grid, 1.0, node_noise=fed.noise_source)
+    assert res.ecdf is not None and fed.ecdf is not None
+    assert res.release.mechanism == "k-ary"
+    assert np.array_equal(res.ecdf.values, fed.ecdf.values)
     assert np.array_equal(res.ecdf.values, central.values)

@@ -33,7 +33,9 @@ def _values(n: int, seed: int = 0) -> list[list[float]]:
 @pytest.mark.parametrize("protocol,servers", [("shares", 3), ("fss", 2)])
 def test_tcp_release_equals_central_and_bytes_match_formula(protocol: str, servers: int) -> None:
     owners, size = _values(6), 10
-    res = simulate(protocol, owners, servers, size, 0.8, timeout=20.0, noise_keys=[KEY])
+    res = simulate(
+        protocol, owners, servers, size, 0.8, timeout=20.0, noise_keys=[KEY], mechanism="binary"
+    )
     grid = Grid(0, 1, size=size)
     bound = NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf")))
     central = ecdf(np.concatenate(owners), grid, 0.8, node_noise=bound, mechanism="binary")
@@ -128,7 +130,7 @@ def test_unauthenticated_connections_change_nothing(protocol: str, servers: int)
     owners = _values(4, seed=3)
     faults = {f"owner {i}": "stranger" for i in range(4)}
     res = simulate(protocol, owners, servers, 8, 1.0, timeout=20.0, noise_keys=[KEY],
-                   faults=faults)  # fmt: skip
+                   faults=faults, mechanism="binary")  # fmt: skip
     fed = federated_ecdf(owners, Grid(0, 1, size=8), 1.0, protocol=protocol,  # type: ignore[arg-type]
                          servers=servers, noise_keys=[KEY], mechanism="binary")  # fmt: skip
     assert res.prefix_counts.tolist() == fed.prefix_counts.tolist()
@@ -238,8 +240,9 @@ def test_add_remove_sessions_publish_no_n() -> None:
         make_session("shares", 3, 2, 8, 1.0, neighbouring="add_remove", n_values=3)
     owners, size = [[0.1, 0.35], [], [0.5, 0.52, 0.9]], 10
     res = simulate(
-        "shares", owners, 2, size, 0.8, timeout=20.0, noise_keys=[KEY], neighbouring="add_remove"
-    )
+        "shares", owners, 2, size, 0.8, timeout=20.0, noise_keys=[KEY], neighbouring="add_remove",
+        mechanism="binary",
+    )  # fmt: skip
     grid = Grid(0, 1, size=size)
     bound = NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf")))
     central = ecdf(
@@ -398,9 +401,14 @@ def test_no_file_written_by_init_reconstructs_the_distributed_noise(tmp_path) ->
     import socket
 
     from clipless.cli import main
-    from clipless.federated.ecdf import noise_parameter
-    from clipless.federated.session import _child, run_analyst, run_owner, run_server
-    from clipless.stats.tree import node_counts_from_leaves
+    from clipless.federated.session import (
+        _child,
+        _context,
+        _noise_setup,
+        run_analyst,
+        run_owner,
+        run_server,
+    )
 
     listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
     at = [f"127.0.0.1:{lst.getsockname()[1]}" for lst in listeners]
@@ -437,21 +445,20 @@ def test_no_file_written_by_init_reconstructs_the_distributed_noise(tmp_path) ->
         p.join(30)
     assert [parent.recv()["error"] for parent, _ in pipes] == [None] * 5
     grid = Grid(0, 1, size=4)
-    depth = 2
-    true_nodes = np.concatenate(node_counts_from_leaves(grid.counts([0.1, 0.8]), depth))
+    param, _, _, lev, idx, matrix = _noise_setup(session)  # the session's public tree
+    assert session["kary"] is not None  # init's default: the central default's k-ary plan
+    true_nodes = matrix @ np.cumsum(grid.counts([0.1, 0.8]))
     released_noise = np.asarray(out, dtype=np.int64) - true_nodes
     assert np.any(released_noise != 0)
-
-    param, _, _ = noise_parameter(depth, "replace_one", "laplace", 1.0, None)
-    context = tree_context(session["thresholds"], "ecdf")
+    context = _context(session)
     found = set()
     for path in files:
         for hexa in re.findall(r"[0-9a-f]{32,}", path.read_text()):
             raw = bytes.fromhex(hexa[: len(hexa) // 32 * 32])
             found.update(raw[k : k + 16] for k in range(0, len(raw), 16))
     assert len(found) >= 10  # the session id and the link keys
-    candidates = [NodeNoise(k)("laplace", param, depth) for k in sorted(found)]
-    candidates += [NodeNoise(tree_key(k, context))("laplace", param, depth) for k in sorted(found)]
+    keys = sorted(found) + [tree_key(k, context) for k in sorted(found)]
+    candidates = [NodeNoise(k).nodes("laplace", param, lev.ravel(), idx.ravel()) for k in keys]
     stack = np.stack(candidates)
     for r in (1, 2, 3):
         for combo in itertools.combinations(range(len(stack)), r):

@@ -72,6 +72,14 @@ def _session_options(parser: argparse.ArgumentParser, timeout: float) -> None:
         help="who holds the tree-node noise (docs/federated.md: threat model)",
     )
     parser.add_argument(
+        "--mechanism",
+        choices=["auto", "binary"],
+        default="auto",
+        help="counting mechanism of an ECDF: auto = the central default's k-ary tree "
+        "(branching, levels and budgets of smallest exact error; equal to the central release); "
+        "binary = the thesis's tree (a ROC curve always uses it)",
+    )
+    parser.add_argument(
         "--neighbouring",
         choices=["replace_one", "add_remove"],
         default="replace_one",
@@ -270,6 +278,7 @@ def _simulate(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             noise_keys=keys,
             statistic=args.statistic,
+            mechanism=args.mechanism,
             owner_labels=[[int(y)] for y in labels] if args.statistic == "roc" else None,
         )
     except FederatedError as exc:
@@ -317,7 +326,7 @@ def _init(args: argparse.Namespace) -> int:
             args.protocol, args.owners, args.servers, args.size, args.epsilon,
             noise_sharing=args.noise_sharing, lower=args.lower, upper=args.upper,
             neighbouring=args.neighbouring, timeout=args.timeout, n_values=args.n_values,
-            statistic=args.statistic,
+            statistic=args.statistic, mechanism=args.mechanism,
         )  # fmt: skip
     except ValueError as exc:
         print(f"clipless federated init: error: {exc}", file=sys.stderr)

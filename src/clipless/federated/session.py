@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -115,13 +116,48 @@ def _budget(session: dict[str, Any]) -> tuple[str, float | None, float | None]:
     )
 
 
+def _plan(session: dict[str, Any]) -> Any:
+    """The session's ``k``-ary plan (public, fixed at ``init``), or ``None`` (binary tree)."""
+    spec = session.get("kary")
+    if spec is None:
+        return None
+    from clipless.stats.counting import CountingPlan
+
+    shares = tuple(Fraction(str(w)) for w in spec["shares"])
+    return CountingPlan(int(spec["branching"]), shares, float("nan"))
+
+
+def _context(session: dict[str, Any]) -> bytes:
+    """The released tree's identity (:func:`~clipless.federated.noise.tree_context`)."""
+    plan = _plan(session)
+    shape = ""
+    if plan is not None:
+        from clipless.federated.ecdf import kary_shape
+
+        shape = kary_shape(plan)
+    return tree_context(session["thresholds"], session.get("statistic", "ecdf"), shape)
+
+
 def _noise_setup(
     session: dict[str, Any],
 ) -> tuple[Any, float, int, NDArray[np.int64], NDArray[np.int64], Any]:
-    """``(param, node variance, sensitivity, noise levels, noise index, matrix)``."""
+    """``(param, node variance, sensitivity, noise levels, noise index, matrix)``; for a
+    ``k``-ary session ``param`` is the per-level tuple (the variance and sensitivity entries
+    are then unused: :func:`_finish` takes them from the plan)."""
     from clipless.federated.ecdf import noise_parameter, path_nodes, tree_query
     from clipless.stats.grid import tree_depth
 
+    plan = _plan(session)
+    if plan is not None:
+        from clipless.federated.ecdf import kary_query
+        from clipless.stats.counting import kary_params, kary_released_nodes
+
+        size = int(session["grid"]["size"])
+        nb, eps, rho = _budget(session)
+        budget = _budget_of(session["noise"], eps, rho)
+        lv, ix = kary_released_nodes(size, plan, nb)  # type: ignore[arg-type]
+        params = kary_params(plan, nb, session["noise"], budget)  # type: ignore[arg-type]
+        return params, 0.0, 0, lv[:, None], ix[:, None], kary_query(size, plan)
     size = int(session["grid"]["size"])
     depth = tree_depth(size)
     nb, eps, rho = _budget(session)
@@ -138,9 +174,21 @@ def _noise_setup(
     return param, var, delta, lev, idx, None
 
 
+def _budget_of(noise: str, eps: float | None, rho: float | None) -> Fraction:
+    from clipless.stats.counting import _budget as budget_fraction
+
+    return budget_fraction(noise, eps, rho)[0]
+
+
 def _all_nodes(session: dict[str, Any]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """Every node that carries noise (both class trees, tags 0 and 1, for a ROC)."""
     from clipless.federated.noise import TAG_SHIFT, node_ids
+
+    plan = _plan(session)
+    if plan is not None:
+        from clipless.stats.counting import kary_released_nodes
+
+        return kary_released_nodes(int(session["grid"]["size"]), plan, session["neighbouring"])
 
     depth = int(int(session["grid"]["size"]) - 1).bit_length()
     lv, ix = node_ids(depth)
@@ -479,7 +527,7 @@ def server_noise_key(session: dict[str, Any], own_key: bytes | None = None) -> b
     one drawn here and never written, bound to the tree (:func:`~clipless.federated.noise.
     tree_key`). No other party ever sees it."""
     key = secrets.token_bytes(16) if own_key is None else bytes(own_key)
-    return tree_key(key, tree_context(session["thresholds"], session.get("statistic", "ecdf")))
+    return tree_key(key, _context(session))
 
 
 def run_server(
@@ -692,7 +740,7 @@ class SimulationResult:
 
     ecdf: Any
     release: Any
-    prefix_counts: NDArray[np.int64]
+    prefix_counts: NDArray[np.int64] | NDArray[np.float64]
     values: NDArray[np.float64]
     points: NDArray[np.int64]
     wall_time: float
@@ -735,6 +783,7 @@ def make_session(
     noise_keys: Sequence[bytes] | None = None,
     n_values: int | None = None,
     statistic: str = "ecdf",
+    mechanism: str = "auto",
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """A fresh public session and every party's secret: the pairwise link keys and, with
     ``noise_sharing="dealer"``, the dealer's noise key (``noise_keys=[K]`` or fresh).
@@ -744,7 +793,13 @@ def make_session(
     nothing of the noise; ``noise_keys`` is then refused (reproducible server keys are given to
     the servers themselves: :func:`simulate`'s ``noise_keys``, ``serve --noise-key-file``).
 
-    ``statistic``: ``"ecdf"`` or ``"roc"`` (owners hold scores and 0/1 labels; whole grid)."""
+    ``statistic``: ``"ecdf"`` or ``"roc"`` (owners hold scores and 0/1 labels; whole grid).
+    ``mechanism``: ``"auto"`` (default) releases a whole-grid ECDF with the central default's
+    ``k``-ary plan (:func:`~clipless.stats.counting.counting_plan`, fixed here and written into
+    the public session as ``"kary"``); ``"binary"``, a ROC curve or ``points`` use the binary
+    tree."""
+    if mechanism not in ("auto", "binary", "k-ary"):
+        raise ValueError(f"mechanism must be 'auto', 'binary' or 'k-ary', got {mechanism!r}")
     if statistic not in ("ecdf", "roc"):
         raise ValueError(f"statistic must be 'ecdf' or 'roc', got {statistic!r}")
     if statistic == "roc" and points is not None:
@@ -821,7 +876,19 @@ def make_session(
         else (owners if n_values is None else n_values),
         "one_value_per_owner": neighbouring == "replace_one" and n_values is None,
         "servers_at": [],
+        "kary": None,
     }
+    if mechanism != "binary" and statistic == "ecdf" and points is None:
+        from clipless.stats.counting import counting_plan
+
+        budget = _budget_of(noise, epsilon, rho)
+        plan = counting_plan(size, neighbouring, noise, budget)  # type: ignore[arg-type]
+        session["kary"] = {
+            "branching": plan.branching,
+            "shares": [str(w) for w in plan.shares],
+        }
+    elif mechanism == "k-ary":
+        raise ValueError("mechanism='k-ary' is for a whole-grid ECDF (points None, statistic ecdf)")
     parties = (
         [f"owner {i}" for i in range(owners)]
         + [f"server {j}" for j in range(servers)]
@@ -846,9 +913,8 @@ def make_session(
         return session, secret
     _check_noise_keys(noise_keys, 1)
     nk = [secrets.token_bytes(16)] if noise_keys is None else list(noise_keys)
-    # the dealer holds the key bound to this tree (grid and statistic): noise.tree_key
-    context = tree_context(session["thresholds"], statistic)
-    secret["dealer 0"]["noise_key"] = tree_key(bytes(nk[0]), context).hex()
+    # the dealer holds the key bound to this tree (grid, statistic, shape): noise.tree_key
+    secret["dealer 0"]["noise_key"] = tree_key(bytes(nk[0]), _context(session)).hex()
     return session, secret
 
 
@@ -1019,6 +1085,23 @@ def _finish(
     pts = _points(session)
     whole = session.get("points") is None
     nb, eps, rho = _budget(session)
+    plan = _plan(session)
+    if plan is not None:
+        from clipless.stats.counting import kary_estimate
+        from clipless.stats.ecdf import from_release
+
+        n_pub = int(session["n_values"] or 0)
+        kary = kary_estimate(
+            out, len(pts), plan, nb, session["noise"], _budget_of(session["noise"], eps, rho),  # type: ignore[arg-type]
+            n_pub, eps if session["noise"] == "laplace" else None, rho, m_noise,
+        )  # fmt: skip
+        Fk = from_release(
+            kary, _grid(session), n=n_pub if nb == "replace_one" else None,
+            smoothing=smoothing,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return SimulationResult(
+            Fk, kary, kary.prefix_counts, np.asarray(Fk.values), pts, wall, dict(sent)
+        )
     if not _is_roc(session):
         counts, values, release, F = assemble(
             out, _grid(session), pts, whole, int(session["n_values"] or 0), session["noise"],
