@@ -501,11 +501,12 @@ def _fast_level_variances(
     return out
 
 
-def _level_increments(num_leaves: int, k: int, h: int, q: bool) -> NDArray[np.float64]:
-    """Rows ``l = 0..h``: ``Q_l(i) - Q_(l-1)(i)`` (``q``) or ``R_l(i) - R_(l-1)(i)``, ``i = 1..N``
-    (:func:`kary_prefix_variance`, :func:`kary_prefix_covariance_with_last`)."""
-    i = np.arange(1, num_leaves + 1, dtype=np.float64)
-    out = np.empty((h + 1, num_leaves))
+def _level_increments(
+    i: NDArray[np.float64], num_leaves: int, k: int, h: int, q: bool
+) -> NDArray[np.float64]:
+    """Rows ``l = 0..h``: ``Q_l(i) - Q_(l-1)(i)`` (``q``) or ``R_l(i) - R_(l-1)(i)`` at the
+    thresholds ``i`` (:func:`kary_prefix_variance`, :func:`kary_prefix_covariance_with_last`)."""
+    out = np.empty((h + 1, i.size))
     prev = np.zeros_like(i)
     for lev in range(h + 1):
         block = float(k**lev)
@@ -519,22 +520,34 @@ def _level_increments(num_leaves: int, k: int, h: int, q: bool) -> NDArray[np.fl
     return out
 
 
+_CHUNK = 1 << 16
+
+
 @lru_cache(maxsize=256)
 def _score_forms(
     num_leaves: int, k: int, neighbouring: Neighbouring
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
     """The error score of the ``k``-ary release as forms in ``kappa`` (:func:`_kary_kappa`):
     add/remove, the linear ``a . kappa``; replace-one, ``a . kappa - kappa^T M kappa /
-    (q_N . kappa)`` (:func:`_tree_score`)."""
+    (q_N . kappa)`` (:func:`_tree_score`). Accumulated over chunks of thresholds (memory
+    ``O(h * 2^16)`` for any ``N``)."""
     h = kary_depth(num_leaves, k)
-    dq = _level_increments(num_leaves, k, h, q=True)
-    dr = _level_increments(num_leaves, k, h, q=False)
-    q_last = dq[:, -1].copy()
-    if neighbouring == "add_remove":
-        f = np.arange(1, num_leaves + 1, dtype=np.float64) / num_leaves
-        a = dq.mean(axis=1) - 2.0 * (dr * f).mean(axis=1) + float(np.mean(f * f)) * q_last
-        return a, q_last, np.zeros((h + 1, h + 1))
-    return dq.mean(axis=1), q_last, (dr @ dr.T) / num_leaves
+    n = float(num_leaves)
+    a = np.zeros(h + 1)
+    m = np.zeros((h + 1, h + 1))
+    last = np.array([n])
+    q_last = _level_increments(last, num_leaves, k, h, q=True)[:, 0]
+    for start in range(1, num_leaves + 1, _CHUNK):
+        i = np.arange(start, min(start + _CHUNK, num_leaves + 1), dtype=np.float64)
+        dq = _level_increments(i, num_leaves, k, h, q=True)
+        dr = _level_increments(i, num_leaves, k, h, q=False)
+        a += dq.sum(axis=1)
+        if neighbouring == "add_remove":
+            f = i / n
+            a += -2.0 * (dr * f).sum(axis=1) + float(np.sum(f * f)) * q_last
+        else:
+            m += dr @ dr.T
+    return a / n, q_last, m / n
 
 
 def _tree_score(
