@@ -1111,7 +1111,8 @@ class CountRelease:
         variance of one noise draw (of the leaves).
     sensitivity:
         L1 sensitivity (Laplace) or squared L2 sensitivity (Gaussian) of the noisy vector
-        (``k``-ary: number of nodes one change moves, over all levels).
+        (``k``-ary: the most nodes one change moves, over the released levels: ``per`` times
+        their number, ``per = 1`` add/remove, ``2`` replace-one).
     shares:
         ``k``-ary: the budget fraction of each noisy level (:func:`level_shares`).
     branching:
