@@ -200,3 +200,23 @@ def test_counting_plan_bad_input():
             np.ones(4, dtype=np.int64), CountingPlan(2, (Fraction(1),), 0.0), "add_remove",
             "laplace", Fraction(1), seeded_rng(0), 1.0, None,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("neighbouring", ["add_remove", "replace_one"])
+@pytest.mark.parametrize("rho", [Fraction(1, 100), Fraction(1, 2), Fraction(50)])
+def test_zcdp_default_is_the_lower_exact_score(neighbouring, rho):
+    """Under zCDP "auto" is the factorisation or the k-ary plan, whichever has the lower exact
+    score; the release's own variance of the chosen one agrees with that score."""
+    from clipless.stats.counting import default_mechanism, factorization_score
+
+    N = 300
+    tree = counting_plan(N, neighbouring, "gaussian", rho).score
+    fact = factorization_score(N, neighbouring, rho)
+    chosen = default_mechanism("gaussian", N, neighbouring, rho)
+    assert chosen == ("factorization" if fact < tree else "k-ary")
+    rel = release_prefix_counts(
+        np.ones(N, dtype=np.int64), None, neighbouring, "gaussian", seeded_rng(0), float(rho)
+    )
+    assert rel.mechanism == chosen
+    if neighbouring == "replace_one":  # the score is the mean released variance
+        assert float(np.mean(rel.variance)) == pytest.approx(min(fact, tree), rel=1e-6)
