@@ -160,7 +160,7 @@ def run_pure(
         i = np.clip(np.searchsorted(thr, v), 1, N - 1)
         return thr[i - 1 + (np.abs(thr[i] - v) < np.abs(thr[i - 1] - v))]
 
-    kstar = best_branching(N, nb, "laplace")  # type: ignore[arg-type]
+    kstar = best_branching(N, nb, "laplace", eps)  # type: ignore[arg-type]
     odp_bs = sorted({2, 4, 8, 16})
     odp = {b: OpenDPTree(N, b, nb, "laplace", eps) for b in odp_bs}
     for rep in range(repeats):

@@ -280,8 +280,10 @@ def _dataset_names() -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- parser
-def build_parser() -> argparse.ArgumentParser:
-    """The full ``clipless`` argument parser (sub-commands included)."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full ``clipless`` argument parser (sub-commands included); with ``command``
+    (``"audit"``), the parser of that sub-command alone: :func:`main` uses it so that ``clipless
+    audit`` checks its arguments without loading the dataset registry (and torch)."""
     from clipless import __version__
 
     parser = argparse.ArgumentParser(
@@ -296,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"clipless {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    if command == "audit":
+        _add_audit_parser(sub)
+        return parser
     _add_train_parser(sub)
     _add_data_parser(sub)
     _add_stats_parsers(sub)
@@ -1696,7 +1701,8 @@ def _one_line_warning(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``clipless`` command; returns the exit status (2 for bad arguments)."""
-    parser = build_parser()
+    first = list(sys.argv[1:] if argv is None else argv)[:1]
+    parser = build_parser("audit" if first == ["audit"] else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help / --version (0) or bad arguments (2)

@@ -204,7 +204,9 @@ def test_serve_listens_at_the_session_address(
 
     bound: list[int] = []
 
-    def run_server(sess: object, secret: object, index: int, listener: socket.socket) -> Counter:
+    def run_server(
+        sess: object, secret: object, index: int, listener: socket.socket, key: object = None
+    ) -> Counter:
         bound.append(listener.getsockname()[1])
         listener.close()
         return Counter()
@@ -248,3 +250,82 @@ def test_process_counts_are_capped(
     assert "argument --owners: expected an integer [1, 1000]" in capsys.readouterr().err
     assert main(["train", "--nproc", "1000"]) == 2
     assert "argument --nproc" in capsys.readouterr().err
+
+
+def test_analyst_stdout_is_the_table_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 37: the analyst's stdout mixed a JSON status line into the released table; the
+    status now goes to stderr (the other parties keep it on stdout, the simulation reads it)."""
+    import numpy as np
+
+    import clipless.federated.cli
+    import clipless.federated.session
+    from clipless.federated.transport import Counter
+
+    counter = Counter()
+    counter.sent["server 0"] = 12
+    monkeypatch.setattr(
+        clipless.federated.session, "run_analyst", lambda s, k: (np.zeros(4, np.int64), counter)
+    )
+    monkeypatch.setattr(clipless.federated.session, "_finish", lambda *a: "released")
+    monkeypatch.setattr(clipless.federated.cli, "_print_release", lambda res: print("TABLE"))
+    run = tmp_path / "run"
+    assert _init(run) == 0
+    capsys.readouterr()
+    code = main([
+        "federated", "analyst", str(run / "session.json"),
+        "--secret", str(run / "secrets" / "analyst-0.json"),
+    ])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert out == "TABLE\n"
+    assert json.loads(err.strip().splitlines()[-1]) == {"sent": {"server 0": 12}, "error": None}
+
+
+def test_serve_noise_key_file_is_the_servers_own(tmp_path: Path) -> None:
+    """Issue 37: a distributed server's key is its own: created 0600 with a fresh key when the
+    file is absent, read back (the same noise for later queries) when present."""
+    import stat
+
+    from clipless.federated.cli import _own_noise_key
+
+    dist = {"noise_sharing": "distributed"}
+    path = tmp_path / "k"
+    key = _own_noise_key(str(path), dist)
+    assert key is not None and len(key) == 16
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_text().strip() == key.hex()
+    assert _own_noise_key(str(path), dist) == key
+    assert _own_noise_key(None, dist) is None
+    with pytest.raises(ValueError, match="only for noise_sharing distributed"):
+        _own_noise_key(str(path), {"noise_sharing": "dealer"})
+    path.write_text("abc")
+    with pytest.raises(ValueError, match="32 hex digits"):
+        _own_noise_key(str(path), dist)
+
+
+def test_simulate_distributed_subprocesses_with_key_files(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The server processes get their own keys through --noise-key-file (none in any secret):
+    the TCP release (the central default's k-ary plan) equals the in-process one and the
+    central one with the summed noise of those keys, bit for bit."""
+    import numpy as np
+
+    from clipless.federated import federated_ecdf
+    from clipless.federated.session import simulate
+    from clipless.stats import Grid, ecdf
+
+    keys = [bytes([5 + j]) * 16 for j in range(3)]
+    vals = [[0.2], [0.5], [0.7], [0.9]]
+    res = simulate("shares", vals, 3, 8, 1.0, spawn="subprocess", timeout=30.0,
+                   noise_sharing="distributed", noise_keys=keys)  # fmt: skip
+    grid = Grid(0, 1, size=8)
+    fed = federated_ecdf(vals, grid, 1.0, servers=3, noise_sharing="distributed",
+                         noise_keys=keys)  # fmt: skip
+    central = ecdf([v[0] for v in vals], grid, 1.0, node_noise=fed.noise_source)
+    assert res.ecdf is not None and fed.ecdf is not None
+    assert res.release.mechanism == "k-ary"
+    assert np.array_equal(res.ecdf.values, fed.ecdf.values)
+    assert np.array_equal(res.ecdf.values, central.values)

@@ -102,9 +102,12 @@ def test_fss_release_equals_central_bit_for_bit() -> None:
     owners = [rng.uniform(-0.2, 1.2, size=rng.integers(1, 4)) for _ in range(15)]
     grid = Grid(0, 1, size=21)
     key = bytes([5]) * 16
-    fed = federated_ecdf(owners, grid, 0.5, protocol="fss", noise_keys=[key])
+    fed = federated_ecdf(owners, grid, 0.5, protocol="fss", noise_keys=[key], mechanism="binary")
     context = tree_context(grid.thresholds, "ecdf")
-    central = ecdf(np.concatenate(owners), grid, 0.5, node_noise=NodeNoise(tree_key(key, context)))
+    central = ecdf(
+        np.concatenate(owners), grid, 0.5, node_noise=NodeNoise(tree_key(key, context)),
+        mechanism="binary",
+    )  # fmt: skip
     assert fed.ecdf is not None
     assert fed.ecdf.values.tobytes() == central.values.tobytes()
     # bytes: every value gives one key per server; each server publishes one word per node

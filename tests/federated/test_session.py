@@ -33,10 +33,12 @@ def _values(n: int, seed: int = 0) -> list[list[float]]:
 @pytest.mark.parametrize("protocol,servers", [("shares", 3), ("fss", 2)])
 def test_tcp_release_equals_central_and_bytes_match_formula(protocol: str, servers: int) -> None:
     owners, size = _values(6), 10
-    res = simulate(protocol, owners, servers, size, 0.8, timeout=20.0, noise_keys=[KEY])
+    res = simulate(
+        protocol, owners, servers, size, 0.8, timeout=20.0, noise_keys=[KEY], mechanism="binary"
+    )
     grid = Grid(0, 1, size=size)
     bound = NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf")))
-    central = ecdf(np.concatenate(owners), grid, 0.8, node_noise=bound)
+    central = ecdf(np.concatenate(owners), grid, 0.8, node_noise=bound, mechanism="binary")
     assert res.ecdf is not None
     assert res.ecdf.values.tobytes() == central.values.tobytes()
     fed = federated_ecdf(
@@ -46,6 +48,7 @@ def test_tcp_release_equals_central_and_bytes_match_formula(protocol: str, serve
         protocol=protocol,  # type: ignore[arg-type]
         servers=servers,
         noise_keys=[KEY],
+        mechanism="binary",  # what the TCP session releases
     )
     assert res.prefix_counts.tolist() == fed.prefix_counts.tolist()
     # bytes on the wire, exactly: every payload is framed (23-byte header + 32-byte tag)
@@ -127,9 +130,9 @@ def test_unauthenticated_connections_change_nothing(protocol: str, servers: int)
     owners = _values(4, seed=3)
     faults = {f"owner {i}": "stranger" for i in range(4)}
     res = simulate(protocol, owners, servers, 8, 1.0, timeout=20.0, noise_keys=[KEY],
-                   faults=faults)  # fmt: skip
+                   faults=faults, mechanism="binary")  # fmt: skip
     fed = federated_ecdf(owners, Grid(0, 1, size=8), 1.0, protocol=protocol,  # type: ignore[arg-type]
-                         servers=servers, noise_keys=[KEY])  # fmt: skip
+                         servers=servers, noise_keys=[KEY], mechanism="binary")  # fmt: skip
     assert res.prefix_counts.tolist() == fed.prefix_counts.tolist()
 
 
@@ -237,11 +240,15 @@ def test_add_remove_sessions_publish_no_n() -> None:
         make_session("shares", 3, 2, 8, 1.0, neighbouring="add_remove", n_values=3)
     owners, size = [[0.1, 0.35], [], [0.5, 0.52, 0.9]], 10
     res = simulate(
-        "shares", owners, 2, size, 0.8, timeout=20.0, noise_keys=[KEY], neighbouring="add_remove"
-    )
+        "shares", owners, 2, size, 0.8, timeout=20.0, noise_keys=[KEY], neighbouring="add_remove",
+        mechanism="binary",
+    )  # fmt: skip
     grid = Grid(0, 1, size=size)
     bound = NodeNoise(tree_key(KEY, tree_context(grid.thresholds, "ecdf")))
-    central = ecdf(np.concatenate(owners), grid, 0.8, node_noise=bound, neighbouring="add_remove")
+    central = ecdf(
+        np.concatenate(owners), grid, 0.8, node_noise=bound, neighbouring="add_remove",
+        mechanism="binary",
+    )  # fmt: skip
     assert res.ecdf is not None
     assert res.ecdf.values.tobytes() == central.values.tobytes()
 
@@ -378,3 +385,81 @@ def test_make_session_bounds_the_timeout() -> None:
             fs.make_session(
                 owners=2, servers=2, protocol="shares", size=4, epsilon=1.0, timeout=bad
             )
+
+
+def test_no_file_written_by_init_reconstructs_the_distributed_noise(tmp_path) -> None:
+    """Issue 37: ``init --noise-sharing distributed`` wrote every server's noise key into the
+    secret files from one process, so whoever ran init knew all the noise. Now init writes
+    link keys only and each server draws its own key when it serves. The test runs a real
+    release from init's files and tries every 16-byte value found in them (raw and bound to
+    the tree), alone and summed in twos and threes (the noise is a sum of three server noises):
+    none gives the released noise."""
+    import itertools
+    import json
+    import multiprocessing
+    import re
+    import socket
+
+    from clipless.cli import main
+    from clipless.federated.session import (
+        _child,
+        _context,
+        _noise_setup,
+        run_analyst,
+        run_owner,
+        run_server,
+    )
+
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    at = [f"127.0.0.1:{lst.getsockname()[1]}" for lst in listeners]
+    run = tmp_path / "run"
+    assert main([
+        "federated", "init", "--out", str(run), "--owners", "2", "--servers", "3",
+        "--protocol", "shares", "--noise-sharing", "distributed", "--size", "4",
+        "--epsilon", "1", "--timeout", "20",
+        *itertools.chain.from_iterable(("--server-at", a) for a in at),
+    ]) == 0  # fmt: skip
+    files = [run / "session.json", *sorted((run / "secrets").iterdir())]
+    session = json.loads(files[0].read_text())
+    secret = {p.stem.replace("-", " "): json.loads(p.read_text()) for p in files[1:]}
+    assert all(set(s) == {"links"} for s in secret.values()), secret  # link keys only
+
+    ctx = multiprocessing.get_context("fork")
+    procs, pipes = [], []
+    for j, lst in enumerate(listeners):
+        pipes.append(ctx.Pipe(duplex=False))
+        child = pipes[-1][1]
+        args = (session, secret[f"server {j}"], j, lst)
+        procs.append(ctx.Process(target=_child, args=(run_server, args, child), daemon=True))
+        procs[-1].start()
+        lst.close()
+    values = [[0.1], [0.8]]
+    for i, v in enumerate(values):
+        pipes.append(ctx.Pipe(duplex=False))
+        child = pipes[-1][1]
+        args = (session, secret[f"owner {i}"], i, v)
+        procs.append(ctx.Process(target=_child, args=(run_owner, args, child), daemon=True))
+        procs[-1].start()
+    out, _ = run_analyst(session, secret["analyst 0"])
+    for p in procs:
+        p.join(30)
+    assert [parent.recv()["error"] for parent, _ in pipes] == [None] * 5
+    grid = Grid(0, 1, size=4)
+    param, _, _, lev, idx, matrix = _noise_setup(session)  # the session's public tree
+    assert session["kary"] is not None  # init's default: the central default's k-ary plan
+    true_nodes = matrix @ np.cumsum(grid.counts([0.1, 0.8]))
+    released_noise = np.asarray(out, dtype=np.int64) - true_nodes
+    assert np.any(released_noise != 0)
+    context = _context(session)
+    found = set()
+    for path in files:
+        for hexa in re.findall(r"[0-9a-f]{32,}", path.read_text()):
+            raw = bytes.fromhex(hexa[: len(hexa) // 32 * 32])
+            found.update(raw[k : k + 16] for k in range(0, len(raw), 16))
+    assert len(found) >= 10  # the session id and the link keys
+    keys = sorted(found) + [tree_key(k, context) for k in sorted(found)]
+    candidates = [NodeNoise(k).nodes("laplace", param, lev.ravel(), idx.ravel()) for k in keys]
+    stack = np.stack(candidates)
+    for r in (1, 2, 3):
+        for combo in itertools.combinations(range(len(stack)), r):
+            assert not np.array_equal(stack[list(combo)].sum(axis=0), released_noise)

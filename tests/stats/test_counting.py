@@ -261,7 +261,9 @@ def test_release_unbiased_with_the_stated_variance(mechanism, neighbouring):
         errs.append(rel.prefix_counts - np.cumsum(counts))
     e = np.array(errs)
     var = rel.variance
-    assert abs(e.mean()) < 4 * np.sqrt(var.mean() / e.size) + 1e-9
+    # per threshold (the errors of one release are correlated across thresholds)
+    se = np.sqrt(var / len(errs))
+    assert np.all(np.abs(e.mean(axis=0)) <= 4.5 * se + 1e-9)
     np.testing.assert_allclose(e.var(axis=0).mean(), var.mean(), rtol=0.15)
 
 
@@ -287,8 +289,9 @@ def test_bad_input_messages():
         release_prefix_counts([1, 2], 1.0, mechanism="k-ary", branching=10**12)
     with pytest.raises(ValueError, match="only for mechanism='k-ary'"):
         release_prefix_counts([1, 2], 1.0, mechanism="binary", branching=4)
-    assert default_mechanism("laplace") == "k-ary"
-    assert default_mechanism("gaussian") == "factorization"
+    assert default_mechanism("laplace", 64, "add_remove", 1.0) == "k-ary"
+    assert default_mechanism("gaussian", 4096, "replace_one", 0.5) == "factorization"
+    assert default_mechanism("gaussian", 4096, "replace_one", 50) == "k-ary"  # flat
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,10 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from clipless.audit._modes import AUDIT_MODES
 from clipless.audit.bounds import ThresholdTest, clopper_pearson, epsilon_lower_bound
 from clipless.audit.one_run import (
     OneRunAudit,
@@ -28,7 +32,18 @@ from clipless.audit.statistics import (
     gaussian_renyi_divergence,
     laplace_privacy_loss,
 )
-from clipless.audit.step import AUDIT_MODES, StepAudit, audit_step
+
+if TYPE_CHECKING:
+    from clipless.audit.step import StepAudit, audit_step
+
+
+def __getattr__(name: str) -> Any:
+    """:mod:`clipless.audit.step` needs torch: loaded on first use, so that ``clipless audit``
+    can refuse bad arguments (and the statistics can be used) without importing torch."""
+    if name in ("StepAudit", "audit_step"):
+        return getattr(importlib.import_module("clipless.audit.step"), name)
+    raise AttributeError(f"module 'clipless.audit' has no attribute {name!r}")
+
 
 __all__ = [
     "AUDIT_MODES",

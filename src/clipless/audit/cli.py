@@ -1,10 +1,11 @@
 """``clipless audit``: attack one private training step and compare with the claimed epsilon.
 
-Wired into the main ``clipless`` command by :func:`add_audit_parser`. Prints three lines: the
-mechanism, the claimed epsilon, the empirical lower bound with its confidence
-(:mod:`clipless.audit.step`). Exit status 0 when the claim stands, 1 when the audit shows it false
-(exactly, by the canary's contribution, or statistically), 2 on bad arguments (one line on stderr
-naming the argument).
+Wired into the main ``clipless`` command by :func:`add_audit_parser`. Prints four lines: the
+mechanism, the claimed epsilon, the Gaussian-DP fit of all the scores (estimate and rigorous
+lower bound under the step's Gaussian output model) and the distribution-free empirical lower
+bound with its confidence (:mod:`clipless.audit.step`). Exit status 0 when the claim stands, 1
+when the audit shows it false (exactly, by the canary's contribution, or statistically by the
+distribution-free bound), 2 on bad arguments (one line on stderr naming the argument).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from clipless._argtypes import integer, number
-from clipless.audit.step import AUDIT_MODES, audit_step
+from clipless.audit._modes import AUDIT_MODES
 
 __all__ = ["add_audit_parser", "audit_command"]
 
@@ -113,6 +114,8 @@ def audit_command(args: argparse.Namespace) -> int:
             print(f"clipless audit: error: argument --plot: .{suffix} is not an image format "
                   "(use .png, .pdf or .svg)", file=sys.stderr)  # fmt: skip
             return 2
+    from clipless.audit.step import audit_step  # torch: loaded only once the arguments pass
+
     result = audit_step(
         args.mode,
         noise=args.noise,

@@ -4,7 +4,9 @@
 Beta(2, 5) on [0, 1] from ``--data-seed``) and, for ``--noise-sharing dealer``, a noise dealer,
 each a separate process on 127.0.0.1, then acts as the analyst: it prints the released ECDF,
 the wall time, one line ``total: N bytes`` and the bytes sent by each role. ``init`` writes a
-public session file and one secret file per party; ``serve``, ``owner``, ``dealer`` and
+public session file and one secret file per party (link keys; the dealer's noise key with
+``--noise-sharing dealer``, no noise key at all with ``distributed``, where each ``serve``
+draws its own); ``serve``, ``owner``, ``dealer`` and
 ``analyst`` run one party from the session file and its own secret file (docs/federated.md shows
 how to run them on several machines; the protocol is :mod:`clipless.federated.session`).
 """
@@ -18,7 +20,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from clipless._argtypes import integer, number
 from clipless.federated.noise import server_keys
@@ -68,6 +70,14 @@ def _session_options(parser: argparse.ArgumentParser, timeout: float) -> None:
         choices=["dealer", "distributed"],
         default="dealer",
         help="who holds the tree-node noise (docs/federated.md: threat model)",
+    )
+    parser.add_argument(
+        "--mechanism",
+        choices=["auto", "binary"],
+        default="auto",
+        help="counting mechanism of an ECDF: auto = the central default's k-ary tree "
+        "(branching, levels and budgets of smallest exact error; equal to the central release); "
+        "binary = the thesis's tree (a ROC curve always uses it)",
     )
     parser.add_argument(
         "--neighbouring",
@@ -184,6 +194,15 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
                 "--index; 0: any free port, printed). Another port than the recorded one is for "
                 "a tunnel, TLS proxy or port forward that reaches it from there (a note says so)",
             )
+        if name == "serve":
+            q.add_argument(
+                "--noise-key-file",
+                default=None,
+                help="noise_sharing distributed: this server's own noise key (32 hex digits), "
+                "created (mode 0600) with a fresh key if absent, reused if present: the same "
+                "noise for later queries of the same data and grid. Default: a fresh key per "
+                "run, never written. No other party ever has it (init writes no noise key)",
+            )
         if name == "owner":
             q.add_argument("--values", required=True, help="comma-separated values")
             q.add_argument("--labels", default=None, help="comma-separated 0/1 labels (roc)")
@@ -259,6 +278,7 @@ def _simulate(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             noise_keys=keys,
             statistic=args.statistic,
+            mechanism=args.mechanism,
             owner_labels=[[int(y)] for y in labels] if args.statistic == "roc" else None,
         )
     except FederatedError as exc:
@@ -306,7 +326,7 @@ def _init(args: argparse.Namespace) -> int:
             args.protocol, args.owners, args.servers, args.size, args.epsilon,
             noise_sharing=args.noise_sharing, lower=args.lower, upper=args.upper,
             neighbouring=args.neighbouring, timeout=args.timeout, n_values=args.n_values,
-            statistic=args.statistic,
+            statistic=args.statistic, mechanism=args.mechanism,
         )  # fmt: skip
     except ValueError as exc:
         print(f"clipless federated init: error: {exc}", file=sys.stderr)
@@ -362,6 +382,7 @@ def _party(args: argparse.Namespace) -> int:
         sess, secret = _load_party(args)
         if cmd == "serve":
             at, recorded = _listen_address(args, sess)
+            own_key = _own_noise_key(args.noise_key_file, sess)
     except ValueError as exc:
         print(f"clipless federated {cmd}: error: {exc}", file=sys.stderr)
         return 2
@@ -381,7 +402,7 @@ def _party(args: argparse.Namespace) -> int:
             # load the release code (clipless.stats, scipy) while the owners start, not after
             import clipless.federated.ecdf  # noqa: F401
 
-            counter = fs.run_server(sess, secret, args.index, listener)
+            counter = fs.run_server(sess, secret, args.index, listener, own_key)
         elif cmd == "owner":
             try:
                 vals = [float(v) for v in args.values.split(",") if v.strip()]
@@ -403,7 +424,8 @@ def _party(args: argparse.Namespace) -> int:
             res = fs._finish(sess, out, dict(counter.sent), 0.0, "isotonic", True)
             _print_release(res)
     except FederatedError as exc:
-        print(json.dumps({"sent": {}, "error": [exc.code, str(exc), exc.party]}), flush=True)
+        status = {"sent": {}, "error": [exc.code, str(exc), exc.party]}
+        print(json.dumps(status), file=_status_stream(cmd), flush=True)
         print(f"clipless federated {cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # e.g. the port is taken, or the host is not this machine's
@@ -412,8 +434,49 @@ def _party(args: argparse.Namespace) -> int:
     except ValueError as exc:  # this party's input (values, labels) against the session
         print(f"clipless federated {cmd}: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"sent": dict(counter.sent), "error": None}), flush=True)
+    print(json.dumps({"sent": dict(counter.sent), "error": None}), file=_status_stream(cmd),
+          flush=True)  # fmt: skip
     return 0
+
+
+def _own_noise_key(path: str | None, sess: dict[str, Any]) -> bytes | None:
+    """``serve --noise-key-file``: read this server's own noise key, or create the file (mode
+    0600, never overwritten) with a fresh one."""
+    if path is None:
+        return None
+    if sess.get("noise_sharing") != "distributed":
+        raise ValueError(
+            "--noise-key-file: only for noise_sharing distributed (with a dealer the servers "
+            "hold shares of the dealer's noise, not a key)"
+        )
+    import secrets
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        text = Path(path).read_text().strip()
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            key = b""
+        if len(key) != 16:
+            raise ValueError(
+                f"--noise-key-file: {path} must hold 32 hex digits (a 16-byte key)"
+            ) from None
+        return key
+    except OSError as exc:
+        raise ValueError(f"--noise-key-file: {path}: {exc.strerror or exc}") from None
+    key = secrets.token_bytes(16)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key.hex() + "\n")
+    return key
+
+
+def _status_stream(cmd: str) -> TextIO:
+    """Where a party prints its JSON status line (bytes sent, error): stdout, which the
+    simulation reads; the analyst's stdout is the released table, so its status goes to
+    stderr."""
+    return sys.stderr if cmd == "analyst" else sys.stdout
 
 
 _SESSION_KEYS = ("session", "protocol", "servers", "owners", "noise_sharing", "thresholds",

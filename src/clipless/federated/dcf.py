@@ -33,7 +33,6 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +40,7 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from numpy.typing import ArrayLike, NDArray
 
+from clipless.federated.noise import NoiseParam
 from clipless.federated.prg import prg_bytes
 from clipless.federated.ustat import NoiseDealer, ShareServer, UStat, _unique_nodes, combine
 
@@ -347,7 +347,7 @@ def fss_publish(
     points: NDArray[np.int64],
     ustat: UStat,
     kind: NoiseKind,
-    param: Fraction,
+    param: NoiseParam,
     noise_levels: NDArray[np.int64],
     noise_index: NDArray[np.int64],
     matrix: sp.spmatrix | None,

@@ -38,6 +38,16 @@ from numpy.typing import ArrayLike, NDArray
 
 from clipless.federated.noise import NodeNoise, SummedNoise, node_ids, tree_context
 from clipless.federated.ustat import Backend, NoiseSharing, Traffic, UStat
+from clipless.stats.counting import (
+    CountingPlan,
+    CountRelease,
+    _budget,
+    counting_plan,
+    kary_depth,
+    kary_estimate,
+    kary_params,
+    kary_released_nodes,
+)
 from clipless.stats.ecdf import DPECDF, Smoothing, _as_grid, from_release
 from clipless.stats.grid import Grid, tree_depth
 from clipless.stats.noise import (
@@ -55,9 +65,18 @@ from clipless.stats.tree import (
     tree_sensitivity,
 )
 
-__all__ = ["FederatedECDF", "Protocol", "federated_ecdf", "noise_parameter", "tree_query"]
+__all__ = [
+    "FederatedECDF",
+    "Protocol",
+    "federated_ecdf",
+    "kary_query",
+    "kary_shape",
+    "noise_parameter",
+    "tree_query",
+]
 
 Protocol = Literal["local", "shares", "fss"]
+FederatedMechanism = Literal["auto", "binary", "k-ary"]
 
 
 def noise_parameter(
@@ -104,12 +123,38 @@ def tree_query(num_leaves: int) -> sp.csr_matrix:
     return (_suffix_columns(depth, num_leaves) @ diff).tocsr()
 
 
+def kary_query(num_leaves: int, plan: CountingPlan) -> sp.csr_matrix:
+    """The public integer map from the prefix counts ``C`` to the released nodes of the
+    ``k``-ary ``plan`` (:func:`~clipless.stats.counting.kary_released_nodes` order): node
+    ``(l, j)`` counts leaves ``[j k^l, (j+1) k^l)``, i.e. ``C[min((j+1) k^l, N) - 1] -
+    C[j k^l - 1]`` (``0`` for a padded node beyond ``N``). Two entries per row at most."""
+    levels, index = kary_released_nodes(num_leaves, plan, "add_remove")
+    width = np.power(plan.branching, levels)
+    lo = index * width
+    hi = np.minimum(lo + width, num_leaves)
+    real = np.flatnonzero(lo < num_leaves)
+    rows = np.concatenate([real, real[lo[real] > 0]])
+    cols = np.concatenate([hi[real] - 1, lo[real][lo[real] > 0] - 1])
+    vals = np.concatenate([np.ones(real.size), -np.ones(int(np.sum(lo[real] > 0)))])
+    return sp.csr_matrix(
+        (vals.astype(np.int64), (rows, cols)), shape=(levels.size, num_leaves), dtype=np.int64
+    )
+
+
+def kary_shape(plan: CountingPlan) -> str:
+    """The ``shape`` of :func:`~clipless.federated.noise.tree_context` for a ``k``-ary plan."""
+    return f"k-ary/{plan.branching}/" + ",".join(str(w) for w in plan.shares)
+
+
 @dataclass(frozen=True, eq=False)
 class FederatedECDF:
     """The output of :func:`federated_ecdf`.
 
-    ``ecdf`` and ``release`` are set for a whole-grid query (``thresholds=None``);
-    ``prefix_counts`` always holds the released noisy counts at ``points`` (leaf indices) and
+    ``ecdf`` and ``release`` are set for a whole-grid query (``thresholds=None``; ``release``
+    is the :class:`~clipless.stats.counting.CountRelease` of the ``k``-ary tree, or the
+    binary :class:`~clipless.stats.tree.TreeRelease`); ``prefix_counts`` holds the released
+    prefix counts at ``points`` (leaf indices; integers for the binary tree, the least-squares
+    estimates of the ``k``-ary tree) and
     ``values`` the same divided by the public ``n`` (replace-one) or, for a whole-grid query,
     the :class:`~clipless.stats.DPECDF`'s values. ``traffic``: payload bytes per role of the
     in-process run (the TCP runner counts framed bytes on the wire instead).
@@ -119,10 +164,10 @@ class FederatedECDF:
     servers: int
     noise_sharing: NoiseSharing
     points: NDArray[np.int64] = field(repr=False)
-    prefix_counts: NDArray[np.int64] = field(repr=False)
+    prefix_counts: NDArray[np.int64] | NDArray[np.float64] = field(repr=False)
     values: NDArray[np.float64] = field(repr=False)
     ecdf: DPECDF | None = field(repr=False)
-    release: TreeRelease | None = field(repr=False)
+    release: TreeRelease | CountRelease | None = field(repr=False)
     traffic: Traffic
     noise_keys: list[bytes] = field(repr=False)
     noise_source: NodeNoise | SummedNoise = field(repr=False)
@@ -249,8 +294,19 @@ def federated_ecdf(
     smoothing: Smoothing | None = "isotonic",
     consistency: bool = True,
     noise_keys: Sequence[bytes] | None = None,
+    mechanism: FederatedMechanism = "auto",
+    branching: int | None = None,
 ) -> FederatedECDF:
     """Release the DP-ECDF of the union of the owners' values, in process (see module doc).
+
+    ``mechanism``: ``"auto"`` (default) releases a whole-grid query with the central default's
+    ``k``-ary tree (:func:`~clipless.stats.counting.counting_plan`: ``k``, released levels,
+    level budgets; the flat histogram included) and the same post-processing (least squares,
+    conditioning, smoothing), so it equals :func:`clipless.stats.ecdf` with ``node_noise=``
+    :attr:`FederatedECDF.noise_source` bit for bit; a pointwise query (``thresholds``) or
+    ``consistency=False`` uses the thesis's binary tree (``"binary"`` forces it). Under zCDP,
+    where the central default may be the factorisation, ``"auto"`` is the ``k``-ary plan (the
+    factorisation's dense integer map is not computed over shares).
 
     ``owner_values[k]``: owner ``k``'s values. ``protocol``: ``"local"``, ``"shares"``
     (``servers >= 2``) or ``"fss"`` (two servers). ``noise_sharing``: ``"dealer"`` or
@@ -272,12 +328,26 @@ def federated_ecdf(
         raise ValueError(_FSS_ADD_REMOVE)
     if smoothing not in (None, "isotonic", "l1", "l2"):
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
+    if mechanism not in ("auto", "binary", "k-ary"):
+        raise ValueError(f"mechanism must be 'auto', 'binary' or 'k-ary', got {mechanism!r}")
     g = _as_grid(grid)
     N = len(g)
     L = tree_depth(N)
     param, variance, delta = noise_parameter(L, neighbouring, noise, epsilon, rho)
     pts = _points(thresholds, N)
     whole = pts is None
+    if mechanism == "k-ary" and not (whole and consistency):
+        raise ValueError(
+            "mechanism='k-ary' releases the whole grid with least squares: thresholds must be "
+            "None and consistency True (pointwise queries use the binary tree)"
+        )
+    if branching is not None and mechanism == "binary":
+        raise ValueError("branching is only for mechanism 'k-ary' or 'auto'")
+    if mechanism != "binary" and whole and consistency:
+        return _federated_kary(
+            owner_values, g, epsilon, rho, protocol, servers, noise_sharing, neighbouring, noise,
+            smoothing, noise_keys, branching,
+        )  # fmt: skip
     points = np.arange(N, dtype=np.int64) if pts is None else pts
     leaves = owner_leaves(owner_values, g)
     n_total = int(sum(lv.size for lv in leaves))
@@ -307,7 +377,7 @@ def federated_ecdf(
         contributions = [prefix_indicators(lv_, points) for lv_ in leaves]
         out = ustat.publish(contributions, noise, param, noise_levels, noise_index, matrix)
 
-    m_noise = ustat.servers if ustat.noise_sharing == "distributed" else 1
+    m_noise = ustat.noise_source.copies  # servers under "distributed": each adds full noise
     counts, values, release, F = assemble(
         out,
         g,
@@ -331,6 +401,71 @@ def federated_ecdf(
         points=points,
         prefix_counts=counts,
         values=values,
+        ecdf=F,
+        release=release,
+        traffic=ustat.traffic,
+        noise_keys=list(ustat.noise_keys),
+        noise_source=ustat.noise_source,
+    )
+
+
+def _federated_kary(
+    owner_values: Sequence[ArrayLike],
+    g: Grid,
+    epsilon: float | None,
+    rho: float | None,
+    protocol: Protocol,
+    servers: int,
+    noise_sharing: NoiseSharing,
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+    smoothing: Smoothing | None,
+    noise_keys: Sequence[bytes] | None,
+    branching: int | None,
+) -> FederatedECDF:
+    """The whole-grid release with the central default's ``k``-ary plan: the servers map
+    their shares of the prefix counts to the released node counts (:func:`kary_query`), add
+    their shares of each node's noise at its level's parameter, publish; the published vector
+    goes through :func:`~clipless.stats.counting.kary_estimate` and
+    :func:`~clipless.stats.ecdf.from_release`, the central release's own post-processing."""
+    N = len(g)
+    budget, eps_out, rho_out = _budget(noise, epsilon, rho)
+    plan = counting_plan(N, neighbouring, noise, budget, branching)
+    params = kary_params(plan, neighbouring, noise, budget)
+    matrix = kary_query(N, plan)
+    lv, ix = kary_released_nodes(N, plan, neighbouring)
+    points = np.arange(N, dtype=np.int64)
+    leaves = owner_leaves(owner_values, g)
+    n_total = int(sum(x.size for x in leaves))
+    if n_total == 0 and neighbouring == "replace_one":
+        raise ValueError("the owners hold no values (n = 0 is public under replace_one)")
+    backend: Backend = "local" if protocol == "local" else "shares"
+    context = tree_context(g.thresholds, "ecdf", kary_shape(plan))
+    ustat = UStat(backend, servers, noise_sharing, noise_keys, tree=context)
+    if protocol == "fss":
+        from clipless.federated.dcf import fss_publish
+
+        out = fss_publish(
+            leaves, points, ustat, noise, params, lv[:, None], ix[:, None], matrix, domain=N
+        )
+    else:
+        contributions = [prefix_indicators(x, points) for x in leaves]
+        out = ustat.publish(contributions, noise, params, lv[:, None], ix[:, None], matrix)
+    assert kary_depth(N, plan.branching) >= 1
+    release = kary_estimate(
+        out, N, plan, neighbouring, noise, budget, n_total, eps_out, rho_out,
+        ustat.noise_source.copies,
+    )  # fmt: skip
+    F = from_release(
+        release, g, n=n_total if neighbouring == "replace_one" else None, smoothing=smoothing
+    )
+    return FederatedECDF(
+        protocol=protocol,
+        servers=ustat.servers,
+        noise_sharing=ustat.noise_sharing,
+        points=points,
+        prefix_counts=release.prefix_counts,
+        values=np.asarray(F.values),
         ecdf=F,
         release=release,
         traffic=ustat.traffic,

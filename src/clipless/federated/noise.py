@@ -50,6 +50,9 @@ __all__ = [
 
 TAG_SHIFT = 32
 
+NoiseParam = Fraction | tuple[Fraction | None, ...]
+"""One exact noise parameter, or one per tree level (``None``: the level is not released)."""
+
 
 def num_nodes(depth: int) -> int:
     """``2^(L+1) - 1`` nodes in a tree of depth ``L``."""
@@ -68,15 +71,18 @@ def node_ids(depth: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     return levels, index
 
 
-def tree_context(thresholds: object, statistic: str) -> bytes:
-    """The identity of one released tree: the statistic and a SHA-256 of the grid's thresholds
-    (float64, little-endian). :func:`tree_key` binds a noise key to it."""
+def tree_context(thresholds: object, statistic: str, shape: str = "") -> bytes:
+    """The identity of one released tree: the statistic, a SHA-256 of the grid's thresholds
+    (float64, little-endian) and the tree's ``shape`` (``""``: the binary tree; the ``k``-ary
+    tree names its ``k`` and level shares, so that two shapes on one grid never share noise).
+    :func:`tree_key` binds a noise key to it."""
     import hashlib
 
     if statistic not in ("ecdf", "roc"):
         raise ValueError(f"statistic must be 'ecdf' or 'roc', got {statistic!r}")
     grid = np.ascontiguousarray(np.asarray(thresholds, dtype="<f8"))
-    return f"{statistic}/{hashlib.sha256(grid.tobytes()).hexdigest()}".encode()
+    base = f"{statistic}/{hashlib.sha256(grid.tobytes()).hexdigest()}"
+    return (base if not shape else f"{base}/{shape}").encode()
 
 
 def tree_key(key: bytes, context: bytes) -> bytes:
@@ -123,6 +129,10 @@ class NodeNoise:
     of the two releases is exact counts. Reuse a key only for more thresholds of the same tree.
     """
 
+    copies = 1
+    """Independent draws summed into each node's noise (its variance is ``copies`` times one
+    draw's): 1 here, ``m`` for :class:`SummedNoise` of ``m`` keys."""
+
     def __init__(self, key: bytes) -> None:
         self._key = _check_key(key, "key")
 
@@ -136,17 +146,32 @@ class NodeNoise:
     def nodes(
         self,
         kind: NoiseKind,
-        param: Fraction,
+        param: Fraction | tuple[Fraction | None, ...],
         levels: NDArray[np.int64],
         index: NDArray[np.int64],
     ) -> NDArray[np.int64]:
-        """The noise of nodes ``(levels[k], index[k])``, int64."""
+        """The noise of nodes ``(levels[k], index[k])``, int64.
+
+        ``param`` is one exact parameter, or one per tree level (the ``k``-ary release's level
+        budgets): node ``(l, j)`` then gets ``param[l mod 2^32]`` (the tag bits of
+        :class:`TaggedNoise` stripped), exactly as if asked for with that one parameter.
+        """
         lev = np.asarray(levels, dtype=np.int64).ravel()
         idx = np.asarray(index, dtype=np.int64).ravel()
         if lev.shape != idx.shape:
             raise ValueError("levels and index must have the same length")
         if lev.size and (lev.min() < 0 or idx.min() < 0):
             raise ValueError("node levels and indices must be non-negative")
+        if isinstance(param, tuple):
+            out = np.empty(lev.size, dtype=np.int64)
+            depth = lev & ((1 << TAG_SHIFT) - 1)
+            for level in np.unique(depth).tolist():
+                p = param[level] if level < len(param) else None
+                if p is None:
+                    raise ValueError(f"no noise parameter for level {level} (not released)")
+                sel = depth == level
+                out[sel] = self.nodes(kind, p, lev[sel], idx[sel])
+            return out
         # imported here: parties that never sample (owners, servers holding dealt shares) start
         # without loading clipless.stats
         from clipless.stats.noise import discrete_gaussian, discrete_laplace
@@ -170,17 +195,22 @@ class NodeNoise:
 
 
 class SummedNoise:
-    """The sum of several independent node-noise sources (the ``"distributed"`` option)."""
+    """The sum of several independent node-noise sources (the ``"distributed"`` option).
+
+    Each source draws the full-scale noise, so a node's noise variance is :attr:`copies` (the
+    number of sources) times one draw's; :func:`clipless.stats.tree.release_counts` reads it.
+    """
 
     def __init__(self, sources: Sequence[NodeNoise]) -> None:
         if len(sources) == 0:
             raise ValueError("sources must be non-empty")
         self.sources = list(sources)
+        self.copies = sum(int(getattr(src, "copies", 1)) for src in self.sources)
 
     def nodes(
         self,
         kind: NoiseKind,
-        param: Fraction,
+        param: Fraction | tuple[Fraction | None, ...],
         levels: NDArray[np.int64],
         index: NDArray[np.int64],
     ) -> NDArray[np.int64]:
@@ -205,11 +235,12 @@ class TaggedNoise:
             raise ValueError(f"tag must be in [0, 2^31), got {tag}")
         self.source = source
         self.tag = tag
+        self.copies = int(getattr(source, "copies", 1))
 
     def nodes(
         self,
         kind: NoiseKind,
-        param: Fraction,
+        param: Fraction | tuple[Fraction | None, ...],
         levels: NDArray[np.int64],
         index: NDArray[np.int64],
     ) -> NDArray[np.int64]:

@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -115,13 +116,48 @@ def _budget(session: dict[str, Any]) -> tuple[str, float | None, float | None]:
     )
 
 
+def _plan(session: dict[str, Any]) -> Any:
+    """The session's ``k``-ary plan (public, fixed at ``init``), or ``None`` (binary tree)."""
+    spec = session.get("kary")
+    if spec is None:
+        return None
+    from clipless.stats.counting import CountingPlan
+
+    shares = tuple(Fraction(str(w)) for w in spec["shares"])
+    return CountingPlan(int(spec["branching"]), shares, float("nan"))
+
+
+def _context(session: dict[str, Any]) -> bytes:
+    """The released tree's identity (:func:`~clipless.federated.noise.tree_context`)."""
+    plan = _plan(session)
+    shape = ""
+    if plan is not None:
+        from clipless.federated.ecdf import kary_shape
+
+        shape = kary_shape(plan)
+    return tree_context(session["thresholds"], session.get("statistic", "ecdf"), shape)
+
+
 def _noise_setup(
     session: dict[str, Any],
 ) -> tuple[Any, float, int, NDArray[np.int64], NDArray[np.int64], Any]:
-    """``(param, node variance, sensitivity, noise levels, noise index, matrix)``."""
+    """``(param, node variance, sensitivity, noise levels, noise index, matrix)``; for a
+    ``k``-ary session ``param`` is the per-level tuple (the variance and sensitivity entries
+    are then unused: :func:`_finish` takes them from the plan)."""
     from clipless.federated.ecdf import noise_parameter, path_nodes, tree_query
     from clipless.stats.grid import tree_depth
 
+    plan = _plan(session)
+    if plan is not None:
+        from clipless.federated.ecdf import kary_query
+        from clipless.stats.counting import kary_params, kary_released_nodes
+
+        size = int(session["grid"]["size"])
+        nb, eps, rho = _budget(session)
+        budget = _budget_of(session["noise"], eps, rho)
+        lv, ix = kary_released_nodes(size, plan, nb)  # type: ignore[arg-type]
+        params = kary_params(plan, nb, session["noise"], budget)  # type: ignore[arg-type]
+        return params, 0.0, 0, lv[:, None], ix[:, None], kary_query(size, plan)
     size = int(session["grid"]["size"])
     depth = tree_depth(size)
     nb, eps, rho = _budget(session)
@@ -138,9 +174,21 @@ def _noise_setup(
     return param, var, delta, lev, idx, None
 
 
+def _budget_of(noise: str, eps: float | None, rho: float | None) -> Fraction:
+    from clipless.stats.counting import _budget as budget_fraction
+
+    return budget_fraction(noise, eps, rho)[0]
+
+
 def _all_nodes(session: dict[str, Any]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """Every node that carries noise (both class trees, tags 0 and 1, for a ROC)."""
     from clipless.federated.noise import TAG_SHIFT, node_ids
+
+    plan = _plan(session)
+    if plan is not None:
+        from clipless.stats.counting import kary_released_nodes
+
+        return kary_released_nodes(int(session["grid"]["size"]), plan, session["neighbouring"])
 
     depth = int(int(session["grid"]["size"]) - 1).bit_length()
     lv, ix = node_ids(depth)
@@ -473,11 +521,27 @@ class _Inbox:
         self.sel.close()
 
 
+def server_noise_key(session: dict[str, Any], own_key: bytes | None = None) -> bytes:
+    """A ``"distributed"`` server's node-noise key for this session's tree: its own 16-byte
+    ``own_key`` (kept by the server, e.g. ``serve --noise-key-file``) or, by default, a fresh
+    one drawn here and never written, bound to the tree (:func:`~clipless.federated.noise.
+    tree_key`). No other party ever sees it."""
+    key = secrets.token_bytes(16) if own_key is None else bytes(own_key)
+    return tree_key(key, _context(session))
+
+
 def run_server(
-    session: dict[str, Any], secret: dict[str, Any], index: int, listener: socket.socket
+    session: dict[str, Any],
+    secret: dict[str, Any],
+    index: int,
+    listener: socket.socket,
+    noise_key: bytes | None = None,
 ) -> Counter:
     """Server ``index``: collect one message from every owner (and the dealer), answer the
     analyst with its output share, or with the named error it saw.
+
+    ``"distributed"``: the server adds its own node noise, keyed by :func:`server_noise_key`
+    of ``noise_key`` (its own key; default a fresh one). The secret file holds link keys only.
 
     Only authenticated input can end the run early (a well-signed malformed message, or two
     different messages from one party); an unauthenticated connection is dropped without
@@ -489,6 +553,7 @@ def run_server(
     m, n = int(session["servers"]), int(session["owners"])
     timeout = float(session["timeout"])
     dealer = session["noise_sharing"] == "dealer"
+    own = None if dealer else server_noise_key(session, noise_key)
     expected = {f"owner {i}" for i in range(n)} | ({"dealer 0"} if dealer else set())
     got: dict[str, Frame] = {}
     analysts: list[tuple[socket.socket, Frame]] = []
@@ -528,7 +593,7 @@ def run_server(
         output: bytes | None = None
         if error is None:
             try:
-                output = _server_output(session, secret, index, m, got)
+                output = _server_output(session, index, m, got, own)
             except FederatedError as exc:
                 error = exc
             except ValueError as exc:
@@ -566,17 +631,13 @@ def run_server(
 
 
 def _server_output(
-    session: dict[str, Any], secret: dict[str, Any], index: int, m: int, got: dict[str, Frame]
+    session: dict[str, Any], index: int, m: int, got: dict[str, Frame], noise_key: bytes | None
 ) -> bytes:
     from clipless.federated.ustat import ShareServer
 
     pts = _points(session)
     roc = _is_roc(session)
-    noise_key = secret.get("noise_key") if session["noise_sharing"] == "distributed" else None
-    srv = ShareServer(
-        index, m, pts.size * (2 if roc else 1),
-        noise_key=bytes.fromhex(noise_key) if noise_key else None,
-    )  # fmt: skip
+    srv = ShareServer(index, m, pts.size * (2 if roc else 1), noise_key=noise_key)
     owners = sorted((w for w in got if w.startswith("owner")), key=lambda w: int(w.split()[1]))
     if session["protocol"] == "fss":
         from clipless.federated.dcf import DcfKeys, server_prefix_shares
@@ -679,7 +740,7 @@ class SimulationResult:
 
     ecdf: Any
     release: Any
-    prefix_counts: NDArray[np.int64]
+    prefix_counts: NDArray[np.int64] | NDArray[np.float64]
     values: NDArray[np.float64]
     points: NDArray[np.int64]
     wall_time: float
@@ -722,10 +783,23 @@ def make_session(
     noise_keys: Sequence[bytes] | None = None,
     n_values: int | None = None,
     statistic: str = "ecdf",
+    mechanism: str = "auto",
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """A fresh public session and every party's secret (link keys, noise keys).
+    """A fresh public session and every party's secret: the pairwise link keys and, with
+    ``noise_sharing="dealer"``, the dealer's noise key (``noise_keys=[K]`` or fresh).
 
-    ``statistic``: ``"ecdf"`` or ``"roc"`` (owners hold scores and 0/1 labels; whole grid)."""
+    With ``"distributed"`` no noise key is written anywhere: each server draws its own when it
+    serves (:func:`run_server`), so whoever runs this (``clipless federated init``) knows
+    nothing of the noise; ``noise_keys`` is then refused (reproducible server keys are given to
+    the servers themselves: :func:`simulate`'s ``noise_keys``, ``serve --noise-key-file``).
+
+    ``statistic``: ``"ecdf"`` or ``"roc"`` (owners hold scores and 0/1 labels; whole grid).
+    ``mechanism``: ``"auto"`` (default) releases a whole-grid ECDF with the central default's
+    ``k``-ary plan (:func:`~clipless.stats.counting.counting_plan`, fixed here and written into
+    the public session as ``"kary"``); ``"binary"``, a ROC curve or ``points`` use the binary
+    tree."""
+    if mechanism not in ("auto", "binary", "k-ary"):
+        raise ValueError(f"mechanism must be 'auto', 'binary' or 'k-ary', got {mechanism!r}")
     if statistic not in ("ecdf", "roc"):
         raise ValueError(f"statistic must be 'ecdf' or 'roc', got {statistic!r}")
     if statistic == "roc" and points is not None:
@@ -802,7 +876,19 @@ def make_session(
         else (owners if n_values is None else n_values),
         "one_value_per_owner": neighbouring == "replace_one" and n_values is None,
         "servers_at": [],
+        "kary": None,
     }
+    if mechanism != "binary" and statistic == "ecdf" and points is None:
+        from clipless.stats.counting import counting_plan
+
+        budget = _budget_of(noise, epsilon, rho)
+        plan = counting_plan(size, neighbouring, noise, budget)  # type: ignore[arg-type]
+        session["kary"] = {
+            "branching": plan.branching,
+            "shares": [str(w) for w in plan.shares],
+        }
+    elif mechanism == "k-ary":
+        raise ValueError("mechanism='k-ary' is for a whole-grid ECDF (points None, statistic ecdf)")
     parties = (
         [f"owner {i}" for i in range(owners)]
         + [f"server {j}" for j in range(servers)]
@@ -816,13 +902,31 @@ def make_session(
                 k = secrets.token_hex(32)
                 secret[p]["links"][f"server {j}"] = k
                 secret[f"server {j}"]["links"][p] = k
-    need = servers if noise_sharing == "distributed" else 1
+    if noise_sharing == "distributed":
+        if noise_keys is not None:
+            raise ValueError(
+                "noise_keys must be None with noise_sharing='distributed': each server draws "
+                "its own noise key when it serves, so that no single party (the one running "
+                "init included) knows the noise; give reproducible keys to the servers "
+                "themselves (simulate(noise_keys=...) or serve --noise-key-file)"
+            )
+        return session, secret
+    _check_noise_keys(noise_keys, 1)
+    nk = [secrets.token_bytes(16)] if noise_keys is None else list(noise_keys)
+    # the dealer holds the key bound to this tree (grid, statistic, shape): noise.tree_key
+    secret["dealer 0"]["noise_key"] = tree_key(bytes(nk[0]), _context(session)).hex()
+    return session, secret
+
+
+def _check_noise_keys(noise_keys: Sequence[bytes] | None, need: int) -> None:
+    if noise_keys is None:
+        return
     if isinstance(noise_keys, str | bytes | bytearray):
         raise TypeError(
             "noise_keys must be a list of 16-byte keys (bytes), one per noise source; got a "
             f"single {type(noise_keys).__name__}"
         )
-    nk = [secrets.token_bytes(16) for _ in range(need)] if noise_keys is None else list(noise_keys)
+    nk = list(noise_keys)
     if len(nk) != need:
         raise ValueError(f"noise_keys must hold {need} key(s), got {len(nk)}")
     if len(set(map(bytes, nk))) != len(nk):
@@ -830,15 +934,6 @@ def make_session(
             "noise_keys must be distinct: servers holding the same key add the same noise, so any "
             "one of them knows the whole noise"
         )
-    # the parties hold the keys bound to this tree (grid and statistic): noise.tree_key
-    context = tree_context(session["thresholds"], statistic)
-    bound = [tree_key(bytes(k), context) for k in nk]
-    if noise_sharing == "dealer":
-        secret["dealer 0"]["noise_key"] = bound[0].hex()
-    else:
-        for j in range(servers):
-            secret[f"server {j}"]["noise_key"] = bound[j].hex()
-    return session, secret
 
 
 def _child(target: Callable[..., Counter], args: tuple[Any, ...], conn: Any) -> None:
@@ -873,6 +968,10 @@ def simulate(
     ``owner_labels`` (0/1, one per value) with ``statistic="roc"``: the ROC release of
     :func:`clipless.federated.federated_roc` over TCP (result in :attr:`SimulationResult.roc`).
 
+    ``noise_keys`` (in ``session_kwargs``, for reproducible runs): ``[K]`` for the dealer, or
+    with ``noise_sharing="distributed"`` one distinct key per server, handed to that server
+    only (as its own key, :func:`server_noise_key`), never written into a session's secrets.
+
     ``faults`` (tests): ``{"owner 2": "die" | "sleep" | "tamper" | "short" | "stranger"}``;
     ``kill_server``: SIGKILL that server once every process has started. Raises the
     :class:`FederatedError` subclass naming the failing party (the analyst's, which carries
@@ -885,6 +984,12 @@ def simulate(
     n_values: int | None = sum(len(v) for v in owner_values)
     if session_kwargs.get("neighbouring") == "add_remove":
         n_values = None  # private: the release normalises by its noisy total
+    own_keys: list[bytes | None] = [None] * servers  # distributed: each server's own key
+    if session_kwargs.get("noise_sharing") == "distributed":
+        given = session_kwargs.pop("noise_keys", None)
+        _check_noise_keys(given, servers)
+        if given is not None:
+            own_keys = [bytes(k) for k in given]
     session, secret = make_session(
         protocol, n, servers, size, epsilon, n_values=n_values, **session_kwargs
     )
@@ -908,7 +1013,11 @@ def simulate(
                     # one listener at a time, closed here once forked: no other process holds it
                     lst = socket.create_server(("127.0.0.1", 0))
                     session["servers_at"].append(["127.0.0.1", lst.getsockname()[1]])
-                    launch(f"server {j}", run_server, (session, secret[f"server {j}"], j, lst))
+                    launch(
+                        f"server {j}",
+                        run_server,
+                        (session, secret[f"server {j}"], j, lst, own_keys[j]),
+                    )
                     lst.close()
                 if kill_server is not None:
                     procs[kill_server][1].kill()
@@ -930,8 +1039,9 @@ def simulate(
                     )
             else:
                 _launch_subprocesses(
-                    session, secret, owner_values, Path(tmp), procs, kill_server, owner_labels
-                )
+                    session, secret, owner_values, Path(tmp), procs, kill_server, owner_labels,
+                    own_keys,
+                )  # fmt: skip
             analyst_error: FederatedError | None = None
             sent: dict[str, int] = {}
             try:
@@ -975,6 +1085,23 @@ def _finish(
     pts = _points(session)
     whole = session.get("points") is None
     nb, eps, rho = _budget(session)
+    plan = _plan(session)
+    if plan is not None:
+        from clipless.stats.counting import kary_estimate
+        from clipless.stats.ecdf import from_release
+
+        n_pub = int(session["n_values"] or 0)
+        kary = kary_estimate(
+            out, len(pts), plan, nb, session["noise"], _budget_of(session["noise"], eps, rho),  # type: ignore[arg-type]
+            n_pub, eps if session["noise"] == "laplace" else None, rho, m_noise,
+        )  # fmt: skip
+        Fk = from_release(
+            kary, _grid(session), n=n_pub if nb == "replace_one" else None,
+            smoothing=smoothing,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return SimulationResult(
+            Fk, kary, kary.prefix_counts, np.asarray(Fk.values), pts, wall, dict(sent)
+        )
     if not _is_roc(session):
         counts, values, release, F = assemble(
             out, _grid(session), pts, whole, int(session["n_values"] or 0), session["noise"],
@@ -1047,8 +1174,10 @@ def _launch_subprocesses(
     procs: list[tuple[str, Any, Any]],
     kill_server: int | None,
     owner_labels: Sequence[Sequence[int]] | None = None,
+    own_keys: Sequence[bytes | None] | None = None,
 ) -> None:
-    """Start ``clipless federated serve/dealer/owner`` processes (servers first, on port 0)."""
+    """Start ``clipless federated serve/dealer/owner`` processes (servers first, on port 0);
+    a ``"distributed"`` server given its own key gets it in its own ``--noise-key-file``."""
     exe = [sys.executable, "-m", "clipless.federated.cli"]  # fast start: no torch, no scipy
     env = dict(os.environ)
 
@@ -1058,6 +1187,15 @@ def _launch_subprocesses(
         with os.fdopen(fd, "w") as fh:
             json.dump(secret[name], fh)
         return str(path)
+
+    def key_file(j: int) -> list[str]:
+        if own_keys is None or own_keys[j] is None:
+            return []
+        path = tmp / f"server-{j}.noise-key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(bytes(own_keys[j] or b"").hex() + "\n")
+        return ["--noise-key-file", str(path)]
 
     pub = tmp / "session.json"
     pub.write_text(json.dumps(session))
@@ -1075,6 +1213,7 @@ def _launch_subprocesses(
                 "127.0.0.1",
                 "--port",
                 "0",
+                *key_file(j),
             ],
             stdout=subprocess.PIPE,
             env=env,

@@ -36,7 +36,9 @@ Noise sharing (``noise_sharing``, for ``"shares"``)
     with the analyst (or anyone who reads the output) learns the exact counts; all ``m``
     servers together learn every input.
 ``"distributed"``
-    No dealer: server ``j`` holds its own key ``K_j`` and adds its own full-scale node noise
+    No dealer: server ``j`` holds its own key ``K_j`` (over TCP drawn by the server itself,
+    :func:`clipless.federated.session.run_server`; nobody else ever has it, ``init`` included;
+    in process the one :class:`UStat` plays every server) and adds its own full-scale node noise
     ``eta^(j)_k`` (same PRF derivation) to its share; the released noise is
     ``sum_j eta^(j)_k`` (variance ``m Var(eta)``). **Survives**: any coalition of at most
     ``m - 1`` servers with any owners and the analyst: one honest server's noise is unknown to
@@ -53,13 +55,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from clipless.federated.noise import NodeNoise, SummedNoise, tree_key
+from clipless.federated.noise import NodeNoise, NoiseParam, SummedNoise, tree_key
 from clipless.federated.prg import SEED_BYTES, _check_key, prf_words, prg_words, random_seed
 
 if TYPE_CHECKING:
@@ -143,7 +144,11 @@ class NoiseDealer:
         self.seeds = [random_seed() for _ in range(servers - 1)] if seeds is None else list(seeds)
 
     def messages(
-        self, kind: NoiseKind, param: Fraction, levels: NDArray[np.int64], index: NDArray[np.int64]
+        self,
+        kind: NoiseKind,
+        param: NoiseParam,
+        levels: NDArray[np.int64],
+        index: NDArray[np.int64],
     ) -> list[bytes]:
         """Seeds for servers ``0..m-2``; explicit shares of the given nodes for the last one."""
         eta = self.noise.nodes(kind, param, levels, index).view(np.uint64)
@@ -221,7 +226,11 @@ class ShareServer:
             self._noise_seed = _check_key(payload, "noise seed")
 
     def noise_shares(
-        self, kind: NoiseKind, param: Fraction, levels: NDArray[np.int64], index: NDArray[np.int64]
+        self,
+        kind: NoiseKind,
+        param: NoiseParam,
+        levels: NDArray[np.int64],
+        index: NDArray[np.int64],
     ) -> NDArray[np.uint64]:
         """This server's share of the noise of nodes ``(levels, index)``."""
         if self.noise_key is not None:
@@ -238,7 +247,7 @@ class ShareServer:
     def output(
         self,
         kind: NoiseKind,
-        param: Fraction,
+        param: NoiseParam,
         noise_levels: NDArray[np.int64],
         noise_index: NDArray[np.int64],
         matrix: sp.spmatrix | None = None,
@@ -334,7 +343,7 @@ class UStat:
         self,
         contributions: Sequence[ArrayLike],
         kind: NoiseKind,
-        param: Fraction,
+        param: NoiseParam,
         noise_levels: NDArray[np.int64],
         noise_index: NDArray[np.int64],
         matrix: sp.spmatrix | None = None,

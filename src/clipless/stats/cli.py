@@ -81,9 +81,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mechanism",
         default="auto",
-        help="counting mechanism: auto (default = k-ary, the most accurate measured one for "
-        "pure epsilon-DP: 2-15x lower CDF error than the thesis's binary tree and 0.3-0.8x "
-        "that of OpenDP's best b-ary tree, benchmarks/RESULTS.md), k-ary, or binary (the "
+        help="counting mechanism: auto (default = k-ary with the branching, released levels "
+        "and level budgets of smallest exact error at this --size and epsilon, the flat "
+        "histogram included; never worse than it or a uniform b-ary tree, "
+        "benchmarks/RESULTS.md), k-ary, or binary (the "
         "thesis's tree, to reproduce it), or smooth-binary (Andersson & Pagh 2023: the same "
         "variance at every threshold, higher on average than k-ary). factorization needs "
         "zCDP, which the command line does not offer",
@@ -91,7 +92,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--branching",
         default=None,
-        help="k for --mechanism k-ary, 2 to 65536 (default: the exact optimum for --size)",
+        help="k for --mechanism k-ary, 2 to 65536 (default: the exact optimum for --size and "
+        "epsilon)",
     )
     p.add_argument("--seed", default=None, help="reproducible, NOT secure noise (tests only)")
     p.add_argument(

@@ -22,20 +22,21 @@ estimate is post-processing of it. Four mechanisms:
 **k-ary tree (proof).** Pad the leaves to ``k^h`` (``h = ceil(log_k N) >= 1``) with empty
 leaves. Node ``(l, j)`` (level ``l = 0..h``, level 0 = leaves, level ``h`` = the root) counts
 the values in leaves ``j k^l .. (j+1) k^l - 1``. One value lies in exactly one node per level,
-so adding or removing one value changes exactly ``h + 1`` node counts by 1 (the root
-included); moving one value from leaf ``a`` to leaf ``b`` changes at most two nodes per level
-below the root, by 1 each, and never the root: ``2h``. Under ``replace_one`` the root *is* the
-public size ``n`` and is not released with noise (it is known exactly). So the noisy vector
-changes by ``+-1`` in at most ``per = 1`` (add/remove) or ``per = 2`` (replace-one) nodes of each
-level: L1 sensitivity ``Delta = h + 1`` or ``2h`` in all. The budget is split over the levels,
-level ``l`` getting the public share ``w_l`` (:func:`level_shares`, ``sum_l w_l = 1``; ``w_l = 0``:
-the level is not released at all): discrete Laplace of scale ``b_l >= per / (w_l epsilon)`` at
-level ``l`` gives privacy loss ``sum_l per / b_l <= epsilon`` (``epsilon``-DP); discrete
-Gaussian with ``sigma_l^2 = per / (2 w_l rho)`` gives ``sum_l per / (2 sigma_l^2) = rho``
-(``rho``-zCDP, Canonne, Kamath, Steinke 2020, Theorem 14). With uniform shares these are the
-usual ``Delta / epsilon`` and ``Delta / (2 rho)``. ``tests/stats/test_counting.py``
-verifies both constants exhaustively (every leaf, every pair of leaves) for small ``N`` and
-``k``, and that they are attained.
+so adding or removing one value changes exactly ``h + 1`` node counts by 1 (the root included);
+moving one value from leaf ``a`` to leaf ``b`` changes at most two nodes per level below the root,
+by 1 each, and never the root: ``2h``. Under ``replace_one`` the root *is* the public size ``n`` and
+is not released with noise (it is known exactly). So the noisy vector changes by ``+-1`` in at most
+``per = 1`` (add/remove) or ``per = 2`` (replace-one) nodes of each level: L1 sensitivity ``Delta =
+h + 1`` or ``2h`` in all. The budget is split over the levels, level ``l`` getting the public share
+``w_l`` (:func:`level_shares`, ``sum_l w_l = 1``; ``w_l = 0``: the level is not released at all and
+adds nothing to the sensitivity, which is ``per`` times the number of released levels; only the
+leaves, with ``k = N``, is the flat histogram): discrete Laplace of scale ``b_l >= per / (w_l
+epsilon)`` at level ``l`` gives privacy loss ``sum_l per / b_l <= epsilon`` (``epsilon``-DP);
+discrete Gaussian with ``sigma_l^2 = per / (2 w_l rho)`` gives ``sum_l per / (2 sigma_l^2) = rho``
+(``rho``-zCDP, Canonne, Kamath, Steinke 2020, Theorem 14). With uniform shares these are the usual
+``Delta / epsilon`` and ``Delta / (2 rho)``. ``tests/stats/test_counting.py`` (all levels) and
+``tests/stats/test_counting_choice.py`` (level sets) verify both exhaustively (every leaf, every
+pair of leaves) for small ``N`` and ``k``, and that they are attained.
 
 **Consistency (least squares).** With independent noise of variance ``v_l`` at level ``l``
 (``v_h = 0`` when the root is the public ``n``), the best linear unbiased estimate of the leaf
@@ -116,8 +117,12 @@ offer it). Under ``replace_one`` the estimate is conditioned on ``C_N = n`` (pos
 ``(j, .)`` iff both have bit ``j`` set and agree above it), so there the variances are no
 longer flat (and lower). No least squares over the redundant nodes is done.
 
-**Which one.** ``docs/statistics.md`` and ``benchmarks/RESULTS.md`` (sections 9 and 10) give the
-measurements behind :func:`default_mechanism`.
+**Which one.** :func:`default_mechanism` (``mechanism="auto"``) takes the mechanism with the
+smallest exact mean error at the release's ``N``, relation and budget, every candidate scored
+with the exact variance of the discrete noise it would draw (:func:`counting_plan`: ``k``,
+level set and shares; the flat histogram is ``k = N`` with only the leaves released).
+``docs/statistics.md`` and ``benchmarks/RESULTS.md`` (sections 9, 10 and 33) give the
+measurements.
 """
 
 from __future__ import annotations
@@ -127,7 +132,7 @@ import random
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import scipy.signal
@@ -155,18 +160,26 @@ from clipless.stats.tree import (
 __all__ = [
     "MECHANISMS",
     "CountRelease",
+    "CountingPlan",
     "Mechanism",
+    "NodeNoiseSource",
     "best_branching",
+    "counting_plan",
     "default_mechanism",
     "exact_convolve",
+    "exact_level_variances",
     "factorization_coefficients",
     "factorization_integer_coefficients",
+    "factorization_score",
     "factorization_sensitivity",
     "kary_consistent_leaves",
     "kary_depth",
+    "kary_estimate",
     "kary_node_counts",
+    "kary_params",
     "kary_prefix_covariance_with_last",
     "kary_prefix_variance",
+    "kary_released_nodes",
     "kary_sensitivity",
     "level_shares",
     "release_prefix_counts",
@@ -178,6 +191,17 @@ __all__ = [
 ]
 
 Mechanism = Literal["auto", "binary", "k-ary", "factorization", "smooth-binary"]
+
+
+class NodeNoiseSource(Protocol):
+    """Keyed node noise (:class:`clipless.federated.NodeNoise`): the exact noise of nodes
+    ``(levels[i], index[i])`` at parameter ``param``, the same wherever it is recomputed."""
+
+    def nodes(
+        self, kind: NoiseKind, param: Fraction, levels: NDArray[np.int64], index: NDArray[np.int64]
+    ) -> NDArray[np.int64]: ...
+
+
 MECHANISMS: tuple[str, ...] = ("auto", "binary", "k-ary", "factorization", "smooth-binary")
 
 _FACT_MAX_N = 1 << 22
@@ -190,13 +214,22 @@ def _check_mechanism(mechanism: str) -> None:
         )
 
 
-def default_mechanism(noise: NoiseKind) -> Mechanism:
-    """The most accurate mechanism per privacy model, from the measurements in
-    ``benchmarks/RESULTS.md`` (section 9): ``"k-ary"`` (with optimised level shares) for pure DP,
-    ``"factorization"`` for zCDP (about 2-3x lower variance than the k-ary tree there)."""
+def default_mechanism(
+    noise: NoiseKind, num_leaves: int, neighbouring: Neighbouring, budget: float | Fraction
+) -> Mechanism:
+    """What ``mechanism="auto"`` releases: the mechanism with the smallest exact mean error
+    (:func:`_tree_score`; the variance of the discrete noise actually drawn) at this ``N``,
+    relation and budget (``epsilon`` for Laplace, ``rho`` for Gaussian). Pure DP: ``"k-ary"``
+    with :func:`counting_plan`'s shape (which includes the flat histogram). zCDP: that plan or
+    ``"factorization"``, whichever is lower (the factorisation below about ``rho = 1``, the
+    flat histogram at large ``rho``; ``benchmarks/RESULTS.md`` section 33). Public."""
     if noise not in ("laplace", "gaussian"):
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
-    return "k-ary" if noise == "laplace" else "factorization"
+    if noise == "laplace" or num_leaves > _FACT_MAX_N:
+        return "k-ary"
+    tree = counting_plan(num_leaves, neighbouring, noise, budget).score
+    fact = factorization_score(num_leaves, neighbouring, to_fraction(budget, "budget"))
+    return "factorization" if fact < tree else "k-ary"
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,8 +341,7 @@ def kary_consistent_leaves(
     return x
 
 
-@lru_cache(maxsize=256)
-def _kary_kappa(h: int, k: int, level_var: tuple[float, ...]) -> NDArray[np.float64]:
+def _kappa(h: int, k: int, level_var: tuple[float, ...]) -> NDArray[np.float64]:
     """``kappa_l``: covariance of two estimated leaves whose common ancestor is at level ``l``.
 
     The two passes run on ``v_0 e_(leaf 0)`` (module docstring) in ``O(h)``: upward only the
@@ -338,6 +370,9 @@ def _kary_kappa(h: int, k: int, level_var: tuple[float, ...]) -> NDArray[np.floa
     return kappa
 
 
+_kary_kappa = lru_cache(maxsize=256)(_kappa)
+
+
 def kary_prefix_variance(
     num_leaves: int, branching: int, level_variances: list[float]
 ) -> NDArray[np.float64]:
@@ -356,114 +391,6 @@ def kary_prefix_variance(
         var = var + kappa[lev] * (q - q_prev)
         q_prev = q
     return np.maximum(var, 0.0)
-
-
-@lru_cache(maxsize=256)
-def _q_means(num_leaves: int, k: int, h: int) -> NDArray[np.float64]:
-    """``mean_i (Q_l(i) - Q_(l-1)(i))`` for ``l = 0..h`` (``Q_(-1) = 0``): the mean prefix
-    variance is ``sum_l kappa_l`` times these (:func:`kary_prefix_variance`)."""
-    i = np.arange(1, num_leaves + 1, dtype=np.float64)
-    out = np.empty(h + 1)
-    q_prev = np.zeros_like(i)
-    for lev in range(h + 1):
-        block = float(k**lev)
-        q = np.floor(i / block) * block * block + np.mod(i, block) ** 2
-        out[lev] = float(np.mean(q - q_prev))
-        q_prev = q
-    return out
-
-
-def _level_variances(
-    shares: tuple[float, ...], neighbouring: Neighbouring, noise: NoiseKind, h: int
-) -> list[float]:
-    """Per-level noise variances at unit budget (``epsilon = 1``, ``rho = 1/2``) for budget
-    ``shares`` of the noisy levels (``0`` = level not released: infinite variance)."""
-    per = 1.0 if neighbouring == "add_remove" else 2.0  # a level's L1 = squared L2 change
-    out = []
-    for w in shares:
-        if w <= 1e-12:
-            out.append(math.inf)
-        elif noise == "laplace":
-            out.append(2.0 * (per / w) ** 2)
-        else:
-            out.append(per / w)
-    if neighbouring == "replace_one":
-        out.append(0.0)
-    return out
-
-
-def _mean_variance(num_leaves: int, k: int, level_var: list[float]) -> float:
-    h = len(level_var) - 1
-    kappa = _kary_kappa(h, k, tuple(level_var))
-    return float(np.dot(kappa, _q_means(num_leaves, k, h)))
-
-
-_SHARE_GRID = 1 << 10
-
-
-def _geometric_shares(m: int, kept: int, log_r: float) -> NDArray[np.float64]:
-    w = np.zeros(m)
-    w[:kept] = np.exp(log_r * np.arange(kept))
-    return w / w.sum()
-
-
-@lru_cache(maxsize=1024)
-def level_shares(
-    num_leaves: int, branching: int, neighbouring: Neighbouring, noise: NoiseKind
-) -> tuple[Fraction, ...]:
-    """Budget fraction of each noisy level (``0..h``, or ``0..h-1`` under replace-one), summing
-    to exactly 1 (multiples of ``1/1024``). Share 0 = the level is not released.
-
-    A data-independent, public choice ("non-uniform budget allocation", Cormode, Procopiuc,
-    Srivastava, Shen, Yu, ICDE 2012; Qardaji, Yang, Li, PVLDB 2013), optimised here for the
-    exact mean variance of the least-squares prefix counts over the family "geometric shares
-    ``r^l``, with or without the root" (the root is redundant with its children; dropping it
-    and giving its budget to the other levels is what the unrestricted optimum does under
-    add/remove, measured with Nelder-Mead on all shares: within 1-2% of this family). Falls
-    back to the uniform split unless the optimum is at least 0.5% better.
-    """
-    import scipy.optimize
-
-    k = _check_branching(branching)
-    h = kary_depth(num_leaves, k)
-    m = h + 1 if neighbouring == "add_remove" else h
-    uniform = tuple(Fraction(1, m) for _ in range(m))
-    best, best_score = uniform, _score_shares(num_leaves, k, uniform, neighbouring, noise)
-    roots = (False, True) if (neighbouring == "add_remove" and m > 1) else (False,)
-    for drop_root in roots:
-        kept = m - 1 if drop_root else m
-
-        def objective(log_r: float, kept: int = kept) -> float:
-            w = _geometric_shares(m, kept, log_r)
-            lv = _level_variances(tuple(w.tolist()), neighbouring, noise, h)
-            return _mean_variance(num_leaves, k, lv)
-
-        res = scipy.optimize.minimize_scalar(
-            objective, bounds=(-1.5, 1.5), method="bounded", options={"xatol": 1e-3}
-        )
-        w = _geometric_shares(m, kept, float(res.x))
-        units = np.floor(w * _SHARE_GRID).astype(int)
-        units[0] = max(units[0], 1)
-        units[int(np.argmax(units))] += _SHARE_GRID - int(units.sum())
-        cand = tuple(Fraction(int(u), _SHARE_GRID) for u in units)
-        score = _score_shares(num_leaves, k, cand, neighbouring, noise)
-        if score < 0.995 * best_score and score < _score_shares(
-            num_leaves, k, best, neighbouring, noise
-        ):
-            best, best_score = cand, score
-    return best
-
-
-def _score_shares(
-    num_leaves: int,
-    k: int,
-    shares: tuple[Fraction, ...],
-    neighbouring: Neighbouring,
-    noise: NoiseKind,
-) -> float:
-    h = kary_depth(num_leaves, k)
-    lv = _level_variances(tuple(float(x) for x in shares), neighbouring, noise, h)
-    return _mean_variance(num_leaves, k, lv)
 
 
 def kary_prefix_covariance_with_last(
@@ -511,39 +438,308 @@ def _condition_on_total(
     return prefix, variance
 
 
-@lru_cache(maxsize=4096)
-def _kary_score(num_leaves: int, k: int, neighbouring: Neighbouring, noise: NoiseKind) -> float:
-    """Mean prefix variance at unit budget (epsilon = 1 or rho = 1/2), optimised shares.
+# --------------------------------------------------------------------------------------------
+# the choice of tree shape and level budgets, with the exact variance of the noise drawn
+# --------------------------------------------------------------------------------------------
 
-    Under add/remove the CDF is normalised by the released ``Chat_N``, whose error is
-    correlated with every ``Chat_i``; the score is then the mean variance of
-    ``Chat_i - f_i Chat_N`` with the uniform proxy ``f_i = i / N`` (the first-order error of
-    ``N Chat_i / Chat_N``), which strongly penalises trees padded far beyond ``N`` (measured:
-    ``N = 2^15``, ``k = 10`` is 2x worse after normalisation than ``k = 8`` or ``16``).
-    """
-    shares = level_shares(num_leaves, k, neighbouring, noise)
+
+def _per_level(neighbouring: Neighbouring) -> int:
+    """How much one neighbouring change moves one level (L1 = squared L2): module docstring."""
+    return 1 if neighbouring == "add_remove" else 2
+
+
+def _level_param(share: Fraction, per: int, noise: NoiseKind, budget: Fraction) -> Fraction:
+    """The exact noise parameter of a level with budget ``share``: discrete Laplace scale
+    ``b >= per / (share epsilon)`` or discrete Gaussian ``sigma^2 >= per / (2 share rho)``."""
+    if noise == "laplace":
+        return conservative_scale(Fraction(per) / (budget * share))
+    return conservative_scale(Fraction(per) / (2 * budget * share))
+
+
+def _param_variance(param: Fraction, noise: NoiseKind) -> float:
+    if noise == "laplace":
+        return discrete_laplace_variance(param)
+    return discrete_gaussian_variance(param)
+
+
+def exact_level_variances(
+    shares: tuple[Fraction, ...], neighbouring: Neighbouring, noise: NoiseKind, budget: Fraction
+) -> list[float]:
+    """The variance of the noise each level of the ``k``-ary tree actually draws (discrete
+    Laplace or discrete Gaussian at the level's exact scale, :func:`_level_param`) for budget
+    ``shares`` of the noisy levels; ``inf`` for a level that is not released, ``0`` for the
+    public root under replace-one. Not ``1/epsilon^2``: below scale ~1 the discrete Laplace's
+    variance ``2 q / (1 - q)^2`` falls exponentially (``q = exp(-1/b)``)."""
+    per = _per_level(neighbouring)
+    out = [
+        math.inf if w == 0 else _param_variance(_level_param(w, per, noise, budget), noise)
+        for w in shares
+    ]
+    if neighbouring == "replace_one":
+        out.append(0.0)
+    return out
+
+
+def _fast_level_variances(
+    shares: NDArray[np.float64], neighbouring: Neighbouring, noise: NoiseKind, budget: float
+) -> list[float]:
+    """:func:`exact_level_variances` in floats for the optimiser (the same formulas; the
+    discrete Gaussian's variance equals ``sigma^2`` to float precision once ``sigma^2 > 64``)."""
+    per = float(_per_level(neighbouring))
+    out = []
+    for w in shares.tolist():
+        if w <= 0.0:
+            out.append(math.inf)
+        elif noise == "laplace":
+            x = budget * w / per  # 1 / b
+            out.append(math.inf if x < 1e-150 else 2.0 * math.exp(-x) / math.expm1(-x) ** 2)
+        else:
+            s2 = per / (2.0 * budget * w)
+            out.append(s2 if s2 > 64.0 else discrete_gaussian_variance(s2))
+    if neighbouring == "replace_one":
+        out.append(0.0)
+    return out
+
+
+def _level_increments(
+    i: NDArray[np.float64], num_leaves: int, k: int, h: int, q: bool
+) -> NDArray[np.float64]:
+    """Rows ``l = 0..h``: ``Q_l(i) - Q_(l-1)(i)`` (``q``) or ``R_l(i) - R_(l-1)(i)`` at the
+    thresholds ``i`` (:func:`kary_prefix_variance`, :func:`kary_prefix_covariance_with_last`)."""
+    out = np.empty((h + 1, i.size))
+    prev = np.zeros_like(i)
+    for lev in range(h + 1):
+        block = float(k**lev)
+        j0 = np.floor(i / block)
+        rest = np.mod(i, block)
+        cur = j0 * block * block + rest * (
+            rest if q else np.minimum(num_leaves - j0 * block, block)
+        )
+        out[lev] = cur - prev
+        prev = cur
+    return out
+
+
+_CHUNK = 1 << 16
+
+
+@lru_cache(maxsize=256)
+def _score_forms(
+    num_leaves: int, k: int, neighbouring: Neighbouring
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """The error score of the ``k``-ary release as forms in ``kappa`` (:func:`_kary_kappa`):
+    add/remove, the linear ``a . kappa``; replace-one, ``a . kappa - kappa^T M kappa /
+    (q_N . kappa)`` (:func:`_tree_score`). Accumulated over chunks of thresholds (memory
+    ``O(h * 2^16)`` for any ``N``)."""
     h = kary_depth(num_leaves, k)
-    lv = _level_variances(tuple(float(x) for x in shares), neighbouring, noise, h)
-    var = kary_prefix_variance(num_leaves, k, lv)
-    cov = kary_prefix_covariance_with_last(num_leaves, k, lv)
-    if neighbouring == "replace_one":  # the release is conditioned on C_N = n
-        return float(np.mean(_condition_on_total(np.zeros(num_leaves), var, cov, 0.0)[1]))
-    f = np.arange(1, num_leaves + 1, dtype=np.float64) / num_leaves
-    return float(np.mean(var - 2 * f * cov + f * f * var[-1]))
+    n = float(num_leaves)
+    a = np.zeros(h + 1)
+    m = np.zeros((h + 1, h + 1))
+    last = np.array([n])
+    q_last = _level_increments(last, num_leaves, k, h, q=True)[:, 0]
+    for start in range(1, num_leaves + 1, _CHUNK):
+        i = np.arange(start, min(start + _CHUNK, num_leaves + 1), dtype=np.float64)
+        dq = _level_increments(i, num_leaves, k, h, q=True)
+        dr = _level_increments(i, num_leaves, k, h, q=False)
+        a += dq.sum(axis=1)
+        if neighbouring == "add_remove":
+            f = i / n
+            a += -2.0 * (dr * f).sum(axis=1) + float(np.sum(f * f)) * q_last
+        else:
+            m += dr @ dr.T
+    return a / n, q_last, m / n
+
+
+def _tree_score(
+    num_leaves: int, k: int, neighbouring: Neighbouring, level_var: list[float]
+) -> float:
+    """The exact mean error score (counts^2) of the ``k``-ary release with noise variances
+    ``level_var``: under replace-one the mean variance of the prefix counts conditioned on
+    ``C_N = n`` (what is released); under add/remove, where the CDF is normalised by the
+    released ``Chat_N``, the mean variance of ``Chat_i - (i/N) Chat_N`` (the first-order
+    error of ``N Chat_i / Chat_N`` for uniform data), which penalises trees padded far beyond
+    ``N``."""
+    h = len(level_var) - 1
+    exact_root = neighbouring == "replace_one"
+    # a variance that underflows to 0 (huge budget) is kept positive: only the public root is
+    # known exactly, and the score is then ~0 for every shape anyway
+    lv = tuple(v if exact_root and i == h else max(v, 1e-250) for i, v in enumerate(level_var))
+    kappa = _kappa(h, k, lv)
+    a, q_last, m = _score_forms(num_leaves, k, neighbouring)
+    score = float(a @ kappa)
+    if neighbouring == "replace_one":
+        var_n = float(q_last @ kappa)
+        if var_n > 1e-9 * num_leaves * abs(float(kappa[0])):  # else C_N is exact (rounding)
+            score -= float(kappa @ m @ kappa) / var_n
+    return max(score, 0.0)
+
+
+def _geometric(levels: tuple[int, ...], m: int, log_r: float) -> NDArray[np.float64]:
+    w = np.zeros(m)
+    lv = np.asarray(levels)
+    w[lv] = np.exp(log_r * (lv - lv.max()))
+    return w / w.sum()
+
+
+_SHARE_GRID = 1 << 10
+
+
+def _round_shares(w: NDArray[np.float64]) -> tuple[Fraction, ...]:
+    """Multiples of ``1/1024`` summing to exactly 1; a level with a positive share keeps at
+    least one unit (its released / not-released status is kept)."""
+    units = np.floor(w * _SHARE_GRID).astype(int)
+    units[(w > 0) & (units == 0)] = 1
+    units[int(np.argmax(units))] += _SHARE_GRID - int(units.sum())
+    return tuple(Fraction(int(u), _SHARE_GRID) for u in units)
+
+
+@dataclass(frozen=True)
+class CountingPlan:
+    """A public choice of the ``k``-ary release: branching ``k``, the budget share of each
+    noisy level (``0``: not released) and its exact mean error score (counts^2,
+    :func:`_tree_score`) at the budget it was chosen for."""
+
+    branching: int
+    shares: tuple[Fraction, ...]
+    score: float
+
+
+def _plan_for(
+    num_leaves: int, k: int, neighbouring: Neighbouring, noise: NoiseKind, budget: Fraction
+) -> CountingPlan:
+    """The best level set and shares for one ``k``, at the exact variances of the noise drawn.
+
+    Candidates: uniform shares over all noisy levels (OpenDP's b-ary tree), and "geometric
+    shares ``r^l`` over a level set", the level set found by backward elimination from all
+    levels (each round drops the non-leaf level whose removal, with ``r`` re-optimised, lowers
+    the score most; the leaves are always released). The flat histogram is the level set
+    ``{0}``. Each candidate is scored at its rounded shares with the exact parameters.
+    """
+    import scipy.optimize
+
+    h = kary_depth(num_leaves, k)
+    m = h + 1 if neighbouring == "add_remove" else h
+    b = float(budget)
+
+    def fit(levels: tuple[int, ...]) -> tuple[float, NDArray[np.float64]]:
+        def obj(log_r: float) -> float:
+            lv = _fast_level_variances(_geometric(levels, m, log_r), neighbouring, noise, b)
+            return _tree_score(num_leaves, k, neighbouring, lv)
+
+        if len(levels) == 1:
+            return obj(0.0), _geometric(levels, m, 0.0)
+        res = scipy.optimize.minimize_scalar(
+            obj, bounds=(-4.0, 4.0), method="bounded", options={"xatol": 1e-3}
+        )
+        return float(res.fun), _geometric(levels, m, float(res.x))
+
+    levels = tuple(range(m))
+    cur_score, cur_w = fit(levels)
+    found = [cur_w, np.full(m, 1.0 / m), _geometric((0,), m, 0.0)]
+    while len(levels) > 1:
+        trials = [(*fit(tuple(x for x in levels if x != drop)), drop) for drop in levels[1:]]
+        score, w, drop = min(trials, key=lambda t: t[0])
+        if score >= cur_score:
+            break
+        levels = tuple(x for x in levels if x != drop)
+        cur_score, cur_w = score, w
+        found.append(w)
+    best: CountingPlan | None = None
+    for w in found:
+        shares = _round_shares(w)
+        lv = exact_level_variances(shares, neighbouring, noise, budget)
+        score = _tree_score(num_leaves, k, neighbouring, lv)
+        if best is None or score < best.score:
+            best = CountingPlan(k, shares, score)
+    assert best is not None
+    return best
 
 
 _BRANCHINGS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32)
 
 
-def best_branching(num_leaves: int, neighbouring: Neighbouring, noise: NoiseKind) -> int:
-    """The ``k`` in ``2..32`` (``2-8, 10, 12, 16, 20, 24, 32``) with the smallest exact mean
-    prefix variance for ``N`` leaves, each with its optimised :func:`level_shares`.
+def _branching_candidates(num_leaves: int) -> list[int]:
+    """``2..32`` and, for ``h = 1, 2, 3``, the smallest ``k`` with ``k^h >= N`` (no padding;
+    ``h = 1`` is the flat histogram)."""
+    out = set(_BRANCHINGS)
+    for h in (1, 2, 3):
+        k = max(2, math.ceil(num_leaves ** (1.0 / h) - 1e-9))
+        while k > 2 and (k - 1) ** h >= num_leaves:
+            k -= 1
+        while k**h < num_leaves:
+            k += 1
+        if k <= MAX_BRANCHING:
+            out.add(k)
+    return sorted(out)
 
-    Exact (:func:`kary_prefix_variance`), so it accounts for padding to ``k^h`` and for the
-    root being exact under replace-one. The budget only scales the variance, so it does not
-    enter. Qardaji et al. (2013) find ``k`` near 16 for range queries.
+
+@lru_cache(maxsize=256)
+def _counting_plan(
+    num_leaves: int, neighbouring: Neighbouring, noise: NoiseKind, budget: Fraction
+) -> CountingPlan:
+    plans = [
+        _plan_for(num_leaves, k, neighbouring, noise, budget)
+        for k in _branching_candidates(num_leaves)
+    ]
+    best = min(plans, key=lambda p: (p.score, p.branching))
+    if 2 <= num_leaves <= MAX_BRANCHING:
+        # the flat histogram (k = N, no padding) on a tie: e.g. when best is the flat level set
+        # on a padded tree, or when the noise is so small that every score is ~0 (then its
+        # integer cumulative sums are exact where a tree's least squares rounds)
+        flat = _plan_for(num_leaves, num_leaves, neighbouring, noise, budget)
+        best = flat if flat.score <= best.score * (1 + 1e-9) + 1e-9 else best
+    return best
+
+
+def counting_plan(
+    num_leaves: int,
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+    budget: float | Fraction,
+    branching: int | None = None,
+) -> CountingPlan:
+    """The ``k``-ary release with the smallest exact mean error (:func:`_tree_score`) at this
+    budget (``epsilon`` for Laplace, ``rho`` for Gaussian): over ``k`` in
+    :func:`_branching_candidates` (``k = N`` is the flat histogram) and, per ``k``, over level
+    sets and shares (:func:`_plan_for`), every candidate scored with the exact variance of the
+    discrete noise it would draw. Given ``branching``, only the levels and shares are chosen.
+    Public: depends on ``N``, the relation, the noise kind and the budget only.
     """
-    return min(_BRANCHINGS, key=lambda k: (_kary_score(num_leaves, k, neighbouring, noise), k))
+    _check_neighbouring(neighbouring)
+    if noise not in ("laplace", "gaussian"):
+        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    if num_leaves < 1:
+        raise ValueError(f"num_leaves must be >= 1, got {num_leaves}")
+    frac = to_fraction(budget, "budget")
+    if branching is not None:
+        return _plan_for(num_leaves, _check_branching(branching), neighbouring, noise, frac)
+    return _counting_plan(int(num_leaves), neighbouring, noise, frac)
+
+
+def level_shares(
+    num_leaves: int,
+    branching: int,
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+    budget: float | Fraction,
+) -> tuple[Fraction, ...]:
+    """Budget fraction of each noisy level (``0..h``, or ``0..h-1`` under replace-one), summing
+    to exactly 1; share 0 = the level is not released (:func:`counting_plan` with ``k`` given).
+
+    A data-independent, public choice ("non-uniform budget allocation", Cormode, Procopiuc,
+    Srivastava, Shen, Yu, ICDE 2012; Qardaji, Yang, Li, PVLDB 2013), optimised for the exact
+    error of the discrete noise drawn at this ``budget`` (``epsilon`` or ``rho``).
+    """
+    return counting_plan(num_leaves, neighbouring, noise, budget, branching).shares
+
+
+def best_branching(
+    num_leaves: int, neighbouring: Neighbouring, noise: NoiseKind, budget: float | Fraction
+) -> int:
+    """The ``k`` of :func:`counting_plan`: ``2..32`` or a padding-free ``k`` for 1, 2 or 3
+    levels (``k = N``: the flat histogram), whichever has the smallest exact error at this
+    budget with its own level set and shares."""
+    return counting_plan(num_leaves, neighbouring, noise, budget).branching
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,6 +905,32 @@ def _estimator_coefficients(num_leaves: int) -> NDArray[np.float64]:
         g = scipy.signal.fftconvolve(g, corr)[:m]
     g.setflags(write=False)
     return g
+
+
+def _factorization_moments(
+    num_leaves: int, neighbouring: Neighbouring, node_var: float
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """``Var(Chat_i)`` and ``Cov(Chat_i, Chat_N)`` of the factorisation's estimate, before any
+    conditioning, for noise variance ``node_var``."""
+    g = _estimator_coefficients(num_leaves)
+    variance = node_var * np.cumsum(g * g)
+    cov_n = node_var * scipy.signal.fftconvolve(g, g[::-1])[:num_leaves]
+    return variance, cov_n
+
+
+@lru_cache(maxsize=64)
+def factorization_score(num_leaves: int, neighbouring: Neighbouring, rho: Fraction) -> float:
+    """The factorisation's exact mean error score at ``rho`` (the same score as
+    :func:`_tree_score`: conditioned on ``C_N = n`` under replace-one, ``Chat_i - (i/N)
+    Chat_N`` under add/remove), with the discrete Gaussian's exact variance."""
+    sigma2 = conservative_scale(
+        Fraction(factorization_sensitivity(num_leaves, neighbouring)) / (2 * rho)
+    )
+    var, cov = _factorization_moments(num_leaves, neighbouring, discrete_gaussian_variance(sigma2))
+    if neighbouring == "replace_one":
+        return float(np.mean(_condition_on_total(np.zeros(num_leaves), var, cov, 0.0)[1]))
+    f = np.arange(1, num_leaves + 1, dtype=np.float64) / num_leaves
+    return float(np.mean(var - 2 * f * cov + f * f * var[-1]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -889,7 +1111,8 @@ class CountRelease:
         variance of one noise draw (of the leaves).
     sensitivity:
         L1 sensitivity (Laplace) or squared L2 sensitivity (Gaussian) of the noisy vector
-        (``k``-ary: number of nodes one change moves, over all levels).
+        (``k``-ary: the most nodes one change moves, over the released levels: ``per`` times
+        their number, ``per = 1`` add/remove, ``2`` replace-one).
     shares:
         ``k``-ary: the budget fraction of each noisy level (:func:`level_shares`).
     branching:
@@ -950,101 +1173,51 @@ def release_prefix_counts(
     *,
     mechanism: Mechanism = "auto",
     branching: int | None = None,
+    node_noise: Any = None,
 ) -> TreeRelease | CountRelease:
     """Release every prefix count of ``leaf_counts`` with the chosen counting ``mechanism``.
 
-    ``"auto"`` (the default) is :func:`default_mechanism` of ``noise``: ``"k-ary"`` for pure DP,
-    ``"factorization"`` for zCDP (the most accurate exact-noise choices, measured).
+    ``"auto"`` (the default) is :func:`default_mechanism`: the mechanism with the smallest
+    exact error at this ``N``, relation and budget (``"k-ary"`` with :func:`counting_plan`'s
+    shape under pure DP, the flat histogram included; that or ``"factorization"`` for zCDP).
     ``"binary"`` returns :func:`~clipless.stats.tree.release_counts`'s :class:`TreeRelease`;
     ``"k-ary"``, ``"factorization"`` and ``"smooth-binary"`` (equal variance at every
     threshold, Laplace or Gaussian) return a :class:`CountRelease` (module docstring for the
-    proofs). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` in ``2..32``
-    with the smallest exact mean variance for this ``N`` (:func:`best_branching`).
+    proofs). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` of
+    :func:`counting_plan` (the levels and shares are chosen for the budget either way).
     Under ``replace_one`` the size ``n = sum(leaf_counts)`` is public and used exactly.
+
+    ``node_noise`` (``"binary"`` and ``"k-ary"``): a keyed node-noise source
+    (:class:`clipless.federated.NodeNoise`, or ``SummedNoise`` whose ``copies`` multiply the
+    variances) replacing the draw from ``rng``; node ``(l, j)`` of the released tree gets its
+    noise at level ``l``'s parameter. The federated release with the same source is equal bit
+    for bit.
     """
     _check_mechanism(mechanism)
     _check_neighbouring(neighbouring)
-    if mechanism == "auto":
-        mechanism = default_mechanism(noise)
     if mechanism == "binary":
         if branching is not None:
             raise ValueError("branching is only for mechanism='k-ary'")
-        return release_counts(leaf_counts, epsilon, neighbouring, noise, rng, rho)
+        return release_counts(
+            leaf_counts, epsilon, neighbouring, noise, rng, rho, node_noise=node_noise
+        )
     counts = _leaf_counts_array(leaf_counts)
     budget, eps_out, rho_out = _budget(noise, epsilon, rho)
     gen = resolve_rng(rng)
     N = int(counts.size)
-    if mechanism == "k-ary":
-        k = best_branching(N, neighbouring, noise) if branching is None else branching
-        k = _check_branching(k)
-        h = kary_depth(N, k)
-        delta = kary_sensitivity(h, neighbouring)
-        shares = level_shares(N, k, neighbouring, noise)
-        per = 1 if neighbouring == "add_remove" else 2  # one level's L1 = squared L2 change
-        true_nodes = kary_node_counts(counts, k)
-        noisy_levels = true_nodes if neighbouring == "add_remove" else true_nodes[:-1]
-        params: list[Fraction | None] = []
-        level_var: list[float] = []
-        values: list[NDArray[np.float64]] = []
-        for arr, share in zip(noisy_levels, shares, strict=True):
-            if share == 0:  # not released: no noise drawn, no budget spent
-                params.append(None)
-                level_var.append(math.inf)
-                values.append(np.zeros(arr.size))
-                continue
-            if noise == "laplace":
-                param = conservative_scale(Fraction(per) / (budget * share))
-                eta = discrete_laplace(param, arr.size, gen)
-                level_var.append(discrete_laplace_variance(param))
-            else:
-                param = conservative_scale(Fraction(per) / (2 * budget * share))
-                eta = discrete_gaussian(None, arr.size, gen, sigma2=param)
-                level_var.append(discrete_gaussian_variance(param))
-            params.append(param)
-            values.append((arr + eta).astype(np.float64))
-        if neighbouring == "replace_one":
-            values.append(true_nodes[-1].astype(np.float64))  # the public n, exact
-            level_var.append(0.0)
-        weights = level_var
-        scale_var = 1.0
-        if any(v == 0.0 for v in level_var[: len(noisy_levels)]):
-            # noise too small to have a float variance (huge budget): weight by the profile
-            weights = _level_variances(tuple(float(x) for x in shares), neighbouring, noise, h)
-            scale_var = 0.0
-        leaves = kary_consistent_leaves(values, k, weights)
-        prefix = np.cumsum(leaves[:N])
-        unit_var = kary_prefix_variance(N, k, weights)
-        if neighbouring == "replace_one":
-            # The root is the public n, but when N < k^h it also counts the padded leaves, so
-            # Chat_N stays noisy: condition on C_N = n as well (Gaussian conditioning of the
-            # linear estimate, post-processing; exact already when N = k^h).
-            prefix, unit_var = _condition_on_total(
-                prefix, unit_var, kary_prefix_covariance_with_last(N, k, weights), counts.sum()
-            )
-        variance = scale_var * unit_var
-        noisy_vec = np.concatenate(
-            [v for v, p in zip(values, params, strict=False) if p is not None]
+    if mechanism == "auto":  # with a branching given, the k-ary tree with that k
+        mechanism = (
+            "k-ary" if branching is not None else default_mechanism(noise, N, neighbouring, budget)
         )
-        for a in (prefix, variance, noisy_vec):
-            a.setflags(write=False)
-        leaf_param = params[0]
-        assert leaf_param is not None  # the leaves always get a share
-        return CountRelease(
-            mechanism="k-ary",
-            num_leaves=N,
-            prefix_counts=prefix,
-            variance=variance,
-            noisy=noisy_vec,
-            noise=noise,
-            noise_param=tuple(params),
-            noise_scale=float(leaf_param) if noise == "laplace" else float(leaf_param) ** 0.5,
-            node_variance=level_var[0],
-            sensitivity=float(delta),
-            branching=k,
-            neighbouring=neighbouring,
-            epsilon=eps_out,
-            rho=rho_out,
-            shares=shares,
+    if mechanism == "k-ary":
+        plan = counting_plan(N, neighbouring, noise, budget, branching)
+        return _release_kary(
+            counts, plan, neighbouring, noise, budget, gen, eps_out, rho_out, node_noise
+        )
+    if node_noise is not None:
+        raise ValueError(
+            f"node_noise is for mechanism 'binary' or 'k-ary' (the federated releases), got "
+            f"{mechanism!r}"
         )
     if mechanism == "smooth-binary":
         if branching is not None:
@@ -1069,10 +1242,9 @@ def release_prefix_counts(
     g = _estimator_coefficients(N)
     prefix = _lower_toeplitz_apply(g, noisy_vec)  # A Lt^-1 (Lt x + Z) = A x + A Lt^-1 Z
     node_var = discrete_gaussian_variance(sigma2)
-    variance = node_var * np.cumsum(g * g)
+    variance, cov_n = _factorization_moments(N, neighbouring, node_var)
     if neighbouring == "replace_one":
         # condition on C_N = n (public): Cov(Chat_i, Chat_N) = var sum_j g_(i-j) g_(N-1-j)
-        cov_n = node_var * scipy.signal.fftconvolve(g, g[::-1])[:N]
         prefix, variance = _condition_on_total(prefix, variance, cov_n, counts.sum())
     for a in (prefix, variance, noisy_vec):
         a.setflags(write=False)
@@ -1091,6 +1263,164 @@ def release_prefix_counts(
         neighbouring=neighbouring,
         epsilon=None,
         rho=rho_out,
+    )
+
+
+def kary_params(
+    plan: CountingPlan, neighbouring: Neighbouring, noise: NoiseKind, budget: Fraction
+) -> tuple[Fraction | None, ...]:
+    """The exact noise parameter of every noisy level of ``plan`` (``None``: not released)."""
+    per = _per_level(neighbouring)
+    return tuple(None if w == 0 else _level_param(w, per, noise, budget) for w in plan.shares)
+
+
+def kary_released_nodes(
+    num_leaves: int, plan: CountingPlan, neighbouring: Neighbouring
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """``(level, index)`` of every released node of ``plan``, in the order of
+    :attr:`CountRelease.noisy` (levels from the leaves up, each left to right)."""
+    h = kary_depth(num_leaves, plan.branching)
+    lev, idx = [], []
+    for level, share in enumerate(plan.shares):
+        if share != 0:
+            size = plan.branching ** (h - level)
+            lev.append(np.full(size, level, dtype=np.int64))
+            idx.append(np.arange(size, dtype=np.int64))
+    del neighbouring  # the shares already exclude the public root under replace-one
+    return np.concatenate(lev), np.concatenate(idx)
+
+
+def _check_plan(num_leaves: int, plan: CountingPlan, neighbouring: Neighbouring) -> int:
+    k = _check_branching(plan.branching)
+    h = kary_depth(num_leaves, k)
+    m = h + 1 if neighbouring == "add_remove" else h
+    shares = plan.shares
+    if len(shares) != m or sum(shares) != 1 or shares[0] <= 0 or min(shares) < 0:
+        raise ValueError("shares must give every noisy level a share >= 0, the leaves > 0, sum 1")
+    return h
+
+
+def _release_kary(
+    counts: NDArray[np.int64],
+    plan: CountingPlan,
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+    budget: Fraction,
+    gen: random.Random,
+    eps_out: float | None,
+    rho_out: float | None,
+    node_noise: NodeNoiseSource | None = None,
+) -> CountRelease:
+    """``mechanism="k-ary"`` with the plan's branching and level shares (module docstring):
+    level ``l`` with share ``w_l > 0`` gets noise at :func:`_level_param` (drawn from ``gen``,
+    or the keyed ``node_noise`` of node ``(l, j)``), a level with share 0 is not released;
+    then :func:`kary_estimate`."""
+    N = int(counts.size)
+    h = _check_plan(N, plan, neighbouring)
+    params = kary_params(plan, neighbouring, noise, budget)
+    true_nodes = kary_node_counts(counts, plan.branching)
+    noisy: list[NDArray[np.int64]] = []
+    for level, param in enumerate(params):
+        if param is None:  # not released: no noise drawn, no budget spent
+            continue
+        size = plan.branching ** (h - level)
+        if node_noise is not None:
+            lev = np.full(size, level, dtype=np.int64)
+            eta = np.asarray(node_noise.nodes(noise, param, lev, np.arange(size)), np.int64)
+        elif noise == "laplace":
+            eta = discrete_laplace(param, size, gen)
+        else:
+            eta = discrete_gaussian(None, size, gen, sigma2=param)
+        noisy.append(true_nodes[level] + eta)
+    copies = 1 if node_noise is None else int(getattr(node_noise, "copies", 1))
+    return kary_estimate(
+        np.concatenate(noisy), N, plan, neighbouring, noise, budget, int(counts.sum()),
+        eps_out, rho_out, copies,
+    )  # fmt: skip
+
+
+def kary_estimate(
+    noisy: ArrayLike,
+    num_leaves: int,
+    plan: CountingPlan,
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+    budget: Fraction,
+    n_public: int,
+    epsilon: float | None,
+    rho: float | None,
+    copies: int = 1,
+) -> CountRelease:
+    """The :class:`CountRelease` of a released ``k``-ary vector (post-processing only).
+
+    ``noisy``: the released nodes in :func:`kary_released_nodes` order (integers: true counts
+    plus noise); ``n_public``: the public ``n`` (replace-one; ignored under add/remove);
+    ``copies``: independent full-scale draws summed in each node's noise (``m`` for the
+    federated ``"distributed"`` option), which multiplies the variances. Least squares with the
+    exact level variances, then (replace-one) conditioning on ``C_N = n``. The central release
+    and the federated one call this same function: equal inputs give equal outputs, bit for bit.
+    """
+    N = int(num_leaves)
+    k, shares = plan.branching, plan.shares
+    h = _check_plan(N, plan, neighbouring)
+    params = kary_params(plan, neighbouring, noise, budget)
+    vec = np.asarray(noisy)
+    if not np.issubdtype(vec.dtype, np.integer):
+        raise ValueError(f"noisy must hold integers, got {vec.dtype}")
+    values: list[NDArray[np.float64]] = []
+    start = 0
+    for level, param in enumerate(params):
+        size = k ** (h - level)
+        if param is None:
+            values.append(np.zeros(size))
+            continue
+        values.append(vec[start : start + size].astype(np.float64))
+        start += size
+    if start != vec.size:
+        raise ValueError(f"noisy must hold the {start} released nodes, got {vec.size}")
+    level_var = [v * copies for v in exact_level_variances(shares, neighbouring, noise, budget)]
+    if neighbouring == "replace_one":
+        values.append(np.array([float(n_public)]))  # the root: the public n, exact
+    weights, scale_var = level_var, 1.0
+    if any(v == 0.0 for v in level_var[: len(params)]):
+        # noise too small to have a float variance (huge budget): weight by a unit-budget
+        # profile (any positive weights give an unbiased estimate); its variance underflows to 0
+        per = _per_level(neighbouring)
+        weights = [math.inf if w == 0 else float(per / w) ** 2 for w in shares]
+        weights += [0.0] if neighbouring == "replace_one" else []
+        scale_var = 0.0
+    leaves = kary_consistent_leaves(values, k, weights)
+    prefix = np.cumsum(leaves[:N])
+    unit_var = kary_prefix_variance(N, k, weights)
+    if neighbouring == "replace_one":
+        # The root is the public n, but when N < k^h it also counts the padded leaves, so
+        # Chat_N stays noisy: condition on C_N = n as well (Gaussian conditioning of the
+        # linear estimate, post-processing; exact already when N = k^h).
+        prefix, unit_var = _condition_on_total(
+            prefix, unit_var, kary_prefix_covariance_with_last(N, k, weights), n_public
+        )
+    variance = scale_var * unit_var
+    noisy_vec = vec.astype(np.float64)
+    for a in (prefix, variance, noisy_vec):
+        a.setflags(write=False)
+    leaf_param = params[0]
+    assert leaf_param is not None  # the leaves always get a share
+    return CountRelease(
+        mechanism="k-ary",
+        num_leaves=N,
+        prefix_counts=prefix,
+        variance=variance,
+        noisy=noisy_vec,
+        noise=noise,
+        noise_param=params,
+        noise_scale=float(leaf_param) if noise == "laplace" else float(leaf_param) ** 0.5,
+        node_variance=level_var[0],
+        sensitivity=float(_per_level(neighbouring) * sum(1 for p in params if p is not None)),
+        branching=k,
+        neighbouring=neighbouring,
+        epsilon=epsilon,
+        rho=rho,
+        shares=shares,
     )
 
 

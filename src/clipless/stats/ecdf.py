@@ -2,12 +2,12 @@
 
 :func:`ecdf` releases ``F(tau_i) = #{x <= tau_i} / n`` at every threshold of a public
 :class:`~clipless.stats.grid.Grid` with a counting mechanism of :mod:`clipless.stats.counting`
-(``mechanism="auto"``: the consistent k-ary tree under pure DP, the square-root factorisation
-under zCDP; ``"binary"``: the thesis's binary tree of :mod:`clipless.stats.tree`, Theorem
-6.3.1 for replace-one, Lemma 6.3.1 / Theorem 6.3.2 for add/remove), exact discrete noise
-(Canonne, Kamath, Steinke 2020), least-squares consistency (Hay et al. 2010) and optional
-monotone smoothing (thesis section 6.3.2, in :mod:`clipless.stats.smoothing`). Everything
-after the noisy vector is post-processing.
+(``mechanism="auto"``: the shape of smallest exact error at this ``N``, relation and budget,
+:func:`~clipless.stats.counting.default_mechanism`; ``"binary"``: the thesis's binary tree of
+:mod:`clipless.stats.tree`, Theorem 6.3.1 for replace-one, Lemma 6.3.1 / Theorem 6.3.2 for
+add/remove), exact discrete noise (Canonne, Kamath, Steinke 2020), least-squares consistency (Hay et
+al. 2010) and optional monotone smoothing (thesis section 6.3.2, in
+:mod:`clipless.stats.smoothing`). Everything after the noisy vector is post-processing.
 
 **Clamping.** A value below ``tau_1`` counts as ``tau_1`` and a value above ``tau_N`` as
 ``tau_N``: the release is the ECDF of the clamped data, so ``F(tau_N) = 1`` before noise.
@@ -46,9 +46,7 @@ top and makes the function a proper CDF.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -64,7 +62,6 @@ from clipless.stats.tree import (
     TreeRelease,
     consistent_prefix_sums,
     prefix_variance,
-    release_counts,
 )
 
 if TYPE_CHECKING:
@@ -243,7 +240,7 @@ def ecdf(
     rho: float | None = None,
     mechanism: Mechanism = "auto",
     branching: int | None = None,
-    node_noise: Callable[[NoiseKind, Fraction, int], NDArray[np.int64]] | None = None,
+    node_noise: Any = None,
 ) -> DPECDF:
     """Release a DP empirical CDF of ``values`` at the thresholds of a public ``grid``.
 
@@ -285,21 +282,25 @@ def ecdf(
     rho:
         zCDP budget for Gaussian noise.
     mechanism:
-        The counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default): the most
-        accurate measured one for the noise, ``"k-ary"`` for Laplace (pure DP),
-        ``"factorization"`` for Gaussian (zCDP). ``"binary"``: the thesis's tree (reproduces
-        the thesis; with ``consistency=False`` its plain estimator). ``"k-ary"``: consistent
-        ``k``-ary tree with optimised level budgets. ``"factorization"``: square-root
-        factorisation (Gaussian only). ``"smooth-binary"``: the smooth binary mechanism
-        (Andersson & Pagh 2023), the same variance at every threshold. All use exact discrete
-        noise. ``docs/statistics.md`` says which to choose.
+        The counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default): the one with
+        the smallest exact error at this grid size, relation and budget
+        (:func:`~clipless.stats.counting.default_mechanism`; under pure DP the ``k``-ary tree of
+        :func:`~clipless.stats.counting.counting_plan`, the flat histogram included). ``"binary"``:
+        the thesis's tree (reproduces the thesis; with ``consistency=False`` its plain estimator).
+        ``"k-ary"``: consistent ``k``-ary tree with optimised level budgets. ``"factorization"``:
+        square-root factorisation (Gaussian only). ``"smooth-binary"``: the smooth binary mechanism
+        (Andersson & Pagh 2023), the same variance at every threshold. All use exact discrete noise.
+        ``docs/statistics.md`` says which to choose.
     branching:
-        ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size).
+        ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size and budget).
     node_noise:
-        Optional keyed node-noise source replacing ``rng`` (see
-        :func:`~clipless.stats.tree.release_counts`; :class:`clipless.federated.NodeNoise`).
-        The federated release computes the binary tree, so with ``node_noise`` the mechanism
-        is ``"binary"`` (``"auto"`` resolves to it; another choice is refused).
+        Optional keyed node-noise source replacing ``rng`` (:class:`clipless.federated.
+        NodeNoise` or ``SummedNoise``; :func:`~clipless.stats.counting.release_prefix_counts`).
+        The federated releases compute the ``"binary"`` or the ``"k-ary"`` tree, so with
+        ``node_noise`` ``"auto"`` resolves to ``"k-ary"`` with the plan of
+        :func:`~clipless.stats.counting.counting_plan` (under zCDP also where the central
+        default is the factorisation; with ``consistency=False`` to ``"binary"``); other
+        mechanisms are refused.
 
     >>> from clipless.stats import Grid, seeded_rng
     >>> F = ecdf([0.1, 0.4, 0.4, 0.9], Grid(0, 1, size=11), epsilon=1e9, rng=seeded_rng(0))
@@ -338,12 +339,13 @@ def ecdf(
         )
 
     if node_noise is not None:
-        if mechanism not in ("auto", "binary"):
+        if mechanism not in ("auto", "binary", "k-ary"):
             raise ValueError(
-                f"node_noise (the federated release) computes the binary tree; mechanism must be "
-                f"'auto' or 'binary' with it, got {mechanism!r}"
+                f"node_noise (the federated release) computes the binary or the k-ary tree; "
+                f"mechanism must be 'auto', 'binary' or 'k-ary' with it, got {mechanism!r}"
             )
-        mechanism = "binary"
+        if mechanism == "auto" and consistency is not False:
+            mechanism = "k-ary"  # the plan of counting_plan, as federated_ecdf releases it
     if mechanism == "auto" and consistency is False:
         mechanism = "binary"  # the thesis's plain estimator exists for the binary tree only
     if mechanism != "binary" and not consistency:
@@ -352,22 +354,17 @@ def ecdf(
             "mechanism='binary'; the k-ary and factorisation estimates are least squares "
             "(pass mechanism='binary' to reproduce the thesis)"
         )
-    release: TreeRelease | CountRelease
-    if node_noise is not None:
-        release = release_counts(
-            g.counts(data), epsilon, neighbouring, noise, rng, rho, node_noise=node_noise
-        )
-    else:
-        release = release_prefix_counts(
-            g.counts(data),
-            epsilon,
-            neighbouring,
-            noise,
-            rng,
-            rho,
-            mechanism=mechanism,
-            branching=branching,
-        )
+    release = release_prefix_counts(
+        g.counts(data),
+        epsilon,
+        neighbouring,
+        noise,
+        rng,
+        rho,
+        mechanism=mechanism,
+        branching=branching,
+        node_noise=node_noise,
+    )
     return from_release(
         release,
         g,

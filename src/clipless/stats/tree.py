@@ -342,7 +342,10 @@ def release_counts(
         Optional keyed noise source ``(kind, exact parameter, depth) -> int64 noise of the
         2^(L+1) - 1 nodes in level order`` replacing the draw from ``rng``, e.g.
         :class:`clipless.federated.NodeNoise` (same exact samplers, node-indexed PRF streams):
-        the central release then equals the federated one bit for bit.
+        the central release then equals the federated one bit for bit. A source that sums
+        ``copies`` independent full-scale draws (its ``copies`` attribute, e.g.
+        :class:`clipless.federated.SummedNoise`) has ``copies`` times the node variance, which
+        :attr:`TreeRelease.node_variance` (and the least-squares weights) then carry.
     """
     counts = _leaf_counts_array(leaf_counts)
     _check_neighbouring(neighbouring)
@@ -387,6 +390,8 @@ def release_counts(
         eps_out, rho_out = None, float(rho)
     else:
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    if node_noise is not None:
+        variance = variance * _noise_copies(node_noise)
     true_nodes = node_counts_from_leaves(counts, L)
     offsets = _level_offsets(L)
     noisy = [true_nodes[lev] + eta[offsets[lev] : offsets[lev + 1]] for lev in range(L + 1)]
@@ -408,6 +413,13 @@ def release_counts(
         epsilon=eps_out,
         rho=rho_out,
     )
+
+
+def _noise_copies(node_noise: object) -> int:
+    copies = getattr(node_noise, "copies", 1)
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"node_noise.copies must be an integer >= 1, got {copies!r}")
+    return copies
 
 
 def _external_noise(
