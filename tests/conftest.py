@@ -30,9 +30,17 @@ def _accelerator_path() -> Iterator[None]:
 
 
 @pytest.fixture
-def simgpu() -> Iterator[torch.device]:
+def simgpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[torch.device]:
     """The simulated accelerator of ``tests/_simdevice.py`` (``simgpu:0``: CPU kernels, CUDA's
-    device rules), active for the test; skipped where the installed torch cannot register it."""
+    device rules), active for the test; skipped where the installed torch cannot register it.
+    Its function mode (the simulation itself, not a user's) is exempt from the optimizer's
+    refusal of Python modes around training (:mod:`clipless._modes`)."""
+    from _simdevice import _DeviceMode
+    from clipless import _modes
+
+    monkeypatch.setattr(
+        _modes, "EXEMPT_FUNCTION_MODES", (*_modes.EXEMPT_FUNCTION_MODES, _DeviceMode)
+    )
     try:
         with simulated_device() as device:
             yield device
