@@ -23,8 +23,13 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _simdevice import simulated_device  # a test helper, found through sys.path
-from clipless import cli
+from _simdevice import _DeviceMode, simulated_device  # a test helper, found through sys.path
+from clipless import _modes, cli, norms
+
+# the simulation's own function mode is not a user's mode around training
+_modes.EXEMPT_FUNCTION_MODES = (*_modes.EXEMPT_FUNCTION_MODES, _DeviceMode)
+# an accelerator certifies by matrix products: the CPU reference runs take the same path
+norms.ACCELERATOR_PATH_ON_CPU = True
 
 COMMON = ["--epochs", "1", "--epsilon", "3", "--no-progress", "--quiet", "--unsafe-seed", "3"]
 CONFIGS: dict[str, list[str]] = {
