@@ -175,7 +175,8 @@ def test_concatenation_is_reported_with_its_node() -> None:
     (entry,) = report.unconvertible
     assert entry.node == "cat"
     assert entry.replacement is None
-    assert "Concat" in entry.original
+    assert entry.original == "call_function torch.cat" and entry.path == ""
+    assert entry.blocker == "operation"
     assert not report.ok
     with pytest.raises(TypeError):
         cnn.validate(converted)
@@ -546,3 +547,89 @@ def test_argument_types() -> None:
         cnn.convert(model, input_norm=1.0, strict=None)  # type: ignore[arg-type]
     converted, _ = cnn.convert(model, input_norm=np.float32(2.0))
     assert converted[0].max_norm == 2.0
+
+
+# every blocker in one error (issue 38: layers first, then operations, then structure)
+class CharLSTM(nn.Module):
+    """Opacus's char-LSTM classifier (examples/char-lstm-classification.py), with torch's LSTM."""
+
+    def __init__(self, vocab: int = 30, dim: int = 8, hidden: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.lstm = nn.LSTM(dim, hidden, batch_first=True)
+        self.out_layer = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embedding(x)
+        x, _ = self.lstm(x, hidden)
+        x = x[:, -1, :]
+        return self.out_layer(x)
+
+
+def test_char_lstm_lists_every_blocker_in_one_error() -> None:
+    with pytest.raises(TypeError) as info:
+        cnn.convert(CharLSTM(), input_norm=1.0)
+    message = str(info.value)
+    assert message.startswith("5 modules or operations")
+    lines = message.splitlines()[1:]
+    assert len(lines) == 5
+    # the real blockers first, each with its reason and the alternative
+    assert "'embedding': torch.nn.Embedding" in lines[0] and "one-hot" in lines[0]
+    assert "'lstm': torch.nn.LSTM" in lines[1] and "L^T" in lines[1]
+    assert all("operator.getitem" in line for line in lines[2:4])
+    assert "exactly one input tensor, it uses 2 (x, hidden)" in lines[4]
+    _, report = cnn.convert(CharLSTM(), input_norm=1.0, strict=False)
+    assert [e.blocker for e in report.unconvertible] == [
+        "module",
+        "module",
+        "operation",
+        "operation",
+        "structure",
+    ]
+
+
+class _ManyBlockers(nn.Module):
+    """A layer, three operations and a value used twice: five blockers of three kinds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.GELU()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))
+        h = torch.cat([h, F.softplus(h)], dim=1)
+        return self.head(h) + self.head(h).softmax(1)
+
+
+def test_layers_and_operations_listed_together_before_the_structure() -> None:
+    _, report = cnn.convert(_ManyBlockers(), input_norm=1.0, strict=False)
+    found = [(e.blocker, e.original) for e in report.unconvertible]
+    assert found[0] == ("module", "torch.nn.GELU")
+    operations = {o for kind, o in found if kind == "operation"}
+    assert operations == {
+        "call_function torch.cat",
+        "call_function torch.nn.functional.softplus",
+        "call_method Tensor.softmax",
+    }
+    assert [kind for kind, _ in found] == ["module"] + ["operation"] * 3 + ["structure"]
+
+
+class _BranchyLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.fc(self.embedding(x))
+        return self.fc(self.embedding(x + 1))
+
+
+def test_untraceable_forward_still_lists_its_layers() -> None:
+    _, report = cnn.convert(_BranchyLSTM(), input_norm=1.0, strict=False)
+    first, second = report.unconvertible
+    assert (first.path, first.blocker) == ("embedding", "module")
+    assert second.blocker == "structure" and "symbolic_trace failed" in second.reason

@@ -33,6 +33,11 @@ or whose result is unused (``h.mul_(3)``, ``h + F.relu(h, inplace=True)``; ``h +
 skip connection). A module carrying forward or backward hooks is unconvertible (the hooks
 change its function and would not be carried over).
 
+Every blocker is listed in one pass (:attr:`ConversionEntry.blocker`): when a traced forward is
+not such a chain, each of its layers and operations without a certified equivalent is reported
+(layers first, then operations), and then the structural reason unless it is one of them; a
+forward that cannot be traced still has its children's blockers listed.
+
 Function preservation: when the report has no substitutions (:attr:`ConversionReport.exact`),
 the converted model computes the original model's function in eval mode for every input inside
 the ``InputNorm`` ball. (The engine then projects the weights onto its operator-norm constraint,
@@ -41,6 +46,7 @@ which changes the function again if the original weights violate it.)
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from collections import OrderedDict
@@ -67,6 +73,8 @@ from clipless.nn.validate import foreign_hooks
 __all__ = ["ConversionEntry", "ConversionReport", "convert"]
 
 EntryKind = Literal["twin", "substituted", "removed", "inserted", "unconvertible"]
+BlockerKind = Literal["module", "operation", "structure"]
+_BLOCKER_ORDER = {"module": 0, "operation": 1, None: 1, "structure": 2}
 
 _MAX_GROUPS = 32  # BatchNorm2d/3d -> GroupNorm with the largest divisor of C up to this
 
@@ -87,6 +95,9 @@ class ConversionEntry:
             certified function), ``"removed"`` (identity in eval mode), ``"inserted"`` (the
             leading ``InputNorm``) or ``"unconvertible"``.
         node: the :mod:`torch.fx` node name when the entry comes from a traced ``forward``.
+        blocker: for an unconvertible entry, what blocks: ``"module"`` (a layer without a
+            certified equivalent), ``"operation"`` (a function or tensor method of a traced
+            ``forward``) or ``"structure"`` (how the forward combines them); ``None`` otherwise.
     """
 
     path: str
@@ -95,6 +106,7 @@ class ConversionEntry:
     reason: str
     kind: EntryKind
     node: str | None = None
+    blocker: BlockerKind | None = None
 
     def __str__(self) -> str:
         where = repr(self.path) if self.path else "<root>"
@@ -112,8 +124,13 @@ class ConversionReport:
 
     @property
     def unconvertible(self) -> tuple[ConversionEntry, ...]:
-        """Modules and operations without a certified clipless equivalent."""
-        return tuple(e for e in self.entries if e.kind == "unconvertible")
+        """Modules and operations without a certified clipless equivalent.
+
+        The real blockers first: layers, then operations, then the structural reasons (how a
+        traced forward combines them), each group in model order.
+        """
+        found = [e for e in self.entries if e.kind == "unconvertible"]
+        return tuple(sorted(found, key=lambda e: _BLOCKER_ORDER[e.blocker]))
 
     @property
     def substitutions(self) -> tuple[ConversionEntry, ...]:
@@ -200,11 +217,14 @@ class _Converter:
         reason: str,
         kind: EntryKind,
         node: str | None = None,
+        blocker: BlockerKind | None = None,
     ) -> None:
         text = None
         if replacement is not None:
             text = f"clipless.nn.{type(replacement).__name__}({replacement.extra_repr()})"
-        self.entries.append(ConversionEntry(path, original, text, reason, kind, node))
+        if kind == "unconvertible" and blocker is None:
+            blocker = "operation" if node is not None else "module"
+        self.entries.append(ConversionEntry(path, original, text, reason, kind, node, blocker))
 
     def hooked(self, module: torch.nn.Module, path: str) -> bool:
         """Record ``module`` as unconvertible if it carries hooks clipless did not place."""
@@ -435,6 +455,7 @@ class _Converter:
             graph_module = torch.fx.GraphModule(module, tracer.trace(module))
         except Exception as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.scan_children(module, path)
             self.record(
                 path,
                 name,
@@ -442,6 +463,7 @@ class _Converter:
                 f"torch.fx.symbolic_trace failed ({type(exc).__name__}: {first_line}); only "
                 "forwards without data-dependent control flow can be converted",
                 "unconvertible",
+                blocker="structure",
             )
             return _deepcopy(module)
         finally:
@@ -450,17 +472,82 @@ class _Converter:
         try:
             structure = _Structure(graph_module.graph).build()
         except _UnconvertibleError as exc:
-            self.record(
-                path,
-                name,
-                None,
-                f"{_describe(exc.node)}: {exc.reason}; only chains of layers with skip "
-                "connections x + f(x) or (x + f(x)) / 2 can be converted",
-                "unconvertible",
-                node=exc.node.name,
-            )
+            # list every blocker of this forward at once: its layers and operations without a
+            # certified equivalent first, then the structural reason (unless it is one of them)
+            flagged = self.scan(graph_module, module, path)
+            if exc.node.name not in flagged:
+                self.record(
+                    path,
+                    name,
+                    None,
+                    f"{_describe(exc.node)}: {exc.reason}; only chains of layers with skip "
+                    "connections x + f(x) or (x + f(x)) / 2 can be converted",
+                    "unconvertible",
+                    node=exc.node.name,
+                    blocker="structure",
+                )
             return _deepcopy(module)
         return self.build(structure, module, path)
+
+    def scan_children(self, module: torch.nn.Module, path: str) -> None:
+        """Record the blockers among the children of a module whose forward cannot be traced."""
+        probe = _Converter()
+        for child_name, child in module.named_children():
+            probe.module(child, _join(path, child_name))
+        self.entries.extend(e for e in probe.entries if e.kind == "unconvertible")
+
+    def scan(
+        self, graph_module: torch.fx.GraphModule, owner: torch.nn.Module, path: str
+    ) -> set[str]:
+        """Record every called layer and operation of a traced forward that has no certified
+        equivalent (modules first, then operations); return the names of the flagged nodes.
+
+        Arithmetic (``+``, ``*``, ``/``, their in-place forms) is left to the structural check,
+        which decides whether it is a skip connection; dead values are not counted.
+        """
+        probe = _Converter()  # converts without recording twins into this report
+        flagged: dict[str, list[ConversionEntry]] = {}
+        operations: list[ConversionEntry] = []
+        for node in graph_module.graph.nodes:
+            if not node.users and not _mutates(node):
+                continue
+            if node.op == "call_module":
+                before = len(probe.entries)
+                target = str(node.target)
+                probe.module(owner.get_submodule(target), _join(path, target))
+                found = [e for e in probe.entries[before:] if e.kind == "unconvertible"]
+                if found:
+                    flagged[node.name] = found
+                continue
+            if node.op not in ("call_function", "call_method") or _is_helper(node):
+                continue
+            substitute = _function_module(node)
+            if substitute is not None:
+                before = len(probe.entries)
+                try:
+                    probe.leaf(substitute, path, _describe(node))
+                except (TypeError, ValueError) as exc:
+                    probe.record(path, _describe(node), None, str(exc), "unconvertible")
+                for e in probe.entries[before:]:
+                    if e.kind == "unconvertible":
+                        operations.append(
+                            dataclasses.replace(e, node=node.name, blocker="operation")
+                        )
+                        flagged[node.name] = []
+                continue
+            if _is_arithmetic(node):
+                continue
+            reason = _why_not(node)
+            operations.append(
+                ConversionEntry(
+                    path, _describe(node), None, reason, "unconvertible", node.name, "operation"
+                )
+            )
+            flagged[node.name] = []
+        for found in flagged.values():
+            self.entries.extend(found)
+        self.entries.extend(operations)
+        return set(flagged)
 
     def build(self, items: list[Any], owner: torch.nn.Module, path: str) -> torch.nn.Module:
         out: list[tuple[str, torch.nn.Module | None]] = []
@@ -489,8 +576,11 @@ class _Converter:
                 reason = e.reason
                 if node.target in ("view", "reshape"):
                     reason += " (view/reshape to [batch, -1] is a flatten)"
-                self.entries[i] = ConversionEntry(
-                    e.path, e.original, e.replacement, reason, e.kind, node.name
+                self.entries[i] = dataclasses.replace(
+                    e,
+                    reason=reason,
+                    node=node.name,
+                    blocker="operation" if e.kind == "unconvertible" else None,
                 )
             out.append((node.name, converted))
         return self.sequential(out)
@@ -541,7 +631,14 @@ def _pool_problem(
 
 def _describe(node: torch.fx.Node) -> str:
     target = node.target
+    if node.op == "output":
+        return "the forward"
     if node.op == "call_function":
+        public = next(
+            (k for k, v in vars(F).items() if v is target and not k.startswith("_")), None
+        )
+        if public is not None:
+            return f"call_function torch.nn.functional.{public}"
         qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", str(target))
         module = getattr(target, "__module__", None) or ""
         module = {"torch._C._nn": "torch.nn.functional", "_operator": "operator"}.get(
@@ -766,8 +863,10 @@ class _Structure:
             raise _UnconvertibleError(output, "the forward must return a single tensor")
         inputs = [n for n in nodes if n.op == "placeholder" and n.users]
         if len(inputs) != 1:
+            names = ", ".join(n.name for n in inputs)
             raise _UnconvertibleError(
-                output, f"the forward must use exactly one input tensor, it uses {len(inputs)}"
+                output,
+                f"the forward must use exactly one input tensor, it uses {len(inputs)} ({names})",
             )
         items = self.chain(inputs[0], result)
         self.used.add(inputs[0])
@@ -1061,6 +1160,19 @@ def _halved(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+_ARITHMETIC = {
+    "add", "__add__", "__radd__", "iadd", "add_",
+    "sub", "__sub__", "__rsub__", "isub", "sub_",
+    "mul", "__mul__", "__rmul__", "imul", "mul_",
+    "truediv", "__truediv__", "itruediv", "div", "div_",
+}  # fmt: skip
+
+
+def _is_arithmetic(node: torch.fx.Node) -> bool:
+    """``+ - * /`` and their in-place forms: whether they form a skip connection is structural."""
+    return _name(node) in _ARITHMETIC
+
+
 def _why_not(node: torch.fx.Node) -> str:
     target = node.target
     name = str(getattr(target, "__name__", target))
@@ -1087,6 +1199,11 @@ def _why_not(node: torch.fx.Node) -> str:
         return "scales by a constant (no certified rule outside (x + f(x)) / 2)"
     if name in ("sub", "__sub__", "isub", "add", "__add__", "iadd"):
         return "arithmetic other than a skip connection x + f(x)"
+    if target is operator.getitem:
+        return (
+            "indexes a tensor or unpacks a tuple (a layer returning several values, a time step "
+            "or a slice); clipless has no certified indexing"
+        )
     return "no certified clipless equivalent for this operation"
 
 

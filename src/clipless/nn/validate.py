@@ -54,6 +54,48 @@ _SUGGESTIONS: tuple[tuple[type[torch.nn.Module], str], ...] = (
     ),
     (torch.nn.Identity, "remove it (or use an empty clipless.nn.Sequential())"),
     (
+        torch.nn.Embedding,
+        "no certified embedding: its input is an index, not a vector of bounded norm, so no "
+        "input bound X0 reaches it; feed a public one-hot (or bag-of-words) encoding to "
+        "clipless.nn.Linear(vocab, dim, bias=False), which computes the same lookup with a "
+        "certified bound (docs/opacus-migration.md, 'Layers without a certified twin')",
+    ),
+    (
+        torch.nn.EmbeddingBag,
+        "no certified embedding: feed a public bag-of-words encoding to clipless.nn.Linear",
+    ),
+    (
+        torch.nn.modules.rnn.RNNBase,
+        "no certified recurrent layer: a recurrence's Lipschitz bound grows as L^T with the "
+        "sequence length T (and an LSTM's gates multiply activations); use a torch.nn.Conv1d "
+        "over the sequence (clipless.nn.convert certifies it), or per-sample clipping "
+        "(Opacus's DPLSTM) for recurrent models",
+    ),
+    (
+        torch.nn.modules.rnn.RNNCellBase,
+        "no certified recurrent cell (the recurrence's bound grows as L^T); use "
+        "a torch.nn.Conv1d over the sequence (clipless.nn.convert certifies it)",
+    ),
+    (
+        torch.nn.MultiheadAttention,
+        "no certified attention: dot-product attention multiplies activations and is not "
+        "Lipschitz on unbounded inputs (Kim et al. 2021); use a torch.nn.Conv1d or an MLP on "
+        "pooled features",
+    ),
+    (
+        torch.nn.Transformer,
+        "no certified attention (dot-product attention is not Lipschitz); see "
+        "docs/opacus-migration.md, 'Layers without a certified twin'",
+    ),
+    (
+        torch.nn.TransformerEncoderLayer,
+        "no certified attention (dot-product attention is not Lipschitz)",
+    ),
+    (
+        torch.nn.TransformerDecoderLayer,
+        "no certified attention (dot-product attention is not Lipschitz)",
+    ),
+    (
         torch.nn.modules.loss._Loss,
         "losses do not belong in the model; pass a clipless.nn loss to the engine",
     ),
