@@ -266,7 +266,7 @@ def test_every_unconvertible_module_listed_at_once() -> None:
         nn.Linear(4, 8),
         nn.GELU(),
         nn.Unflatten(1, (1, 8)),
-        nn.Conv1d(1, 2, 3),
+        nn.Conv1d(1, 2, 3, dilation=2),
         nn.Flatten(),
         nn.Linear(12, 2),
     )
@@ -288,8 +288,8 @@ def test_conv_options() -> None:
         nn.Conv2d(1, 1, 3, padding_mode="reflect"), input_norm=1.0, strict=False
     )
     assert "padding_mode" in report.unconvertible[0].reason
-    _, report = cnn.convert(nn.MaxPool2d(3, stride=2), input_norm=1.0, strict=False)
-    assert "stride" in report.unconvertible[0].reason
+    _, report = cnn.convert(nn.MaxPool2d(3, stride=2, dilation=2), input_norm=1.0, strict=False)
+    assert "dilation" in report.unconvertible[0].reason
     _, report = cnn.convert(nn.AvgPool2d(2, stride=1), input_norm=1.0, strict=False)
     assert "stride" in report.unconvertible[0].reason
     conv = nn.Conv2d(2, 3, (3, 5), stride=2, padding=(1, 2))
@@ -449,7 +449,6 @@ class _Chain(nn.Module):
         ("relu_-reread", "reads afterwards"),
         ("view-alias", "in-place operation whose result"),
         ("dropout-default", "training=True"),
-        ("view-minus-one", "no certified clipless equivalent"),
         ("iadd-alias", "reads afterwards"),
         ("module-alias", "reads afterwards"),
         ("inplace-sequential", "reads afterwards"),
@@ -469,6 +468,7 @@ def test_functions_the_chain_would_change_are_refused(body: str, words: str) -> 
         "training-branch",
         "dropout-training",
         "batch-size-of-input",
+        "view-minus-one",
         "size-after-inplace",
         "inplace-dropout-eval",
         "halved-in-place",
@@ -633,3 +633,110 @@ def test_untraceable_forward_still_lists_its_layers() -> None:
     first, second = report.unconvertible
     assert (first.path, first.blocker) == ("embedding", "module")
     assert second.blocker == "structure" and "symbolic_trace failed" in second.reason
+
+
+# certified twins added for issue 38
+class SampleConvNet(nn.Module):
+    """Opacus's examples/mnist.py model, written here: overlapping max pools and view(-1, N)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 8, 2, padding=3)
+        self.conv2 = nn.Conv2d(16, 32, 4, 2)
+        self.fc1 = nn.Linear(32 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))  # [B, 16, 14, 14]
+        x = F.max_pool2d(x, 2, 1)  # [B, 16, 13, 13]
+        x = F.relu(self.conv2(x))  # [B, 32, 5, 5]
+        x = F.max_pool2d(x, 2, 1)  # [B, 32, 4, 4]
+        x = x.view(-1, 32 * 4 * 4)  # [B, 512]
+        x = F.relu(self.fc1(x))
+        return self.fc2(x)
+
+
+def _jacobian_norm_of(model: nn.Module, x: torch.Tensor) -> float:
+    jac = torch.autograd.functional.jacobian(lambda v: model(v[None])[0], x)
+    return float(torch.linalg.matrix_norm(jac.reshape(-1, x.numel()), ord=2))
+
+
+def test_opacus_mnist_model_converts_exactly_and_is_certified() -> None:
+    torch.manual_seed(0)
+    model = SampleConvNet().double()
+    converted, report = cnn.convert(model, input_norm=28.0)
+    assert report.exact
+    pools = [m for m in converted.modules() if isinstance(m, cnn.MaxPool2d)]
+    assert len(pools) == 2 and all(p.lipschitz() == 2.0 for p in pools)  # sqrt(4 windows)
+    flat = [m for m in converted.modules() if isinstance(m, cnn.Flatten)]
+    assert [f.features for f in flat] == [512]
+    model.eval()
+    x = _inside_ball((4, 1, 28, 28), 28.0).double()
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-10, atol=1e-10)
+    _check_certifiable(converted, (1, 28, 28))
+    rep = bounds.report(converted, cnn.CrossEntropyLoss(), (1, 28, 28))
+    for i in range(2):  # the certified constant is never below the exact Jacobian norm
+        assert _jacobian_norm_of(converted, x[i]) <= rep.model_lipschitz
+    with pytest.raises(ValueError, match="move entries between samples"):
+        converted(torch.zeros(2, 1, 36, 36, dtype=torch.float64))  # view(-1, 512) mixes
+
+
+class _Activations(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.leaky = nn.LeakyReLU(0.2)
+        self.relu6 = nn.ReLU6()
+        self.elu = nn.ELU(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.elu(self.relu6(self.leaky(self.a(x))))
+        h = F.leaky_relu(h, 0.1)
+        h = F.hardtanh(self.b(h), -2.0, 3.0)
+        return F.elu(F.relu6(h))
+
+
+def test_one_lipschitz_activations_convert_to_certified_twins() -> None:
+    model = _Activations().double()
+    converted, report = cnn.convert(model, input_norm=4.0)
+    assert report.exact
+    kinds = [type(m).__name__ for m in converted.modules() if not isinstance(m, cnn.Linear)]
+    assert kinds.count("LeakyReLU") == 2 and kinds.count("Hardtanh") == 3
+    assert kinds.count("ELU") == 2
+    x = 5 * _inside_ball((8, 6), 4.0).double()  # norms up to 2 x 5 / 2: the clamps act
+    x = x * (4.0 / x.flatten(1).norm(dim=1).clamp_min(4.0))[:, None]
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-12, atol=1e-12)
+    rep = bounds.report(converted, cnn.CrossEntropyLoss(), (6,))
+    for i in range(8):
+        assert _jacobian_norm_of(converted, x[i]) <= rep.model_lipschitz
+    _, report = cnn.convert(nn.Hardtanh(0.5, 1.0), input_norm=1.0, strict=False)
+    assert "does not map 0 to 0" in report.unconvertible[0].reason
+
+
+def test_conv1d_converts_to_a_one_row_conv2d() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv1d(3, 4, 5, stride=2, padding=2),
+        nn.ReLU(),
+        nn.Conv1d(4, 2, 3, padding="same", bias=False, padding_mode="circular"),
+        nn.Flatten(),
+    ).double()
+    converted, report = cnn.convert(model, input_norm=3.0)
+    assert report.exact
+    x = _inside_ball((5, 3, 16), 3.0).double()
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-12, atol=1e-12)
+    _check_certifiable(converted, (3, 16))
+    rep = bounds.report(converted, cnn.CrossEntropyLoss(), (3, 16))
+    assert _jacobian_norm_of(model, x[0]) <= rep.model_lipschitz
+    # the per-sample gradient of each converted conv stays under its certified bound
+    loss = cnn.CrossEntropyLoss(reduction="sum")
+    target = torch.tensor([0, 1, 2, 3, 4])
+    sens = rep.sensitivities()
+    for i in range(5):
+        converted.zero_grad()
+        loss(converted(x[i : i + 1]), target[i : i + 1]).backward()
+        for name, p in converted.named_parameters():
+            assert p.grad is not None and float(p.grad.norm()) <= sens[name]
+    _, report = cnn.convert(nn.Conv1d(2, 2, 3, groups=2), input_norm=1.0, strict=False)
+    assert "groups=2" in report.unconvertible[0].reason

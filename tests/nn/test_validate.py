@@ -34,7 +34,7 @@ def test_lists_every_offending_path_once() -> None:
         ("'features.0'", "(torch.nn.Conv2d)", "use clipless.nn.Conv2d"),
         ("'features.1'", "(torch.nn.BatchNorm2d)", "use clipless.nn.GroupNorm"),
         ("'features.2'", "(torch.nn.ReLU)", "use clipless.nn.ReLU"),
-        ("'features.3'", "(torch.nn.MaxPool2d)", "use clipless.nn.L2NormPool2d"),
+        ("'features.3'", "(torch.nn.MaxPool2d)", "use clipless.nn.MaxPool2d"),
         ("'drop'", "(torch.nn.Dropout)", "remove it"),
         ("'softmax'", "(torch.nn.Softmax)", "put it in the loss"),
     ]

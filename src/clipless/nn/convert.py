@@ -7,27 +7,31 @@ input bound ``X_0`` of :mod:`clipless.bounds`). Every decision is recorded in a
 :class:`ConversionReport`:
 
 * **twins** compute exactly the original function (weights copied): ``Linear``, ``Conv2d`` (no
-  groups, no dilation, ``padding_mode`` zeros or circular), ``ReLU``, ``Tanh``, ``Sigmoid``,
-  ``Flatten`` (``start_dim >= 1``), ``AvgPool2d`` (non-overlapping windows), ``Sequential``;
-* **substitutions** change the function: ``MaxPool2d`` -> :class:`~clipless.nn.L2NormPool2d`
-  (same windows), ``BatchNorm*`` / ``LayerNorm`` / ``GroupNorm`` / ``InstanceNorm*`` ->
+  groups, no dilation, ``padding_mode`` zeros or circular), ``Conv1d`` (the same, as a ``Conv2d``
+  with a ``1 x k`` kernel), ``ReLU``, ``Tanh``, ``Sigmoid``, ``LeakyReLU``, ``Hardtanh`` /
+  ``ReLU6`` (``min_val <= 0 <= max_val``), ``ELU`` (``alpha >= 0``), ``Flatten``
+  (``start_dim >= 1``), ``AvgPool2d`` (non-overlapping windows), ``MaxPool2d`` with overlapping
+  or padded windows (:class:`~clipless.nn.MaxPool2d`, Lipschitz ``sqrt(m)``), ``Sequential``;
+* **substitutions** change the function: ``MaxPool2d(k)`` (stride = kernel, no padding) ->
+  :class:`~clipless.nn.L2NormPool2d` (same windows), ``BatchNorm*`` / ``LayerNorm`` / ``GroupNorm`` / ``InstanceNorm*`` ->
   :class:`~clipless.nn.GroupNorm` (per-sample statistics; batch statistics mix samples, which
   voids per-sample sensitivity; affine parameters are dropped);
 * **removals**: ``Dropout*`` and ``Identity`` (identities in eval mode);
 * **insertion**: a leading ``InputNorm(max_norm=input_norm)`` when the model has none;
-* **unconvertible**: everything else (other activations, normalisation-free attention, ``Conv1d``,
-  ``Embedding``, ...).
+* **unconvertible**: everything else (other activations, attention, recurrent layers,
+  ``Embedding``, ...; docs/opacus-migration.md "Layers without a certified twin").
 
 A custom module (its own ``forward``) is traced with :func:`torch.fx.symbolic_trace`, in eval
 mode (a branch on ``self.training`` takes its eval-mode side). When the graph is a chain of
-module calls and of the functions ``relu``/``tanh``/``sigmoid``/``flatten``/
-``view(x.size(0), -1)``/``max_pool2d``/``avg_pool2d``/``dropout(..., training=self.training)``
+module calls and of the functions ``relu``/``tanh``/``sigmoid``/``leaky_relu``/``hardtanh``/
+``relu6``/``elu``/``flatten``/``view(x.size(0), -1)``/``view(-1, N)`` (a
+``Flatten(features=N)`` that refuses samples of another size, which the view would mix)/
+``max_pool2d``/``avg_pool2d``/``dropout(..., training=self.training)``
 (with constant sizes), with skip connections ``x + f(x)`` or ``(x + f(x)) / 2``, it is rebuilt
 as a :class:`~clipless.nn.Sequential` with :class:`~clipless.nn.Residual` blocks
 (``mode="add"`` / ``"average"``). Anything else is reported as unconvertible with the fx node
 and the reason: concatenation, products of activations, data-dependent control flow, direct use
-of parameters, several inputs or outputs, ``view(-1, n)`` (a flatten only when ``n`` is the
-sample size, which tracing does not know), ``F.dropout`` with its default ``training=True``
+of parameters, several inputs or outputs, indexing, ``F.dropout`` with its default ``training=True``
 (it drops in eval mode too), and an in-place operation whose overwritten tensor is read again
 or whose result is unused (``h.mul_(3)``, ``h + F.relu(h, inplace=True)``; ``h += f(h)`` is a
 skip connection). A module carrying forward or backward hooks is unconvertible (the hooks
@@ -60,14 +64,23 @@ import torch.nn.functional as F
 
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
-from clipless.nn.activations import Flatten, ReLU, Sigmoid, Tanh
+from clipless.nn.activations import (
+    ELU,
+    Flatten,
+    Hardtanh,
+    LeakyReLU,
+    ReLU,
+    Sigmoid,
+    Tanh,
+    Unflatten,
+)
 from clipless.nn.containers import Residual, Sequential
 from clipless.nn.conv import PADDING_MODES, Conv2d
 from clipless.nn.export import PlainResidual
 from clipless.nn.input import InputNorm
 from clipless.nn.linear import Linear
 from clipless.nn.norm import GroupNorm
-from clipless.nn.pooling import AvgPool2d, L2NormPool2d
+from clipless.nn.pooling import AvgPool2d, L2NormPool2d, MaxPool2d
 from clipless.nn.validate import foreign_hooks
 
 __all__ = ["ConversionEntry", "ConversionReport", "convert"]
@@ -296,8 +309,33 @@ class _Converter:
             return twin(new, "certified twin, weights copied")
         if type(m) is torch.nn.Conv2d:
             return self.conv2d(m, twin, unconvertible)
+        if type(m) is torch.nn.Conv1d:
+            return self.conv1d(m, twin, unconvertible)
         if type(m) is torch.nn.ReLU:
             return twin(ReLU())
+        if type(m) is torch.nn.LeakyReLU:
+            leaky = LeakyReLU(m.negative_slope)
+            return twin(leaky, f"certified twin, Lipschitz {leaky.lipschitz()}")
+        if type(m) in (torch.nn.Hardtanh, torch.nn.ReLU6):
+            lo, hi = float(getattr(m, "min_val")), float(getattr(m, "max_val"))  # noqa: B009
+            if not lo <= 0.0 <= hi:
+                return unconvertible(
+                    f"Hardtanh({lo}, {hi}) does not map 0 to 0; clipless.nn.Hardtanh needs "
+                    "min_val <= 0 <= max_val"
+                )
+            return twin(Hardtanh(lo, hi), "certified twin, Lipschitz 1")
+        if type(m) is torch.nn.ELU:
+            alpha = float(m.alpha)
+            if alpha < 0:
+                return unconvertible(f"ELU(alpha={alpha}): clipless.nn.ELU needs alpha >= 0")
+            elu = ELU(alpha)
+            return twin(elu, f"certified twin, Lipschitz {elu.lipschitz()}")
+        if type(m) is _ViewFlatten:
+            return twin(
+                Flatten(1, -1, features=m.features),
+                f"x.view(-1, {m.features}) is a flatten when every sample has {m.features} "
+                "entries; the converted Flatten checks that at every forward",
+            )
         if type(m) is torch.nn.Tanh:
             return twin(Tanh())
         if type(m) is torch.nn.Sigmoid:
@@ -315,11 +353,7 @@ class _Converter:
             kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
             problem = _pool_problem(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.dilation)
             if problem:
-                return unconvertible(
-                    f"{problem}; clipless.nn.L2NormPool2d (max pooling's Lipschitz replacement) "
-                    "only pools non-overlapping windows: use MaxPool2d(k) (stride = kernel) "
-                    "before converting"
-                )
+                return self.max_pool(m, twin, unconvertible)
             return substitute(
                 L2NormPool2d(kernel),
                 "no certified max pooling in clipless; the L2 norm of each same window is "
@@ -382,6 +416,79 @@ class _Converter:
 
             return unconvertible(_advice(m))
         return _NOT_A_LEAF
+
+    def max_pool(
+        self,
+        m: torch.nn.MaxPool2d,
+        twin: Callable[[torch.nn.Module, str], torch.nn.Module],
+        unconvertible: Callable[[str], torch.nn.Module],
+    ) -> torch.nn.Module:
+        """Overlapping (or padded) windows: the certified twin, Lipschitz ``sqrt(m)``."""
+        if _checks.int_pair("dilation", m.dilation, 1) != (1, 1):
+            return unconvertible(
+                f"dilation={m.dilation}; clipless.nn.MaxPool2d has no dilation (use dilation=1)"
+            )
+        new = MaxPool2d(m.kernel_size, m.stride or None, m.padding, bool(m.ceil_mode))
+        return twin(
+            new,
+            f"certified twin: {new.multiplicity()} windows can contain one pixel, so the "
+            f"Lipschitz constant is sqrt({new.multiplicity()}) (1 for non-overlapping windows, "
+            "which are converted to L2-norm pooling only when stride = kernel and no padding)",
+        )
+
+    def conv1d(
+        self,
+        m: torch.nn.Conv1d,
+        twin: Callable[[torch.nn.Module, str], torch.nn.Module],
+        unconvertible: Callable[[str], torch.nn.Module],
+    ) -> torch.nn.Module:
+        """``Conv1d`` as a ``Conv2d`` with a ``1 x k`` kernel on ``[batch, C, 1, L]``: same
+        function, and every certified bound of ``Conv2d`` applies unchanged."""
+        (k,) = m.kernel_size
+        problems = []
+        if m.groups != 1:
+            problems.append(f"groups={m.groups} (only groups=1 is certified)")
+        if tuple(m.dilation) != (1,):
+            problems.append(f"dilation={m.dilation} (only dilation 1 is certified)")
+        if m.padding_mode not in PADDING_MODES:
+            problems.append(f"padding_mode={m.padding_mode!r} (clipless has {PADDING_MODES})")
+        padding: Any = m.padding
+        if padding == "valid":
+            padding = (0,)
+        elif padding == "same":
+            if k % 2 == 0:
+                problems.append("padding='same' with an even kernel (asymmetric padding)")
+            padding = (k // 2,)
+        if problems:
+            return unconvertible("clipless.nn.Conv2d does not support " + ", ".join(problems))
+        w = m.weight
+        conv = Conv2d(
+            m.in_channels,
+            m.out_channels,
+            (1, k),
+            stride=(1, int(m.stride[0])),
+            padding=(0, int(padding[0])),
+            padding_mode=m.padding_mode,
+            bias=m.bias is not None,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        with torch.no_grad():
+            conv.weight.copy_(w.unsqueeze(2))
+            conv.weight.requires_grad_(w.requires_grad)
+            if m.bias is not None and conv.bias is not None:
+                conv.bias.copy_(m.bias)
+                conv.bias.requires_grad_(m.bias.requires_grad)
+        new = Sequential(
+            OrderedDict(
+                [("unsqueeze", Unflatten(2, (1, -1))), ("conv", conv), ("squeeze", Flatten(2, 3))]
+            )
+        )
+        return twin(
+            new,
+            f"certified twin, weights copied: a Conv2d with a 1 x {k} kernel on [batch, C, 1, L] "
+            "(parameters renamed conv.weight / conv.bias)",
+        )
 
     def conv2d(
         self,
@@ -666,9 +773,59 @@ def _sig_pool(
     input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, *rest: Any, **kw: Any
 ) -> None: ...
 def _sig_method_unary(self: Any) -> None: ...
+def _sig_leaky(input: Any, negative_slope: float = 0.01, inplace: bool = False) -> None: ...
+def _sig_hardtanh(
+    input: Any, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False
+) -> None: ...
+def _sig_elu(input: Any, alpha: float = 1.0, inplace: bool = False) -> None: ...
+
+
+class _ViewFlatten(torch.nn.Flatten):
+    """``x.view(-1, features)`` (internal: converted to ``Flatten(features=features)``)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.features = features
+
+
+def _activation_module(node: torch.fx.Node) -> torch.nn.Module | None:
+    """LeakyReLU, Hardtanh / ReLU6 and ELU called as functions (``None``: none of them)."""
+    target = node.target
+    if target in _LEAKY:
+        bound = _bind(_sig_leaky, node)
+        return None if bound is None else torch.nn.LeakyReLU(bound.arguments["negative_slope"])
+    if target is F.relu6:
+        return None if _bind(_sig_unary, node) is None else torch.nn.ReLU6()
+    if target in _HARDTANH:
+        bound = _bind(_sig_hardtanh, node)
+        if bound is None:
+            return None
+        return torch.nn.Hardtanh(bound.arguments["min_val"], bound.arguments["max_val"])
+    if target in _ELU:
+        bound = _bind(_sig_elu, node)
+        return None if bound is None else torch.nn.ELU(bound.arguments["alpha"])
+    return None
+
+
+def _view_features(node: torch.fx.Node) -> int | None:
+    """``N`` of ``x.view(-1, N)`` / ``x.reshape(-1, N)`` with a constant ``N`` (else None)."""
+    if node.kwargs or len(node.args) < 2:
+        return None
+    shape = node.args[1:]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    if len(shape) != 2 or shape[0] != -1:
+        return None
+    n = shape[1]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return None
+    return n
 
 
 _RELU = {torch.relu, F.relu, torch.relu_, F.relu_}
+_LEAKY = {F.leaky_relu, F.leaky_relu_}
+_HARDTANH = {F.hardtanh, F.hardtanh_, F.relu6}
+_ELU = {F.elu, F.elu_}
 _TANH = {torch.tanh, F.tanh}
 _SIGMOID = {torch.sigmoid, F.sigmoid}
 _DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout}
@@ -704,6 +861,9 @@ def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
             if target in _RELU:
                 return torch.nn.ReLU()
             return torch.nn.Tanh() if target in _TANH else torch.nn.Sigmoid()
+        activation = _activation_module(node)
+        if activation is not None:
+            return activation
         if target is torch.flatten:
             bound = _bind(_sig_flatten, node)
             if bound is None:
@@ -737,6 +897,9 @@ def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
             return torch.nn.Flatten(bound.arguments["start_dim"], bound.arguments["end_dim"])
         if target in ("view", "reshape") and _batch_flatten_source(node) is not None:
             return torch.nn.Flatten(1, -1)
+        features = _view_features(node) if target in ("view", "reshape") else None
+        if features is not None:
+            return _ViewFlatten(features)
     return None
 
 
@@ -1055,7 +1218,13 @@ def _mutates(node: torch.fx.Node) -> bool:
     name = _name(node)
     if name.endswith("_") and not name.endswith("__"):
         return True
-    if node.op == "call_function" and node.target in (*_RELU, F.threshold):
+    if node.op == "call_function" and node.target in (
+        *_RELU,
+        *_LEAKY,
+        *_HARDTANH,
+        *_ELU,
+        F.threshold,
+    ):
         return any(a is True for a in node.args[1:])
     return False
 

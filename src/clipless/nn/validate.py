@@ -26,18 +26,30 @@ _SUGGESTIONS: tuple[tuple[type[torch.nn.Module], str], ...] = (
     (torch.nn.Linear, "use clipless.nn.Linear"),
     (torch.nn.Bilinear, "no clipless replacement; use clipless.nn.Linear on concatenated inputs"),
     (torch.nn.Conv2d, "use clipless.nn.Conv2d"),
+    (
+        torch.nn.Conv1d,
+        "clipless.nn.convert certifies it (a clipless.nn.Conv2d with a 1 x k kernel between "
+        "clipless.nn.Unflatten(2, (1, -1)) and clipless.nn.Flatten(2, 3))",
+    ),
     (torch.nn.Sequential, "use clipless.nn.Sequential"),
     (torch.nn.modules.batchnorm._BatchNorm, f"use {_NORM}"),
     (torch.nn.LayerNorm, f"use {_NORM}"),
     (torch.nn.GroupNorm, f"use {_NORM}"),
     (torch.nn.modules.instancenorm._InstanceNorm, f"use {_NORM}"),
-    (torch.nn.MaxPool2d, "use clipless.nn.L2NormPool2d (or clipless.nn.AvgPool2d)"),
+    (
+        torch.nn.MaxPool2d,
+        "use clipless.nn.MaxPool2d (overlapping windows: Lipschitz sqrt(windows per pixel)) or "
+        "clipless.nn.L2NormPool2d",
+    ),
     (torch.nn.AdaptiveMaxPool2d, "use clipless.nn.L2NormPool2d with a fixed kernel_size"),
     (torch.nn.AvgPool2d, "use clipless.nn.AvgPool2d"),
     (torch.nn.AdaptiveAvgPool2d, "use clipless.nn.AvgPool2d with a fixed kernel_size"),
     (torch.nn.LPPool2d, "use clipless.nn.L2NormPool2d"),
     (torch.nn.ReLU, "use clipless.nn.ReLU (or clipless.nn.GroupSort, gradient norm preserving)"),
     (torch.nn.Tanh, "use clipless.nn.Tanh"),
+    (torch.nn.LeakyReLU, "use clipless.nn.LeakyReLU"),
+    (torch.nn.Hardtanh, "use clipless.nn.Hardtanh (ReLU6 is Hardtanh(0, 6))"),
+    (torch.nn.ELU, "use clipless.nn.ELU"),
     (torch.nn.Sigmoid, "use clipless.nn.Sigmoid"),
     (torch.nn.Flatten, "use clipless.nn.Flatten"),
     (
