@@ -13,9 +13,10 @@ input bound ``X_0`` of :mod:`clipless.bounds`). Every decision is recorded in a
   (``start_dim >= 1``), ``AvgPool2d`` (non-overlapping windows), ``MaxPool2d`` with overlapping
   or padded windows (:class:`~clipless.nn.MaxPool2d`, Lipschitz ``sqrt(m)``), ``Sequential``;
 * **substitutions** change the function: ``MaxPool2d(k)`` (stride = kernel, no padding) ->
-  :class:`~clipless.nn.L2NormPool2d` (same windows), ``BatchNorm*`` / ``LayerNorm`` / ``GroupNorm`` / ``InstanceNorm*`` ->
-  :class:`~clipless.nn.GroupNorm` (per-sample statistics; batch statistics mix samples, which
-  voids per-sample sensitivity; affine parameters are dropped);
+  :class:`~clipless.nn.L2NormPool2d` (same windows), ``BatchNorm*`` / ``LayerNorm`` /
+  ``GroupNorm`` / ``InstanceNorm*`` -> :class:`~clipless.nn.GroupNorm` (per-sample statistics;
+  batch statistics mix samples, which voids per-sample sensitivity; affine parameters are
+  dropped);
 * **removals**: ``Dropout*`` and ``Identity`` (identities in eval mode);
 * **insertion**: a leading ``InputNorm(max_norm=input_norm)`` when the model has none;
 * **unconvertible**: everything else (other activations, attention, recurrent layers,
