@@ -31,8 +31,9 @@ loop cannot void the guarantee. One step:
    of a batch (weights normalised over the batch, hard-example mining, contrastive or batch-
    statistic terms) is outside the contract and cannot be detected. The guard also checks that the
    weights of every parametric layer (noised or frozen) have not been changed since the forward
-   pass, and warns once when every row's cotangent is at most ``L / B`` (a mean-reduced loss: its
-   gradients are ``B`` times too small).
+   pass. When every row's cotangent is at most ``L / B`` (a mean-reduced loss: its gradients are
+   ``B`` times too small, and the run trains at chance) it raises before the first step (unless
+   ``make_private(..., allow_mean_reduced_loss=True)``) and warns once after it.
 3. :meth:`DPOptimizer.step` refuses a step that is not one private gradient: two backward passes
    through the model since the last step (gradient accumulation: one sample could contribute
    twice), gradients that did not come only from the one guarded backward pass (hooks on every
@@ -216,16 +217,30 @@ def _enforce_bound(grad: torch.Tensor, bound: float, owner: DPOptimizer) -> torc
     owner._last_cotangent_norm = largest
     rows = grad.shape[0] // max(1, owner._multiplicity)
     if not owner._mean_warning_given and rows >= 8 and 0.0 < largest <= bound / rows * (1.0 + 1e-6):
-        owner._mean_warning_given = True
-        warnings.warn(
-            f"every sample's loss gradient at the model output has norm <= L/B = {bound:.4g}/"
-            f"{rows} (largest {largest:.3g}): the loss looks mean-reduced. Its gradients are "
-            "B times too small for the noise, which is calibrated to one sample's summed loss; "
-            "use reduction='sum' (make_private sets it on the loss it is given)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        _mean_reduced(owner, bound, rows, largest)
     return clipped
+
+
+def _mean_reduced(owner: DPOptimizer, bound: float, rows: int, largest: float) -> None:
+    """Every row's cotangent is at most ``L / B``: a mean-reduced loss (it trains at chance).
+
+    An error before the run's first step (a fresh model's loss gradients are far above ``L / B``,
+    so only a mean-reduced loss, e.g. a ``torch.nn`` or clipless loss built inside the training
+    loop, gets there), unless :attr:`DPOptimizer.allow_mean_reduced_loss`; a warning, once, after
+    it (a converged model's gradients can be that small)."""
+    message = (
+        f"every sample's loss gradient at the model output has norm <= L/B = {bound:.4g}/"
+        f"{rows} (largest {largest:.3g}): the loss looks mean-reduced. Its gradients are B "
+        "times too small for the noise, which is calibrated to one sample's summed loss; use "
+        "reduction='sum' (make_private sets it on the loss it is given: backpropagate "
+        "optimizer.loss, not a loss built in the training loop)"
+    )
+    if owner.ledger.steps == 0 and not owner.allow_mean_reduced_loss:
+        raise PrivacyContractError(
+            message + "; make_private(..., allow_mean_reduced_loss=True) makes this a warning"
+        )
+    owner._mean_warning_given = True
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _clip_rows(grad: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -576,6 +591,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._released: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self._current: _Pass | None = None
         self._mean_warning_given = False
+        #: ``False`` (default): a loss that looks mean-reduced before the first step is an error
+        #: (it would train at chance); ``True``: a warning (``make_private``'s argument).
+        self.allow_mean_reduced_loss = False
         self._last_cotangent_norm = 0.0
         self._weight_owner: dict[torch.nn.Parameter, ParametricLipschitzModule] = {}
         for layer in module.modules():
