@@ -126,3 +126,43 @@ def test_extend_returns_the_new_epsilon_at_the_target_delta() -> None:
     assert new is not None and new > 1.0
     assert new == engine.privacy_config.epsilon(1e-3)
     assert engine.extend(steps=1, delta=1e-2) == engine.privacy_config.epsilon(1e-2)
+
+
+def _conv_engine() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.InputNorm(2.0), nn.Conv2d(1, 2, 3, padding=1, bias=False), nn.Flatten(), nn.Linear(32, 2)
+    )
+    data = TensorDataset(torch.randn(40, 1, 4, 4), torch.randint(0, 2, (40,)))
+    clipless.PrivacyEngine().make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=10),
+        loss=nn.CrossEntropyLoss(),
+        noise_multiplier=1.0,
+    )
+
+
+def test_default_threads_with_a_conv_model_warn(monkeypatch) -> None:
+    from clipless import engine
+
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(engine, "_DEFAULT_THREADS", 2)  # torch's default on a 2-core CPU
+    try:
+        torch.set_num_threads(2)
+        with pytest.warns(RuntimeWarning, match=r"torch.set_num_threads\(1\)"):
+            _conv_engine()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            _engine(loss=nn.CrossEntropyLoss())  # no convolution: no warning
+            monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a choice: no warning
+            _conv_engine()
+            monkeypatch.delenv("OMP_NUM_THREADS")
+            torch.set_num_threads(1)
+            _conv_engine()
+            monkeypatch.setattr(engine, "_DEFAULT_THREADS", 4)
+            torch.set_num_threads(2)  # not the default: chosen (the CLI's --threads)
+            _conv_engine()
+    finally:
+        torch.set_num_threads(threads)

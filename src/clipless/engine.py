@@ -58,6 +58,8 @@ _OPACUS_ONLY: dict[str, str] = {
 }
 
 
+_DEFAULT_THREADS = torch.get_num_threads()  # torch's default, unless set before the import
+
 _ACCOUNTANT_HINTS = {
     "prv": (
         " (Opacus's default, privacy random variables): use accountant='pld', the default here, "
@@ -364,6 +366,7 @@ class PrivacyEngine:
             data_loader=loader,
         )
         self.optimizer.allow_mean_reduced_loss = allow_mean_reduced_loss
+        _warn_default_threads(module)
         self._target_delta = target_delta
         self._config = config
         self.data_loader = loader
@@ -681,6 +684,30 @@ def input_release_labels(module: torch.nn.Module) -> tuple[tuple[str, float], ..
     from clipless.nn.input import releases_in
 
     return tuple((label, sigma) for _, label, sigma in releases_in(module))
+
+
+def _warn_default_threads(module: torch.nn.Module) -> None:
+    """Warn when a convolutional model trains on a CPU with torch's default thread count.
+
+    A converted CNN's step took 17-25 s with the default (one thread per core) against 1.0 s
+    with one thread (issue 38). ``OMP_NUM_THREADS`` set in the environment, or a count other
+    than the one torch had when clipless was imported, is a choice: no warning then."""
+    from clipless import nn
+
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ or threads <= 1 or threads != _DEFAULT_THREADS:
+        return
+    convs = [m for m in module.modules() if isinstance(m, nn.Conv2d)]
+    if not convs or any(p.device.type != "cpu" for p in module.parameters()):
+        return
+    warnings.warn(
+        f"torch uses {threads} threads (its default) and the model has "
+        "convolutions: on a CPU, a converted CNN's private step was 17-25 times slower than "
+        "with one thread. Call torch.set_num_threads(1) before training, or set "
+        "OMP_NUM_THREADS (which silences this warning) to the count you want",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _loss_argument(loss: torch.nn.Module | None, options: dict[str, Any]) -> torch.nn.Module:
