@@ -47,6 +47,11 @@ RUN_FILES = (
 # a resumed run keeps them; giving a different value with --resume is refused.
 RUN_OPTIONS = {
     "dataset": "--dataset",
+    "data": "--data",
+    "test_data": "--test-data",
+    "label": "--label",
+    "classes": "--classes",
+    "columns": "--columns",
     "preprocessing": "--preprocessing",
     "features": "--features",
     "model": "--model",
@@ -95,6 +100,11 @@ _LEGACY_OPTIONS = {
     "whiten_noise": 0.0,
     "whiten_shrink": None,
     "preprocessing": None,  # adult: "public-ranges" (_legacy_preprocessing)
+    "data": None,  # a registered --dataset
+    "test_data": None,
+    "label": None,
+    "classes": None,
+    "columns": None,
 }
 ADULT_PREPROCESSING = "public-bins-fine"
 """``--preprocessing`` default for adult: public one-hot bins of the numeric columns on top of the
@@ -323,6 +333,7 @@ def _add_train_parser(sub: Any) -> None:
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--dataset", default="breast-cancer", choices=datasets, help="dataset name")
+    _add_table_arguments(p)
     p.add_argument(
         "--preprocessing",
         choices=("public-ranges", "public-bins", "public-bins-only", "public-bins-fine"),
@@ -1158,12 +1169,15 @@ def _run_train(args: argparse.Namespace) -> int:
         full_float32_precision()
 
     # 2. the data and what depends on it
+    _resolve_table_source(args, given)
     if args.dataset != "adult" and args.preprocessing is not None:
         raise _ArgError("--preprocessing", f"is for --dataset adult only, not {args.dataset}")
     if args.dataset == "adult" and args.preprocessing is None:
         args.preprocessing = ADULT_PREPROCESSING
     try:
-        if args.dataset == "adult":
+        if args.data is not None:
+            train, test, info = _load_table(args)
+        elif args.dataset == "adult":
             from clipless.data import data_root
             from clipless.data.tabular import load_adult
 
@@ -1518,6 +1532,88 @@ def _run_train(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+# ------------------------------------------------------------------------------- your own table
+def _add_table_arguments(p: argparse.ArgumentParser) -> None:
+    """``--data FILE.csv --label COL --classes A,B --columns SPEC`` (clipless.data.table)."""
+    p.add_argument(
+        "--data",
+        default=None,
+        help="your own CSV file (header row) instead of --dataset; needs --label, --classes and "
+        "--columns. 20%% of its rows (a fixed public split) are the test set unless --test-data",
+    )
+    p.add_argument("--test-data", default=None, help="with --data: a CSV file for the test set")
+    p.add_argument("--label", default=None, help="with --data: the label column")
+    p.add_argument(
+        "--classes",
+        default=None,
+        type=_table_classes,
+        help="with --data: the label's values, comma-separated (public: they decide the outputs)",
+    )
+    p.add_argument(
+        "--columns",
+        default=None,
+        type=_table_columns,
+        help="with --data: the features and their public transforms, ';'-separated: NAME=LO..HI "
+        "(numeric, scaled onto [-1, 1] and clipped; missing -> 0) or NAME=A|B|C (one-hot; other "
+        "values -> zeros). Never fitted on the data; undeclared columns are not used",
+    )
+
+
+def _table_columns(text: str) -> str:
+    from clipless.data.table import parse_columns
+
+    try:
+        parse_columns(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _table_classes(text: str) -> str:
+    from clipless.data.table import parse_classes
+
+    try:
+        parse_classes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _resolve_table_source(args: argparse.Namespace, given: set[str]) -> None:
+    """With ``--data``: no ``--dataset``, and ``--label``, ``--classes``, ``--columns`` given."""
+    table_only = ("test_data", "label", "classes", "columns")
+    if args.data is None:
+        for dest in table_only:
+            if getattr(args, dest) is not None:
+                raise _ArgError(RUN_OPTIONS[dest], "is for --data (your own CSV file) only")
+        return
+    if "dataset" in given and args.dataset is not None:
+        raise _ArgError("--data", "give --dataset or --data, not both")
+    for dest in ("label", "classes", "columns"):
+        if getattr(args, dest) is None:
+            raise _ArgError(RUN_OPTIONS[dest], "is required with --data")
+    args.dataset = None
+
+
+def _load_table(args: argparse.Namespace) -> Any:
+    """``(train, test, info)`` of ``--data``; sets the default ``--input-norm``,
+    ``sqrt(#columns)`` (each declared column contributes at most 1)."""
+    from clipless.data.table import load_table, max_norm, parse_classes, parse_columns
+
+    columns = parse_columns(args.columns)
+    try:
+        loaded = load_table(
+            args.data, args.label, parse_classes(args.classes), columns, args.test_data
+        )
+    except OSError as exc:
+        raise _ArgError("--data", f"cannot read {exc.filename}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise _ArgError("--data", str(exc)) from None
+    if args.input_norm is None:
+        args.input_norm = max_norm(columns)
+    return loaded
 
 
 def _input_center(
