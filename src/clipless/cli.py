@@ -320,8 +320,9 @@ def _add_train_parser(sub: Any) -> None:
         help="train a Lipschitz model (linear, MLP, ConvNet, ResNet, GNP) with clipless DP-SGD and "
         "report (epsilon, delta)",
         description=(
-            "Train an MLP (InputNorm -> Linear -> GroupSort -> ... -> Linear) or a small ConvNet "
-            "(--model cnn) with clipless DP-SGD: per-layer gradient sensitivities are certified "
+            "Train a Lipschitz model (--model linear, the default; mlp: InputNorm -> Linear -> "
+            "GroupSort -> ... -> Linear; cnn, resnet, gnp) on a registered --dataset or your own "
+            "--data FILE.csv with clipless DP-SGD: per-layer gradient sensitivities are certified "
             "from the weights' Lipschitz bounds, so no per-sample gradient is clipped. The noise "
             "is calibrated so that --epochs epochs spend at most --epsilon at --delta; training "
             "stops before any step that would exceed it. Prints one line per epoch (train/test "
@@ -1234,8 +1235,8 @@ def _run_train(args: argparse.Namespace) -> int:
             cache = data_root(args.data_root) / "features"
             if not args.quiet:
                 print(
-                    f"clipless train: {args.features} features (computed once, then cached in "
-                    f"{cache}) ...",
+                    f"clipless train: {args.features} features (read from the cache in {cache}, "
+                    "or computed once and cached there) ...",
                     flush=True,
                 )
             train, _, _ = cached_features(front, train, cache)
@@ -1808,19 +1809,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = getattr(args, "out", None)
         where = ""
         if out:
-            from clipless.training import CHECKPOINT_NAME
-
-            where = (
-                f"; the privacy ledger is in {out}, continue with --resume"
-                if (Path(out) / CHECKPOINT_NAME).is_file()
-                else f"; the privacy ledger is in {out}, but the run stopped before its first "
-                "checkpoint (end of epoch 1): it cannot be continued; start over with --force "
-                "(the old folder, with its ledger, is kept aside)"
-            )
+            where = _interrupted_where(Path(out))
         print(f"clipless {args.command}: interrupted{where}", file=sys.stderr)
         return 130
     finally:
         warnings.formatwarning = formatwarning
+
+
+def _interrupted_where(out: Path) -> str:
+    """What an interrupted run left in ``out`` (the ledger is written before each step's noise,
+    so no ledger file means no step was taken: nothing was spent)."""
+    from clipless.training import CHECKPOINT_NAME, LEDGER_NAME
+
+    if not (out / LEDGER_NAME).is_file():
+        return f"; no step was taken, so nothing was spent (no privacy ledger in {out})"
+    if (out / CHECKPOINT_NAME).is_file():
+        return f"; the privacy ledger is in {out}, continue with --resume"
+    return (
+        f"; the privacy ledger is in {out}, but the run stopped before its first checkpoint "
+        "(end of epoch 1): it cannot be continued; start over with --force (the old folder, "
+        "with its ledger, is kept aside)"
+    )
 
 
 if __name__ == "__main__":  # python -m clipless.cli (python -m clipless is the same)

@@ -875,10 +875,15 @@ def _validate_dataset(
                 if t.ndim and not all_finite(t):
                     bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
                 if bad is not None and bool(bad.any()):
-                    row = index_offset + int(bad.nonzero()[0, 0])
+                    local = int(bad.nonzero()[0, 0])
+                    row = index_offset + local
+                    at = (~torch.isfinite(t[local])).nonzero()[0].tolist()
+                    what = "features" if position == 0 else f"item {position}"
+                    place = f"{what}[{', '.join(map(str, [row, *at]))}]"
                     raise ValueError(
                         f"the training data has a non-finite value (NaN or inf) in record {row}, "
-                        f"field {position}; clean or drop it before training"
+                        f"at {place} (item {position} of the record, index {tuple(at)} within "
+                        "it); clean or drop it before training"
                     )
                 # (other model dtypes are refused by the optimizer, with their own message)
                 certified = dtype in (torch.float32, torch.float64)
