@@ -1171,6 +1171,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     # 2. the data and what depends on it
     _resolve_table_source(args, given)
+    _check_data_root(args)
     if args.dataset != "adult" and args.preprocessing is not None:
         raise _ArgError("--preprocessing", f"is for --dataset adult only, not {args.dataset}")
     if args.dataset == "adult" and args.preprocessing is None:
@@ -1580,6 +1581,17 @@ def _table_classes(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _check_data_root(args: argparse.Namespace) -> None:
+    """A ``--data-root`` that does not exist is refused (a typo would otherwise create a new
+    cache there and download into it)."""
+    if args.data_root is not None and not Path(args.data_root).expanduser().is_dir():
+        raise _ArgError(
+            "--data-root",
+            f"{args.data_root} is not a directory (a typo?): create it first to use it as the "
+            "dataset cache, or leave --data-root out ($CLIPLESS_DATA or ~/.cache/clipless)",
+        )
 
 
 def _resolve_table_source(args: argparse.Namespace, given: set[str]) -> None:
