@@ -291,7 +291,11 @@ def test_conv_options() -> None:
     _, report = cnn.convert(nn.MaxPool2d(3, stride=2, dilation=2), input_norm=1.0, strict=False)
     assert "dilation" in report.unconvertible[0].reason
     _, report = cnn.convert(nn.AvgPool2d(2, stride=1), input_norm=1.0, strict=False)
-    assert "stride" in report.unconvertible[0].reason
+    assert report.exact and "Lipschitz 1" in report.entries[-1].reason  # sqrt(4 windows / 4)
+    _, report = cnn.convert(
+        nn.AvgPool2d(3, 1, 1, count_include_pad=False), input_norm=1.0, strict=False
+    )
+    assert "count_include_pad=False" in report.unconvertible[0].reason
     conv = nn.Conv2d(2, 3, (3, 5), stride=2, padding=(1, 2))
     converted, report = cnn.convert(conv, input_norm=10.0)
     assert report.exact

@@ -191,3 +191,32 @@ def test_maxpool_arguments() -> None:
         MaxPool2d(2, 1, 2)
     with pytest.raises(TypeError, match="ceil_mode"):
         MaxPool2d(2, ceil_mode=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding"),
+    [
+        ((2, 2), (1, 1), (0, 0)),
+        ((3, 3), (1, 1), (1, 1)),
+        ((3, 3), (2, 2), (1, 1)),
+        ((2, 3), (1, 2), (1, 0)),
+    ],
+)
+def test_overlapping_avgpool_constant_is_sqrt_m_over_q(
+    kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]
+) -> None:
+    layer = AvgPool2d(kernel, stride, padding)
+    m = norms.conv_multiplicity(kernel, stride, padding, "zeros", None)
+    q = kernel[0] * kernel[1]
+    assert layer.multiplicity() == m and layer.lipschitz() >= math.sqrt(m / q)
+    assert layer.lipschitz() == pytest.approx(math.sqrt(m / q), rel=1e-15)
+    gen = torch.Generator().manual_seed(0)
+    exact = [
+        jacobian_norm(layer, torch.randn(1, n, n, generator=gen, dtype=torch.float64))
+        for n in (5, 8, 16)
+    ]
+    assert max(exact) <= layer.lipschitz()  # a linear map: the same at every input
+    assert exact[-1] >= 0.8 * layer.lipschitz()  # approached as the image grows
+    x = torch.randn(3, 2, 9, 9, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), F.avg_pool2d(x, kernel, stride, padding), rtol=0, atol=0)
+    torch.testing.assert_close(layer.vanilla_export()(x), layer(x), rtol=0, atol=0)

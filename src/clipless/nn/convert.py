@@ -10,7 +10,8 @@ input bound ``X_0`` of :mod:`clipless.bounds`). Every decision is recorded in a
   groups, no dilation, ``padding_mode`` zeros or circular), ``Conv1d`` (the same, as a ``Conv2d``
   with a ``1 x k`` kernel), ``ReLU``, ``Tanh``, ``Sigmoid``, ``LeakyReLU``, ``Hardtanh`` /
   ``ReLU6`` (``min_val <= 0 <= max_val``), ``ELU`` (``alpha >= 0``), ``Flatten``
-  (``start_dim >= 1``), ``AvgPool2d`` (non-overlapping windows), ``MaxPool2d`` with overlapping
+  (``start_dim >= 1``), ``AvgPool2d`` (``count_include_pad=True``, floor mode; overlapping windows
+  too, Lipschitz ``sqrt(m / (kh kw))``), ``MaxPool2d`` with overlapping
   or padded windows (:class:`~clipless.nn.MaxPool2d`, Lipschitz ``sqrt(m)``), ``Sequential``;
 * **substitutions** change the function: ``MaxPool2d(k)`` (stride = kernel, no padding) ->
   :class:`~clipless.nn.L2NormPool2d` (same windows), ``BatchNorm*`` / ``LayerNorm`` /
@@ -362,13 +363,22 @@ class _Converter:
             )
         if type(m) is torch.nn.AvgPool2d:
             kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
-            problem = _pool_problem(m.kernel_size, m.stride, m.padding, m.ceil_mode, 1)
-            if problem or m.divisor_override is not None:
-                return unconvertible(
-                    f"{problem or 'divisor_override is set'}; clipless.nn.AvgPool2d averages "
-                    "non-overlapping windows (stride = kernel, no padding)"
+            refused = [
+                text
+                for text, bad in (
+                    ("ceil_mode=True", m.ceil_mode),
+                    ("count_include_pad=False", not m.count_include_pad),
+                    ("divisor_override is set", m.divisor_override is not None),
                 )
-            return twin(AvgPool2d(kernel))
+                if bad
+            ]
+            if refused:
+                return unconvertible(
+                    f"{', '.join(refused)}; clipless.nn.AvgPool2d divides every window by its "
+                    "full size (count_include_pad=True, floor mode)"
+                )
+            pool = AvgPool2d(kernel, m.stride or None, m.padding)
+            return twin(pool, f"certified twin, Lipschitz {pool.lipschitz():.6g}")
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             channels = int(m.num_features)
             groups = (
