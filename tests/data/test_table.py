@@ -157,3 +157,10 @@ def test_cli_table_errors_exit_2_naming_the_argument(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert named in err.strip().splitlines()[-1], err
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path: Path) -> None:
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbfage,income\n30,no\n70,yes\n")
+    train, _, _ = load_table(path, "income", ("no", "yes"), parse_columns("age=20..80"), path)
+    assert train.tensors[0].flatten().tolist() == pytest.approx([-2 / 3, 2 / 3])

@@ -120,7 +120,7 @@ def _read(
 ) -> TensorDataset:
     rows: list[list[float]] = []
     targets: list[int] = []
-    with path.open(newline="", encoding="utf-8") as handle:
+    with path.open(newline="", encoding="utf-8-sig") as handle:  # a BOM (Excel) is skipped
         reader = csv.DictReader(handle)
         header = reader.fieldnames or []
         absent = [c.name for c in columns if c.name not in header]
