@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -744,3 +745,28 @@ def test_conv1d_converts_to_a_one_row_conv2d() -> None:
             assert p.grad is not None and float(p.grad.norm()) <= sens[name]
     _, report = cnn.convert(nn.Conv1d(2, 2, 3, groups=2), input_norm=1.0, strict=False)
     assert "groups=2" in report.unconvertible[0].reason
+
+
+class CharConv(nn.Module):
+    """The documented alternative to the char-LSTM: a Conv1d over one-hot characters."""
+
+    def __init__(self, vocab: int = 30, length: int = 12, classes: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(vocab, 16, 3, padding=1, bias=False)
+        self.out = nn.Linear(16 * length, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.flatten(F.relu(self.conv(x)), 1))
+
+
+def test_the_char_lstm_alternative_converts_exactly() -> None:
+    torch.manual_seed(0)
+    vocab, length = 30, 12
+    model = CharConv(vocab, length).double()
+    # a one-hot character per position: every sample has norm sqrt(length), a public bound
+    converted, report = cnn.convert(model, input_norm=math.sqrt(length))
+    assert report.exact
+    tokens = torch.randint(0, vocab, (5, length))
+    x = F.one_hot(tokens, vocab).transpose(1, 2).double()
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-12, atol=1e-12)
+    _check_certifiable(converted, (vocab, length))
