@@ -679,6 +679,8 @@ def test_opacus_mnist_model_converts_exactly_and_is_certified() -> None:
     x = _inside_ball((4, 1, 28, 28), 28.0).double()
     torch.testing.assert_close(converted(x), model(x), rtol=1e-10, atol=1e-10)
     _check_certifiable(converted, (1, 28, 28))
+    plain = cnn.vanilla_export(converted)
+    torch.testing.assert_close(plain(x), model(x), rtol=1e-10, atol=1e-10)
     rep = bounds.report(converted, cnn.CrossEntropyLoss(), (1, 28, 28))
     for i in range(2):  # the certified constant is never below the exact Jacobian norm
         assert _jacobian_norm_of(converted, x[i]) <= rep.model_lipschitz
@@ -732,6 +734,8 @@ def test_conv1d_converts_to_a_one_row_conv2d() -> None:
     x = _inside_ball((5, 3, 16), 3.0).double()
     torch.testing.assert_close(converted(x), model(x), rtol=1e-12, atol=1e-12)
     _check_certifiable(converted, (3, 16))
+    plain = cnn.vanilla_export(converted)  # a plain torch model for inference
+    torch.testing.assert_close(plain(x), model(x), rtol=1e-12, atol=1e-12)
     rep = bounds.report(converted, cnn.CrossEntropyLoss(), (3, 16))
     assert _jacobian_norm_of(model, x[0]) <= rep.model_lipschitz
     # the per-sample gradient of each converted conv stays under its certified bound
