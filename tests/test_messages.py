@@ -35,3 +35,24 @@ def test_roc_help_lists_the_accepted_labels(capsys: pytest.CaptureFixture[str]) 
     assert main(["roc", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "1, true, yes, y, t (positive) or 0, false, no, n, f (negative)" in text
+
+
+def test_nproc_2_ends_without_leaked_semaphores(tmp_path: Path) -> None:
+    """Each rank's tqdm lock held a multiprocessing semaphore that ``os._exit`` never released;
+    the resource tracker reported it when the command ended (it runs in the command's process
+    tree, hence a subprocess here)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "clipless", "train", "--dataset", "breast-cancer"]
+    argv += ["--epochs", "1", "--nproc", "2", "--quiet", "--out", str(tmp_path / "run")]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -1715,6 +1715,7 @@ def _input_whitening(
 def _train_rank(args: argparse.Namespace) -> int:
     """One rank of ``clipless train --nproc N`` (in a spawned process): errors as in main."""
     args.nproc = 1  # this process is one rank (its environment says which, as under torchrun)
+    _thread_only_progress_lock()
     try:
         return _run_train(args)
     except _ArgError as exc:
@@ -1723,6 +1724,17 @@ def _train_rank(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"clipless train: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _thread_only_progress_lock() -> None:
+    """tqdm's default lock holds a multiprocessing semaphore, which a rank (ended with
+    ``os._exit``, clipless.distributed.spawn) never releases: the launcher then warned about
+    "leaked semaphore objects". A rank's progress output needs a thread lock only."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _pct(value: Any) -> str:
