@@ -585,6 +585,9 @@ def test_train_without_data_offline_exits_1_saying_how_to_get_it(
     monkeypatch.setattr(images_mod, "download_verified", offline)
     argv = ["train", "--dataset", "fashion-mnist", "--model", "cnn", "--data-root"]
     argv += [str(tmp_path / "cache"), "--out", str(tmp_path / "run")]
+    assert main(argv) == 2  # a --data-root that does not exist: refused, not created
+    assert "--data-root" in _one_line_error(capsys.readouterr().err)
+    (tmp_path / "cache").mkdir()
     assert main(argv) == 1
     line = _one_line_error(capsys.readouterr().err)
     assert "clipless data fetch fashion-mnist" in line and "apt-get install" in line

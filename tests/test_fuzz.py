@@ -289,7 +289,8 @@ def test_make_private_rejects_non_finite_and_mismatched_data() -> None:
         x = torch.randn(20, 3)
         x[row, 1] = value
         args["data_loader"] = DataLoader(TensorDataset(x, torch.randint(0, 2, (20,))))
-        with pytest.raises(ValueError, match=f"non-finite value .* in record {row}, field 0"):
+        # named where it is: x[row, 1] (the issue 38 report: "record 17, field 0" for x[17, 3])
+        with pytest.raises(ValueError, match=rf"in record {row}, at features\[{row}, 1\]"):
             clipless.PrivacyEngine(seed=0).make_private(**args, noise_multiplier=1.0)
     args = _engine_args()
     args["data_loader"] = DataLoader(TensorDataset(torch.randn(20, 3), torch.full((20,), 7)))

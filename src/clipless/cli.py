@@ -47,6 +47,11 @@ RUN_FILES = (
 # a resumed run keeps them; giving a different value with --resume is refused.
 RUN_OPTIONS = {
     "dataset": "--dataset",
+    "data": "--data",
+    "test_data": "--test-data",
+    "label": "--label",
+    "classes": "--classes",
+    "columns": "--columns",
     "preprocessing": "--preprocessing",
     "features": "--features",
     "model": "--model",
@@ -95,6 +100,11 @@ _LEGACY_OPTIONS = {
     "whiten_noise": 0.0,
     "whiten_shrink": None,
     "preprocessing": None,  # adult: "public-ranges" (_legacy_preprocessing)
+    "data": None,  # a registered --dataset
+    "test_data": None,
+    "label": None,
+    "classes": None,
+    "columns": None,
 }
 ADULT_PREPROCESSING = "public-bins-fine"
 """``--preprocessing`` default for adult: public one-hot bins of the numeric columns on top of the
@@ -318,8 +328,9 @@ def _add_train_parser(sub: Any) -> None:
         help="train a Lipschitz model (linear, MLP, ConvNet, ResNet, GNP) with clipless DP-SGD and "
         "report (epsilon, delta)",
         description=(
-            "Train an MLP (InputNorm -> Linear -> GroupSort -> ... -> Linear) or a small ConvNet "
-            "(--model cnn) with clipless DP-SGD: per-layer gradient sensitivities are certified "
+            "Train a Lipschitz model (--model linear, the default; mlp: InputNorm -> Linear -> "
+            "GroupSort -> ... -> Linear; cnn, resnet, gnp) on a registered --dataset or your own "
+            "--data FILE.csv with clipless DP-SGD: per-layer gradient sensitivities are certified "
             "from the weights' Lipschitz bounds, so no per-sample gradient is clipped. The noise "
             "is calibrated so that --epochs epochs spend at most --epsilon at --delta; training "
             "stops before any step that would exceed it. Prints one line per epoch (train/test "
@@ -332,6 +343,7 @@ def _add_train_parser(sub: Any) -> None:
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--dataset", default="breast-cancer", choices=datasets, help="dataset name")
+    _add_table_arguments(p)
     p.add_argument(
         "--preprocessing",
         choices=("public-ranges", "public-bins", "public-bins-only", "public-bins-fine"),
@@ -1167,12 +1179,16 @@ def _run_train(args: argparse.Namespace) -> int:
         full_float32_precision()
 
     # 2. the data and what depends on it
+    _resolve_table_source(args, given)
+    _check_data_root(args)
     if args.dataset != "adult" and args.preprocessing is not None:
         raise _ArgError("--preprocessing", f"is for --dataset adult only, not {args.dataset}")
     if args.dataset == "adult" and args.preprocessing is None:
         args.preprocessing = ADULT_PREPROCESSING
     try:
-        if args.dataset == "adult":
+        if args.data is not None:
+            train, test, info = _load_table(args)
+        elif args.dataset == "adult":
             from clipless.data import data_root
             from clipless.data.tabular import load_adult
 
@@ -1230,8 +1246,8 @@ def _run_train(args: argparse.Namespace) -> int:
             cache = data_root(args.data_root) / "features"
             if not args.quiet:
                 print(
-                    f"clipless train: {args.features} features (computed once, then cached in "
-                    f"{cache}) ...",
+                    f"clipless train: {args.features} features (read from the cache in {cache}, "
+                    "or computed once and cached there) ...",
                     flush=True,
                 )
             train, _, _ = cached_features(front, train, cache, device=device)
@@ -1536,6 +1552,99 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------- your own table
+def _add_table_arguments(p: argparse.ArgumentParser) -> None:
+    """``--data FILE.csv --label COL --classes A,B --columns SPEC`` (clipless.data.table)."""
+    p.add_argument(
+        "--data",
+        default=None,
+        help="your own CSV file (header row) instead of --dataset; needs --label, --classes and "
+        "--columns. 20%% of its rows (a fixed public split) are the test set unless --test-data",
+    )
+    p.add_argument("--test-data", default=None, help="with --data: a CSV file for the test set")
+    p.add_argument("--label", default=None, help="with --data: the label column")
+    p.add_argument(
+        "--classes",
+        default=None,
+        type=_table_classes,
+        help="with --data: the label's values, comma-separated (public: they decide the outputs)",
+    )
+    p.add_argument(
+        "--columns",
+        default=None,
+        type=_table_columns,
+        help="with --data: the features and their public transforms, ';'-separated: NAME=LO..HI "
+        "(numeric, scaled onto [-1, 1] and clipped; missing -> 0) or NAME=A|B|C (one-hot; other "
+        "values -> zeros). Never fitted on the data; undeclared columns are not used",
+    )
+
+
+def _table_columns(text: str) -> str:
+    from clipless.data.table import parse_columns
+
+    try:
+        parse_columns(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _table_classes(text: str) -> str:
+    from clipless.data.table import parse_classes
+
+    try:
+        parse_classes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _check_data_root(args: argparse.Namespace) -> None:
+    """A ``--data-root`` that does not exist is refused (a typo would otherwise create a new
+    cache there and download into it)."""
+    if args.data_root is not None and not Path(args.data_root).expanduser().is_dir():
+        raise _ArgError(
+            "--data-root",
+            f"{args.data_root} is not a directory (a typo?): create it first to use it as the "
+            "dataset cache, or leave --data-root out ($CLIPLESS_DATA or ~/.cache/clipless)",
+        )
+
+
+def _resolve_table_source(args: argparse.Namespace, given: set[str]) -> None:
+    """With ``--data``: no ``--dataset``, and ``--label``, ``--classes``, ``--columns`` given."""
+    table_only = ("test_data", "label", "classes", "columns")
+    if args.data is None:
+        for dest in table_only:
+            if getattr(args, dest) is not None:
+                raise _ArgError(RUN_OPTIONS[dest], "is for --data (your own CSV file) only")
+        return
+    if "dataset" in given and args.dataset is not None:
+        raise _ArgError("--data", "give --dataset or --data, not both")
+    for dest in ("label", "classes", "columns"):
+        if getattr(args, dest) is None:
+            raise _ArgError(RUN_OPTIONS[dest], "is required with --data")
+    args.dataset = None
+
+
+def _load_table(args: argparse.Namespace) -> Any:
+    """``(train, test, info)`` of ``--data``; sets the default ``--input-norm``,
+    ``sqrt(#columns)`` (each declared column contributes at most 1)."""
+    from clipless.data.table import load_table, max_norm, parse_classes, parse_columns
+
+    columns = parse_columns(args.columns)
+    try:
+        loaded = load_table(
+            args.data, args.label, parse_classes(args.classes), columns, args.test_data
+        )
+    except OSError as exc:
+        raise _ArgError("--data", f"cannot read {exc.filename}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise _ArgError("--data", str(exc)) from None
+    if args.input_norm is None:
+        args.input_norm = max_norm(columns)
+    return loaded
+
+
 def _input_center(
     args: argparse.Namespace, train: Any, input_shape: tuple[int, ...], *, resumed: bool
 ) -> Any:
@@ -1622,6 +1731,7 @@ def _input_whitening(
 def _train_rank(args: argparse.Namespace) -> int:
     """One rank of ``clipless train --nproc N`` (in a spawned process): errors as in main."""
     args.nproc = 1  # this process is one rank (its environment says which, as under torchrun)
+    _thread_only_progress_lock()
     try:
         return _run_train(args)
     except _ArgError as exc:
@@ -1630,6 +1740,17 @@ def _train_rank(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"clipless train: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _thread_only_progress_lock() -> None:
+    """tqdm's default lock holds a multiprocessing semaphore, which a rank (ended with
+    ``os._exit``, clipless.distributed.spawn) never releases: the launcher then warned about
+    "leaked semaphore objects". A rank's progress output needs a thread lock only."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _pct(value: Any) -> str:
@@ -1729,19 +1850,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = getattr(args, "out", None)
         where = ""
         if out:
-            from clipless.training import CHECKPOINT_NAME
-
-            where = (
-                f"; the privacy ledger is in {out}, continue with --resume"
-                if (Path(out) / CHECKPOINT_NAME).is_file()
-                else f"; the privacy ledger is in {out}, but the run stopped before its first "
-                "checkpoint (end of epoch 1): it cannot be continued; start over with --force "
-                "(the old folder, with its ledger, is kept aside)"
-            )
+            where = _interrupted_where(Path(out))
         print(f"clipless {args.command}: interrupted{where}", file=sys.stderr)
         return 130
     finally:
         warnings.formatwarning = formatwarning
+
+
+def _interrupted_where(out: Path) -> str:
+    """What an interrupted run left in ``out`` (the ledger is written before each step's noise,
+    so no ledger file means no step was taken: nothing was spent)."""
+    from clipless.training import CHECKPOINT_NAME, LEDGER_NAME
+
+    if not (out / LEDGER_NAME).is_file():
+        return f"; no step was taken, so nothing was spent (no privacy ledger in {out})"
+    if (out / CHECKPOINT_NAME).is_file():
+        return f"; the privacy ledger is in {out}, continue with --resume"
+    return (
+        f"; the privacy ledger is in {out}, but the run stopped before its first checkpoint "
+        "(end of epoch 1): it cannot be continued; start over with --force (the old folder, "
+        "with its ledger, is kept aside)"
+    )
 
 
 if __name__ == "__main__":  # python -m clipless.cli (python -m clipless is the same)

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from clipless import accounting, bounds, constraints, mechanism, models
+from clipless._io import atomic_write_with
 from clipless._records import refuse_repeated_records
 from clipless.mechanism import PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
@@ -55,6 +56,20 @@ _OPACUS_ONLY: dict[str, str] = {
     "noise_generator": "pass PrivacyEngine(seed=...) for reproducible experiments",
     "clip_per_layer": "there is no clipping; noise='per-layer' allocates noise per tensor",
     "total_steps": "use steps=",
+}
+
+
+_DEFAULT_THREADS = torch.get_num_threads()  # torch's default, unless set before the import
+
+_ACCOUNTANT_HINTS = {
+    "prv": (
+        " (Opacus's default, privacy random variables): use accountant='pld', the default here, "
+        "privacy loss distributions, the tight numerical accountant that is PRV's counterpart"
+    ),
+    "gdp": (
+        " (Opacus's Gaussian accountant rests on a central-limit approximation, not a certified "
+        "upper bound): use accountant='pld'"
+    ),
 }
 
 
@@ -91,7 +106,8 @@ class PrivacyEngine:
         self, accountant: str = "pld", *, seed: int | None = None, secure_mode: bool = False
     ) -> None:
         if accountant not in mechanism.ACCOUNTANTS:
-            raise ValueError(f"accountant must be 'pld' or 'rdp'; got {accountant!r}")
+            hint = _ACCOUNTANT_HINTS.get(accountant, "") if isinstance(accountant, str) else ""
+            raise ValueError(f"accountant must be 'pld' or 'rdp'; got {accountant!r}{hint}")
         if secure_mode:
             raise ValueError(
                 "secure_mode=True is not supported: clipless seeds its batch sampler and noise "
@@ -120,6 +136,7 @@ class PrivacyEngine:
         self.optimizer: DPOptimizer | None = None
         self.data_loader: DataLoader[Any] | None = None
         self._config: PrivacyConfig | None = None
+        self._target_delta: float | None = None
 
     @property
     def accountant(self) -> accounting.PrivacyLedger:
@@ -138,7 +155,7 @@ class PrivacyEngine:
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         data_loader: DataLoader[Any],
-        loss: torch.nn.Module,
+        loss: torch.nn.Module | None = None,
         noise_multiplier: float | None = None,
         target_epsilon: float | None = None,
         target_delta: float | None = None,
@@ -156,6 +173,7 @@ class PrivacyEngine:
         ledger_path: str | os.PathLike[str] | None = None,
         certify_every: int = 1,
         validate_data: bool = True,
+        allow_mean_reduced_loss: bool = False,
         poisson_sampling: bool = True,
         max_grad_norm: float | None = None,
         **opacus_options: Any,
@@ -183,7 +201,12 @@ class PrivacyEngine:
         features have the model's dtype and that the loss accepts every target (integer labels a
         valid class, binary labels in ``{0, 1}`` or ``{-1, 1}``, probability rows on the
         simplex), so that no record can make a step fail when it is sampled (a failure with
-        probability ``q`` per step would break delta). A ``target_delta`` (or a ``delta`` read
+        probability ``q`` per step would break delta). A backward pass before the first step
+        whose every per-sample loss gradient is at most ``L / B`` (a mean-reduced loss, e.g. one
+        built inside the training loop instead of the one given here: it trains at chance) raises
+        :class:`clipless.optim.PrivacyContractError`; ``allow_mean_reduced_loss=True`` (a model
+        whose gradients really are that small, e.g. fine-tuning a converged one) makes it a
+        warning. A ``target_delta`` (or a ``delta`` read
         later) above ``1 / n`` warns: such a claim protects little. The loader's sampler
         must be torch's default (sequential or shuffling); one that selects or weights records
         is refused rather than dropped (pass a ``torch.utils.data.Subset`` instead). A dataset
@@ -205,6 +228,7 @@ class PrivacyEngine:
 
         if self.optimizer is not None:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new engine")
+        loss = _loss_argument(loss, opacus_options)
         _refuse_opacus_options(opacus_options, max_grad_norm, poisson_sampling)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
@@ -242,6 +266,11 @@ class PrivacyEngine:
             )
         if not isinstance(allow_unproven, bool):
             raise TypeError(f"allow_unproven must be a bool; got {type(allow_unproven).__name__}")
+        if not isinstance(allow_mean_reduced_loss, bool):
+            raise TypeError(
+                "allow_mean_reduced_loss must be True or False; got "
+                f"{type(allow_mean_reduced_loss).__name__}"
+            )
         if ledger_path is not None and not isinstance(ledger_path, str | os.PathLike):
             raise TypeError(
                 f"ledger_path must be a str, an os.PathLike or None; got "
@@ -342,6 +371,9 @@ class PrivacyEngine:
             certify_every=certify_every,
             data_loader=loader,
         )
+        self.optimizer.allow_mean_reduced_loss = allow_mean_reduced_loss
+        _warn_default_threads(module)
+        self._target_delta = target_delta
         self._config = config
         self.data_loader = loader
         return module, self.optimizer, loader
@@ -352,7 +384,7 @@ class PrivacyEngine:
         module: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         data_loader: DataLoader[Any],
-        loss: torch.nn.Module,
+        loss: torch.nn.Module | None = None,
         target_epsilon: float,
         target_delta: float,
         epochs: int | None = None,
@@ -409,9 +441,13 @@ class PrivacyEngine:
     def extend(self, *, steps: int, delta: float | None = None) -> float | None:
         """Plan ``steps`` more steps at the same noise (an explicit decision to spend more).
 
-        Returns the epsilon at ``delta`` that the run will have spent at the end of the new plan
-        (``None`` without ``delta``): it exceeds the original target, which is the point.
+        Returns the epsilon at ``delta`` that the run will have spent at the end of the new plan:
+        it exceeds the original target, which is the point. ``delta`` defaults to
+        ``make_private``'s ``target_delta``; with neither (a run given ``noise_multiplier``)
+        the result is ``None``.
         """
+        if delta is None:
+            delta = self._target_delta
         opt = self._opt()
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
@@ -476,6 +512,57 @@ class PrivacyEngine:
         sampler_gen = _sampler_generator(self.data_loader)
         if sampler_gen is not None:
             state["sampler_generator"] = sampler_gen.get_state()
+        return state
+
+    def save_checkpoint(
+        self,
+        *,
+        path: str | os.PathLike[str],
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        checkpoint_dict: Mapping[str, Any] | None = None,
+        **opacus_options: Any,
+    ) -> None:
+        """Opacus's ``save_checkpoint``: write the model, the optimizer (if given), the engine's
+        :meth:`state_dict` and ``checkpoint_dict``'s extra entries to ``path``.
+
+        The file is written atomically and readable by its owner only (``0o600``): it holds the
+        noise and sampling generators' states (:meth:`state_dict`: keep it as secret as the
+        data). Opacus's scheduler arguments have no counterpart (the noise is planned once).
+        """
+        _refuse_checkpoint_options(opacus_options)
+        state: dict[str, Any] = dict(checkpoint_dict or {})
+        state["module_state_dict"] = module.state_dict()
+        state["privacy_engine_state_dict"] = self.state_dict()
+        if optimizer is not None:
+            state["optimizer_state_dict"] = optimizer.state_dict()
+        atomic_write_with(path, lambda handle: torch.save(state, handle), mode=0o600)
+
+    def load_checkpoint(
+        self,
+        *,
+        path: str | os.PathLike[str],
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        **opacus_options: Any,
+    ) -> dict[str, Any]:
+        """Opacus's ``load_checkpoint``: restore what :meth:`save_checkpoint` wrote into
+        ``module``, ``optimizer`` and this engine (call :meth:`make_private` with the run's
+        arguments first); returns the whole checkpoint dictionary.
+
+        Read with ``torch.load(weights_only=True)``. The engine is restored by
+        :meth:`load_state_dict` (the ledger never goes backwards; another run's checkpoint
+        raises :class:`CheckpointMismatchError`).
+        """
+        _refuse_checkpoint_options(opacus_options)
+        self._opt()
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or "privacy_engine_state_dict" not in state:
+            raise ValueError(f"{os.fspath(path)} is not a checkpoint of save_checkpoint")
+        self.load_state_dict(state["privacy_engine_state_dict"])
+        module.load_state_dict(state["module_state_dict"])
+        if optimizer is not None and "optimizer_state_dict" in state:
+            optimizer.load_state_dict(state["optimizer_state_dict"])
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -603,6 +690,62 @@ def input_release_labels(module: torch.nn.Module) -> tuple[tuple[str, float], ..
     from clipless.nn.input import releases_in
 
     return tuple((label, sigma) for _, label, sigma in releases_in(module))
+
+
+def _warn_default_threads(module: torch.nn.Module) -> None:
+    """Warn when a convolutional model trains on a CPU with torch's default thread count.
+
+    A converted CNN's step took 17-25 s with the default (one thread per core) against 1.0 s
+    with one thread (issue 38). ``OMP_NUM_THREADS`` set in the environment, or a count other
+    than the one torch had when clipless was imported, is a choice: no warning then."""
+    from clipless import nn
+
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ or threads <= 1 or threads != _DEFAULT_THREADS:
+        return
+    convs = [m for m in module.modules() if isinstance(m, nn.Conv2d)]
+    if not convs or any(p.device.type != "cpu" for p in module.parameters()):
+        return
+    warnings.warn(
+        f"torch uses {threads} threads (its default) and the model has "
+        "convolutions: on a CPU, a converted CNN's private step was 17-25 times slower than "
+        "with one thread. Call torch.set_num_threads(1) before training, or set "
+        "OMP_NUM_THREADS (which silences this warning) to the count you want",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _loss_argument(loss: torch.nn.Module | None, options: dict[str, Any]) -> torch.nn.Module:
+    """``loss=``, or Opacus's ``criterion=`` (the same object: its reduction is switched to
+    ``"sum"``, so the training loop must backpropagate this instance)."""
+    criterion = options.pop("criterion", None)
+    if loss is not None and criterion is not None:
+        raise TypeError("give loss= or Opacus's criterion=, not both (they are the same argument)")
+    if loss is None and criterion is None:
+        raise TypeError(
+            "make_private needs loss= a clipless.nn loss (Opacus's criterion=): its certified "
+            "Lipschitz constant enters the noise, and make_private switches it to "
+            "reduction='sum'; backpropagate that instance in the training loop"
+        )
+    chosen = loss if loss is not None else criterion
+    assert chosen is not None
+    return chosen
+
+
+def _refuse_checkpoint_options(options: Mapping[str, Any]) -> None:
+    for key in options:
+        if key in ("noise_scheduler", "grad_clip_scheduler"):
+            if options[key] is not None:
+                raise TypeError(
+                    f"{key}: clipless plans the noise once for the whole run (no scheduler); "
+                    "save and restore nothing for it"
+                )
+        elif key in ("module_state_dict_kwargs", "torch_save_kwargs", "torch_load_kwargs"):
+            if options[key]:
+                raise TypeError(f"{key} is not supported (the file is read with weights_only)")
+        else:
+            raise TypeError(f"unexpected keyword argument {key!r}")
 
 
 def _refuse_opacus_options(
@@ -738,10 +881,15 @@ def _validate_dataset(
                 if t.ndim and not all_finite(t):
                     bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
                 if bad is not None and bool(bad.any()):
-                    row = index_offset + int(bad.nonzero()[0, 0])
+                    local = int(bad.nonzero()[0, 0])
+                    row = index_offset + local
+                    at = (~torch.isfinite(t[local])).nonzero()[0].tolist()
+                    what = "features" if position == 0 else f"item {position}"
+                    place = f"{what}[{', '.join(map(str, [row, *at]))}]"
                     raise ValueError(
                         f"the training data has a non-finite value (NaN or inf) in record {row}, "
-                        f"field {position}; clean or drop it before training"
+                        f"at {place} (item {position} of the record, index {tuple(at)} within "
+                        "it); clean or drop it before training"
                     )
                 # (other model dtypes are refused by the optimizer, with their own message)
                 certified = dtype in (torch.float32, torch.float64)

@@ -124,3 +124,13 @@ def test_a_training_pipeline_without_noise_is_caught(monkeypatch: pytest.MonkeyP
         lr=0.2,
     )
     assert result.epsilon_lower_bound > result.claimed_epsilon
+
+
+def test_the_audit_does_not_warn_about_its_own_seeded_engine() -> None:
+    """Its engine is seeded on purpose (an experiment, never a release; issue 38)."""
+    import warnings
+
+    x, y = _data(20, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        audit_one_run(x, y, canaries=10, guesses=4, epsilon=1.0, epochs=1, batch_size=10, seed=3)

@@ -7,7 +7,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clipless.nn import Abs, Flatten, GroupSort, LipschitzModule, ReLU, Sigmoid, Tanh
+from clipless.nn import (
+    ELU,
+    Abs,
+    Flatten,
+    GroupSort,
+    Hardtanh,
+    LeakyReLU,
+    LipschitzModule,
+    ReLU,
+    Sigmoid,
+    Tanh,
+    Unflatten,
+)
 
 from ._helpers import jacobian_norm, sample_norms, with_norms
 
@@ -15,7 +27,11 @@ SCALES = [1e-3, 1.0, 10.0]
 
 
 def _elementwise() -> list[LipschitzModule]:
-    return [ReLU(), Tanh(), Abs(), Sigmoid(), Flatten(), GroupSort(2), GroupSort(3), GroupSort(6)]
+    return [
+        *(ReLU(), Tanh(), Abs(), Sigmoid(), Flatten(), GroupSort(2), GroupSort(3), GroupSort(6)),
+        *(LeakyReLU(), LeakyReLU(-0.5), LeakyReLU(2.0), LeakyReLU(-3.0)),
+        *(Hardtanh(), Hardtanh(0.0, 6.0), Hardtanh(-0.5, 0.25), ELU(), ELU(0.5)),
+    ]
 
 
 @pytest.mark.parametrize("layer", _elementwise(), ids=lambda m: repr(m))
@@ -111,3 +127,50 @@ def test_export_matches(layer: LipschitzModule) -> None:
     plain = layer.vanilla_export()
     assert not isinstance(plain, LipschitzModule)
     torch.testing.assert_close(plain(x), layer(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 3.0])
+def test_elu_constant_is_the_supremum_of_its_slope(alpha: float) -> None:
+    """``alpha exp(x)`` approaches ``alpha`` as ``x -> 0-``: never above, arbitrarily close."""
+    layer = ELU(alpha)
+    assert layer.lipschitz() == alpha
+    for eps in (1e-2, 1e-6):
+        x = torch.tensor([[-eps, 0.5, -1.0]], dtype=torch.float64)
+        exact = jacobian_norm(layer, x[0])
+        assert exact <= alpha
+        assert exact >= alpha * math.exp(-eps) * (1 - 1e-12)
+    x = torch.randn(64, 5, dtype=torch.float64) * 4
+    assert float(sample_norms(layer(x)).max()) <= layer.output_bound(float(sample_norms(x).max()))
+
+
+def test_activation_arguments() -> None:
+    with pytest.raises(ValueError, match="min_val <= 0 <= max_val"):
+        Hardtanh(0.5, 1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        ELU(-1.0)
+    with pytest.raises(ValueError, match="negative_slope"):
+        LeakyReLU(float("nan"))
+    with pytest.raises(TypeError, match="negative_slope"):
+        LeakyReLU("0.1")  # type: ignore[arg-type]
+
+
+def test_flatten_features_refuses_a_view_that_mixes_samples() -> None:
+    layer = Flatten(features=8)
+    x = torch.randn(3, 2, 4)
+    torch.testing.assert_close(layer(x), x.view(-1, 8), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="move entries between samples"):
+        layer(torch.randn(3, 4, 4))  # x.view(-1, 8) would give 6 rows from 3 samples
+    assert "features=8" in repr(layer)
+    with pytest.raises(ValueError, match="features"):
+        Flatten(features=0)
+
+
+def test_unflatten_is_an_isometry() -> None:
+    layer = Unflatten(2, (1, -1))
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    assert layer(x).shape == (4, 3, 1, 5)
+    assert jacobian_norm(layer, x[0]) == pytest.approx(1.0)
+    assert layer.output_bound(2.0) == 2.0
+    torch.testing.assert_close(layer.vanilla_export()(x), layer(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="dim"):
+        Unflatten(0, (1, -1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -175,7 +176,8 @@ def test_concatenation_is_reported_with_its_node() -> None:
     (entry,) = report.unconvertible
     assert entry.node == "cat"
     assert entry.replacement is None
-    assert "Concat" in entry.original
+    assert entry.original == "call_function torch.cat" and entry.path == ""
+    assert entry.blocker == "operation"
     assert not report.ok
     with pytest.raises(TypeError):
         cnn.validate(converted)
@@ -265,7 +267,7 @@ def test_every_unconvertible_module_listed_at_once() -> None:
         nn.Linear(4, 8),
         nn.GELU(),
         nn.Unflatten(1, (1, 8)),
-        nn.Conv1d(1, 2, 3),
+        nn.Conv1d(1, 2, 3, dilation=2),
         nn.Flatten(),
         nn.Linear(12, 2),
     )
@@ -287,10 +289,14 @@ def test_conv_options() -> None:
         nn.Conv2d(1, 1, 3, padding_mode="reflect"), input_norm=1.0, strict=False
     )
     assert "padding_mode" in report.unconvertible[0].reason
-    _, report = cnn.convert(nn.MaxPool2d(3, stride=2), input_norm=1.0, strict=False)
-    assert "stride" in report.unconvertible[0].reason
+    _, report = cnn.convert(nn.MaxPool2d(3, stride=2, dilation=2), input_norm=1.0, strict=False)
+    assert "dilation" in report.unconvertible[0].reason
     _, report = cnn.convert(nn.AvgPool2d(2, stride=1), input_norm=1.0, strict=False)
-    assert "stride" in report.unconvertible[0].reason
+    assert report.exact and "Lipschitz 1" in report.entries[-1].reason  # sqrt(4 windows / 4)
+    _, report = cnn.convert(
+        nn.AvgPool2d(3, 1, 1, count_include_pad=False), input_norm=1.0, strict=False
+    )
+    assert "count_include_pad=False" in report.unconvertible[0].reason
     conv = nn.Conv2d(2, 3, (3, 5), stride=2, padding=(1, 2))
     converted, report = cnn.convert(conv, input_norm=10.0)
     assert report.exact
@@ -448,7 +454,6 @@ class _Chain(nn.Module):
         ("relu_-reread", "reads afterwards"),
         ("view-alias", "in-place operation whose result"),
         ("dropout-default", "training=True"),
-        ("view-minus-one", "no certified clipless equivalent"),
         ("iadd-alias", "reads afterwards"),
         ("module-alias", "reads afterwards"),
         ("inplace-sequential", "reads afterwards"),
@@ -468,6 +473,7 @@ def test_functions_the_chain_would_change_are_refused(body: str, words: str) -> 
         "training-branch",
         "dropout-training",
         "batch-size-of-input",
+        "view-minus-one",
         "size-after-inplace",
         "inplace-dropout-eval",
         "halved-in-place",
@@ -546,3 +552,225 @@ def test_argument_types() -> None:
         cnn.convert(model, input_norm=1.0, strict=None)  # type: ignore[arg-type]
     converted, _ = cnn.convert(model, input_norm=np.float32(2.0))
     assert converted[0].max_norm == 2.0
+
+
+# every blocker in one error (issue 38: layers first, then operations, then structure)
+class CharLSTM(nn.Module):
+    """Opacus's char-LSTM classifier (examples/char-lstm-classification.py), with torch's LSTM."""
+
+    def __init__(self, vocab: int = 30, dim: int = 8, hidden: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.lstm = nn.LSTM(dim, hidden, batch_first=True)
+        self.out_layer = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embedding(x)
+        x, _ = self.lstm(x, hidden)
+        x = x[:, -1, :]
+        return self.out_layer(x)
+
+
+def test_char_lstm_lists_every_blocker_in_one_error() -> None:
+    with pytest.raises(TypeError) as info:
+        cnn.convert(CharLSTM(), input_norm=1.0)
+    message = str(info.value)
+    assert message.startswith("5 modules or operations")
+    lines = message.splitlines()[1:]
+    assert len(lines) == 5
+    # the real blockers first, each with its reason and the alternative
+    assert "'embedding': torch.nn.Embedding" in lines[0] and "one-hot" in lines[0]
+    assert "'lstm': torch.nn.LSTM" in lines[1] and "L^T" in lines[1]
+    assert all("operator.getitem" in line for line in lines[2:4])
+    assert "exactly one input tensor, it uses 2 (x, hidden)" in lines[4]
+    _, report = cnn.convert(CharLSTM(), input_norm=1.0, strict=False)
+    assert [e.blocker for e in report.unconvertible] == [
+        "module",
+        "module",
+        "operation",
+        "operation",
+        "structure",
+    ]
+
+
+class _ManyBlockers(nn.Module):
+    """A layer, three operations and a value used twice: five blockers of three kinds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.GELU()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))
+        h = torch.cat([h, F.softplus(h)], dim=1)
+        return self.head(h) + self.head(h).softmax(1)
+
+
+def test_layers_and_operations_listed_together_before_the_structure() -> None:
+    _, report = cnn.convert(_ManyBlockers(), input_norm=1.0, strict=False)
+    found = [(e.blocker, e.original) for e in report.unconvertible]
+    assert found[0] == ("module", "torch.nn.GELU")
+    operations = {o for kind, o in found if kind == "operation"}
+    assert operations == {
+        "call_function torch.cat",
+        "call_function torch.nn.functional.softplus",
+        "call_method Tensor.softmax",
+    }
+    assert [kind for kind, _ in found] == ["module"] + ["operation"] * 3 + ["structure"]
+
+
+class _BranchyLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.fc(self.embedding(x))
+        return self.fc(self.embedding(x + 1))
+
+
+def test_untraceable_forward_still_lists_its_layers() -> None:
+    _, report = cnn.convert(_BranchyLSTM(), input_norm=1.0, strict=False)
+    first, second = report.unconvertible
+    assert (first.path, first.blocker) == ("embedding", "module")
+    assert second.blocker == "structure" and "symbolic_trace failed" in second.reason
+
+
+# certified twins added for issue 38
+class SampleConvNet(nn.Module):
+    """Opacus's examples/mnist.py model, written here: overlapping max pools and view(-1, N)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 8, 2, padding=3)
+        self.conv2 = nn.Conv2d(16, 32, 4, 2)
+        self.fc1 = nn.Linear(32 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))  # [B, 16, 14, 14]
+        x = F.max_pool2d(x, 2, 1)  # [B, 16, 13, 13]
+        x = F.relu(self.conv2(x))  # [B, 32, 5, 5]
+        x = F.max_pool2d(x, 2, 1)  # [B, 32, 4, 4]
+        x = x.view(-1, 32 * 4 * 4)  # [B, 512]
+        x = F.relu(self.fc1(x))
+        return self.fc2(x)
+
+
+def _jacobian_norm_of(model: nn.Module, x: torch.Tensor) -> float:
+    jac = torch.autograd.functional.jacobian(lambda v: model(v[None])[0], x)
+    return float(torch.linalg.matrix_norm(jac.reshape(-1, x.numel()), ord=2))
+
+
+def test_opacus_mnist_model_converts_exactly_and_is_certified() -> None:
+    torch.manual_seed(0)
+    model = SampleConvNet().double()
+    converted, report = cnn.convert(model, input_norm=28.0)
+    assert report.exact
+    pools = [m for m in converted.modules() if isinstance(m, cnn.MaxPool2d)]
+    assert len(pools) == 2 and all(p.lipschitz() == 2.0 for p in pools)  # sqrt(4 windows)
+    flat = [m for m in converted.modules() if isinstance(m, cnn.Flatten)]
+    assert [f.features for f in flat] == [512]
+    model.eval()
+    x = _inside_ball((4, 1, 28, 28), 28.0).double()
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-10, atol=1e-10)
+    _check_certifiable(converted, (1, 28, 28))
+    plain = cnn.vanilla_export(converted)
+    torch.testing.assert_close(plain(x), model(x), rtol=1e-10, atol=1e-10)
+    rep = bounds.report(converted, cnn.CrossEntropyLoss(), (1, 28, 28))
+    for i in range(2):  # the certified constant is never below the exact Jacobian norm
+        assert _jacobian_norm_of(converted, x[i]) <= rep.model_lipschitz
+    with pytest.raises(ValueError, match="move entries between samples"):
+        converted(torch.zeros(2, 1, 36, 36, dtype=torch.float64))  # view(-1, 512) mixes
+
+
+class _Activations(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.leaky = nn.LeakyReLU(0.2)
+        self.relu6 = nn.ReLU6()
+        self.elu = nn.ELU(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.elu(self.relu6(self.leaky(self.a(x))))
+        h = F.leaky_relu(h, 0.1)
+        h = F.hardtanh(self.b(h), -2.0, 3.0)
+        return F.elu(F.relu6(h))
+
+
+def test_one_lipschitz_activations_convert_to_certified_twins() -> None:
+    model = _Activations().double()
+    converted, report = cnn.convert(model, input_norm=4.0)
+    assert report.exact
+    kinds = [type(m).__name__ for m in converted.modules() if not isinstance(m, cnn.Linear)]
+    assert kinds.count("LeakyReLU") == 2 and kinds.count("Hardtanh") == 3
+    assert kinds.count("ELU") == 2
+    x = 5 * _inside_ball((8, 6), 4.0).double()  # norms up to 2 x 5 / 2: the clamps act
+    x = x * (4.0 / x.flatten(1).norm(dim=1).clamp_min(4.0))[:, None]
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-12, atol=1e-12)
+    rep = bounds.report(converted, cnn.CrossEntropyLoss(), (6,))
+    for i in range(8):
+        assert _jacobian_norm_of(converted, x[i]) <= rep.model_lipschitz
+    _, report = cnn.convert(nn.Hardtanh(0.5, 1.0), input_norm=1.0, strict=False)
+    assert "does not map 0 to 0" in report.unconvertible[0].reason
+
+
+def test_conv1d_converts_to_a_one_row_conv2d() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv1d(3, 4, 5, stride=2, padding=2),
+        nn.ReLU(),
+        nn.Conv1d(4, 2, 3, padding="same", bias=False, padding_mode="circular"),
+        nn.Flatten(),
+    ).double()
+    converted, report = cnn.convert(model, input_norm=3.0)
+    assert report.exact
+    x = _inside_ball((5, 3, 16), 3.0).double()
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-12, atol=1e-12)
+    _check_certifiable(converted, (3, 16))
+    plain = cnn.vanilla_export(converted)  # a plain torch model for inference
+    torch.testing.assert_close(plain(x), model(x), rtol=1e-12, atol=1e-12)
+    rep = bounds.report(converted, cnn.CrossEntropyLoss(), (3, 16))
+    assert _jacobian_norm_of(model, x[0]) <= rep.model_lipschitz
+    # the per-sample gradient of each converted conv stays under its certified bound
+    loss = cnn.CrossEntropyLoss(reduction="sum")
+    target = torch.tensor([0, 1, 2, 3, 4])
+    sens = rep.sensitivities()
+    for i in range(5):
+        converted.zero_grad()
+        loss(converted(x[i : i + 1]), target[i : i + 1]).backward()
+        for name, p in converted.named_parameters():
+            assert p.grad is not None and float(p.grad.norm()) <= sens[name]
+    _, report = cnn.convert(nn.Conv1d(2, 2, 3, groups=2), input_norm=1.0, strict=False)
+    assert "groups=2" in report.unconvertible[0].reason
+
+
+class CharConv(nn.Module):
+    """The documented alternative to the char-LSTM: a Conv1d over one-hot characters."""
+
+    def __init__(self, vocab: int = 30, length: int = 12, classes: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(vocab, 16, 3, padding=1, bias=False)
+        self.out = nn.Linear(16 * length, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.flatten(F.relu(self.conv(x)), 1))
+
+
+def test_the_char_lstm_alternative_converts_exactly() -> None:
+    torch.manual_seed(0)
+    vocab, length = 30, 12
+    model = CharConv(vocab, length).double()
+    # a one-hot character per position: every sample has norm sqrt(length), a public bound
+    converted, report = cnn.convert(model, input_norm=math.sqrt(length))
+    assert report.exact
+    tokens = torch.randint(0, vocab, (5, length))
+    x = F.one_hot(tokens, vocab).transpose(1, 2).double()
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-12, atol=1e-12)
+    _check_certifiable(converted, (vocab, length))

@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clipless.nn import AvgPool2d, L2NormPool2d
+from clipless import norms
+from clipless.nn import AvgPool2d, L2NormPool2d, MaxPool2d
 
 from ._helpers import jacobian_norm, sample_norms, with_norms
 
@@ -110,3 +112,111 @@ def test_l2normpool_backward_never_exceeds_one_in_the_subnormal_range(
         assert float(x.grad.double().norm()) <= 1.0
         if k > 1:  # the last row lies outside every window
             assert bool((x.grad[:, :, k:] == 0).all())
+
+
+# (kernel, stride, padding, ceil_mode): overlapping, padded, gapped and non-overlapping windows
+MAX_POOLS = [
+    ((2, 2), (1, 1), (0, 0), False),  # Opacus's MNIST example: F.max_pool2d(x, 2, 1)
+    ((3, 3), (1, 1), (1, 1), False),
+    ((3, 3), (2, 2), (1, 1), False),
+    ((3, 2), (2, 1), (0, 1), True),
+    ((2, 2), (2, 2), (0, 0), False),
+    ((2, 2), (3, 3), (0, 0), False),
+]
+
+
+def _windows_per_pixel(size: int, k: int, s: int, p: int, ceil_mode: bool) -> int:
+    """Brute force: the most windows of one dimension containing one pixel (torch's windows)."""
+    out = F.max_pool1d(torch.zeros(1, 1, size), k, s, p, ceil_mode=ceil_mode).shape[-1]
+    return max(sum(o * s - p <= i < o * s - p + k for o in range(out)) for i in range(size))
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil_mode"), MAX_POOLS)
+def test_maxpool_multiplicity_is_the_most_windows_per_pixel(
+    kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int], ceil_mode: bool
+) -> None:
+    layer = MaxPool2d(kernel, stride, padding, ceil_mode)
+    assert layer.multiplicity() == norms.conv_multiplicity(kernel, stride, padding, "zeros", None)
+    exact = [
+        math.prod(
+            _windows_per_pixel(n, k, s, p, ceil_mode)
+            for k, s, p in zip(kernel, stride, padding, strict=True)
+        )
+        for n in range(max(kernel), 12)
+    ]
+    assert max(exact) == layer.multiplicity()  # never below any size, reached by some size
+    assert layer.lipschitz() >= math.sqrt(layer.multiplicity())
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil_mode"), MAX_POOLS)
+@pytest.mark.parametrize("size", [(5, 5), (7, 6)])
+def test_maxpool_jacobian_never_exceeds_and_reaches_sqrt_m(
+    kernel: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    ceil_mode: bool,
+    size: tuple[int, int],
+) -> None:
+    layer = MaxPool2d(kernel, stride, padding, ceil_mode)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(2, *size, generator=gen, dtype=torch.float64)
+        assert jacobian_norm(layer, x) <= layer.lipschitz()
+    # a pixel that is the maximum of every window containing it: its Jacobian column has one
+    # 1 per such window, so the norm is sqrt(#windows); the largest count over pixels is exact
+    best = 0.0
+    for i in range(size[0]):
+        for j in range(size[1]):
+            x = torch.rand(1, *size, generator=gen, dtype=torch.float64)
+            x[0, i, j] = 10.0
+            best = max(best, jacobian_norm(layer, x))
+    counts = math.prod(
+        _windows_per_pixel(n, k, s, p, ceil_mode)
+        for n, k, s, p in zip(size, kernel, stride, padding, strict=True)
+    )
+    assert best == pytest.approx(math.sqrt(counts), rel=1e-12)
+    assert best <= layer.lipschitz()
+    x = torch.randn(3, 2, *size, dtype=torch.float64)
+    torch.testing.assert_close(layer.vanilla_export()(x), layer(x), rtol=0, atol=0)
+    torch.testing.assert_close(
+        layer(x), F.max_pool2d(x, kernel, stride, padding, ceil_mode=ceil_mode), rtol=0, atol=0
+    )
+    norms_in = sample_norms(x)
+    assert bool((sample_norms(layer(x)) <= layer.output_bound(float(norms_in.max()))).all())
+
+
+def test_maxpool_arguments() -> None:
+    assert MaxPool2d(3).stride == (3, 3)
+    with pytest.raises(ValueError, match="padding must be at most half"):
+        MaxPool2d(2, 1, 2)
+    with pytest.raises(TypeError, match="ceil_mode"):
+        MaxPool2d(2, ceil_mode=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding"),
+    [
+        ((2, 2), (1, 1), (0, 0)),
+        ((3, 3), (1, 1), (1, 1)),
+        ((3, 3), (2, 2), (1, 1)),
+        ((2, 3), (1, 2), (1, 0)),
+    ],
+)
+def test_overlapping_avgpool_constant_is_sqrt_m_over_q(
+    kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]
+) -> None:
+    layer = AvgPool2d(kernel, stride, padding)
+    m = norms.conv_multiplicity(kernel, stride, padding, "zeros", None)
+    q = kernel[0] * kernel[1]
+    assert layer.multiplicity() == m and layer.lipschitz() >= math.sqrt(m / q)
+    assert layer.lipschitz() == pytest.approx(math.sqrt(m / q), rel=1e-15)
+    gen = torch.Generator().manual_seed(0)
+    exact = [
+        jacobian_norm(layer, torch.randn(1, n, n, generator=gen, dtype=torch.float64))
+        for n in (5, 8, 16)
+    ]
+    assert max(exact) <= layer.lipschitz()  # a linear map: the same at every input
+    assert exact[-1] >= 0.8 * layer.lipschitz()  # approached as the image grows
+    x = torch.randn(3, 2, 9, 9, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), F.avg_pool2d(x, kernel, stride, padding), rtol=0, atol=0)
+    torch.testing.assert_close(layer.vanilla_export()(x), layer(x), rtol=0, atol=0)

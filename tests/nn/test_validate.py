@@ -34,7 +34,7 @@ def test_lists_every_offending_path_once() -> None:
         ("'features.0'", "(torch.nn.Conv2d)", "use clipless.nn.Conv2d"),
         ("'features.1'", "(torch.nn.BatchNorm2d)", "use clipless.nn.GroupNorm"),
         ("'features.2'", "(torch.nn.ReLU)", "use clipless.nn.ReLU"),
-        ("'features.3'", "(torch.nn.MaxPool2d)", "use clipless.nn.L2NormPool2d"),
+        ("'features.3'", "(torch.nn.MaxPool2d)", "use clipless.nn.MaxPool2d"),
         ("'drop'", "(torch.nn.Dropout)", "remove it"),
         ("'softmax'", "(torch.nn.Softmax)", "put it in the loss"),
     ]
@@ -55,7 +55,9 @@ def test_lists_every_offending_path_once() -> None:
         (torch.nn.GELU(), "clipless.nn.GroupSort"),
         (torch.nn.LogSoftmax(dim=1), "put it in the loss"),
         (torch.nn.CrossEntropyLoss(), "losses do not belong in the model"),
-        (torch.nn.LSTM(2, 2), "no clipless replacement"),
+        (torch.nn.LSTM(2, 2), "no certified recurrent layer"),
+        (torch.nn.Embedding(5, 2), "one-hot"),
+        (torch.nn.MultiheadAttention(4, 2), "no certified attention"),
     ],
 )
 def test_suggestions(module: torch.nn.Module, advice: str) -> None:

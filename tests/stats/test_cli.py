@@ -171,7 +171,7 @@ def test_bad_files_and_labels_exit_2(
                 "--neighbouring", "add_remove"]) == 0  # fmt: skip
     bad_labels = write_csv(tmp_path / "l.csv", ["s", "y"], [[0.1, 0], [0.2, 2]])
     assert run(["roc", str(bad_labels), "--score", "s", "--label", "y", *common[6:]]) == 2
-    assert "--label: data row 2 is not a 0/1 label" in capsys.readouterr().err
+    assert "--label: data row 2 ('2') is not a binary label" in capsys.readouterr().err
     assert run(["roc", str(income), "--score", "income", "--label", "nope", *common]) == 2
     assert "--label: no column 'nope'" in capsys.readouterr().err
     a_file = tmp_path / "file"

@@ -189,6 +189,20 @@ class PrivacyLedger:
         return self._entries[-1].stop_step if self._entries else 0
 
     @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """Opacus's ``accountant.history``: ``(noise_multiplier, sample_rate, steps)`` for each
+        run of identical steps, oldest first (:attr:`entries` has the labels and step indices)."""
+        return [(e.noise_multiplier, e.sample_rate, e.count) for e in self._entries]
+
+    def __len__(self) -> int:
+        """Opacus's ``len(accountant)``: the number of :attr:`history` entries (not of steps:
+        :attr:`steps` counts those)."""
+        return len(self._entries)
+
+    def __bool__(self) -> bool:
+        return True  # a ledger is a ledger even before its first step (not a container)
+
+    @property
     def is_dp_guarantee(self) -> bool:
         """``False`` if any recorded step used an unproven mode."""
         return all(e.proven for e in self._entries)

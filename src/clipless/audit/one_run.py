@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,7 +194,9 @@ def audit_one_run(
         torch.manual_seed(model_seed)
         model: torch.nn.Module = models.mlp((xt.shape[1],), hidden, classes, r0, False)
     loss = nn.CrossEntropyLoss()
-    engine = clipless.PrivacyEngine(seed=noise_seed)
+    with warnings.catch_warnings():  # the audit's own seeded engine: an experiment, no release
+        warnings.filterwarnings("ignore", message=r"PrivacyEngine\(seed=")
+        engine = clipless.PrivacyEngine(seed=noise_seed)
     model, optimizer, loader = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),

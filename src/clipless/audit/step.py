@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import numbers
 import secrets
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,7 +344,9 @@ def audit_step(
     thresholds = None
     if mode == "threshold":
         thresholds = {path: radius / 2.0 for path in ("1", "3", "5")}
-    engine = clipless.PrivacyEngine(seed=noise_seed)
+    with warnings.catch_warnings():  # the audit's own seeded engine: an experiment, no release
+        warnings.filterwarnings("ignore", message=r"PrivacyEngine\(seed=")
+        engine = clipless.PrivacyEngine(seed=noise_seed)
     model, opt, _ = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.0),

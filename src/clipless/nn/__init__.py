@@ -9,7 +9,18 @@ Table 5.1 and docs/design.md "Layers and losses"; each class's docstring gives i
 """
 
 from clipless.nn._base import LipschitzModule, ParametricLipschitzModule
-from clipless.nn.activations import Abs, Flatten, GroupSort, ReLU, Sigmoid, Tanh
+from clipless.nn.activations import (
+    ELU,
+    Abs,
+    Flatten,
+    GroupSort,
+    Hardtanh,
+    LeakyReLU,
+    ReLU,
+    Sigmoid,
+    Tanh,
+    Unflatten,
+)
 from clipless.nn.clip import LossGradientClip
 from clipless.nn.containers import Residual, Sequential
 from clipless.nn.conv import Conv2d
@@ -28,10 +39,11 @@ from clipless.nn.losses import (
     MulticlassHingeLoss,
 )
 from clipless.nn.norm import GroupNorm
-from clipless.nn.pooling import AvgPool2d, L2NormPool2d
+from clipless.nn.pooling import AvgPool2d, L2NormPool2d, MaxPool2d
 from clipless.nn.validate import validate
 
 __all__ = [
+    "ELU",
     "Abs",
     "AvgPool2d",
     "BCEWithLogitsLoss",
@@ -43,15 +55,18 @@ __all__ = [
     "GroupNorm",
     "GroupSort",
     "HKRLoss",
+    "Hardtanh",
     "HuberLoss",
     "InputNorm",
     "KRLoss",
     "L1Loss",
     "L2NormPool2d",
+    "LeakyReLU",
     "Linear",
     "LipschitzLoss",
     "LipschitzModule",
     "LossGradientClip",
+    "MaxPool2d",
     "MulticlassHingeLoss",
     "ParametricLipschitzModule",
     "ReLU",
@@ -59,6 +74,7 @@ __all__ = [
     "Sequential",
     "Sigmoid",
     "Tanh",
+    "Unflatten",
     "convert",
     "validate",
     "vanilla_export",

@@ -74,6 +74,14 @@ def _as_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def finite_float(name: str, value: Any) -> float:
+    """``value`` as a finite float."""
+    v = _as_float(name, value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return v
+
+
 def positive_float(name: str, value: Any) -> float:
     """``value`` as a finite float ``> 0``."""
     v = _as_float(name, value)

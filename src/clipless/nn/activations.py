@@ -16,7 +16,18 @@ from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import group_sort
 from clipless.nn.export import PlainAbs, PlainGroupSort
 
-__all__ = ["Abs", "Flatten", "GroupSort", "ReLU", "Sigmoid", "Tanh"]
+__all__ = [
+    "ELU",
+    "Abs",
+    "Flatten",
+    "GroupSort",
+    "Hardtanh",
+    "LeakyReLU",
+    "ReLU",
+    "Sigmoid",
+    "Tanh",
+    "Unflatten",
+]
 
 
 class GroupSort(LipschitzModule):
@@ -83,6 +94,94 @@ class Tanh(LipschitzModule):
 
     def vanilla_export(self) -> torch.nn.Module:
         return torch.nn.Tanh()
+
+
+class LeakyReLU(LipschitzModule):
+    """``x`` for ``x >= 0``, ``negative_slope * x`` otherwise: Lipschitz ``max(1, |slope|)``.
+
+    The derivative is ``1`` or ``negative_slope``, so the Jacobian ``diag(phi'(x))`` has norm at
+    most ``max(1, |slope|)`` (attained: 1 at a positive entry, ``|slope|`` at a negative one);
+    ``|phi(x_i)| <= max(1, |slope|) |x_i|`` gives the output bound. 1-Lipschitz for
+    ``|negative_slope| <= 1`` (torch's default 0.01).
+    """
+
+    def __init__(self, negative_slope: float = 0.01) -> None:
+        super().__init__()
+        self.negative_slope = _checks.finite_float("negative_slope", negative_slope)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.leaky_relu(x, self.negative_slope)
+
+    def lipschitz(self) -> float:
+        return max(1.0, abs(self.negative_slope))
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.LeakyReLU(self.negative_slope)
+
+    def extra_repr(self) -> str:
+        return f"negative_slope={self.negative_slope}"
+
+
+class Hardtanh(LipschitzModule):
+    """``clamp(x, min_val, max_val)`` with ``min_val <= 0 <= max_val``: Lipschitz 1.
+
+    A projection onto an interval is 1-Lipschitz (derivative 0 or 1); because the interval
+    contains 0, ``|clamp(x_i)| <= |x_i|`` and the output bound is ``X``. ``ReLU6`` is
+    ``Hardtanh(0, 6)``.
+    """
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0) -> None:
+        super().__init__()
+        lo = _checks.finite_float("min_val", min_val)
+        hi = _checks.finite_float("max_val", max_val)
+        if not lo <= 0.0 <= hi:
+            raise ValueError(
+                f"Hardtanh needs min_val <= 0 <= max_val (so that 0 maps to 0), got "
+                f"min_val={lo}, max_val={hi}"
+            )
+        self.min_val = lo
+        self.max_val = hi
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.hardtanh(x, self.min_val, self.max_val)
+
+    def lipschitz(self) -> float:
+        return 1.0
+
+    def output_bound(self, input_bound: float) -> float:
+        return _checks.as_bound("input_bound", input_bound)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.Hardtanh(self.min_val, self.max_val)
+
+    def extra_repr(self) -> str:
+        return f"min_val={self.min_val}, max_val={self.max_val}"
+
+
+class ELU(LipschitzModule):
+    """``x`` for ``x > 0``, ``alpha (exp(x) - 1)`` otherwise (``alpha >= 0``): Lipschitz
+    ``max(1, alpha)``.
+
+    The derivative is 1 for ``x > 0`` and ``alpha exp(x) < alpha`` below (its supremum ``alpha``
+    is approached as ``x -> 0-``); ``|alpha (exp(x) - 1)| <= alpha |x|`` gives the output bound
+    ``max(1, alpha) X``. 1-Lipschitz for ``alpha <= 1`` (torch's default 1).
+    """
+
+    def __init__(self, alpha: float = 1.0) -> None:
+        super().__init__()
+        self.alpha = _checks.nonnegative_float("alpha", alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.elu(x, self.alpha)
+
+    def lipschitz(self) -> float:
+        return max(1.0, self.alpha)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.ELU(self.alpha)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}"
 
 
 class Abs(LipschitzModule):
@@ -153,10 +252,15 @@ class Sigmoid(LipschitzModule):
 class Flatten(LipschitzModule):
     """Flattens dimensions ``start_dim..end_dim`` (as :class:`torch.nn.Flatten`): an isometry.
 
-    ``start_dim`` must be >= 1 (dimension 0 is the batch).
+    ``start_dim`` must be >= 1 (dimension 0 is the batch). With ``features=N`` every forward
+    checks that each sample flattens to exactly ``N`` entries: the certified form of
+    ``x.view(-1, N)``, which is a flatten only when ``N`` is the sample's size (otherwise it
+    moves entries between samples; this layer refuses such an input instead).
     """
 
-    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+    def __init__(
+        self, start_dim: int = 1, end_dim: int = -1, *, features: int | None = None
+    ) -> None:
         super().__init__()
         if isinstance(start_dim, bool) or not isinstance(start_dim, int) or start_dim < 1:
             raise ValueError(f"start_dim must be an int >= 1 (0 is the batch), got {start_dim!r}")
@@ -166,9 +270,17 @@ class Flatten(LipschitzModule):
             raise ValueError("end_dim must not be 0 (the batch dimension)")
         self.start_dim = start_dim
         self.end_dim = end_dim
+        self.features = None if features is None else _checks.positive_int("features", features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.flatten(x, self.start_dim, self.end_dim)
+        out = torch.flatten(x, self.start_dim, self.end_dim)
+        if self.features is not None and (out.ndim != 2 or out.shape[1] != self.features):
+            raise ValueError(
+                f"Flatten(features={self.features}) received samples of shape "
+                f"{tuple(x.shape[1:])}: x.view(-1, {self.features}) on them would move entries "
+                "between samples, which no per-sample bound covers"
+            )
+        return out
 
     def lipschitz(self) -> float:
         return 1.0
@@ -180,4 +292,36 @@ class Flatten(LipschitzModule):
         return torch.nn.Flatten(self.start_dim, self.end_dim)
 
     def extra_repr(self) -> str:
-        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
+        text = f"start_dim={self.start_dim}, end_dim={self.end_dim}"
+        return text if self.features is None else f"{text}, features={self.features}"
+
+
+class Unflatten(LipschitzModule):
+    """Splits dimension ``dim`` into ``sizes`` (as :class:`torch.nn.Unflatten`): an isometry.
+
+    ``dim`` must be >= 1 (dimension 0 is the batch); ``sizes`` may contain one ``-1``.
+    """
+
+    def __init__(self, dim: int, sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be an int >= 1 (0 is the batch), got {dim!r}")
+        if not sizes or any(isinstance(d, bool) or not isinstance(d, int) for d in sizes):
+            raise ValueError(f"sizes must be a non-empty tuple of ints, got {sizes!r}")
+        self.dim = dim
+        self.sizes = tuple(int(d) for d in sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(self.dim, self.sizes)
+
+    def lipschitz(self) -> float:
+        return 1.0
+
+    def output_bound(self, input_bound: float) -> float:
+        return _checks.as_bound("input_bound", input_bound)
+
+    def vanilla_export(self) -> torch.nn.Module:
+        return torch.nn.Unflatten(self.dim, self.sizes)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, sizes={self.sizes}"

@@ -7,31 +7,42 @@ input bound ``X_0`` of :mod:`clipless.bounds`). Every decision is recorded in a
 :class:`ConversionReport`:
 
 * **twins** compute exactly the original function (weights copied): ``Linear``, ``Conv2d`` (no
-  groups, no dilation, ``padding_mode`` zeros or circular), ``ReLU``, ``Tanh``, ``Sigmoid``,
-  ``Flatten`` (``start_dim >= 1``), ``AvgPool2d`` (non-overlapping windows), ``Sequential``;
-* **substitutions** change the function: ``MaxPool2d`` -> :class:`~clipless.nn.L2NormPool2d`
-  (same windows), ``BatchNorm*`` / ``LayerNorm`` / ``GroupNorm`` / ``InstanceNorm*`` ->
-  :class:`~clipless.nn.GroupNorm` (per-sample statistics; batch statistics mix samples, which
-  voids per-sample sensitivity; affine parameters are dropped);
+  groups, no dilation, ``padding_mode`` zeros or circular), ``Conv1d`` (the same, as a ``Conv2d``
+  with a ``1 x k`` kernel), ``ReLU``, ``Tanh``, ``Sigmoid``, ``LeakyReLU``, ``Hardtanh`` /
+  ``ReLU6`` (``min_val <= 0 <= max_val``), ``ELU`` (``alpha >= 0``), ``Flatten``
+  (``start_dim >= 1``), ``AvgPool2d`` (``count_include_pad=True``, floor mode; overlapping windows
+  too, Lipschitz ``sqrt(m / (kh kw))``), ``MaxPool2d`` with overlapping
+  or padded windows (:class:`~clipless.nn.MaxPool2d`, Lipschitz ``sqrt(m)``), ``Sequential``;
+* **substitutions** change the function: ``MaxPool2d(k)`` (stride = kernel, no padding) ->
+  :class:`~clipless.nn.L2NormPool2d` (same windows), ``BatchNorm*`` / ``LayerNorm`` /
+  ``GroupNorm`` / ``InstanceNorm*`` -> :class:`~clipless.nn.GroupNorm` (per-sample statistics;
+  batch statistics mix samples, which voids per-sample sensitivity; affine parameters are
+  dropped);
 * **removals**: ``Dropout*`` and ``Identity`` (identities in eval mode);
 * **insertion**: a leading ``InputNorm(max_norm=input_norm)`` when the model has none;
-* **unconvertible**: everything else (other activations, normalisation-free attention, ``Conv1d``,
-  ``Embedding``, ...).
+* **unconvertible**: everything else (other activations, attention, recurrent layers,
+  ``Embedding``, ...; docs/opacus-migration.md "Layers without a certified twin").
 
 A custom module (its own ``forward``) is traced with :func:`torch.fx.symbolic_trace`, in eval
 mode (a branch on ``self.training`` takes its eval-mode side). When the graph is a chain of
-module calls and of the functions ``relu``/``tanh``/``sigmoid``/``flatten``/
-``view(x.size(0), -1)``/``max_pool2d``/``avg_pool2d``/``dropout(..., training=self.training)``
+module calls and of the functions ``relu``/``tanh``/``sigmoid``/``leaky_relu``/``hardtanh``/
+``relu6``/``elu``/``flatten``/``view(x.size(0), -1)``/``view(-1, N)`` (a
+``Flatten(features=N)`` that refuses samples of another size, which the view would mix)/
+``max_pool2d``/``avg_pool2d``/``dropout(..., training=self.training)``
 (with constant sizes), with skip connections ``x + f(x)`` or ``(x + f(x)) / 2``, it is rebuilt
 as a :class:`~clipless.nn.Sequential` with :class:`~clipless.nn.Residual` blocks
 (``mode="add"`` / ``"average"``). Anything else is reported as unconvertible with the fx node
 and the reason: concatenation, products of activations, data-dependent control flow, direct use
-of parameters, several inputs or outputs, ``view(-1, n)`` (a flatten only when ``n`` is the
-sample size, which tracing does not know), ``F.dropout`` with its default ``training=True``
+of parameters, several inputs or outputs, indexing, ``F.dropout`` with its default ``training=True``
 (it drops in eval mode too), and an in-place operation whose overwritten tensor is read again
 or whose result is unused (``h.mul_(3)``, ``h + F.relu(h, inplace=True)``; ``h += f(h)`` is a
 skip connection). A module carrying forward or backward hooks is unconvertible (the hooks
 change its function and would not be carried over).
+
+Every blocker is listed in one pass (:attr:`ConversionEntry.blocker`): when a traced forward is
+not such a chain, each of its layers and operations without a certified equivalent is reported
+(layers first, then operations), and then the structural reason unless it is one of them; a
+forward that cannot be traced still has its children's blockers listed.
 
 Function preservation: when the report has no substitutions (:attr:`ConversionReport.exact`),
 the converted model computes the original model's function in eval mode for every input inside
@@ -41,6 +52,7 @@ which changes the function again if the original weights violate it.)
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from collections import OrderedDict
@@ -54,19 +66,30 @@ import torch.nn.functional as F
 
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
-from clipless.nn.activations import Flatten, ReLU, Sigmoid, Tanh
+from clipless.nn.activations import (
+    ELU,
+    Flatten,
+    Hardtanh,
+    LeakyReLU,
+    ReLU,
+    Sigmoid,
+    Tanh,
+    Unflatten,
+)
 from clipless.nn.containers import Residual, Sequential
 from clipless.nn.conv import PADDING_MODES, Conv2d
 from clipless.nn.export import PlainResidual
 from clipless.nn.input import InputNorm
 from clipless.nn.linear import Linear
 from clipless.nn.norm import GroupNorm
-from clipless.nn.pooling import AvgPool2d, L2NormPool2d
+from clipless.nn.pooling import AvgPool2d, L2NormPool2d, MaxPool2d
 from clipless.nn.validate import foreign_hooks
 
 __all__ = ["ConversionEntry", "ConversionReport", "convert"]
 
 EntryKind = Literal["twin", "substituted", "removed", "inserted", "unconvertible"]
+BlockerKind = Literal["module", "operation", "structure"]
+_BLOCKER_ORDER = {"module": 0, "operation": 1, None: 1, "structure": 2}
 
 _MAX_GROUPS = 32  # BatchNorm2d/3d -> GroupNorm with the largest divisor of C up to this
 
@@ -87,6 +110,9 @@ class ConversionEntry:
             certified function), ``"removed"`` (identity in eval mode), ``"inserted"`` (the
             leading ``InputNorm``) or ``"unconvertible"``.
         node: the :mod:`torch.fx` node name when the entry comes from a traced ``forward``.
+        blocker: for an unconvertible entry, what blocks: ``"module"`` (a layer without a
+            certified equivalent), ``"operation"`` (a function or tensor method of a traced
+            ``forward``) or ``"structure"`` (how the forward combines them); ``None`` otherwise.
     """
 
     path: str
@@ -95,6 +121,7 @@ class ConversionEntry:
     reason: str
     kind: EntryKind
     node: str | None = None
+    blocker: BlockerKind | None = None
 
     def __str__(self) -> str:
         where = repr(self.path) if self.path else "<root>"
@@ -112,8 +139,13 @@ class ConversionReport:
 
     @property
     def unconvertible(self) -> tuple[ConversionEntry, ...]:
-        """Modules and operations without a certified clipless equivalent."""
-        return tuple(e for e in self.entries if e.kind == "unconvertible")
+        """Modules and operations without a certified clipless equivalent.
+
+        The real blockers first: layers, then operations, then the structural reasons (how a
+        traced forward combines them), each group in model order.
+        """
+        found = [e for e in self.entries if e.kind == "unconvertible"]
+        return tuple(sorted(found, key=lambda e: _BLOCKER_ORDER[e.blocker]))
 
     @property
     def substitutions(self) -> tuple[ConversionEntry, ...]:
@@ -200,11 +232,14 @@ class _Converter:
         reason: str,
         kind: EntryKind,
         node: str | None = None,
+        blocker: BlockerKind | None = None,
     ) -> None:
         text = None
         if replacement is not None:
             text = f"clipless.nn.{type(replacement).__name__}({replacement.extra_repr()})"
-        self.entries.append(ConversionEntry(path, original, text, reason, kind, node))
+        if kind == "unconvertible" and blocker is None:
+            blocker = "operation" if node is not None else "module"
+        self.entries.append(ConversionEntry(path, original, text, reason, kind, node, blocker))
 
     def hooked(self, module: torch.nn.Module, path: str) -> bool:
         """Record ``module`` as unconvertible if it carries hooks clipless did not place."""
@@ -276,8 +311,33 @@ class _Converter:
             return twin(new, "certified twin, weights copied")
         if type(m) is torch.nn.Conv2d:
             return self.conv2d(m, twin, unconvertible)
+        if type(m) is torch.nn.Conv1d:
+            return self.conv1d(m, twin, unconvertible)
         if type(m) is torch.nn.ReLU:
             return twin(ReLU())
+        if type(m) is torch.nn.LeakyReLU:
+            leaky = LeakyReLU(m.negative_slope)
+            return twin(leaky, f"certified twin, Lipschitz {leaky.lipschitz()}")
+        if type(m) in (torch.nn.Hardtanh, torch.nn.ReLU6):
+            lo, hi = float(getattr(m, "min_val")), float(getattr(m, "max_val"))  # noqa: B009
+            if not lo <= 0.0 <= hi:
+                return unconvertible(
+                    f"Hardtanh({lo}, {hi}) does not map 0 to 0; clipless.nn.Hardtanh needs "
+                    "min_val <= 0 <= max_val"
+                )
+            return twin(Hardtanh(lo, hi), "certified twin, Lipschitz 1")
+        if type(m) is torch.nn.ELU:
+            alpha = float(m.alpha)
+            if alpha < 0:
+                return unconvertible(f"ELU(alpha={alpha}): clipless.nn.ELU needs alpha >= 0")
+            elu = ELU(alpha)
+            return twin(elu, f"certified twin, Lipschitz {elu.lipschitz()}")
+        if type(m) is _ViewFlatten:
+            return twin(
+                Flatten(1, -1, features=m.features),
+                f"x.view(-1, {m.features}) is a flatten when every sample has {m.features} "
+                "entries; the converted Flatten checks that at every forward",
+            )
         if type(m) is torch.nn.Tanh:
             return twin(Tanh())
         if type(m) is torch.nn.Sigmoid:
@@ -295,11 +355,7 @@ class _Converter:
             kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
             problem = _pool_problem(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.dilation)
             if problem:
-                return unconvertible(
-                    f"{problem}; clipless.nn.L2NormPool2d (max pooling's Lipschitz replacement) "
-                    "only pools non-overlapping windows: use MaxPool2d(k) (stride = kernel) "
-                    "before converting"
-                )
+                return self.max_pool(m, twin, unconvertible)
             return substitute(
                 L2NormPool2d(kernel),
                 "no certified max pooling in clipless; the L2 norm of each same window is "
@@ -307,13 +363,22 @@ class _Converter:
             )
         if type(m) is torch.nn.AvgPool2d:
             kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
-            problem = _pool_problem(m.kernel_size, m.stride, m.padding, m.ceil_mode, 1)
-            if problem or m.divisor_override is not None:
-                return unconvertible(
-                    f"{problem or 'divisor_override is set'}; clipless.nn.AvgPool2d averages "
-                    "non-overlapping windows (stride = kernel, no padding)"
+            refused = [
+                text
+                for text, bad in (
+                    ("ceil_mode=True", m.ceil_mode),
+                    ("count_include_pad=False", not m.count_include_pad),
+                    ("divisor_override is set", m.divisor_override is not None),
                 )
-            return twin(AvgPool2d(kernel))
+                if bad
+            ]
+            if refused:
+                return unconvertible(
+                    f"{', '.join(refused)}; clipless.nn.AvgPool2d divides every window by its "
+                    "full size (count_include_pad=True, floor mode)"
+                )
+            pool = AvgPool2d(kernel, m.stride or None, m.padding)
+            return twin(pool, f"certified twin, Lipschitz {pool.lipschitz():.6g}")
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             channels = int(m.num_features)
             groups = (
@@ -362,6 +427,79 @@ class _Converter:
 
             return unconvertible(_advice(m))
         return _NOT_A_LEAF
+
+    def max_pool(
+        self,
+        m: torch.nn.MaxPool2d,
+        twin: Callable[[torch.nn.Module, str], torch.nn.Module],
+        unconvertible: Callable[[str], torch.nn.Module],
+    ) -> torch.nn.Module:
+        """Overlapping (or padded) windows: the certified twin, Lipschitz ``sqrt(m)``."""
+        if _checks.int_pair("dilation", m.dilation, 1) != (1, 1):
+            return unconvertible(
+                f"dilation={m.dilation}; clipless.nn.MaxPool2d has no dilation (use dilation=1)"
+            )
+        new = MaxPool2d(m.kernel_size, m.stride or None, m.padding, bool(m.ceil_mode))
+        return twin(
+            new,
+            f"certified twin: {new.multiplicity()} windows can contain one pixel, so the "
+            f"Lipschitz constant is sqrt({new.multiplicity()}) (1 for non-overlapping windows, "
+            "which are converted to L2-norm pooling only when stride = kernel and no padding)",
+        )
+
+    def conv1d(
+        self,
+        m: torch.nn.Conv1d,
+        twin: Callable[[torch.nn.Module, str], torch.nn.Module],
+        unconvertible: Callable[[str], torch.nn.Module],
+    ) -> torch.nn.Module:
+        """``Conv1d`` as a ``Conv2d`` with a ``1 x k`` kernel on ``[batch, C, 1, L]``: same
+        function, and every certified bound of ``Conv2d`` applies unchanged."""
+        (k,) = m.kernel_size
+        problems = []
+        if m.groups != 1:
+            problems.append(f"groups={m.groups} (only groups=1 is certified)")
+        if tuple(m.dilation) != (1,):
+            problems.append(f"dilation={m.dilation} (only dilation 1 is certified)")
+        if m.padding_mode not in PADDING_MODES:
+            problems.append(f"padding_mode={m.padding_mode!r} (clipless has {PADDING_MODES})")
+        padding: Any = m.padding
+        if padding == "valid":
+            padding = (0,)
+        elif padding == "same":
+            if k % 2 == 0:
+                problems.append("padding='same' with an even kernel (asymmetric padding)")
+            padding = (k // 2,)
+        if problems:
+            return unconvertible("clipless.nn.Conv2d does not support " + ", ".join(problems))
+        w = m.weight
+        conv = Conv2d(
+            m.in_channels,
+            m.out_channels,
+            (1, k),
+            stride=(1, int(m.stride[0])),
+            padding=(0, int(padding[0])),
+            padding_mode=m.padding_mode,
+            bias=m.bias is not None,
+            device=w.device,
+            dtype=w.dtype,
+        )
+        with torch.no_grad():
+            conv.weight.copy_(w.unsqueeze(2))
+            conv.weight.requires_grad_(w.requires_grad)
+            if m.bias is not None and conv.bias is not None:
+                conv.bias.copy_(m.bias)
+                conv.bias.requires_grad_(m.bias.requires_grad)
+        new = Sequential(
+            OrderedDict(
+                [("unsqueeze", Unflatten(2, (1, -1))), ("conv", conv), ("squeeze", Flatten(2, 3))]
+            )
+        )
+        return twin(
+            new,
+            f"certified twin, weights copied: a Conv2d with a 1 x {k} kernel on [batch, C, 1, L] "
+            "(parameters renamed conv.weight / conv.bias)",
+        )
 
     def conv2d(
         self,
@@ -435,6 +573,7 @@ class _Converter:
             graph_module = torch.fx.GraphModule(module, tracer.trace(module))
         except Exception as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.scan_children(module, path)
             self.record(
                 path,
                 name,
@@ -442,6 +581,7 @@ class _Converter:
                 f"torch.fx.symbolic_trace failed ({type(exc).__name__}: {first_line}); only "
                 "forwards without data-dependent control flow can be converted",
                 "unconvertible",
+                blocker="structure",
             )
             return _deepcopy(module)
         finally:
@@ -450,17 +590,82 @@ class _Converter:
         try:
             structure = _Structure(graph_module.graph).build()
         except _UnconvertibleError as exc:
-            self.record(
-                path,
-                name,
-                None,
-                f"{_describe(exc.node)}: {exc.reason}; only chains of layers with skip "
-                "connections x + f(x) or (x + f(x)) / 2 can be converted",
-                "unconvertible",
-                node=exc.node.name,
-            )
+            # list every blocker of this forward at once: its layers and operations without a
+            # certified equivalent first, then the structural reason (unless it is one of them)
+            flagged = self.scan(graph_module, module, path)
+            if exc.node.name not in flagged:
+                self.record(
+                    path,
+                    name,
+                    None,
+                    f"{_describe(exc.node)}: {exc.reason}; only chains of layers with skip "
+                    "connections x + f(x) or (x + f(x)) / 2 can be converted",
+                    "unconvertible",
+                    node=exc.node.name,
+                    blocker="structure",
+                )
             return _deepcopy(module)
         return self.build(structure, module, path)
+
+    def scan_children(self, module: torch.nn.Module, path: str) -> None:
+        """Record the blockers among the children of a module whose forward cannot be traced."""
+        probe = _Converter()
+        for child_name, child in module.named_children():
+            probe.module(child, _join(path, child_name))
+        self.entries.extend(e for e in probe.entries if e.kind == "unconvertible")
+
+    def scan(
+        self, graph_module: torch.fx.GraphModule, owner: torch.nn.Module, path: str
+    ) -> set[str]:
+        """Record every called layer and operation of a traced forward that has no certified
+        equivalent (modules first, then operations); return the names of the flagged nodes.
+
+        Arithmetic (``+``, ``*``, ``/``, their in-place forms) is left to the structural check,
+        which decides whether it is a skip connection; dead values are not counted.
+        """
+        probe = _Converter()  # converts without recording twins into this report
+        flagged: dict[str, list[ConversionEntry]] = {}
+        operations: list[ConversionEntry] = []
+        for node in graph_module.graph.nodes:
+            if not node.users and not _mutates(node):
+                continue
+            if node.op == "call_module":
+                before = len(probe.entries)
+                target = str(node.target)
+                probe.module(owner.get_submodule(target), _join(path, target))
+                found = [e for e in probe.entries[before:] if e.kind == "unconvertible"]
+                if found:
+                    flagged[node.name] = found
+                continue
+            if node.op not in ("call_function", "call_method") or _is_helper(node):
+                continue
+            substitute = _function_module(node)
+            if substitute is not None:
+                before = len(probe.entries)
+                try:
+                    probe.leaf(substitute, path, _describe(node))
+                except (TypeError, ValueError) as exc:
+                    probe.record(path, _describe(node), None, str(exc), "unconvertible")
+                for e in probe.entries[before:]:
+                    if e.kind == "unconvertible":
+                        operations.append(
+                            dataclasses.replace(e, node=node.name, blocker="operation")
+                        )
+                        flagged[node.name] = []
+                continue
+            if _is_arithmetic(node):
+                continue
+            reason = _why_not(node)
+            operations.append(
+                ConversionEntry(
+                    path, _describe(node), None, reason, "unconvertible", node.name, "operation"
+                )
+            )
+            flagged[node.name] = []
+        for found in flagged.values():
+            self.entries.extend(found)
+        self.entries.extend(operations)
+        return set(flagged)
 
     def build(self, items: list[Any], owner: torch.nn.Module, path: str) -> torch.nn.Module:
         out: list[tuple[str, torch.nn.Module | None]] = []
@@ -489,8 +694,11 @@ class _Converter:
                 reason = e.reason
                 if node.target in ("view", "reshape"):
                     reason += " (view/reshape to [batch, -1] is a flatten)"
-                self.entries[i] = ConversionEntry(
-                    e.path, e.original, e.replacement, reason, e.kind, node.name
+                self.entries[i] = dataclasses.replace(
+                    e,
+                    reason=reason,
+                    node=node.name,
+                    blocker="operation" if e.kind == "unconvertible" else None,
                 )
             out.append((node.name, converted))
         return self.sequential(out)
@@ -541,7 +749,14 @@ def _pool_problem(
 
 def _describe(node: torch.fx.Node) -> str:
     target = node.target
+    if node.op == "output":
+        return "the forward"
     if node.op == "call_function":
+        public = next(
+            (k for k, v in vars(F).items() if v is target and not k.startswith("_")), None
+        )
+        if public is not None:
+            return f"call_function torch.nn.functional.{public}"
         qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", str(target))
         module = getattr(target, "__module__", None) or ""
         module = {"torch._C._nn": "torch.nn.functional", "_operator": "operator"}.get(
@@ -569,9 +784,59 @@ def _sig_pool(
     input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, *rest: Any, **kw: Any
 ) -> None: ...
 def _sig_method_unary(self: Any) -> None: ...
+def _sig_leaky(input: Any, negative_slope: float = 0.01, inplace: bool = False) -> None: ...
+def _sig_hardtanh(
+    input: Any, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False
+) -> None: ...
+def _sig_elu(input: Any, alpha: float = 1.0, inplace: bool = False) -> None: ...
+
+
+class _ViewFlatten(torch.nn.Flatten):
+    """``x.view(-1, features)`` (internal: converted to ``Flatten(features=features)``)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.features = features
+
+
+def _activation_module(node: torch.fx.Node) -> torch.nn.Module | None:
+    """LeakyReLU, Hardtanh / ReLU6 and ELU called as functions (``None``: none of them)."""
+    target = node.target
+    if target in _LEAKY:
+        bound = _bind(_sig_leaky, node)
+        return None if bound is None else torch.nn.LeakyReLU(bound.arguments["negative_slope"])
+    if target is F.relu6:
+        return None if _bind(_sig_unary, node) is None else torch.nn.ReLU6()
+    if target in _HARDTANH:
+        bound = _bind(_sig_hardtanh, node)
+        if bound is None:
+            return None
+        return torch.nn.Hardtanh(bound.arguments["min_val"], bound.arguments["max_val"])
+    if target in _ELU:
+        bound = _bind(_sig_elu, node)
+        return None if bound is None else torch.nn.ELU(bound.arguments["alpha"])
+    return None
+
+
+def _view_features(node: torch.fx.Node) -> int | None:
+    """``N`` of ``x.view(-1, N)`` / ``x.reshape(-1, N)`` with a constant ``N`` (else None)."""
+    if node.kwargs or len(node.args) < 2:
+        return None
+    shape = node.args[1:]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    if len(shape) != 2 or shape[0] != -1:
+        return None
+    n = shape[1]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return None
+    return n
 
 
 _RELU = {torch.relu, F.relu, torch.relu_, F.relu_}
+_LEAKY = {F.leaky_relu, F.leaky_relu_}
+_HARDTANH = {F.hardtanh, F.hardtanh_, F.relu6}
+_ELU = {F.elu, F.elu_}
 _TANH = {torch.tanh, F.tanh}
 _SIGMOID = {torch.sigmoid, F.sigmoid}
 _DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout}
@@ -607,6 +872,9 @@ def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
             if target in _RELU:
                 return torch.nn.ReLU()
             return torch.nn.Tanh() if target in _TANH else torch.nn.Sigmoid()
+        activation = _activation_module(node)
+        if activation is not None:
+            return activation
         if target is torch.flatten:
             bound = _bind(_sig_flatten, node)
             if bound is None:
@@ -640,6 +908,9 @@ def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
             return torch.nn.Flatten(bound.arguments["start_dim"], bound.arguments["end_dim"])
         if target in ("view", "reshape") and _batch_flatten_source(node) is not None:
             return torch.nn.Flatten(1, -1)
+        features = _view_features(node) if target in ("view", "reshape") else None
+        if features is not None:
+            return _ViewFlatten(features)
     return None
 
 
@@ -766,8 +1037,10 @@ class _Structure:
             raise _UnconvertibleError(output, "the forward must return a single tensor")
         inputs = [n for n in nodes if n.op == "placeholder" and n.users]
         if len(inputs) != 1:
+            names = ", ".join(n.name for n in inputs)
             raise _UnconvertibleError(
-                output, f"the forward must use exactly one input tensor, it uses {len(inputs)}"
+                output,
+                f"the forward must use exactly one input tensor, it uses {len(inputs)} ({names})",
             )
         items = self.chain(inputs[0], result)
         self.used.add(inputs[0])
@@ -956,7 +1229,13 @@ def _mutates(node: torch.fx.Node) -> bool:
     name = _name(node)
     if name.endswith("_") and not name.endswith("__"):
         return True
-    if node.op == "call_function" and node.target in (*_RELU, F.threshold):
+    if node.op == "call_function" and node.target in (
+        *_RELU,
+        *_LEAKY,
+        *_HARDTANH,
+        *_ELU,
+        F.threshold,
+    ):
         return any(a is True for a in node.args[1:])
     return False
 
@@ -1061,6 +1340,19 @@ def _halved(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+_ARITHMETIC = {
+    "add", "__add__", "__radd__", "iadd", "add_",
+    "sub", "__sub__", "__rsub__", "isub", "sub_",
+    "mul", "__mul__", "__rmul__", "imul", "mul_",
+    "truediv", "__truediv__", "itruediv", "div", "div_",
+}  # fmt: skip
+
+
+def _is_arithmetic(node: torch.fx.Node) -> bool:
+    """``+ - * /`` and their in-place forms: whether they form a skip connection is structural."""
+    return _name(node) in _ARITHMETIC
+
+
 def _why_not(node: torch.fx.Node) -> str:
     target = node.target
     name = str(getattr(target, "__name__", target))
@@ -1087,6 +1379,11 @@ def _why_not(node: torch.fx.Node) -> str:
         return "scales by a constant (no certified rule outside (x + f(x)) / 2)"
     if name in ("sub", "__sub__", "isub", "add", "__add__", "iadd"):
         return "arithmetic other than a skip connection x + f(x)"
+    if target is operator.getitem:
+        return (
+            "indexes a tensor or unpacks a tuple (a layer returning several values, a time step "
+            "or a slice); clipless has no certified indexing"
+        )
     return "no certified clipless equivalent for this operation"
 
 

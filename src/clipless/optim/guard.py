@@ -34,8 +34,9 @@ loop cannot void the guarantee. One step:
    of a batch (weights normalised over the batch, hard-example mining, contrastive or batch-
    statistic terms) is outside the contract and cannot be detected. The guard also checks that the
    weights of every parametric layer (noised or frozen) have not been changed since the forward
-   pass, and warns once when every row's cotangent is at most ``L / B`` (a mean-reduced loss: its
-   gradients are ``B`` times too small).
+   pass. When every row's cotangent is at most ``L / B`` (a mean-reduced loss: its gradients are
+   ``B`` times too small, and the run trains at chance) it raises before the first step (unless
+   ``make_private(..., allow_mean_reduced_loss=True)``) and warns once after it.
 3. :meth:`DPOptimizer.step` refuses a step that is not one private gradient: two backward passes
    through the model since the last step (gradient accumulation: one sample could contribute
    twice), gradients that did not come only from the one guarded backward pass (hooks on every
@@ -90,6 +91,9 @@ from clipless.nn.input import releases_in
 from clipless.nn.validate import _HOOK_KINDS, foreign_hooks
 from clipless.optim.precision import _DENSE_LAYERS, reduced_float32_precision
 from clipless.sampling import PoissonDataLoader
+
+if TYPE_CHECKING:
+    from clipless.accounting import PrivacyLedger
 
 __all__ = ["ContractGuard"]
 
@@ -168,14 +172,15 @@ def _enforce_bound(grad: torch.Tensor, bound: float, owner: ContractGuard) -> to
 
 
 def _mean_warning(largest: float, bound: float, rows: int) -> str | None:
-    """The mean-reduced-loss warning, when every row's cotangent was at most ``L / B``."""
+    """The mean-reduced-loss message, when every row's cotangent was at most ``L / B``."""
     if not 0.0 < largest <= bound / rows * (1.0 + 1e-6):
         return None
     return (
         f"every sample's loss gradient at the model output has norm <= L/B = {bound:.4g}/"
-        f"{rows} (largest {largest:.3g}): the loss looks mean-reduced. Its gradients are "
-        "B times too small for the noise, which is calibrated to one sample's summed loss; "
-        "use reduction='sum' (make_private sets it on the loss it is given)"
+        f"{rows} (largest {largest:.3g}): the loss looks mean-reduced. Its gradients are B "
+        "times too small for the noise, which is calibrated to one sample's summed loss; use "
+        "reduction='sum' (make_private sets it on the loss it is given: backpropagate "
+        "optimizer.loss, not a loss built in the training loop)"
     )
 
 
@@ -261,6 +266,7 @@ class ContractGuard:
 
     # provided by DPOptimizer
     module: torch.nn.Module
+    ledger: PrivacyLedger
     input_shape: tuple[int, ...]
     data_parallel: Any
     _dtype: str
@@ -304,6 +310,9 @@ class ContractGuard:
         # is released (_read_checks): (flags, what a false flag means, the layers behind them)
         self._checks: list[tuple[torch.Tensor, list[str], list[ParametricLipschitzModule]]] = []
         self._warnings: list[tuple[torch.Tensor, float, int]] = []
+        #: ``False`` (default): a loss that looks mean-reduced before the first step is an error
+        #: (it would train at chance); ``True``: a warning (``make_private``'s argument).
+        self.allow_mean_reduced_loss = False
         self._weight_owner: dict[torch.nn.Parameter, ParametricLipschitzModule] = {}
         for layer in module.modules():
             weight = layer._parameters.get("weight")
@@ -861,9 +870,17 @@ class ContractGuard:
                         layers[i].forget_bound()
         for _, bound, rows in warnings_:
             message = _mean_warning(next(flat), bound, rows)
-            if message is not None and not self._mean_warning_given:
-                self._mean_warning_given = True
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            if message is None or self._mean_warning_given:
+                continue
+            # before the first step only a mean-reduced loss gets there: it would train at chance
+            if self.ledger.steps == 0 and not self.allow_mean_reduced_loss:
+                failures.append(
+                    message + "; make_private(..., allow_mean_reduced_loss=True) makes this a "
+                    "warning"
+                )
+                continue
+            self._mean_warning_given = True  # a converged model's gradients can be that small
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
         if failures:
             raise PrivacyContractError(failures[0])
 

@@ -145,7 +145,12 @@ def add_roc_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
     p.add_argument("--score", required=True, help="column of scores (higher = positive)")
-    p.add_argument("--label", required=True, help="column of 0/1 labels")
+    p.add_argument(
+        "--label",
+        required=True,
+        help="column of binary labels: 1, true, yes, y, t (positive) or 0, false, no, n, f "
+        "(negative), any case",
+    )
     p.add_argument("--lower", default="0", help="public lower bound of the grid (default 0)")
     p.add_argument("--upper", default="1", help="public upper bound of the grid (default 1)")
     p.add_argument("--size", default="1024", help="number of grid thresholds (default 1024)")
@@ -339,7 +344,10 @@ def _labels(cells: list[str], arg: str) -> NDArray[np.int64]:
         elif c in _FALSE:
             out[i] = 0
         else:
-            raise BadInputError(f"{arg}: data row {i + 1} is not a 0/1 label")
+            raise BadInputError(
+                f"{arg}: data row {i + 1} ({cell!r}) is not a binary label (1/0, true/false, "
+                "yes/no, y/n, t/f)"
+            )
     return out
 
 

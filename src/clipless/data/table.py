@@ -1,0 +1,192 @@
+"""Your own table (CSV) with a label column, under public per-column transforms.
+
+``clipless train --data FILE.csv --label COL --classes A,B --columns SPEC`` trains on it. Every
+transform is declared, never fitted on the data (a mean, a range or a category list read from
+the private records would be a release of them):
+
+* ``NAME=LO..HI``: a numeric column mapped linearly from ``[LO, HI]`` onto ``[-1, 1]`` and
+  clipped there; a missing value (empty, ``NA``, ``nan``) becomes 0, the middle of the range;
+* ``NAME=A|B|C``: a categorical column one-hot encoded on the declared values; a value outside
+  them (or missing) gives the zero vector.
+
+Columns are separated by ``;``. Columns of the file that are not declared are not used. Each
+declared column contributes at most 1 to a record's squared norm, so ``sqrt(#columns)`` is a
+certified input bound (:func:`max_norm`). The label's values are declared too (``--classes``):
+they decide the model's outputs; a record whose label is not one of them is refused, with its row.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+from clipless.data.registry import DatasetInfo
+
+__all__ = ["Column", "load_table", "max_norm", "parse_classes", "parse_columns"]
+
+_MISSING = {"", "na", "nan", "null", "none", "?"}
+#: Share of the records held out for the test accuracy when no ``--test-data`` is given.
+TEST_FRACTION = 0.2
+#: Seed of that split: public and fixed, so a resumed run gets the same split.
+SPLIT_SEED = 0
+
+
+@dataclass(frozen=True)
+class Column:
+    """One declared column: a numeric range (``low``, ``high``) or a category list."""
+
+    name: str
+    low: float | None = None
+    high: float | None = None
+    categories: tuple[str, ...] = ()
+
+    @property
+    def width(self) -> int:
+        """Number of features it becomes."""
+        return len(self.categories) if self.categories else 1
+
+    def encode(self, value: str) -> list[float]:
+        text = value.strip()
+        if self.categories:
+            return [1.0 if text == c else 0.0 for c in self.categories]
+        if text.lower() in _MISSING:
+            return [0.0]
+        number = float(text)  # ValueError: named with the row by the caller
+        if math.isnan(number):
+            return [0.0]
+        assert self.low is not None and self.high is not None
+        scaled = 2.0 * (number - self.low) / (self.high - self.low) - 1.0
+        return [min(1.0, max(-1.0, scaled))]
+
+    def describe(self) -> str:
+        if self.categories:
+            return f"{self.name}: one-hot on {'|'.join(self.categories)}"
+        return f"{self.name}: [{self.low:g}, {self.high:g}] -> [-1, 1], clipped"
+
+
+def parse_columns(spec: str) -> tuple[Column, ...]:
+    """``"age=17..90;sex=Male|Female"`` -> the declared columns (``ValueError`` if malformed)."""
+    columns: list[Column] = []
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        name, sep, rule = (s.strip() for s in part.partition("="))
+        if not sep or not name or not rule:
+            raise ValueError(f"{part!r} is not NAME=LO..HI or NAME=A|B|...")
+        if any(c.name == name for c in columns):
+            raise ValueError(f"column {name!r} is declared twice")
+        columns.append(_column(name, rule))
+    if not columns:
+        raise ValueError("declares no column")
+    return tuple(columns)
+
+
+def _column(name: str, rule: str) -> Column:
+    if ".." in rule and "|" not in rule:
+        low_text, _, high_text = rule.partition("..")
+        try:
+            low, high = float(low_text), float(high_text)
+        except ValueError:
+            raise ValueError(f"{name}={rule}: LO..HI must be two numbers") from None
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise ValueError(f"{name}={rule}: LO..HI must be finite with LO < HI")
+        return Column(name, low=low, high=high)
+    categories = tuple(c.strip() for c in rule.split("|"))
+    if any(not c for c in categories) or len(set(categories)) != len(categories):
+        raise ValueError(f"{name}={rule}: categories must be distinct and non-empty")
+    return Column(name, categories=categories)
+
+
+def parse_classes(text: str) -> tuple[str, ...]:
+    """``"no,yes"`` -> ``("no", "yes")``: at least two distinct, non-empty values."""
+    classes = tuple(c.strip() for c in text.split(","))
+    if len(classes) < 2 or any(not c for c in classes) or len(set(classes)) != len(classes):
+        raise ValueError(f"must be at least two distinct comma-separated values, got {text!r}")
+    return classes
+
+
+def max_norm(columns: tuple[Column, ...]) -> float:
+    """``sqrt(#columns)``: every column is in ``[-1, 1]`` or has at most one 1."""
+    return math.sqrt(len(columns))
+
+
+def _read(
+    path: Path, label: str, classes: tuple[str, ...], columns: tuple[Column, ...]
+) -> TensorDataset:
+    rows: list[list[float]] = []
+    targets: list[int] = []
+    with path.open(newline="", encoding="utf-8-sig") as handle:  # a BOM (Excel) is skipped
+        reader = csv.DictReader(handle)
+        header = reader.fieldnames or []
+        absent = [c.name for c in columns if c.name not in header]
+        if label not in header:
+            absent.insert(0, label)
+        if absent:
+            raise ValueError(f"{path} has no column {', '.join(map(repr, absent))}")
+        for number, record in enumerate(reader, start=1):
+            value = (record.get(label) or "").strip()
+            if value not in classes:
+                raise ValueError(
+                    f"{path}, data row {number}: label {value!r} is not one of --classes "
+                    f"{','.join(classes)}"
+                )
+            features: list[float] = []
+            for column in columns:
+                try:
+                    features += column.encode(record.get(column.name) or "")
+                except ValueError:
+                    raise ValueError(
+                        f"{path}, data row {number}: column {column.name!r} holds "
+                        f"{record.get(column.name)!r}, not a number"
+                    ) from None
+            rows.append(features)
+            targets.append(classes.index(value))
+    if not rows:
+        raise ValueError(f"{path} holds no data row")
+    return TensorDataset(torch.tensor(rows, dtype=torch.float32), torch.tensor(targets))
+
+
+def load_table(
+    path: str | Path,
+    label: str,
+    classes: tuple[str, ...],
+    columns: tuple[Column, ...],
+    test_path: str | Path | None = None,
+) -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
+    """``(train, test, info)`` from a CSV file (``test_path``: a second file for the test set;
+    otherwise :data:`TEST_FRACTION` of the records, chosen with the public :data:`SPLIT_SEED`)."""
+    if label in {c.name for c in columns}:
+        raise ValueError(f"the label {label!r} is also declared as a feature column")
+    data = _read(Path(path), label, classes, columns)
+    if test_path is not None:
+        train, test = data, _read(Path(test_path), label, classes, columns)
+    else:
+        n = len(data)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
+        cut = n - max(1, round(TEST_FRACTION * n))
+        if cut < 1:
+            raise ValueError(f"{path} has {n} data row(s): too few to hold out a test set")
+        x, y = data.tensors
+        train = TensorDataset(x[order[:cut]], y[order[:cut]])
+        test = TensorDataset(x[order[cut:]], y[order[cut:]])
+    names = tuple(
+        f"{c.name}={v}" if c.categories else c.name for c in columns for v in (c.categories or [""])
+    )
+    info = DatasetInfo(
+        name=f"table:{Path(path).name}",
+        input_shape=(sum(c.width for c in columns),),
+        num_classes=len(classes),
+        class_names=classes,
+        num_train=len(train),
+        num_test=len(test),
+        preprocessing="public per-column transforms: " + "; ".join(c.describe() for c in columns),
+        source=str(path),
+        license="the user's own data",
+        feature_names=names,
+    )
+    return train, test, info
