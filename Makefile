@@ -26,8 +26,13 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 	$(VENV)/bin/ruff format src tests benchmarks
 
+# The second run checks the path a GPU takes (matrix-product certificates, device-side checks) on
+# the CPU: the projection, contract, sensitivity and privacy-hole tests (tests/conftest.py).
 test: lint
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
+	CLIPLESS_TEST_ACCELERATOR_PATH=1 $(PY) -m pytest -q -p no:cacheprovider \
+	  tests/test_constraints.py tests/test_contract.py tests/test_sensitivities.py \
+	  tests/test_step_structure.py tests/test_privacy_holes.py
 
 # The long tests: random SIGKILLs of training runs, reproductions (minutes).
 test-slow: $(STAMP)
