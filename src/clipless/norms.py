@@ -223,10 +223,10 @@ def _gram_bounds(mats: torch.Tensor, iters: int) -> torch.Tensor:
     # rounding not always: the result is the smaller of the two.
     best = torch.full_like(log_scale, math.inf)
     for t in range(iters):
-        c = torch.linalg.vector_norm(h, dim=(-2, -1))
-        c = torch.where(c > 0, c, torch.ones_like(c))
-        log_scale = log_scale + torch.log(c) * (2.0**-t)
-        h = h / c[..., None, None]
+        # a zero matrix (the only one with c below the smallest normal) stays zero
+        c = torch.linalg.vector_norm(h, dim=(-2, -1)).clamp_min_(_TINY)
+        log_scale = torch.add(log_scale, c.log(), alpha=2.0**-t)
+        h = h.div_(c[..., None, None]) if t else h / c[..., None, None]
         h = h.mH @ h
         best = log_scale
     # log(0) = -inf gives a zero bound for a zero matrix, the exact norm
