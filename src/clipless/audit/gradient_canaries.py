@@ -259,7 +259,7 @@ def audit_gradient_canaries(
     steps: int = 1,
     mode: str = "per-sample",
     noise: str = "global",
-    width: int = 64,
+    width: int | None = None,
     records: int = 32,
     confidence: float = 0.95,
     seed: int | None = None,
@@ -269,9 +269,10 @@ def audit_gradient_canaries(
 
     ``mode`` is the scaling mode, ``noise`` the allocation (``"global"`` or ``"per-layer"``);
     ``width`` the audit model's width (three bias-free ``width x width`` layers; ``width^2 >=
-    canaries``); ``records`` the number of ordinary records in every step; ``guesses`` the fixed
-    ``2k`` (default: :func:`planned_guesses`). ``seed`` makes the canaries, their bits, the model
-    and the noise reproducible (default: fresh randomness).
+    canaries``; default: the smallest power of two that holds them); ``records`` the number of
+    ordinary records in every step; ``guesses`` the fixed ``2k`` (default:
+    :func:`planned_guesses`). ``seed`` makes the canaries, their bits, the model and the noise
+    reproducible (default: fresh randomness).
     """
     import secrets
 
@@ -280,6 +281,9 @@ def audit_gradient_canaries(
     from clipless.audit._seeds import independent_seeds
     from clipless.audit.step import _clean_sum
 
+    if width is None:  # the smallest power of two whose square holds the canaries
+        valid = isinstance(canaries, int) and canaries >= 2
+        width = 1 << max(1, math.ceil(math.log2(canaries) / 2)) if valid else 2
     _check(epsilon, delta, canaries, guesses, steps, width, confidence, seed)
     if mode not in _RIGOROUS:
         raise ValueError(
