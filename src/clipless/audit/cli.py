@@ -3,9 +3,12 @@
 Wired into the main ``clipless`` command by :func:`add_audit_parser`. Prints four lines: the
 mechanism, the claimed epsilon, the Gaussian-DP fit of all the scores (estimate and rigorous
 lower bound under the step's Gaussian output model) and the distribution-free empirical lower
-bound with its confidence (:mod:`clipless.audit.step`). Exit status 0 when the claim stands, 1
-when the audit shows it false (exactly, by the canary's contribution, or statistically by the
-distribution-free bound), 2 on bad arguments (one line on stderr naming the argument).
+bound with its confidence (:mod:`clipless.audit.step`). ``--one-run`` runs the one-run audit with
+white-box gradient canaries instead (:mod:`clipless.audit.gradient_canaries`) and prints three
+lines: the mechanism, the claimed epsilon and the one-run lower bound. Exit status 0 when the
+claim stands, 1 when the audit shows it false (exactly, by the canary's contribution, or
+statistically by a lower bound above it), 2 on bad arguments (one line on stderr naming the
+argument).
 """
 
 from __future__ import annotations
@@ -47,6 +50,24 @@ def add_audit_parser(sub: Any) -> None:
         ),
         formatter_class=_HelpFormatter,
     )
+    p.add_argument(
+        "--one-run",
+        action="store_true",
+        help="instead: one run calibrated to --epsilon with white-box gradient canaries and the "
+        "one-run lower bound (Steinke, Nasr and Jagielski 2023, section 6)",
+    )
+    p.add_argument(
+        "--epsilon",
+        type=number("a number in (0, 100)", 0.0, 100.0),
+        default=None,
+        help="with --one-run: the target epsilon the noise is calibrated to (default: 1)",
+    )
+    p.add_argument(
+        "--canaries",
+        type=integer(2, 1 << 22),
+        default=None,
+        help="with --one-run: the number of gradient canaries (default: 4096)",
+    )
     p.add_argument("--mode", choices=AUDIT_MODES, default="per-sample", help="gradient scaling")
     p.add_argument(
         "--allow-unproven",
@@ -57,14 +78,14 @@ def add_audit_parser(sub: Any) -> None:
     p.add_argument(
         "--sigma",
         type=number("a number in [0.001, 1e6)", 1e-3, 1e6, open_low=False),
-        default=2.0,
-        help="noise multiplier",
+        default=None,
+        help="noise multiplier (default: 2; not with --one-run)",
     )
     p.add_argument(
         "--trials",
         type=integer(20, 10_000_000),
-        default=20000,
-        help="releases simulated on each neighbouring dataset",
+        default=None,
+        help="releases simulated on each neighbouring dataset (default: 20000; not with --one-run)",
     )
     p.add_argument(
         "--steps", type=integer(1, 10_000), default=1, help="steps composed (fixed weights)"
@@ -93,8 +114,45 @@ def add_audit_parser(sub: Any) -> None:
     p.set_defaults(func=audit_command)
 
 
+def _usage_error(argument: str, message: str) -> int:
+    print(f"clipless audit: error: argument {argument}: {message}", file=sys.stderr)
+    return 2
+
+
+def _one_run(args: argparse.Namespace) -> int:
+    """``--one-run``: the white-box gradient-canary audit (:mod:`.gradient_canaries`)."""
+    for flag, value in (("--sigma", args.sigma), ("--trials", args.trials), ("--plot", args.plot)):
+        if value is not None:
+            return _usage_error(flag, "not used by --one-run (its noise is set by --epsilon)")
+    if args.mode == "batch-max":
+        return _usage_error(
+            "--mode", "--one-run audits per-sample, bound or threshold (gradient canaries bypass "
+            "batch-max's flaw); audit batch-max without --one-run",
+        )  # fmt: skip
+    from clipless.audit.gradient_canaries import audit_gradient_canaries
+
+    result = audit_gradient_canaries(
+        1.0 if args.epsilon is None else args.epsilon,
+        delta=args.delta,
+        canaries=4096 if args.canaries is None else args.canaries,
+        steps=args.steps,
+        mode=args.mode,
+        noise=args.noise,
+        confidence=args.confidence,
+        seed=args.seed,
+    )
+    for line in result.lines():
+        print(line)
+    return 1 if result.violated else 0
+
+
 def audit_command(args: argparse.Namespace) -> int:
     """Run the audit described by ``args`` and print its report; returns the exit status."""
+    if args.one_run:
+        return _one_run(args)
+    for flag, value in (("--epsilon", args.epsilon), ("--canaries", args.canaries)):
+        if value is not None:
+            return _usage_error(flag, "only with --one-run")
     if args.mode == "batch-max" and not args.allow_unproven:
         print(
             "clipless audit: error: argument --mode: batch-max has no DP proof; add "
@@ -119,8 +177,8 @@ def audit_command(args: argparse.Namespace) -> int:
     result = audit_step(
         args.mode,
         noise=args.noise,
-        noise_multiplier=args.sigma,
-        trials=args.trials,
+        noise_multiplier=2.0 if args.sigma is None else args.sigma,
+        trials=20000 if args.trials is None else args.trials,
         steps=args.steps,
         delta=args.delta,
         confidence=args.confidence,

@@ -26,7 +26,9 @@ same for input-space canaries). It catches only gross violations of a full train
 noise that is essentially not drawn (1000 times too small in the test suite's setting). It does
 **not** detect noise 10 times too small, nor a sample rate that is not applied (every batch the
 whole dataset: true epsilon about 5 against a claim of 1, lower bound 0, measured by an audit
-of this module); :func:`clipless.audit.audit_step` is the sensitive test of the mechanism.
+of this module); :func:`clipless.audit.audit_step` is the sensitive test of the mechanism, and
+:func:`clipless.audit.audit_gradient_canaries` the same one-run bound with white-box gradient
+canaries (their section 6), informative at realistic epsilon.
 
 The canaries and their inclusion bits, the model's initialisation and the mechanism's noise come
 from independent streams derived from ``seed`` (the theorem needs the inclusion bits independent
