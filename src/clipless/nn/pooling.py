@@ -25,6 +25,24 @@ def _check_input(name: str, x: torch.Tensor, kernel_size: tuple[int, int]) -> No
         )
 
 
+def _window(
+    kernel_size: int | tuple[int, int],
+    stride: int | tuple[int, int] | None,
+    padding: int | tuple[int, int],
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """A pooling window's checked ``(kernel_size, stride, padding)`` (stride defaults to the
+    kernel; padding at most half the kernel, as torch's pooling requires)."""
+    kernel = _checks.int_pair("kernel_size", kernel_size, 1)
+    step = kernel if stride is None else _checks.int_pair("stride", stride, 1)
+    pad = _checks.int_pair("padding", padding, 0)
+    if any(2 * p > k for p, k in zip(pad, kernel, strict=True)):
+        raise ValueError(
+            f"padding must be at most half of kernel_size, got padding={pad} for "
+            f"kernel_size={kernel}"
+        )
+    return kernel, step, pad
+
+
 class AvgPool2d(LipschitzModule):
     """Average over ``kh x kw`` windows (default: non-overlapping, stride = kernel, no padding).
 
@@ -49,14 +67,7 @@ class AvgPool2d(LipschitzModule):
         padding: int | tuple[int, int] = 0,
     ) -> None:
         super().__init__()
-        self.kernel_size = _checks.int_pair("kernel_size", kernel_size, 1)
-        self.stride = self.kernel_size if stride is None else _checks.int_pair("stride", stride, 1)
-        self.padding = _checks.int_pair("padding", padding, 0)
-        if any(2 * p > k for p, k in zip(self.padding, self.kernel_size, strict=True)):
-            raise ValueError(
-                f"padding must be at most half of kernel_size, got padding={self.padding} for "
-                f"kernel_size={self.kernel_size}"
-            )
+        self.kernel_size, self.stride, self.padding = _window(kernel_size, stride, padding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input("AvgPool2d", x, self.kernel_size)
@@ -140,14 +151,7 @@ class MaxPool2d(LipschitzModule):
         ceil_mode: bool = False,
     ) -> None:
         super().__init__()
-        self.kernel_size = _checks.int_pair("kernel_size", kernel_size, 1)
-        self.stride = self.kernel_size if stride is None else _checks.int_pair("stride", stride, 1)
-        self.padding = _checks.int_pair("padding", padding, 0)
-        if any(2 * p > k for p, k in zip(self.padding, self.kernel_size, strict=True)):
-            raise ValueError(
-                f"padding must be at most half of kernel_size, got padding={self.padding} for "
-                f"kernel_size={self.kernel_size}"
-            )
+        self.kernel_size, self.stride, self.padding = _window(kernel_size, stride, padding)
         if not isinstance(ceil_mode, bool):
             raise TypeError(f"ceil_mode must be True or False, got {ceil_mode!r}")
         self.ceil_mode = ceil_mode
