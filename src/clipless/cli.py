@@ -1456,7 +1456,7 @@ def _run_train(args: argparse.Namespace) -> int:
             "options": options,
             **{k: v for k, v in run_config.items() if k != "resumed"},
         }
-        atomic_write(out / RUN_CONFIG_NAME, json.dumps(saved_config, indent=2) + "\n")
+        atomic_write(out / RUN_CONFIG_NAME, json.dumps(saved_config, indent=2) + "\n", mode=0o600)
     test_loader = DataLoader(test, batch_size=1024)
     if not args.quiet:
         print(
@@ -1517,7 +1517,7 @@ def _run_train(args: argparse.Namespace) -> int:
         on_epoch_end=on_epoch_end,
     )
     assert engine.ledger is not None
-    engine.ledger.to_json(out / "ledger.json")
+    engine.ledger.to_json(out / "ledger.json", mode=0o600)
     metrics = result.to_dict()
     metrics["config"] = {**metrics["config"], **run_config}
     write_metrics(metrics, out / "metrics.json")
@@ -1545,7 +1545,8 @@ def _run_train(args: argparse.Namespace) -> int:
         "delta": result.delta,
     }
     # atomically: a run killed while saving keeps its previous model.pt (or none), never a torn one
-    atomic_write_with(out / "model.pt", lambda handle: torch.save(model_file, handle))
+    # owner-only like every file of the run (docs/cli.md): publishing is the user's decision
+    atomic_write_with(out / "model.pt", lambda handle: torch.save(model_file, handle), mode=0o600)
     plot_training(result, out / "training.png")
     from clipless._robustness_cli import train_robustness
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,7 @@ def test_quantiles_command_prints_and_writes_the_release(
     assert header == ["level", "quantile"]
     np.testing.assert_array_equal(rows[:, 0], [0.1, 0.5, 0.9])
     np.testing.assert_array_equal(rows[:, 1], ref.values)
+    assert stat.S_IMODE((out / "quantiles.csv").stat().st_mode) == 0o600  # as every output
     printed = capsys.readouterr().out
     assert " ".join(f"q{q:g}={v:.6g}" for q, v in ref.to_dict().items()) in printed
     assert "0.5-DP under replace-one" in printed
@@ -83,6 +85,7 @@ def test_hl_command_prints_and_writes_the_release(
     header, rows = read_rows(out / "hl.csv")
     assert header == list(ref.to_dict())
     np.testing.assert_array_equal(rows, np.column_stack(list(ref.to_dict().values())))
+    assert stat.S_IMODE((out / "hl.csv").stat().st_mode) == 0o600
     printed = capsys.readouterr().out
     assert f"H={ref.statistic:.6g} dof=6 p={ref.p_value:.4g} (plug-in)" in printed
     assert f"p={ref.noise_aware_p_value():.4g} (noise-aware)" in printed

@@ -580,11 +580,13 @@ class PrivacyLedger:
                 raise ValueError(f"malformed privacy ledger: releases[{i}]: {exc}") from exc
         return ledger
 
-    def to_json(self, path: str | os.PathLike[str]) -> None:
+    def to_json(self, path: str | os.PathLike[str], *, mode: int | None = None) -> None:
         """Write the ledger to ``path`` atomically (temp file in the same directory, fsync,
-        ``os.replace``): a crash leaves either the old file or the new one, never a torn one."""
+        ``os.replace``): a crash leaves either the old file or the new one, never a torn one.
+        ``mode``: the file's permissions (default: what ``open`` gives under the umask;
+        ``clipless train`` and ``fit`` pass ``0o600``, like every file of a run)."""
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
-        atomic_write(path, text)
+        atomic_write(path, text, mode=mode)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> PrivacyLedger:

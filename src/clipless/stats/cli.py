@@ -443,11 +443,12 @@ def _labels(cells: list[str], arg: str) -> NDArray[np.int64]:
 
 
 def _save(fig: Any, path: Path) -> None:
-    """Write the figure atomically (a killed run leaves the old file or the new one)."""
+    """Write the figure atomically (a killed run leaves the old file or the new one), owner-only
+    like every output (docs/cli.md: publishing a release is the user's decision)."""
     from clipless._io import atomic_write_with
 
     fig.tight_layout()
-    atomic_write_with(path, lambda handle: fig.savefig(handle, format="png", dpi=120))
+    atomic_write_with(path, lambda handle: fig.savefig(handle, format="png", dpi=120), mode=0o600)
 
 
 def _write_csv(path: Path, header: list[str], rows: Any) -> None:
@@ -458,7 +459,7 @@ def _write_csv(path: Path, header: list[str], rows: Any) -> None:
     writer = csv.writer(buffer, lineterminator="\r\n")
     writer.writerow(header)
     writer.writerows(rows)
-    atomic_write(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue(), mode=0o600)
 
 
 def _guarantee(eps: float, nb: str) -> str:
