@@ -201,8 +201,9 @@ class DPECDF:
         """``values -+ z sd``, the sd of the noise in :attr:`counts` divided by :attr:`n`.
 
         Post-processing: it reads only the public :attr:`variance` and released values. A
-        noise-only band: it ignores the smoothing (which can only shrink the error of the
-        isotonic projection) and, under add/remove, the noise in the released normaliser.
+        noise-only band: it ignores the smoothing (the unweighted isotonic projection of the
+        ``k``-ary tree cannot increase the error) and, under add/remove, the noise in the
+        released normaliser.
         """
         if not math.isfinite(z) or z < 0:
             raise ValueError(f"z must be a finite number >= 0, got {z!r}")
