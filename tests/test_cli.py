@@ -21,7 +21,15 @@ from clipless.data import images as images_mod
 def test_help_documents_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for word in ("train", "data", "ecdf", "roc", "--epsilon 1.0 --delta 1e-5"):
+    for word in (
+        "train",
+        "data",
+        "ecdf",
+        "roc",
+        "quantiles",
+        "Hosmer-Lemeshow",
+        "--epsilon 1.0 --delta 1e-5",
+    ):
         assert word in out
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
