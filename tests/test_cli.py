@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,15 @@ from clipless.data import images as images_mod
 def test_help_documents_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for word in ("train", "data", "ecdf", "roc", "--epsilon 1.0 --delta 1e-5"):
+    for word in (
+        "train",
+        "data",
+        "ecdf",
+        "roc",
+        "quantiles",
+        "Hosmer-Lemeshow",
+        "--epsilon 1.0 --delta 1e-5",
+    ):
         assert word in out
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
@@ -112,6 +121,18 @@ def test_train_runs_and_writes_everything(
     assert ledger.epsilon(1e-5) <= 1.0
     model = load_trained_model(out / "model.pt")
     assert model(torch.zeros(3, 30)).shape == (3, 2)
+    # every file of the run is owner-only: train metrics are not DP releases, and publishing
+    # the model (a DP release) is the user's decision (docs/cli.md)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {"model.pt", "ledger.json", "config.json", "checkpoint.pt"} <= {p.name for p in files}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o600 for p in files}
+    # training.png plots the loss: its panel holds metrics.json's train and test losses
+    from clipless.training import training_figure
+
+    loss_panel = training_figure(metrics).axes[0]
+    assert loss_panel.get_title() == "loss"
+    plotted = [list(line.get_ydata()) for line in loss_panel.lines]
+    assert plotted == [[r[k] for r in metrics["history"]] for k in ("train_loss", "test_loss")]
     # resuming a finished run takes no further step and keeps the ledger
     assert main([*argv, "--resume"]) == 0
     assert PrivacyLedger.from_json(out / "ledger.json").to_dict() == ledger.to_dict()

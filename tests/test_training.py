@@ -358,6 +358,24 @@ def test_metrics_files_and_plot(tmp_path: Path) -> None:
     png = plot_training(data, tmp_path / "training.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_training(result, tmp_path / "again.png").stat().st_size > 1000
+    _check_training_figure(data)
+
+
+def _check_training_figure(data: dict[str, Any]) -> None:
+    """training.png's panels hold the history's loss, accuracy and epsilon, point by point."""
+    from clipless.training import training_figure
+
+    history = data["history"]
+    epochs = [r.get("epoch_progress", r["epoch"]) for r in history]
+    ax_loss, ax_acc, ax_eps = training_figure(data).axes
+    for ax, name in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+        assert ax.get_title() == name
+        train, test = ax.lines
+        assert list(train.get_xdata()) == epochs and list(test.get_xdata()) == epochs
+        assert list(train.get_ydata()) == [r[f"train_{name}"] for r in history]
+        assert list(test.get_ydata()) == [r[f"test_{name}"] for r in history]
+        assert "not a DP release" in train.get_label()
+    assert list(ax_eps.lines[0].get_ydata()) == [r["epsilon"] for r in history]
 
 
 def test_empty_poisson_batches_still_step() -> None:

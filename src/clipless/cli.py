@@ -2,7 +2,7 @@
 
 ``clipless train``  trains a Lipschitz model with clipless DP-SGD on a registered dataset,
 ``clipless data``   lists datasets and fetches them into the cache (``docs/data.md``),
-``clipless ecdf`` / ``clipless roc`` release DP statistics (:mod:`clipless.stats`),
+``clipless ecdf`` / ``roc`` / ``quantiles`` / ``hl`` release DP statistics (:mod:`clipless.stats`),
 ``clipless audit``  attacks one private training step (:mod:`clipless.audit`).
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for bad arguments (the message names the
@@ -132,6 +132,8 @@ examples:
   clipless data fetch fashion-mnist                  (populate $CLIPLESS_DATA / ~/.cache/clipless)
   clipless ecdf --help
   clipless roc --help
+  clipless quantiles data.csv --column age --lower 0 --upper 100 --size 101 --epsilon 1 --out q
+  clipless hl preds.csv --probability p --label y --epsilon 1 --out hl
   clipless federated simulate --owners 20 --servers 2 --protocol fss --size 16 --epsilon 1
 
 Privacy: the reported epsilon is for the Poisson-subsampled Gaussian mechanism accounted by the
@@ -662,19 +664,27 @@ def _add_data_parser(sub: Any) -> None:
 
 
 def _add_stats_parsers(sub: Any) -> None:
-    """``ecdf`` and ``roc`` come from :mod:`clipless.stats.cli` (imported here, lazily)."""
+    """``ecdf``, ``roc``, ``quantiles`` and ``hl`` come from :mod:`clipless.stats.cli`
+    (imported here, lazily)."""
     import importlib
 
     try:
         stats_cli = importlib.import_module("clipless.stats.cli")
     except ImportError as exc:  # pragma: no cover - depends on the stats package being present
         reason = f"clipless.stats.cli is not available ({exc})"
-        for name, what in (("ecdf", "DP empirical CDF"), ("roc", "DP ROC curve and AUC")):
+        for name, what in (
+            ("ecdf", "DP empirical CDF"),
+            ("roc", "DP ROC curve and AUC"),
+            ("quantiles", "DP quantiles"),
+            ("hl", "DP Hosmer-Lemeshow test"),
+        ):
             p = sub.add_parser(name, help=f"{what} (unavailable: {reason})")
             p.set_defaults(func=_unavailable(reason))
         return
     stats_cli.add_ecdf_parser(sub)
     stats_cli.add_roc_parser(sub)
+    stats_cli.add_quantiles_parser(sub)
+    stats_cli.add_hl_parser(sub)
     # federated DP-ECDF: simulate / serve / owner / dealer
     importlib.import_module("clipless.federated.cli").add_federated_parser(sub)
 
@@ -1446,7 +1456,7 @@ def _run_train(args: argparse.Namespace) -> int:
             "options": options,
             **{k: v for k, v in run_config.items() if k != "resumed"},
         }
-        atomic_write(out / RUN_CONFIG_NAME, json.dumps(saved_config, indent=2) + "\n")
+        atomic_write(out / RUN_CONFIG_NAME, json.dumps(saved_config, indent=2) + "\n", mode=0o600)
     test_loader = DataLoader(test, batch_size=1024)
     if not args.quiet:
         print(
@@ -1507,7 +1517,7 @@ def _run_train(args: argparse.Namespace) -> int:
         on_epoch_end=on_epoch_end,
     )
     assert engine.ledger is not None
-    engine.ledger.to_json(out / "ledger.json")
+    engine.ledger.to_json(out / "ledger.json", mode=0o600)
     metrics = result.to_dict()
     metrics["config"] = {**metrics["config"], **run_config}
     write_metrics(metrics, out / "metrics.json")
@@ -1535,7 +1545,8 @@ def _run_train(args: argparse.Namespace) -> int:
         "delta": result.delta,
     }
     # atomically: a run killed while saving keeps its previous model.pt (or none), never a torn one
-    atomic_write_with(out / "model.pt", lambda handle: torch.save(model_file, handle))
+    # owner-only like every file of the run (docs/cli.md): publishing is the user's decision
+    atomic_write_with(out / "model.pt", lambda handle: torch.save(model_file, handle), mode=0o600)
     plot_training(result, out / "training.png")
     from clipless._robustness_cli import train_robustness
 

@@ -109,6 +109,7 @@ __all__ = [
     "per_sample",
     "plot_training",
     "save_checkpoint",
+    "training_figure",
     "training_loss",
     "write_metrics",
 ]
@@ -348,10 +349,20 @@ def write_metrics(result: FitResult | Mapping[str, Any], path: PathLike) -> tupl
 def plot_training(
     metrics: FitResult | Mapping[str, Any] | Sequence[Mapping[str, Any]], path: PathLike
 ) -> Path:
-    """PNG with accuracy (train, test) and epsilon against epochs (matplotlib, Agg canvas).
+    """PNG with the loss and accuracy (train, test) and epsilon against epochs (Agg canvas).
 
     ``metrics`` is a :class:`FitResult`, a ``metrics.json`` dictionary, or a history list.
+    Written owner-only (``0o600``) like every file of a run (``docs/cli.md``).
     """
+    fig = training_figure(metrics)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_with(target, lambda handle: fig.savefig(handle, format="png"), mode=0o600)
+    return target
+
+
+def training_figure(metrics: FitResult | Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Any:
+    """The :func:`plot_training` figure (a matplotlib ``Figure``): loss, accuracy, epsilon."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -362,25 +373,11 @@ def plot_training(
     else:
         history = metrics
     epochs = [r.get("epoch_progress", r.get("epoch")) for r in history]
-    fig = Figure(figsize=(9.0, 3.6), dpi=110)
+    fig = Figure(figsize=(13.0, 3.6), dpi=110)
     FigureCanvasAgg(fig)
-    ax_acc, ax_eps = fig.subplots(1, 2)
-    for key, label, style in (
-        ("train_accuracy", "train (running; not a DP release)", "--"),
-        ("test_accuracy", "test", "-"),
-    ):
-        points = [
-            (e, r[key]) for e, r in zip(epochs, history, strict=True) if r.get(key) is not None
-        ]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            ax_acc.plot(xs, ys, style, marker="o", markersize=3, label=label)
-    ax_acc.set_xlabel("epoch")
-    ax_acc.set_ylabel("accuracy")
-    ax_acc.set_title("accuracy")
-    ax_acc.grid(alpha=0.3)
-    if ax_acc.lines:
-        ax_acc.legend(loc="lower right", fontsize=8)
+    ax_loss, ax_acc, ax_eps = fig.subplots(1, 3)
+    for ax, name in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+        _train_test_panel(ax, name, epochs, history)
     points = [
         (e, r["epsilon"])
         for e, r in zip(epochs, history, strict=True)
@@ -402,10 +399,31 @@ def plot_training(
     if ax_eps.lines:
         ax_eps.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_with(target, lambda handle: fig.savefig(handle, format="png"), mode=0o600)
-    return target
+    return fig
+
+
+def _train_test_panel(
+    ax: Any, name: str, epochs: Sequence[Any], history: Sequence[Mapping[str, Any]]
+) -> None:
+    """``train_<name>`` (running, on the private data) and ``test_<name>`` against epochs."""
+    for key, label, style in (
+        (f"train_{name}", "train (running; not a DP release)", "--"),
+        (f"test_{name}", "test", "-"),
+    ):
+        points = [
+            (e, r[key])
+            for e, r in zip(epochs, history, strict=True)
+            if r.get(key) is not None and math.isfinite(r[key])
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, style, marker="o", markersize=3, label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(name)
+    ax.set_title(name)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(loc="upper right" if name == "loss" else "lower right", fontsize=8)
 
 
 # ------------------------------------------------------------------------------- evaluation
@@ -599,7 +617,7 @@ def _write_ledger(engine: PrivacyEngine, path: Path) -> None:
     if on_disk is not None and on_disk.records_more_than(ledger):
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    ledger.to_json(path)
+    ledger.to_json(path, mode=0o600)
 
 
 def _validate(

@@ -87,6 +87,24 @@ def test_ledger_json_round_trip(tmp_path: os.PathLike[str]) -> None:
     assert os.listdir(os.fspath(tmp_path)) == ["ledger.json"]
 
 
+def test_ledger_to_json_mode_is_given_or_kept(tmp_path: os.PathLike[str]) -> None:
+    """clipless train writes the ledger 0600; the optimizer's per-step rewrites keep that."""
+    import stat
+
+    ledger = _ledger()
+    ledger.record(1.0, 0.01)
+    path = os.path.join(os.fspath(tmp_path), "ledger.json")
+    ledger.to_json(path, mode=0o600)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    ledger.record(1.0, 0.01)
+    ledger.to_json(path)  # no mode: the replaced file's
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    os.chmod(path, 0o640)
+    ledger.to_json(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    assert PrivacyLedger.from_json(path).steps == 2
+
+
 def test_ledger_to_json_failure_keeps_old_file(tmp_path: os.PathLike[str]) -> None:
     path = os.path.join(os.fspath(tmp_path), "ledger.json")
     ledger = _ledger()

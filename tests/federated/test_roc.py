@@ -99,6 +99,21 @@ def test_federated_roc_noiseless_auc_matches_central() -> None:
     assert np.allclose(fed.curve()[1], tpr, atol=1e-9)
 
 
+def test_federated_roc_returns_a_named_result_that_still_unpacks() -> None:
+    from clipless.federated import FederatedROC
+
+    scores, labels = _data(2, owners=5)
+    grid = Grid(0, 1, size=16)
+    out = federated_roc(scores, labels, grid, 1.0, protocol="shares", servers=3)
+    assert isinstance(out, FederatedROC)
+    curve, ustat = out
+    assert curve is out.roc and ustat is out.ustat
+    assert out.traffic is ustat.traffic and out.traffic.owners > 0
+    assert out.noise_keys == ustat.noise_keys and out.servers == 3
+    assert out.noise_sharing == "dealer"
+    assert out.auc() == curve.auc()
+
+
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="labels"):
         federated_roc([[0.5]], [[2]], Grid(0, 1, size=4), 1.0)

@@ -41,3 +41,28 @@ def test_bad_levels():
         quantiles([1.0, 2.0], [1.0, 2.0], [1.5], 1.0)
     with pytest.raises(ValueError, match="non-empty"):
         quantiles([1.0, 2.0], [1.0, 2.0], [], 1.0)
+
+
+def test_repr_shows_the_released_values_and_guarantee():
+    r = quantiles(range(1, 101), Grid(1, 100, size=100), [0.25, 0.5], 2.0, rng=seeded_rng(3))
+    text = repr(r)
+    assert text == str(r)
+    expected = ", ".join(f"{q!r}: {float(v)!r}" for q, v in zip([0.25, 0.5], r.values, strict=True))
+    assert text == (
+        f"QuantileRelease({{{expected}}}, epsilon={r.cdf.epsilon!r}, neighbouring='replace_one')"
+    )
+    assert r.to_dict() == {0.25: float(r.values[0]), 0.5: float(r.values[1])}
+
+
+def test_rank_error_accepts_a_quantile_release():
+    values = np.random.default_rng(4).integers(1, 1025, 300).astype(float)
+    qs = [0.1, 0.5, 0.9]
+    r = quantiles(values, Grid(1, 1024, size=1024), qs, 0.05, rng=seeded_rng(5))
+    expected = rank_error(values, r.values, qs)
+    assert expected.max() > 0  # at epsilon 0.05 the release is not exact, so the test can fail
+    np.testing.assert_array_equal(rank_error(values, r), expected)
+    np.testing.assert_array_equal(rank_error(values, r, qs), expected)
+    with pytest.raises(ValueError, match="qs: must be omitted or equal"):
+        rank_error(values, r, [0.1, 0.5, 0.8])
+    with pytest.raises(TypeError, match="qs: required"):
+        rank_error(values, r.values)

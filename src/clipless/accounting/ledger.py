@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import math
 import os
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -580,11 +582,17 @@ class PrivacyLedger:
                 raise ValueError(f"malformed privacy ledger: releases[{i}]: {exc}") from exc
         return ledger
 
-    def to_json(self, path: str | os.PathLike[str]) -> None:
+    def to_json(self, path: str | os.PathLike[str], *, mode: int | None = None) -> None:
         """Write the ledger to ``path`` atomically (temp file in the same directory, fsync,
-        ``os.replace``): a crash leaves either the old file or the new one, never a torn one."""
+        ``os.replace``): a crash leaves either the old file or the new one, never a torn one.
+        ``mode``: the file's permissions (default: those of the file it replaces, else what
+        ``open`` gives under the umask; ``clipless train`` and ``fit`` pass ``0o600``, like
+        every file of a run, and the optimizer's per-step writes then keep it)."""
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
-        atomic_write(path, text)
+        if mode is None:
+            with contextlib.suppress(OSError):
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+        atomic_write(path, text, mode=mode)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> PrivacyLedger:

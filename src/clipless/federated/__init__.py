@@ -31,7 +31,7 @@ from clipless.federated.ustat import NoiseDealer, ShareServer, Traffic, UStat, c
 
 if TYPE_CHECKING:
     from clipless.federated.ecdf import FederatedECDF, federated_ecdf, noise_parameter
-    from clipless.federated.roc import federated_roc
+    from clipless.federated.roc import FederatedROC, federated_roc
 
 
 def __getattr__(name: str) -> Any:
@@ -41,16 +41,17 @@ def __getattr__(name: str) -> Any:
         from clipless.federated import ecdf
 
         return getattr(ecdf, name)
-    if name == "federated_roc":
+    if name in ("FederatedROC", "federated_roc"):
         from clipless.federated import roc
 
-        return roc.federated_roc
+        return getattr(roc, name)
     raise AttributeError(f"module 'clipless.federated' has no attribute {name!r}")
 
 
 __all__ = [
     "AesCtrRandom",
     "FederatedECDF",
+    "FederatedROC",
     "NodeNoise",
     "NoiseDealer",
     "ShareServer",

@@ -28,6 +28,7 @@ Whole-grid release only (the curve needs every threshold). Over TCP:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
@@ -42,14 +43,49 @@ from clipless.federated.ecdf import (
     tree_query,
 )
 from clipless.federated.noise import TAG_SHIFT, node_ids, tree_context
-from clipless.federated.ustat import NoiseSharing, UStat, _unique_nodes, combine
+from clipless.federated.ustat import NoiseSharing, Traffic, UStat, _unique_nodes, combine
 from clipless.stats.ecdf import Smoothing, _as_grid
 from clipless.stats.grid import Grid, tree_depth
 from clipless.stats.noise import to_fraction
 from clipless.stats.roc import DPROC
 from clipless.stats.tree import Neighbouring, NoiseKind
 
-__all__ = ["federated_roc", "prefix_dcf_keys", "prefix_dcf_shares"]
+__all__ = ["FederatedROC", "federated_roc", "prefix_dcf_keys", "prefix_dcf_shares"]
+
+
+class FederatedROC(NamedTuple):
+    """The output of :func:`federated_roc`: the released curve and the run that made it.
+
+    A named pair, so ``curve, ustat = federated_roc(...)`` keeps working; the attributes
+    mirror :class:`~clipless.federated.FederatedECDF` (``traffic``, ``noise_keys``, ...).
+    """
+
+    roc: DPROC
+    ustat: UStat
+
+    @property
+    def traffic(self) -> Traffic:
+        """Payload bytes per role of the in-process run."""
+        return self.ustat.traffic
+
+    @property
+    def noise_keys(self) -> list[bytes]:
+        """The caller's noise keys (before they are bound to this tree)."""
+        return list(self.ustat.noise_keys)
+
+    @property
+    def servers(self) -> int:
+        """The number of servers."""
+        return int(self.ustat.servers)
+
+    @property
+    def noise_sharing(self) -> NoiseSharing:
+        """``"dealer"`` or ``"distributed"``."""
+        return self.ustat.noise_sharing
+
+    def auc(self) -> float:
+        """The released curve's AUC (:meth:`~clipless.stats.DPROC.auc`)."""
+        return self.roc.auc()
 
 
 def federated_roc(
@@ -67,13 +103,14 @@ def federated_roc(
     noise_keys: Sequence[bytes] | None = None,
     noise: NoiseKind = "laplace",
     rho: float | None = None,
-) -> tuple[DPROC, UStat]:
+) -> FederatedROC:
     """The ROC release of :func:`clipless.stats.roc`, federated: ``epsilon``-DP with discrete
     Laplace noise, or ``rho``-zCDP with ``noise="gaussian"`` (``epsilon=None``), split between
     the classes as :func:`clipless.stats.roc` does.
 
-    Returns the :class:`~clipless.stats.DPROC` and the :class:`UStat` (its ``traffic`` and
-    ``noise_keys``).
+    Returns a :class:`FederatedROC`: the :class:`~clipless.stats.DPROC` (``.roc``) and the
+    :class:`UStat` (``.ustat``, its ``traffic`` and ``noise_keys``); it still unpacks as the
+    pair ``(roc, ustat)``.
     """
     if protocol not in ("local", "shares", "fss"):
         raise ValueError(f"protocol must be 'local', 'shares' or 'fss', got {protocol!r}")
@@ -154,7 +191,7 @@ def federated_roc(
         neighbouring=neighbouring,
         smoothing=smoothing,
     )
-    return result, ustat
+    return FederatedROC(result, ustat)
 
 
 def _fss_roc(

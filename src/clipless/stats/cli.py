@@ -1,10 +1,12 @@
-"""``clipless ecdf`` and ``clipless roc``: DP ECDF and DP ROC curves of a CSV column.
+"""``clipless ecdf``, ``roc``, ``quantiles`` and ``hl``: DP statistics of CSV columns.
 
 Wiring (done in the main ``clipless`` command)::
 
     sub = parser.add_subparsers(dest="command", required=True)
     add_ecdf_parser(sub)
     add_roc_parser(sub)
+    add_quantiles_parser(sub)
+    add_hl_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
@@ -33,19 +35,33 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless.stats.calibration import hosmer_lemeshow
 from clipless.stats.counting import MAX_BRANCHING as _MAX_BRANCHING
 from clipless.stats.ecdf import ecdf
 from clipless.stats.grid import Grid
 from clipless.stats.noise import secure_rng, seeded_rng
+from clipless.stats.quantiles import quantiles
 from clipless.stats.roc import roc
 
 _MAX_SIZE = 10**8  # clipless.stats.Grid's largest grid
 
 if TYPE_CHECKING:
+    from clipless.stats.calibration import Binning, Split
+    from clipless.stats.counting import Mechanism
     from clipless.stats.ecdf import Smoothing
     from clipless.stats.tree import Neighbouring
 
-__all__ = ["add_ecdf_parser", "add_roc_parser", "ecdf_command", "main", "roc_command"]
+__all__ = [
+    "add_ecdf_parser",
+    "add_hl_parser",
+    "add_quantiles_parser",
+    "add_roc_parser",
+    "ecdf_command",
+    "hl_command",
+    "main",
+    "quantiles_command",
+    "roc_command",
+]
 
 _NEIGHBOURING = {
     "replace_one": "replace_one",
@@ -67,12 +83,21 @@ class BadInputError(ValueError):
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    _budget_args(p)
+    _release_args(p)
+    _output_args(p)
+
+
+def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", required=True, help="privacy budget (> 0), pure epsilon-DP")
     p.add_argument(
         "--neighbouring",
         default="replace_one",
         help="replace_one (n public, default) or add_remove",
     )
+
+
+def _release_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--smoothing",
         default="isotonic",
@@ -95,6 +120,9 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="k for --mechanism k-ary, 2 to 65536 (default: the exact optimum for --size and "
         "epsilon)",
     )
+
+
+def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", default=None, help="reproducible, NOT secure noise (tests only)")
     p.add_argument(
         "--out",
@@ -159,6 +187,66 @@ def add_roc_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def add_quantiles_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``quantiles`` to an ``argparse`` sub-parser collection; returns the new parser."""
+    p = subparsers.add_parser(
+        "quantiles",
+        help="DP quantiles of a CSV column, any number for one budget (writes quantiles.csv)",
+        description="Release DP quantiles of one numeric CSV column: one DP CDF on a public "
+        "grid (as clipless ecdf), inverted at every requested level (post-processing, so the "
+        "budget does not depend on the number of levels; clipless.stats.quantiles).",
+    )
+    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
+    p.add_argument("--column", required=True, help="name of the numeric column")
+    p.add_argument("--lower", required=True, help="public lower bound of the grid")
+    p.add_argument("--upper", required=True, help="public upper bound of the grid")
+    p.add_argument("--size", required=True, help="number of grid thresholds (2 to 10**8)")
+    p.add_argument(
+        "--levels",
+        default="0.25,0.5,0.75",
+        help="comma-separated levels in [0, 1] (default 0.25,0.5,0.75)",
+    )
+    _common(p)
+    p.set_defaults(func=quantiles_command)
+    return p
+
+
+def add_hl_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``hl`` to an ``argparse`` sub-parser collection; returns the new parser."""
+    p = subparsers.add_parser(
+        "hl",
+        help="DP Hosmer-Lemeshow calibration test of predicted probabilities (writes hl.csv)",
+        description="Release a DP Hosmer-Lemeshow test (thesis Algorithm 10, "
+        "clipless.stats.hosmer_lemeshow): the noisy group table, the statistic, the plug-in "
+        "p-value and a noise-aware p-value (post-processing).",
+    )
+    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
+    p.add_argument(
+        "--probability", required=True, help="column of predicted probabilities in [0, 1]"
+    )
+    p.add_argument(
+        "--label",
+        required=True,
+        help="column of binary labels: 1, true, yes, y, t (positive) or 0, false, no, n, f "
+        "(negative), any case",
+    )
+    p.add_argument("--groups", default="10", help="number of groups Q, 3 to 65536 (default 10)")
+    p.add_argument(
+        "--binning",
+        default="quantile",
+        help="quantile (default: DP deciles of risk, thesis) or uniform (public bins q/Q)",
+    )
+    p.add_argument(
+        "--split",
+        default="thesis",
+        help="thesis (default, Theorem 6.5.1) or tight (the exact sensitivity of the table)",
+    )
+    _budget_args(p)
+    _output_args(p)
+    p.set_defaults(func=hl_command)
+    return p
+
+
 # --------------------------------------------------------------------------------------------
 # argument checks
 # --------------------------------------------------------------------------------------------
@@ -186,25 +274,30 @@ def _int(value: str, name: str, minimum: int) -> int:
     return out
 
 
-def _options(args: argparse.Namespace) -> tuple[float, Neighbouring, Smoothing | None, Any]:
+def _budget(args: argparse.Namespace) -> tuple[float, Neighbouring, Any]:
     eps = _real(args.epsilon, "--epsilon", positive=True)
     nb = _NEIGHBOURING.get(str(args.neighbouring))
     if nb is None:
         raise BadInputError(
             f"--neighbouring: must be replace_one or add_remove, got {args.neighbouring!r}"
         )
-    smoothing = str(args.smoothing).lower()
-    if smoothing not in ("none", "isotonic", "l1", "l2"):
-        raise BadInputError(
-            f"--smoothing: must be isotonic, l1, l2 or none, got {args.smoothing!r}"
-        )
     if args.seed is None:
         rng = secure_rng()
     else:
         rng = seeded_rng(_int(args.seed, "--seed", minimum=0))
         print("note: --seed gives reproducible, non-secure noise (for tests)", file=sys.stderr)
+    return eps, cast("Neighbouring", nb), rng
+
+
+def _options(args: argparse.Namespace) -> tuple[float, Neighbouring, Smoothing | None, Any]:
+    smoothing = str(args.smoothing).lower()
+    if smoothing not in ("none", "isotonic", "l1", "l2"):
+        raise BadInputError(
+            f"--smoothing: must be isotonic, l1, l2 or none, got {args.smoothing!r}"
+        )
+    eps, nb, rng = _budget(args)
     chosen = None if smoothing == "none" else cast("Smoothing", smoothing)
-    return eps, cast("Neighbouring", nb), chosen, rng
+    return eps, nb, chosen, rng
 
 
 def _mechanism(args: argparse.Namespace) -> tuple[str, int | None]:
@@ -226,18 +319,16 @@ def _mechanism(args: argparse.Namespace) -> tuple[str, int | None]:
     return mech, k
 
 
-def _levels(value: str) -> NDArray[np.float64]:
+def _levels(value: str, name: str = "--quantiles") -> NDArray[np.float64]:
     items = str(value).split(",")
     if any(not v.strip() for v in items):
-        raise BadInputError(f"--quantiles: expected comma-separated numbers, got {value!r}")
+        raise BadInputError(f"{name}: expected comma-separated numbers, got {value!r}")
     try:
         out = np.array([float(v) for v in items], dtype=np.float64)
     except ValueError:
-        raise BadInputError(
-            f"--quantiles: expected comma-separated numbers, got {value!r}"
-        ) from None
+        raise BadInputError(f"{name}: expected comma-separated numbers, got {value!r}") from None
     if out.size == 0 or not np.all(np.isfinite(out)) or np.any((out < 0) | (out > 1)):
-        raise BadInputError(f"--quantiles: levels must lie in [0, 1], got {value!r}")
+        raise BadInputError(f"{name}: levels must lie in [0, 1], got {value!r}")
     return out
 
 
@@ -352,11 +443,12 @@ def _labels(cells: list[str], arg: str) -> NDArray[np.int64]:
 
 
 def _save(fig: Any, path: Path) -> None:
-    """Write the figure atomically (a killed run leaves the old file or the new one)."""
+    """Write the figure atomically (a killed run leaves the old file or the new one), owner-only
+    like every output (docs/cli.md: publishing a release is the user's decision)."""
     from clipless._io import atomic_write_with
 
     fig.tight_layout()
-    atomic_write_with(path, lambda handle: fig.savefig(handle, format="png", dpi=120))
+    atomic_write_with(path, lambda handle: fig.savefig(handle, format="png", dpi=120), mode=0o600)
 
 
 def _write_csv(path: Path, header: list[str], rows: Any) -> None:
@@ -367,7 +459,7 @@ def _write_csv(path: Path, header: list[str], rows: Any) -> None:
     writer = csv.writer(buffer, lineterminator="\r\n")
     writer.writerow(header)
     writer.writerows(rows)
-    atomic_write(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue(), mode=0o600)
 
 
 def _guarantee(eps: float, nb: str) -> str:
@@ -397,6 +489,18 @@ def roc_command(args: argparse.Namespace) -> int:
     """``clipless roc``: write ``roc.csv`` (threshold,fpr,tpr) and ``roc.png``; print the AUC.
     Returns the exit code."""
     return _run(_roc, args, "roc")
+
+
+def quantiles_command(args: argparse.Namespace) -> int:
+    """``clipless quantiles``: write ``quantiles.csv`` (level,quantile) and print the values.
+    Returns the exit code."""
+    return _run(_quantiles, args, "quantiles")
+
+
+def hl_command(args: argparse.Namespace) -> int:
+    """``clipless hl``: write ``hl.csv`` (the noisy group table) and print the statistic and
+    p-values. Returns the exit code."""
+    return _run(_hl, args, "hl")
 
 
 def _ecdf(args: argparse.Namespace) -> int:
@@ -479,12 +583,98 @@ def _roc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantiles(args: argparse.Namespace) -> int:
+    eps, nb, smoothing, rng = _options(args)
+    mech, k = _mechanism(args)
+    levels = _levels(args.levels, "--levels")
+    grid = _grid(args)
+    (cells,) = _read_columns(args.file, [(args.column, "--column")], nb == "add_remove")
+    values = _numbers(cells, "--column")
+    out = _out_dir(args.out, ("quantiles.csv",), args.force)
+    released = quantiles(
+        values,
+        grid,
+        levels,
+        eps,
+        nb,
+        mechanism=cast("Mechanism", mech),
+        branching=k,
+        smoothing=smoothing,
+        rng=rng,
+    )
+    _write_csv(
+        out / "quantiles.csv",
+        ["level", "quantile"],
+        ([repr(q), repr(v)] for q, v in released.to_dict().items()),
+    )
+    print(f"DP quantiles of {args.column!r}: {_guarantee(eps, nb)}, smoothing={smoothing}")
+    print(" ".join(f"q{q:g}={v:.6g}" for q, v in released.to_dict().items()))
+    print(f"wrote {out / 'quantiles.csv'}")
+    return 0
+
+
+def _hl_choices(args: argparse.Namespace) -> tuple[int, str, str]:
+    groups = _int(args.groups, "--groups", minimum=3)
+    if groups > 2**16:
+        raise BadInputError(f"--groups: must be at most 65536, got {groups}")
+    binning, split = str(args.binning).lower(), str(args.split).lower()
+    if binning not in ("quantile", "uniform"):
+        raise BadInputError(f"--binning: must be quantile or uniform, got {args.binning!r}")
+    if split not in ("thesis", "tight"):
+        raise BadInputError(f"--split: must be thesis or tight, got {args.split!r}")
+    return groups, binning, split
+
+
+def _hl(args: argparse.Namespace) -> int:
+    eps, nb, rng = _budget(args)
+    groups, binning, split = _hl_choices(args)
+    p_cells, y_cells = _read_columns(
+        args.file,
+        [(args.probability, "--probability"), (args.label, "--label")],
+        nb == "add_remove",
+    )
+    probs = _numbers(p_cells, "--probability")
+    outside = np.flatnonzero((probs < 0) | (probs > 1))
+    if outside.size:
+        raise BadInputError(f"--probability: data row {outside[0] + 1} is outside [0, 1]")
+    labels = _labels(y_cells, "--label")
+    out = _out_dir(args.out, ("hl.csv",), args.force)
+    res = hosmer_lemeshow(
+        probs,
+        labels,
+        eps,
+        groups,
+        nb,
+        rng,
+        binning=cast("Binning", binning),
+        split=cast("Split", split),
+    )
+    table = res.to_dict()
+    _write_csv(
+        out / "hl.csv",
+        list(table),
+        ([repr(float(v)) for v in row] for row in zip(*table.values(), strict=True)),
+    )
+    print(
+        f"DP Hosmer-Lemeshow of {args.probability!r} vs {args.label!r}: {_guarantee(eps, nb)}, "
+        f"{groups} groups ({binning} binning, {split} split)"
+    )
+    print(
+        f"H={res.statistic:.6g} dof={res.dof} p={res.p_value:.4g} (plug-in) "
+        f"p={res.noise_aware_p_value():.4g} (noise-aware)"
+    )
+    print(f"wrote {out / 'hl.csv'}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry (``python -m clipless.stats.cli ecdf ...``), same as the main CLI."""
     parser = argparse.ArgumentParser(prog="clipless")
     sub = parser.add_subparsers(dest="command", required=True)
     add_ecdf_parser(sub)
     add_roc_parser(sub)
+    add_quantiles_parser(sub)
+    add_hl_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -45,6 +45,7 @@ top and makes the function a proper CDF.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -196,11 +197,29 @@ class DPECDF:
             ) from exc
         return pd.DataFrame(self.to_dict())
 
+    def band(self, z: float = 1.96) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """``values -+ z sd``, the sd of the noise in :attr:`counts` divided by :attr:`n`.
+
+        Post-processing: it reads only the public :attr:`variance` and released values. A
+        noise-only band: it ignores the smoothing (the unweighted isotonic projection of the
+        ``k``-ary tree cannot increase the error) and, under add/remove, the noise in the
+        released normaliser.
+        """
+        if not math.isfinite(z) or z < 0:
+            raise ValueError(f"z must be a finite number >= 0, got {z!r}")
+        half = z * np.sqrt(np.asarray(self.variance, dtype=np.float64)) / self.n
+        return self.values - half, self.values + half
+
     def plot(
-        self, ax: Axes | None = None, true_values: ArrayLike | None = None, **kwargs: Any
+        self,
+        ax: Axes | None = None,
+        true_values: ArrayLike | None = None,
+        band: bool = True,
+        **kwargs: Any,
     ) -> Axes:
         """Step plot of the released function; returns the Axes.
 
+        ``band``: shade :meth:`band` (``+-1.96`` sd of the noise, a noise-only band).
         ``true_values``: raw (non-private!) data whose exact ECDF at the same thresholds is drawn
         for comparison, e.g. in benchmarks. Uses the object-oriented matplotlib API (no pyplot
         state), so it works with the Agg backend.
@@ -210,7 +229,14 @@ class DPECDF:
 
             ax = Figure().add_subplot()
         label = kwargs.pop("label", f"DP ECDF ({self._budget_label()})")
-        ax.step(self.grid.thresholds, self.values, where="post", label=label, **kwargs)
+        (line,) = ax.step(self.grid.thresholds, self.values, where="post", label=label, **kwargs)
+        if band:
+            lo, hi = self.band()
+            ax.fill_between(
+                self.grid.thresholds, lo, hi, step="post", color=line.get_color(), alpha=0.2,
+                linewidth=0, label="±1.96 sd of the noise (noise-only band)",
+            )  # fmt: skip
+            ax.set_ylim(-0.05, 1.05)
         if true_values is not None:
             data = _as_values(true_values)
             exact = np.cumsum(self.grid.counts(data)) / data.size

@@ -49,6 +49,22 @@ class QuantileRelease:
     values: NDArray[np.float64] = field(repr=False)
     cdf: DPECDF = field(repr=False)
 
+    def __repr__(self) -> str:
+        """The released values by level, then the guarantee (all public)."""
+        pairs = ", ".join(
+            f"{float(q)!r}: {float(v)!r}" for q, v in zip(self.qs, self.values, strict=True)
+        )
+        budget = (
+            f"epsilon={self.cdf.epsilon!r}"
+            if self.cdf.epsilon is not None
+            else f"rho={self.cdf.rho!r}"
+        )
+        return f"QuantileRelease({{{pairs}}}, {budget}, neighbouring={self.cdf.neighbouring!r})"
+
+    def to_dict(self) -> dict[float, float]:
+        """``{level: released quantile}``."""
+        return {float(q): float(v) for q, v in zip(self.qs, self.values, strict=True)}
+
 
 def _levels(qs: ArrayLike) -> NDArray[np.float64]:
     try:
@@ -107,16 +123,28 @@ def quantiles(
     return QuantileRelease(qs=levels, values=out, cdf=cdf)
 
 
-def rank_error(values: ArrayLike, released: ArrayLike, qs: ArrayLike) -> NDArray[np.float64]:
+def rank_error(
+    values: ArrayLike, released: ArrayLike | QuantileRelease, qs: ArrayLike | None = None
+) -> NDArray[np.float64]:
     """Rank error of released quantiles, in counts (**not private**: reads the data).
 
     For level ``q`` and released value ``v``: the distance from the target rank ``q n`` to the
     interval ``[#{x < v}, #{x <= v}]`` of ranks that ``v`` occupies (0 when ``v`` is an exact
-    ``q``-quantile, also with ties).
+    ``q``-quantile, also with ties). ``released`` is a :class:`QuantileRelease` (its levels are
+    used; ``qs``, if given, must equal them) or an array of values with their levels ``qs``.
     """
     data = np.sort(np.asarray(values, dtype=np.float64).ravel())
-    v = np.asarray(released, dtype=np.float64)
-    levels = _levels(qs)
+    if isinstance(released, QuantileRelease):
+        if qs is not None and not np.array_equal(_levels(qs), released.qs):
+            raise ValueError(
+                "qs: must be omitted or equal the QuantileRelease's levels "
+                f"{released.qs.tolist()}, got {np.atleast_1d(np.asarray(qs)).tolist()}"
+            )
+        v, levels = np.asarray(released.values, dtype=np.float64), released.qs
+    elif qs is None:
+        raise TypeError("qs: required when released is an array of values (levels in [0, 1])")
+    else:
+        v, levels = np.asarray(released, dtype=np.float64), _levels(qs)
     if v.shape != levels.shape:
         raise ValueError(f"released has shape {v.shape}, qs has {levels.shape}")
     target = levels * data.size

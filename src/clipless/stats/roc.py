@@ -115,16 +115,29 @@ class DPROC:
         fpr, tpr = self.curve()
         return float(np.sum((fpr[:-1] - fpr[1:]) * (tpr[:-1] + tpr[1:]) / 2.0))
 
+    def band(self, z: float = 1.96) -> dict[str, NDArray[np.float64]]:
+        """Half-widths ``z sd`` of the noise in :attr:`fpr` and :attr:`tpr` at each threshold.
+
+        ``{"fpr": ..., "tpr": ...}``, from the public variances of the two class-conditional
+        releases (:meth:`~clipless.stats.ecdf.DPECDF.band`): a noise-only band.
+        """
+        lo_neg, hi_neg = self.negatives.band(z)
+        lo_pos, hi_pos = self.positives.band(z)
+        return {"fpr": (hi_neg - lo_neg) / 2, "tpr": (hi_pos - lo_pos) / 2}
+
     def plot(
         self,
         ax: Axes | None = None,
         true_curve: tuple[ArrayLike, ArrayLike] | None = None,
+        band: bool = True,
         **kwargs: Any,
     ) -> Axes:
         """Plot the released curve (and the chance diagonal); returns the Axes.
 
-        ``true_curve``: an ``(fpr, tpr)`` pair drawn for comparison, e.g. the non-private curve
-        from :func:`nonprivate_roc` in a benchmark. Object-oriented matplotlib (no pyplot).
+        ``band``: shade ``tpr -+ 1.96`` sd (vertical) and ``fpr -+ 1.96`` sd (horizontal) at
+        the grid thresholds (:meth:`band`, noise-only). ``true_curve``: an ``(fpr, tpr)`` pair
+        drawn for comparison, e.g. the non-private curve from :func:`nonprivate_roc` in a
+        benchmark. Object-oriented matplotlib (no pyplot).
         """
         if ax is None:
             from matplotlib.figure import Figure
@@ -133,7 +146,17 @@ class DPROC:
         fpr, tpr = self.curve()
         budget = f"ε={self.epsilon:g}" if self.epsilon is not None else f"ρ={self.rho:g}"
         label = kwargs.pop("label", f"DP ROC ({budget}, AUC={self.auc():.3f})")
-        ax.plot(fpr, tpr, label=label, **kwargs)
+        (line,) = ax.plot(fpr, tpr, label=label, **kwargs)
+        if band:
+            half = self.band()
+            style: dict[str, Any] = {"color": line.get_color(), "alpha": 0.15, "linewidth": 0}
+            ax.fill_between(
+                self.fpr, self.tpr - half["tpr"], self.tpr + half["tpr"],
+                label="±1.96 sd of the noise in TPR / FPR (noise-only band)", **style,
+            )  # fmt: skip
+            ax.fill_betweenx(
+                self.tpr, self.fpr - half["fpr"], self.fpr + half["fpr"], **style
+            )  # fmt: skip
         if true_curve is not None:
             tf = np.asarray(true_curve[0], dtype=np.float64)
             tt = np.asarray(true_curve[1], dtype=np.float64)
