@@ -23,6 +23,7 @@ from clipless.stats.counting.kary import (
     CountingPlan,
     _check_branching,
     _kappa,
+    _level_increments,
     _per_level,
     exact_level_variances,
     kary_depth,
@@ -68,25 +69,6 @@ def _fast_level_variances(
             out.append(s2 if s2 > 64.0 else discrete_gaussian_variance(s2))
     if neighbouring == "replace_one":
         out.append(0.0)
-    return out
-
-
-def _level_increments(
-    i: NDArray[np.float64], num_leaves: int, k: int, h: int, q: bool
-) -> NDArray[np.float64]:
-    """Rows ``l = 0..h``: ``Q_l(i) - Q_(l-1)(i)`` (``q``) or ``R_l(i) - R_(l-1)(i)`` at the
-    thresholds ``i`` (:func:`kary_prefix_variance`, :func:`kary_prefix_covariance_with_last`)."""
-    out = np.empty((h + 1, i.size))
-    prev = np.zeros_like(i)
-    for lev in range(h + 1):
-        block = float(k**lev)
-        j0 = np.floor(i / block)
-        rest = np.mod(i, block)
-        cur = j0 * block * block + rest * (
-            rest if q else np.minimum(num_leaves - j0 * block, block)
-        )
-        out[lev] = cur - prev
-        prev = cur
     return out
 
 

@@ -47,7 +47,11 @@ import numpy as np
 import scipy.signal
 from numpy.typing import ArrayLike, NDArray
 
-from clipless.stats.counting.release import CountRelease, _condition_on_total
+from clipless.stats.counting.release import (
+    CountRelease,
+    _condition_on_total,
+    _count_release,
+)
 from clipless.stats.noise import conservative_scale, discrete_gaussian, discrete_gaussian_variance
 from clipless.stats.tree import Neighbouring, _check_neighbouring
 
@@ -265,21 +269,7 @@ def _release_factorization(
     if neighbouring == "replace_one":
         # condition on C_N = n (public): Cov(Chat_i, Chat_N) = var sum_j g_(i-j) g_(N-1-j)
         prefix, variance = _condition_on_total(prefix, variance, cov_n, counts.sum())
-    for a in (prefix, variance, noisy_vec):
-        a.setflags(write=False)
-    return CountRelease(
-        mechanism="factorization",
-        num_leaves=N,
-        prefix_counts=prefix,
-        variance=variance,
-        noisy=noisy_vec,
-        noise="gaussian",
-        noise_param=sigma2,
-        noise_scale=float(sigma2) ** 0.5,
-        node_variance=node_var,
-        sensitivity=float(sens2),
-        branching=None,
-        neighbouring=neighbouring,
-        epsilon=None,
-        rho=rho_out,
-    )
+    return _count_release(
+        "factorization", (prefix, variance, noisy_vec), "gaussian", sigma2, node_var, sens2,
+        neighbouring, (None, rho_out),
+    )  # fmt: skip

@@ -59,16 +59,23 @@ the dense covariance.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from clipless.stats.counting.release import CountRelease, NodeNoiseSource, _condition_on_total
+from clipless.stats.counting.release import (
+    CountRelease,
+    NodeNoiseSource,
+    _condition_on_total,
+    _count_release,
+)
 from clipless.stats.noise import (
     conservative_scale,
     discrete_gaussian,
@@ -214,6 +221,39 @@ def _kappa(h: int, k: int, level_var: tuple[float, ...]) -> NDArray[np.float64]:
 _kary_kappa = lru_cache(maxsize=256)(_kappa)
 
 
+def _level_increments(
+    i: NDArray[np.float64], num_leaves: int, k: int, h: int, q: bool
+) -> NDArray[np.float64]:
+    """Rows ``l = 0..h``: ``Q_l(i) - Q_(l-1)(i)`` (``q``) or ``R_l(i) - R_(l-1)(i)`` at the
+    thresholds ``i`` (:func:`kary_prefix_variance`, :func:`kary_prefix_covariance_with_last`)."""
+    out = np.empty((h + 1, i.size))
+    prev = np.zeros_like(i)
+    for lev in range(h + 1):
+        block = float(k**lev)
+        j0 = np.floor(i / block)
+        rest = np.mod(i, block)
+        cur = j0 * block * block + rest * (
+            rest if q else np.minimum(num_leaves - j0 * block, block)
+        )
+        out[lev] = cur - prev
+        prev = cur
+    return out
+
+
+def _kappa_sum(
+    num_leaves: int, k: int, h: int, level_variances: list[float], q: bool
+) -> NDArray[np.float64]:
+    """``sum_l kappa_l (Q_l(i) - Q_(l-1)(i))`` (``q``) or the same with ``R_l`` at every
+    threshold ``i = 1..N``, accumulated level by level from the leaves up."""
+    kappa = _kary_kappa(h, k, tuple(float(v) for v in level_variances))
+    i = np.arange(1, num_leaves + 1, dtype=np.float64)
+    rows = _level_increments(i, num_leaves, k, h, q)
+    out = kappa[0] * rows[0]
+    for lev in range(1, h + 1):
+        out = out + kappa[lev] * rows[lev]
+    return out
+
+
 def kary_prefix_variance(
     num_leaves: int, branching: int, level_variances: list[float]
 ) -> NDArray[np.float64]:
@@ -222,15 +262,7 @@ def kary_prefix_variance(
     h = len(level_variances) - 1
     if k**h < num_leaves:
         raise ValueError(f"{h} levels of branching {k} hold fewer than {num_leaves} leaves")
-    kappa = _kary_kappa(h, k, tuple(float(v) for v in level_variances))
-    i = np.arange(1, num_leaves + 1, dtype=np.float64)
-    q_prev = i.copy()
-    var = kappa[0] * q_prev
-    for lev in range(1, h + 1):
-        block = float(k**lev)
-        q = np.floor(i / block) * block * block + np.mod(i, block) ** 2
-        var = var + kappa[lev] * (q - q_prev)
-        q_prev = q
+    var = _kappa_sum(num_leaves, k, h, level_variances, q=True)
     return np.maximum(var, 0.0)
 
 
@@ -242,17 +274,7 @@ def kary_prefix_covariance_with_last(
     level-``l`` nodes: ``floor(i/k^l) k^(2l) + (i mod k^l) min(N - floor(i/k^l) k^l, k^l)``)."""
     k = _check_branching(branching)
     h = len(level_variances) - 1
-    kappa = _kary_kappa(h, k, tuple(float(v) for v in level_variances))
-    i = np.arange(1, num_leaves + 1, dtype=np.float64)
-    r_prev = i.copy()
-    cov = kappa[0] * r_prev
-    for lev in range(1, h + 1):
-        block = float(k**lev)
-        j0 = np.floor(i / block)
-        r = j0 * block * block + np.mod(i, block) * np.minimum(num_leaves - j0 * block, block)
-        cov = cov + kappa[lev] * (r - r_prev)
-        r_prev = r
-    return cov
+    return _kappa_sum(num_leaves, k, h, level_variances, q=False)
 
 
 def _per_level(neighbouring: Neighbouring) -> int:
@@ -376,6 +398,26 @@ def _release_kary(
     )  # fmt: skip
 
 
+def _level_values(
+    vec: NDArray[Any], params: tuple[Fraction | None, ...], k: int, h: int
+) -> list[NDArray[np.float64]]:
+    """The released vector cut into its levels (zeros for a level that is not released)."""
+    if not np.issubdtype(vec.dtype, np.integer):
+        raise ValueError(f"noisy must hold integers, got {vec.dtype}")
+    values: list[NDArray[np.float64]] = []
+    start = 0
+    for level, param in enumerate(params):
+        size = k ** (h - level)
+        if param is None:
+            values.append(np.zeros(size))
+            continue
+        values.append(vec[start : start + size].astype(np.float64))
+        start += size
+    if start != vec.size:
+        raise ValueError(f"noisy must hold the {start} released nodes, got {vec.size}")
+    return values
+
+
 def kary_estimate(
     noisy: ArrayLike,
     num_leaves: int,
@@ -402,19 +444,7 @@ def kary_estimate(
     h = _check_plan(N, plan, neighbouring)
     params = kary_params(plan, neighbouring, noise, budget)
     vec = np.asarray(noisy)
-    if not np.issubdtype(vec.dtype, np.integer):
-        raise ValueError(f"noisy must hold integers, got {vec.dtype}")
-    values: list[NDArray[np.float64]] = []
-    start = 0
-    for level, param in enumerate(params):
-        size = k ** (h - level)
-        if param is None:
-            values.append(np.zeros(size))
-            continue
-        values.append(vec[start : start + size].astype(np.float64))
-        start += size
-    if start != vec.size:
-        raise ValueError(f"noisy must hold the {start} released nodes, got {vec.size}")
+    values = _level_values(vec, params, k, h)
     level_var = [v * copies for v in exact_level_variances(shares, neighbouring, noise, budget)]
     if neighbouring == "replace_one":
         values.append(np.array([float(n_public)]))  # the root: the public n, exact
@@ -437,25 +467,11 @@ def kary_estimate(
             prefix, unit_var, kary_prefix_covariance_with_last(N, k, weights), n_public
         )
     variance = scale_var * unit_var
-    noisy_vec = vec.astype(np.float64)
-    for a in (prefix, variance, noisy_vec):
-        a.setflags(write=False)
     leaf_param = params[0]
     assert leaf_param is not None  # the leaves always get a share
-    return CountRelease(
-        mechanism="k-ary",
-        num_leaves=N,
-        prefix_counts=prefix,
-        variance=variance,
-        noisy=noisy_vec,
-        noise=noise,
-        noise_param=params,
-        noise_scale=float(leaf_param) if noise == "laplace" else float(leaf_param) ** 0.5,
-        node_variance=level_var[0],
-        sensitivity=float(_per_level(neighbouring) * sum(1 for p in params if p is not None)),
-        branching=k,
-        neighbouring=neighbouring,
-        epsilon=epsilon,
-        rho=rho,
-        shares=shares,
-    )
+    sensitivity = _per_level(neighbouring) * sum(1 for p in params if p is not None)
+    leaves_only = _count_release(
+        "k-ary", (prefix, variance, vec.astype(np.float64)), noise, leaf_param, level_var[0],
+        sensitivity, neighbouring, (epsilon, rho),
+    )  # fmt: skip
+    return dataclasses.replace(leaves_only, noise_param=params, branching=k, shares=shares)

@@ -139,3 +139,38 @@ def _condition_on_total(
     prefix[-1] = n_pub
     variance[-1] = 0.0
     return prefix, variance
+
+
+def _count_release(
+    mechanism: str,
+    estimate: tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]],
+    noise: NoiseKind,
+    param: Fraction,
+    node_variance: float,
+    sensitivity: int,
+    neighbouring: Neighbouring,
+    guarantee: tuple[float | None, float | None],
+) -> CountRelease:
+    """The :class:`CountRelease` of a mechanism with one noise parameter ``param`` (the exact
+    ``b`` or ``sigma^2``) for every node: ``estimate`` is ``(prefix_counts, variance, noisy)``,
+    made read-only here, and ``guarantee`` is ``(epsilon, rho)``. The ``k``-ary release passes
+    its leaves' parameter and then sets one per level, ``k`` and the shares."""
+    prefix, variance, noisy = estimate
+    for a in estimate:
+        a.setflags(write=False)
+    return CountRelease(
+        mechanism=mechanism,
+        num_leaves=int(prefix.size),
+        prefix_counts=prefix,
+        variance=variance,
+        noisy=noisy,
+        noise=noise,
+        noise_param=param,
+        noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
+        node_variance=node_variance,
+        sensitivity=float(sensitivity),
+        branching=None,
+        neighbouring=neighbouring,
+        epsilon=guarantee[0],
+        rho=guarantee[1],
+    )

@@ -55,7 +55,11 @@ from functools import lru_cache
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from clipless.stats.counting.release import CountRelease, _condition_on_total
+from clipless.stats.counting.release import (
+    CountRelease,
+    _condition_on_total,
+    _count_release,
+)
 from clipless.stats.noise import (
     conservative_scale,
     discrete_gaussian,
@@ -255,21 +259,7 @@ def _release_smooth_binary(
     if neighbouring == "replace_one":
         cov_n = node_var * _shared_with_last(N)
         prefix, variance = _condition_on_total(prefix, variance, cov_n, counts.sum())
-    for a in (prefix, variance, noisy_vec):
-        a.setflags(write=False)
-    return CountRelease(
-        mechanism="smooth-binary",
-        num_leaves=N,
-        prefix_counts=prefix,
-        variance=variance,
-        noisy=noisy_vec,
-        noise=noise,
-        noise_param=param,
-        noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
-        node_variance=node_var,
-        sensitivity=float(delta),
-        branching=None,
-        neighbouring=neighbouring,
-        epsilon=eps_out,
-        rho=rho_out,
-    )
+    return _count_release(
+        "smooth-binary", (prefix, variance, noisy_vec), noise, param, node_var, delta,
+        neighbouring, (eps_out, rho_out),
+    )  # fmt: skip
