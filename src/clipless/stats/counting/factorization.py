@@ -51,8 +51,9 @@ from clipless.stats.counting.release import (
     CountRelease,
     _condition_on_total,
     _count_release,
+    _noise_param,
 )
-from clipless.stats.noise import conservative_scale, discrete_gaussian, discrete_gaussian_variance
+from clipless.stats.noise import discrete_gaussian, discrete_gaussian_variance
 from clipless.stats.tree import Neighbouring, _check_neighbouring
 
 _FACT_MAX_N = 1 << 22
@@ -234,9 +235,7 @@ def factorization_score(num_leaves: int, neighbouring: Neighbouring, rho: Fracti
     """The factorisation's exact mean error score at ``rho`` (the same score as
     :func:`_tree_score`: conditioned on ``C_N = n`` under replace-one, ``Chat_i - (i/N)
     Chat_N`` under add/remove), with the discrete Gaussian's exact variance."""
-    sigma2 = conservative_scale(
-        Fraction(factorization_sensitivity(num_leaves, neighbouring)) / (2 * rho)
-    )
+    sigma2 = _noise_param(factorization_sensitivity(num_leaves, neighbouring), "gaussian", rho)
     var, cov = _factorization_moments(num_leaves, neighbouring, discrete_gaussian_variance(sigma2))
     if neighbouring == "replace_one":
         return float(np.mean(_condition_on_total(np.zeros(num_leaves), var, cov, 0.0)[1]))
@@ -255,7 +254,7 @@ def _release_factorization(
     Gaussian, the prefix estimate ``A Lt^-1 w``; under replace-one, conditioned on ``C_N = n``."""
     N = int(counts.size)
     sens2 = factorization_sensitivity(N, neighbouring)
-    sigma2 = conservative_scale(Fraction(sens2) / (2 * budget))
+    sigma2 = _noise_param(sens2, "gaussian", budget)
     ct = factorization_integer_coefficients(N)
     if float(counts.sum()) * float(ct[0]) >= 2.0**61:
         raise ValueError("too many values for the factorisation's int64 arithmetic (n < 2^41)")

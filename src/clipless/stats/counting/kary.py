@@ -75,13 +75,9 @@ from clipless.stats.counting.release import (
     NodeNoiseSource,
     _condition_on_total,
     _count_release,
-)
-from clipless.stats.noise import (
-    conservative_scale,
-    discrete_gaussian,
-    discrete_gaussian_variance,
-    discrete_laplace,
-    discrete_laplace_variance,
+    _draw,
+    _noise_param,
+    _param_variance,
 )
 from clipless.stats.tree import Neighbouring, NoiseKind, _check_neighbouring
 
@@ -285,15 +281,7 @@ def _per_level(neighbouring: Neighbouring) -> int:
 def _level_param(share: Fraction, per: int, noise: NoiseKind, budget: Fraction) -> Fraction:
     """The exact noise parameter of a level with budget ``share``: discrete Laplace scale
     ``b >= per / (share epsilon)`` or discrete Gaussian ``sigma^2 >= per / (2 share rho)``."""
-    if noise == "laplace":
-        return conservative_scale(Fraction(per) / (budget * share))
-    return conservative_scale(Fraction(per) / (2 * budget * share))
-
-
-def _param_variance(param: Fraction, noise: NoiseKind) -> float:
-    if noise == "laplace":
-        return discrete_laplace_variance(param)
-    return discrete_gaussian_variance(param)
+    return _noise_param(per, noise, budget * share)
 
 
 def exact_level_variances(
@@ -386,10 +374,8 @@ def _release_kary(
         if node_noise is not None:
             lev = np.full(size, level, dtype=np.int64)
             eta = np.asarray(node_noise.nodes(noise, param, lev, np.arange(size)), np.int64)
-        elif noise == "laplace":
-            eta = discrete_laplace(param, size, gen)
         else:
-            eta = discrete_gaussian(None, size, gen, sigma2=param)
+            eta = _draw(noise, param, size, gen)
         noisy.append(true_nodes[level] + eta)
     copies = 1 if node_noise is None else int(getattr(node_noise, "copies", 1))
     return kary_estimate(

@@ -8,6 +8,7 @@ part is one noisy vector; the estimate, and everything in this module, is post-p
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal, Protocol
@@ -16,7 +17,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from clipless.stats.grid import tree_depth
-from clipless.stats.noise import to_fraction
+from clipless.stats.noise import (
+    conservative_scale,
+    discrete_gaussian,
+    discrete_gaussian_variance,
+    discrete_laplace,
+    discrete_laplace_variance,
+    to_fraction,
+)
 from clipless.stats.tree import Neighbouring, NoiseKind
 
 Mechanism = Literal["auto", "binary", "k-ary", "factorization", "smooth-binary"]
@@ -174,3 +182,28 @@ def _count_release(
         epsilon=guarantee[0],
         rho=guarantee[1],
     )
+
+
+def _noise_param(sensitivity: int, noise: NoiseKind, budget: Fraction) -> Fraction:
+    """The exact noise parameter of a vector with L1 (Laplace) or squared L2 (Gaussian)
+    sensitivity ``Delta`` at budget ``epsilon`` or ``rho``: discrete Laplace scale ``b >= Delta
+    / epsilon`` (``epsilon``-DP) or discrete Gaussian ``sigma^2 >= Delta / (2 rho)``
+    (``rho``-zCDP, Canonne, Kamath, Steinke 2020, Theorem 14), rounded up."""
+    if noise == "laplace":
+        return conservative_scale(Fraction(sensitivity) / budget)
+    return conservative_scale(Fraction(sensitivity) / (2 * budget))
+
+
+def _param_variance(param: Fraction, noise: NoiseKind) -> float:
+    """The exact variance of one draw of the noise of parameter ``param`` (``b`` or
+    ``sigma^2``)."""
+    if noise == "laplace":
+        return discrete_laplace_variance(param)
+    return discrete_gaussian_variance(param)
+
+
+def _draw(noise: NoiseKind, param: Fraction, size: int, gen: random.Random) -> NDArray[np.int64]:
+    """``size`` independent draws of the exact noise of parameter ``param`` from ``gen``."""
+    if noise == "laplace":
+        return discrete_laplace(param, size, gen)
+    return discrete_gaussian(None, size, gen, sigma2=param)

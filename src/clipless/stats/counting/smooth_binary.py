@@ -59,13 +59,9 @@ from clipless.stats.counting.release import (
     CountRelease,
     _condition_on_total,
     _count_release,
-)
-from clipless.stats.noise import (
-    conservative_scale,
-    discrete_gaussian,
-    discrete_gaussian_variance,
-    discrete_laplace,
-    discrete_laplace_variance,
+    _draw,
+    _noise_param,
+    _param_variance,
 )
 from clipless.stats.tree import Neighbouring, NoiseKind, _check_neighbouring
 
@@ -242,15 +238,9 @@ def _release_smooth_binary(
     _, k = smooth_binary_shape(N)
     delta = smooth_binary_sensitivity(N, neighbouring)
     keys, inverse = smooth_binary_nodes(N)
-    param: Fraction
-    if noise == "laplace":
-        param = conservative_scale(Fraction(delta) / budget)
-        eta = discrete_laplace(param, keys.size, gen)
-        node_var = discrete_laplace_variance(param)
-    else:
-        param = conservative_scale(Fraction(delta) / (2 * budget))
-        eta = discrete_gaussian(None, keys.size, gen, sigma2=param)
-        node_var = discrete_gaussian_variance(param)
+    param = _noise_param(delta, noise, budget)
+    eta = _draw(noise, param, keys.size, gen)
+    node_var = _param_variance(param, noise)
     noisy_int = smooth_binary_node_counts(counts) + eta  # the only DP step
     noisy_vec = noisy_int.astype(np.float64)
     rows, _, _ = _smooth_read_nodes(N)
