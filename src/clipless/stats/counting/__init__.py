@@ -160,8 +160,8 @@ def release_prefix_counts(
     shape under pure DP, the flat histogram included; that or ``"factorization"`` for zCDP).
     ``"binary"`` returns :func:`~clipless.stats.tree.release_counts`'s :class:`TreeRelease`;
     ``"k-ary"``, ``"factorization"`` and ``"smooth-binary"`` (equal variance at every
-    threshold, Laplace or Gaussian) return a :class:`CountRelease` (module docstring for the
-    proofs). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` of
+    threshold, Laplace or Gaussian) return a :class:`CountRelease` (each module's docstring,
+    :mod:`~clipless.stats.counting.kary` and the others, gives the proof). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` of
     :func:`counting_plan` (the levels and shares are chosen for the budget either way).
     Under ``replace_one`` the size ``n = sum(leaf_counts)`` is public and used exactly.
 

@@ -57,7 +57,7 @@ class CountRelease:
     Attributes
     ----------
     mechanism:
-        ``"k-ary"`` or ``"factorization"``.
+        ``"k-ary"``, ``"factorization"`` or ``"smooth-binary"``.
     num_leaves:
         ``N``.
     prefix_counts:
