@@ -160,9 +160,10 @@ def release_prefix_counts(
     shape under pure DP, the flat histogram included; that or ``"factorization"`` for zCDP).
     ``"binary"`` returns :func:`~clipless.stats.tree.release_counts`'s :class:`TreeRelease`;
     ``"k-ary"``, ``"factorization"`` and ``"smooth-binary"`` (equal variance at every
-    threshold, Laplace or Gaussian) return a :class:`CountRelease` (each module's docstring,
-    :mod:`~clipless.stats.counting.kary` and the others, gives the proof). ``branching`` (``k``, ``"k-ary"`` only) defaults to the ``k`` of
-    :func:`counting_plan` (the levels and shares are chosen for the budget either way).
+    threshold, Laplace or Gaussian) return a :class:`CountRelease` (the proofs: the docstrings
+    of :mod:`~clipless.stats.counting.kary` and its siblings). ``branching`` (``k``,
+    ``"k-ary"`` only) defaults to the ``k`` of :func:`counting_plan` (the levels and shares are
+    chosen for the budget either way).
     Under ``replace_one`` the size ``n = sum(leaf_counts)`` is public and used exactly.
 
     ``node_noise`` (``"binary"`` and ``"k-ary"``): a keyed node-noise source
