@@ -16,6 +16,7 @@ over ``--rounds`` interleaved rounds of the CUDA-synchronised time of ``--steps`
 to the non-private step, and the peak memory of one step above the resting state
 (``torch.cuda.max_memory_allocated``). For each model at batch 256, one clipless step is traced
 with the CUDA profiler: kernel launches, ``cudaStreamSynchronize`` and device-to-host copies.
+``--device cpu`` is a smoke run of the script itself (small ``--batches``; no CUDA statistics).
 The sweep stops at ``--budget`` seconds (cells not reached are listed as skipped); results go to
 stdout (Markdown) and ``DIR/gpu_speed.json`` (``$OUT`` when set, else ``benchmarks/out``).
 """
@@ -43,6 +44,7 @@ from clipless.optim import full_float32_precision
 
 ts.CIFAR_CNNS.setdefault("cnn3", (64, 128, 256))  # the issue's CIFAR-sized CNN
 MODELS = ("mlp", "cnn", "cnn3", "cnn130k", "cnn500k", "cnn2m")
+DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (no timings worth reading)
 BATCHES = (256, 1024, 4096)
 
 
@@ -55,16 +57,24 @@ def _configs() -> list[str]:
     return [*configs, "opacus", "opacus-ghost"]
 
 
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _time(runner: ts.Runner, steps: int) -> float:
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         runner.step()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) / steps
 
 
 def _peak(runner: ts.Runner) -> int:
+    if DEVICE != "cuda":  # a smoke run on the CPU: no CUDA memory statistics
+        runner.step()
+        return 0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     rest = torch.cuda.memory_allocated()
@@ -77,9 +87,12 @@ def _trace(runner: ts.Runner) -> dict[str, int]:
     """Kernel launches and synchronisations of one step (CUDA profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU]
+    if DEVICE == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
         runner.step()
-        torch.cuda.synchronize()
+        _sync()
     names = [e.name for e in prof.events()]
     return {
         "kernel_launches": sum(n in ("cudaLaunchKernel", "cudaLaunchKernelExC") for n in names),
@@ -104,7 +117,7 @@ def cell(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
                 lr=0.05,
                 seed=0,
                 max_grad_sample_gib=args.max_grad_sample_gib,
-                device="cuda",
+                device=DEVICE,
             )
         except (MemoryError, torch.cuda.OutOfMemoryError) as exc:
             row["configs"][config] = {"skipped": str(exc)}
@@ -123,14 +136,14 @@ def cell(model: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
             "ratio": None if base is None else median / base,
             "peak_mib": _peak(r) / 2**20,
         }
-        if batch == BATCHES[0] and config == "clipless-ps":
+        if batch == args.batches[0] and config == "clipless-ps":
             row["configs"][config]["trace"] = _trace(r)
     del runners
     torch.cuda.empty_cache()
     return row
 
 
-def _markdown(rows: list[dict[str, Any]], configs: list[str]) -> str:
+def _markdown(rows: list[dict[str, Any]], configs: list[str], traced: int) -> str:
     head = "| model | batch | " + " | ".join(configs) + " |"
     lines = [head, "|" + "---|" * (len(configs) + 2)]
     for row in rows:
@@ -145,7 +158,9 @@ def _markdown(rows: list[dict[str, Any]], configs: list[str]) -> str:
         lines.append(f"| {row['model']} | {row['batch']} | " + " | ".join(cells) + " |")
     traces = [(r["model"], r["configs"].get("clipless-ps", {}).get("trace")) for r in rows]
     lines.append("")
-    lines.append("| model (clipless-ps, B = 256) | kernel launches | stream syncs | host copies |")
+    lines.append(
+        f"| model (clipless-ps, B = {traced}) | kernel launches | stream syncs | host copies |"
+    )
     lines.append("|---|---|---|---|")
     for model, t in traces:
         if t:
@@ -165,9 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=270.0, help="seconds for the sweep")
     parser.add_argument("--max-grad-sample-gib", type=float, default=16.0)
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ts.OUT_DIR))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_speed.py needs a CUDA device")
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_speed.py needs a CUDA device (--device cpu: a smoke run)")
     warnings.simplefilter("ignore")  # the seeded engines' warning
     full_float32_precision()
     start = time.perf_counter()
@@ -183,12 +201,12 @@ def main(argv: list[str] | None = None) -> None:
                 skipped.append(f"{model}@{batch}: {traceback.format_exc(limit=3)}")
             print(f"done {model}@{batch} at {time.perf_counter() - start:.0f} s", flush=True)
     configs = _configs()
-    print(_markdown(rows, configs))
+    print(_markdown(rows, configs, args.batches[0]))
     if skipped:
         print("skipped:", *skipped, sep="\n  ")
     meta = {
         "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
         "seconds": time.perf_counter() - start,
     }
     out = Path(args.out)
