@@ -665,6 +665,24 @@ def test_a_saved_conv_bound_is_not_restored_at_another_input_size() -> None:
     assert not same.load_bound_state({k: v for k, v in state.items() if k != "key"})
 
 
+@pytest.mark.parametrize("scale", [5e-324, 1e-300, 1e-165, 1.0, 1e155, 1e300])
+def test_the_device_frobenius_bound_is_certified_at_every_magnitude(scale: float) -> None:
+    """_fro_upper_t (the accelerator path's rescale) is >= the exact Frobenius norm, computed in
+    exact rationals, and within 1e-12 of the host's _fro_upper; 0 for 0, inf for inf."""
+    from fractions import Fraction
+
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(9, 7, generator=gen, dtype=torch.float64) * scale
+    exact_sq = sum((Fraction(v) ** 2 for v in t.reshape(-1).tolist()), Fraction(0))
+    bound = float(constraints._fro_upper_t(t))
+    assert Fraction(bound) ** 2 >= exact_sq
+    assert bound <= constraints._fro_upper(t) * (1 + 1e-12) + 2.0**-1070
+    assert float(constraints._fro_upper_t(torch.zeros(3, 3, dtype=torch.float64))) == 0.0
+    assert float(constraints._fro_upper_t(torch.full((2,), math.inf, dtype=torch.float64))) == (
+        math.inf
+    )
+
+
 @pytest.mark.parametrize("scale", [1e-165, 1e-300, 1e155, 1e300])
 def test_the_carried_gap_and_the_rescale_at_extreme_magnitudes(scale: float) -> None:
     """_fro_upper squared without scaling: float64 entries near 1e-165 gave a gap of 0 and a

@@ -65,3 +65,30 @@ def test_differentiable_keeps_the_graph() -> None:
     expected = (x / torch.linalg.vector_norm(x, dim=1, keepdim=True)).detach()
     torch.testing.assert_close(x.grad, expected, rtol=1e-3, atol=0)
     assert not sample_norms_upper(x).requires_grad
+
+
+def test_the_accelerator_path_is_certified_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The branch-free bound an accelerator computes (each row scaled by a power of two first)
+    is >= the exact norm on the random and the adversarial rows above, float32."""
+    from clipless import norms
+
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.logspace(-3, 3, 12, dtype=torch.float64)[:, None]
+    _check((torch.randn(12, 97, generator=gen, dtype=torch.float64) * scales).float(), 1e-4)
+    n = 4096
+    rows = [
+        torch.full((n,), 1.0 + 2.0**-23),
+        torch.cat([torch.tensor([1e6]), torch.full((n - 1,), 1e-3)]),
+        torch.full((n,), 1e-20),
+        torch.full((n,), 3e-45),
+        torch.cat([torch.tensor([3e19]), torch.zeros(n - 1)]),
+        torch.cat([torch.full((n // 2,), 1.7e38), torch.full((n // 2,), -1.7e38)]),
+    ]
+    x = torch.stack(rows).float()
+    bounds = sample_norms_upper(x)
+    assert bool(torch.isfinite(bounds).all())
+    for i in range(x.shape[0]):
+        b = Fraction(float(bounds[i]))
+        assert b * b >= _exact_sq(x[i]), i
+        assert float(b * b / _exact_sq(x[i])) <= 1.0 + 1e-3, i  # tight at every magnitude

@@ -119,18 +119,22 @@ def _norms_and_upper(x: torch.Tensor, differentiable: bool) -> tuple[torch.Tenso
 def _scaled_norms_and_upper(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_norms_and_upper` of float32 rows without a data-dependent branch (no host read on
     an accelerator): each row is first scaled by the power of two ``2^-e`` bringing its largest
-    entry into ``[0.5, 1)``, so no square overflows. The scaling is exact except for entries
-    that fall below float32's normal range, each moved by at most ``2^-150``: the row's scaled
-    norm by at most ``sqrt(numel) 2^-150`` (triangle inequality), added before scaling back by
-    the exact ``2^e`` in float64."""
+    entry into ``[0.5, 1)``, so no square overflows (two factors, each representable). The
+    scaling is exact except for entries that fall below float32's normal range, each moved by at
+    most ``2^-150`` per factor (the second factor is at most 1 when scaling down), so ``2^-149``
+    in all: the row's scaled norm by at most ``sqrt(numel) 2^-149`` (triangle inequality), added
+    before scaling back by the exact ``2^e`` in float64."""
     numel = int(flat.shape[1])
     amax = flat.detach().abs().amax(dim=1)
     usable = torch.isfinite(amax) & (amax > 0)
     _, e = torch.frexp(torch.where(usable, amax, torch.ones_like(amax)))
-    scaled = flat * torch.ldexp(torch.ones_like(amax), -e)[:, None]
+    # two factors: 2^-e alone overflows float32 for rows of subnormals (e down to -148)
+    half = torch.div(e, 2, rounding_mode="floor")
+    one = torch.ones_like(amax)
+    scaled = flat * torch.ldexp(one, -half)[:, None] * torch.ldexp(one, half - e)[:, None]
     norms = torch.linalg.vector_norm(scaled, dim=1)
     upper = torch.sqrt(_sq_norm_upper(norms.double().square(), numel, torch.float32))
-    upper = (upper * (1.0 + 2.0**-50) + math.sqrt(numel) * 2.0**-150) * (1.0 + 2.0**-50)
+    upper = (upper * (1.0 + 2.0**-50) + math.sqrt(numel) * 2.0**-149) * (1.0 + 2.0**-50)
     back = torch.ldexp(torch.ones_like(upper), e.to(torch.float64))  # exact in float64
     return norms * back.to(norms.dtype), upper * back
 

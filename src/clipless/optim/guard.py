@@ -307,8 +307,10 @@ class ContractGuard:
         self._released: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self._mean_warning_given = False
         # Checks whose verdict is a device tensor, read together once per step before anything
-        # is released (_read_checks): (flags, what a false flag means, the layers behind them)
-        self._checks: list[tuple[torch.Tensor, list[str], list[ParametricLipschitzModule]]] = []
+        # is released (_read_checks): (flags, the message of a false flag, what each flag is
+        # about: a parameter's name, or a layer whose memoised bound a false flag makes stale);
+        # messages are formatted only for a false flag (this runs every step)
+        self._checks: list[tuple[torch.Tensor, str, list[str | ParametricLipschitzModule]]] = []
         self._warnings: list[tuple[torch.Tensor, float, int]] = []
         #: ``False`` (default): a loss that looks mean-reduced before the first step is an error
         #: (it would train at chance); ``True``: a warning (``make_private``'s argument).
@@ -481,7 +483,7 @@ class ContractGuard:
             self._checks.append(
                 (
                     torch.stack([flag for _, flag in memos]),
-                    [_STALE_BOUND.format(self._layer_name(layer)) for layer, _ in memos],
+                    _STALE_BOUND,
                     [layer for layer, _ in memos],
                 )
             )
@@ -777,8 +779,8 @@ class ContractGuard:
             self._checks.append(
                 (
                     torch.stack(flags),
-                    [_CHANGED_SINCE_FORWARD.format(self._watched[p]) for p in record.params],
-                    [],
+                    _CHANGED_SINCE_FORWARD,
+                    [self._watched[p] for p in record.params],
                 )
             )
         self._pending.append(record)
@@ -844,8 +846,8 @@ class ContractGuard:
         self._checks.append(
             (
                 torch.eq(before, now),
-                [_CHANGED_AFTER_BACKWARD.format(self._names[p]) for p in params],
-                [],
+                _CHANGED_AFTER_BACKWARD,
+                [self._names[p] for p in params],
             )
         )
 
@@ -862,12 +864,15 @@ class ContractGuard:
         values = torch.cat([t.to(tensors[0].device) for t in tensors]).tolist()
         flat = iter(values)
         failures = []
-        for flags, reasons, layers in checks:
-            for i, reason in enumerate(reasons[: flags.numel()]):
-                if next(flat) == 0.0:
-                    failures.append(reason)
-                    if layers:
-                        layers[i].forget_bound()
+        for flags, template, subjects in checks:
+            for subject in subjects[: flags.numel()]:
+                if next(flat) != 0.0:
+                    continue
+                if isinstance(subject, str):
+                    failures.append(template.format(subject))
+                    continue
+                subject.forget_bound()  # the next forward certifies the weight again
+                failures.append(template.format(self._layer_name(subject)))
         for _, bound, rows in warnings_:
             message = _mean_warning(next(flat), bound, rows)
             if message is None or self._mean_warning_given:

@@ -137,6 +137,15 @@ def _output_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _column_grid(p: argparse.ArgumentParser) -> None:
+    """The CSV file, its numeric column and the public grid (``ecdf``, ``quantiles``)."""
+    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
+    p.add_argument("--column", required=True, help="name of the numeric column")
+    p.add_argument("--lower", required=True, help="public lower bound of the grid")
+    p.add_argument("--upper", required=True, help="public upper bound of the grid")
+    p.add_argument("--size", required=True, help="number of grid thresholds (2 to 10**8)")
+
+
 def add_ecdf_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``ecdf`` to an ``argparse`` sub-parser collection; returns the new parser."""
     p = subparsers.add_parser(
@@ -146,11 +155,7 @@ def add_ecdf_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(thesis chapter 6; by default the consistent k-ary tree with optimised level budgets, "
         "see docs/statistics.md) and print its quantiles.",
     )
-    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
-    p.add_argument("--column", required=True, help="name of the numeric column")
-    p.add_argument("--lower", required=True, help="public lower bound of the grid")
-    p.add_argument("--upper", required=True, help="public upper bound of the grid")
-    p.add_argument("--size", required=True, help="number of grid thresholds (2 to 10**8)")
+    _column_grid(p)
     p.add_argument(
         "--quantiles",
         default="0.25,0.5,0.75",
@@ -196,11 +201,7 @@ def add_quantiles_parser(subparsers: Any) -> argparse.ArgumentParser:
         "grid (as clipless ecdf), inverted at every requested level (post-processing, so the "
         "budget does not depend on the number of levels; clipless.stats.quantiles).",
     )
-    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
-    p.add_argument("--column", required=True, help="name of the numeric column")
-    p.add_argument("--lower", required=True, help="public lower bound of the grid")
-    p.add_argument("--upper", required=True, help="public upper bound of the grid")
-    p.add_argument("--size", required=True, help="number of grid thresholds (2 to 10**8)")
+    _column_grid(p)
     p.add_argument(
         "--levels",
         default="0.25,0.5,0.75",
