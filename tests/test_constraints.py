@@ -683,6 +683,25 @@ def test_the_device_frobenius_bound_is_certified_at_every_magnitude(scale: float
     )
 
 
+@pytest.mark.parametrize("scale", [1e-45, 1e-40, 1e-20, 1.0, 1e19, 1e37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_device_frobenius_bound_of_narrow_weights(scale: float, dtype: torch.dtype) -> None:
+    """For float32 / bfloat16 entries (squared exactly in float64, no scaling) _fro_upper_t is
+    >= the exact Frobenius norm in rationals, at subnormal and near-overflow magnitudes, tight
+    to 1e-12; NaN and inf give inf."""
+    from fractions import Fraction
+
+    gen = torch.Generator().manual_seed(4)
+    t = (torch.randn(33, 17, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    exact_sq = sum((Fraction(v) ** 2 for v in t.double().reshape(-1).tolist()), Fraction(0))
+    bound = float(constraints._fro_upper_t(t))
+    assert Fraction(bound) ** 2 >= exact_sq
+    assert Fraction(bound) ** 2 <= exact_sq * Fraction(1 + 1e-12) ** 2 + Fraction(2.0**-1000)
+    for bad in (math.nan, math.inf):
+        t[3, 4] = bad
+        assert float(constraints._fro_upper_t(t)) == math.inf
+
+
 @pytest.mark.parametrize("scale", [1e-165, 1e-300, 1e155, 1e300])
 def test_the_carried_gap_and_the_rescale_at_extreme_magnitudes(scale: float) -> None:
     """_fro_upper squared without scaling: float64 entries near 1e-165 gave a gap of 0 and a
@@ -762,3 +781,40 @@ def test_projection_keeps_one_copy_of_the_weight(scale: float) -> None:
     assert len(copies) == 1
     cached = model[1].__dict__["_bound_cache"]
     assert torch.equal(cached[0], model[1].weight.detach()) and cached[2] == returned["1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-3, 1.0, 3e3, 1e30])
+def test_the_device_rescale_is_certified_in_every_dtype(
+    dtype: torch.dtype, magnitude: float
+) -> None:
+    """_rescale_t (the accelerator path) writes a weight whose exact spectral norm (SVD in
+    float64) is <= its returned bound <= max_norm, leaves a weight that needs no rescale bit for
+    bit, and reports an overflowing "fix" as unverified without writing it."""
+    gen = torch.Generator().manual_seed(5)
+    layer = cnn.Linear(24, 16, bias=False, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(16, 24, generator=gen, dtype=torch.float64) * magnitude)
+    before = layer.weight.detach().clone()
+    exact = float(torch.linalg.matrix_norm(before.double(), ord=2))
+    ub = torch.tensor(exact * (1 + 1e-6), dtype=torch.float64)
+    consts = constraints._rescale_constants([layer])
+
+    def rescale(max_norm: float, need: bool) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return constraints._rescale_t(
+                [layer.weight], ub.reshape(1), max_norm, consts, torch.tensor([need])
+            )
+
+    kept, scale, ok = rescale(1.0, False)
+    assert bool(ok) and float(scale) == 1.0 and float(kept) == float(ub)
+    assert torch.equal(layer.weight.detach().view(-1), before.view(-1))
+    bound, scale, ok = rescale(0.5, True)
+    stored = float(torch.linalg.matrix_norm(layer.weight.detach().double(), ord=2))
+    assert bool(ok) and stored <= float(bound) <= 0.5
+    assert float(bound) >= 0.5 * (1 - 1e-5)
+    if dtype == torch.float32 and magnitude >= 1.0:  # "fix" to entries past float32's largest
+        with torch.no_grad():
+            layer.weight.copy_(before)
+        _, _, ok = rescale(1e39, True)
+        assert not bool(ok) and torch.equal(layer.weight.detach(), before)

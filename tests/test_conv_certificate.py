@@ -400,3 +400,23 @@ def test_accelerator_conv_certificate_against_the_explicit_jacobian(
     auto = conv_norm(w, **kw)  # type: ignore[arg-type]
     assert exact <= fft <= fft_cpu * 1.01, (name, fft / fft_cpu - 1)
     assert exact <= auto <= exact * 1.01 or auto <= fft, (name, auto / exact - 1)
+
+
+@pytest.mark.parametrize(
+    ("c_out", "c_in", "stride", "padding", "circular"),
+    [(24, 18, 1, 1, False), (10, 30, 1, 0, False), (20, 6, 2, 1, False), (8, 5, 2, 1, True)],
+)
+def test_the_accelerator_symbol_is_the_einsum_symbol(
+    c_out: int, c_in: int, stride: int, padding: int, circular: bool
+) -> None:
+    """_symbol_tensor (one real product with the cached tap phases) equals the complex einsum
+    symbol to rounding, for every grid of the geometry, and the cache returns the same table."""
+    w = torch.randn(c_out, c_in, 3, 3, generator=torch.Generator().manual_seed(15))
+    for dims, decimation, _ in norms._grids(w, (stride, stride), (padding,) * 2, circular, (7, 6)):
+        sym = norms._polyphase_symbol(w, dims, decimation)
+        expect = sym.reshape(-1, *sym.shape[-2:])
+        got = norms._symbol_tensor(w, dims, decimation)
+        assert got.shape == expect.shape and got.dtype == torch.complex128
+        assert torch.allclose(got, expect, rtol=0, atol=1e-13 * float(w.abs().max()))
+        table = norms._tap_phases((3, 3), dims, decimation, w.device)
+        assert norms._tap_phases((3, 3), dims, decimation, w.device) is table

@@ -676,3 +676,27 @@ def test_gram_bounds_mark_non_finite_matrices_infinite_without_a_host_read() -> 
     bounds = norms._gram_bounds(mats, 6)
     assert math.isinf(float(bounds[1])) and math.isinf(float(bounds[2]))
     assert exact_norm(mats[0]) <= float(bounds[0]) <= exact_norm(mats[0]) * 1.001
+
+
+@pytest.mark.parametrize("exponent", [-149, -140, -100, 0, 100, 120])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_gram_bounds_of_narrow_matrices_need_no_scaling(exponent: int, dtype: torch.dtype) -> None:
+    """Float32 / complex64 entries go into the Gram iteration without the power-of-two scaling
+    (their float64 squares neither overflow nor underflow): still >= the exact norm at float32's
+    extreme magnitudes (subnormal 2^-149 to near 2^128), and inf for a NaN or inf entry."""
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(4, 7, 5, generator=gen, dtype=torch.float64)
+    if dtype.is_complex:
+        base = torch.complex(base, torch.randn(4, 7, 5, generator=gen, dtype=torch.float64))
+    mats = (base * 2.0**exponent).to(dtype)
+    # the exact norm of the stored entries, computed after an exact power-of-two scaling
+    exact = torch.linalg.matrix_norm(mats.to(torch.complex128) * 2.0 ** (-exponent), ord=2)
+    for iters in (0, 2, 6):
+        bound = norms._gram_bounds(mats, iters) * 2.0 ** (-exponent)
+        assert bool((bound >= exact * (1 - 1e-14)).all()), iters
+        assert bool((bound <= exact * 3.0).all())
+    mats[1, 2, 3] = float("inf")
+    mats[2, 0, 0] = float("nan")
+    bounds = norms._gram_bounds(mats, 6)
+    assert math.isinf(float(bounds[1])) and math.isinf(float(bounds[2]))
+    assert math.isfinite(float(bounds[0])) and math.isfinite(float(bounds[3]))

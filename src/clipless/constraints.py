@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -550,9 +551,17 @@ _ROUND_UP_T = 1.0 + 8.0 * _EPS64  # covers the few round-to-nearest tensor opera
 
 
 def _fro_upper_t(t: torch.Tensor) -> torch.Tensor:
-    """:func:`_fro_upper` as a 0-dim tensor, branch-free: the entries are first scaled by the
-    power of two bringing the largest into ``[0.5, 1)`` (exact but for underflow, whose loss is
-    inside the ``sqrt(n) 2^-537`` allowance), as ``_fro_upper`` does outside ``[2^-400, 2^400]``."""
+    """:func:`_fro_upper` as a 0-dim float64 tensor, branch-free.
+
+    Entries of a dtype no wider than float32 square exactly in float64, with neither overflow nor
+    underflow (``|x|`` in ``[2^-149, 2^128]``): the float64 sum has only the ``(n + 4) u``
+    relative error. Float64 entries are first scaled by the power of two bringing the largest
+    into ``[0.5, 1)`` (exact but for underflow, whose loss is inside the ``sqrt(n) 2^-537``
+    allowance), as ``_fro_upper`` does outside ``[2^-400, 2^400]``."""
+    if t.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        value = torch.linalg.vector_norm(t, dtype=torch.float64)
+        value = value * ((1.0 + (t.numel() + 4) * _EPS64) * _ROUND_UP_T)
+        return torch.where(torch.isfinite(value), value, torch.full_like(value, math.inf))
     n = t.numel()
     amax = t.abs().amax()
     usable = torch.isfinite(amax) & (amax > 0)
@@ -568,69 +577,136 @@ def _fro_upper_t(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rescale_t(
-    layer: _Layer, ub: torch.Tensor, max_norm: float, m: float, need: torch.Tensor
+    weights: Sequence[torch.Tensor],
+    ub: torch.Tensor,
+    max_norm: float,
+    consts: torch.Tensor,
+    need: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_rescale` without host reads: ``(bound after, scale, verified)`` as tensors.
+    """:func:`_rescale` without host reads, for layers whose weights share a device and dtype:
+    ``(bound after, scale, verified)``, each a vector over the layers.
 
-    One candidate, with the whole a-priori slack (which verifies by the module docstring's
-    argument; the CPU path's first try with 3/4 of it keeps the weight ~1e-7 larger, relative,
-    not worth a second candidate's operators here), verified on the device by the same
-    inequality and written where ``need`` holds. A layer that needs no rescale keeps its weight
-    bit for bit and its bound ``ub``; ``verified`` is false only where the candidate did not
-    verify (a non-finite weight or bound, or a scale beyond the dtype's range)."""
-    weight = layer.weight
-    w64 = weight.detach().to(torch.float64)  # exact
-    fro = _fro_upper_t(w64)
-    u, sub = _unit_roundoff(weight.dtype)
+    ``consts`` (from :func:`_rescale_constants`) holds per layer ``m`` and ``m sqrt(n) sub``.
+    Where ``need`` holds a weight is multiplied in its own dtype by ``s``, the scale the whole
+    a-priori slack allows (``s`` rounded down into the dtype, so the real product is ``s W`` with
+    ``s`` exactly known); elsewhere by exactly 1, which keeps it bit for bit.
+
+    Claim: the stored weight ``C = fl(s W)`` has ``||C|| <= bound <= max_norm``. Proof: each
+    entry rounds once, ``|c_ij - s w_ij| <= u s |w_ij| + sub`` (relative error ``u`` in the
+    normal range, absolute ``sub`` below it), so ``||C - s W||_F <= u s ||W||_F + sqrt(n) sub``;
+    the layer's bound is homogeneous and its perturbation is at most ``m`` times the kernel's
+    Frobenius norm (module docstring), so ``||C|| <= s ub + m (u s fro + sqrt(n) sub)``,
+    evaluated in float64 and rounded up (``_ROUND_UP_T``, ``NUMERIC_MARGIN``). With
+    ``s <= (target - m sqrt(n) sub) / (ub + m (u + 2 eps) fro)`` that is at most
+    ``target (1 + margin) <= max_norm``. No entry overflows while ``s fro`` stays below the
+    dtype's largest value (every ``|s w_ij| <= s fro``), checked too: ``verified`` is false only
+    where ``s`` is not positive or the product could overflow (a non-finite weight or bound;
+    "fix" beyond the dtype's range)."""
+    dtype = weights[0].dtype
+    fro = _fro_upper_vector(weights)
+    m, subnormal = consts.unbind(0)
+    u = _unit_roundoff(dtype)[0]
     target = max_norm / (1.0 + 4.0 * NUMERIC_MARGIN)
     apriori = m * ((u + 2.0 * _EPS64) * fro) * 1.01
-    free = max(target - m * math.sqrt(w64.numel()) * sub, 0.0)
-    scale = free / (ub + apriori)
-    scaled = w64 * scale  # s W, one float64 rounding per entry
-    candidate = scaled.to(weight.dtype)  # fl(s W) in the weight's dtype
-    resid = _fro_upper_t(scaled - candidate.to(torch.float64)) + _EPS64 * scale * fro
-    bound = (scale * ub + m * resid) * ((1.0 + NUMERIC_MARGIN) * _ROUND_UP_T)
-    ok = torch.isfinite(bound) & (bound <= max_norm) & (scale > 0)
+    free = (target - subnormal).clamp_min(0.0)
+    scale = (free / (ub + apriori)) * (1.0 - 4.0 * _EPS64)  # rounded down: <= the exact ratio
+    s = scale.to(dtype)
+    s = torch.where(s.to(torch.float64) > scale, torch.nextafter(s, torch.zeros_like(s)), s)
+    s64 = s.to(torch.float64)  # exact
+    resid = m * (u * (s64 * fro) * _ROUND_UP_T) + subnormal
+    bound = (s64 * ub + resid) * ((1.0 + NUMERIC_MARGIN) * _ROUND_UP_T)
+    safe = s64 * fro * (1.0 + 4.0 * _EPS64) <= float(torch.finfo(dtype).max)
+    ok = torch.isfinite(bound) & (bound <= max_norm) & (s64 > 0) & safe
     write = need & ok
-    weight.copy_(torch.where(write, candidate, weight.detach()))
+    factors = torch.where(write, s, torch.ones_like(s)).unbind()
+    for weight, factor in zip(weights, factors, strict=True):
+        weight.mul_(factor)
     one = torch.ones_like(scale)
-    return torch.where(need, bound, ub), torch.where(write, scale, one), ok | ~need
+    return torch.where(need, bound, ub), torch.where(write, s64, one), ok | ~need
+
+
+def _fro_upper_vector(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`_fro_upper_t` of each weight, as one vector: the narrow dtypes' float64 norms are
+    stacked and inflated together (one operator for all layers instead of four per layer)."""
+    if weights[0].dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.stack([_fro_upper_t(w.detach()) for w in weights])
+    norms_ = torch.stack(
+        [torch.linalg.vector_norm(w.detach(), dtype=torch.float64) for w in weights]
+    )
+    n = max(w.numel() for w in weights)  # (n + 4) u for the largest covers every layer
+    value = norms_ * ((1.0 + (n + 4) * _EPS64) * _ROUND_UP_T)
+    return torch.where(torch.isfinite(value), value, torch.full_like(value, math.inf))
+
+
+_CONSTANTS: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def _rescale_constants(layers: list[_Layer]) -> torch.Tensor:
+    """``[[m], [m sqrt(n) sub]]`` per layer on the layers' device, cached by value: public
+    geometry, built once rather than copied to the device every step (a blocking copy)."""
+    weight = layers[0].weight
+    sub = _unit_roundoff(weight.dtype)[1]
+    ms = [_multiplicity(layer) for layer in layers]
+    rows = (
+        tuple(ms),
+        tuple(
+            m * math.sqrt(layer.weight.numel()) * sub for m, layer in zip(ms, layers, strict=True)
+        ),
+    )
+    key = (weight.device, rows)
+    cached = _CONSTANTS.get(key)
+    if cached is None:
+        if len(_CONSTANTS) > 64:
+            _CONSTANTS.clear()
+        cached = _CONSTANTS[key] = torch.tensor(rows, dtype=torch.float64, device=weight.device)
+    return cached
 
 
 def _project_on_device(
     layers: list[tuple[str, _Layer]], mode: str, max_norm: float, bjorck_iters: int
 ) -> dict[str, float]:
     """:func:`project` with exact certification every call, computed on the weights' device
-    (the accelerator path of :func:`clipless.norms.matrix_products_only`): every layer's
-    certificate and rescale are tensors, and the bounds leave the device in one transfer."""
-    results = []
-    for _, layer in layers:
+    (the accelerator path of :func:`clipless.norms.matrix_products_only`): the layers of each
+    device and dtype are certified and rescaled as vectors, and the bounds leave the device in
+    one transfer per device."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, _Layer]]] = {}
+    for path, layer in layers:
         state = _state_for(layer)
         state.calls += 1
         if mode == "orthogonal":
             _bjorck(layer.weight, bjorck_iters)
-        ub = layer.lipschitz_tensor()
-        need = (ub > max_norm) if mode != "fix" else (ub > 0)
-        need = need | ~torch.isfinite(ub)
-        bound, scale, verified = _rescale_t(layer, ub, max_norm, _multiplicity(layer), need)
-        results.append(torch.stack((ub, bound, scale, verified.to(torch.float64))))
+        groups.setdefault((layer.weight.device, layer.weight.dtype), []).append((path, layer))
+    results = []
+    for group in groups.values():
+        members = [layer for _, layer in group]
+        ub = torch.stack([layer.lipschitz_tensor() for layer in members])
+        need = ((ub > max_norm) if mode != "fix" else (ub > 0)) | ~torch.isfinite(ub)
+        weights = [layer.weight for layer in members]
+        bound, scale, verified = _rescale_t(
+            weights, ub, max_norm, _rescale_constants(members), need
+        )
+        results.append(torch.stack((ub, bound, scale, verified.to(torch.float64))).T)
     values = _read(results)
     out: dict[str, float] = {}
-    for (path, layer), row in zip(layers, values, strict=True):
+    rows = [row for block in values for row in block]
+    ordered = [entry for group in groups.values() for entry in group]
+    for (path, layer), row in zip(ordered, rows, strict=True):
         out[path] = _settle(path, layer, row[0], row[1], row[3] > 0)
-    return out
+    return {path: out[path] for path, _ in layers}
 
 
-def _read(tensors: list[torch.Tensor]) -> list[list[float]]:
-    """The values of ``tensors`` (1-D, float64) on the host: one transfer per device."""
+def _read(blocks: list[torch.Tensor]) -> list[list[list[float]]]:
+    """The values of ``blocks`` (2-D, float64) on the host: one transfer per device."""
     by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
+    for i, t in enumerate(blocks):
         by_device.setdefault(t.device, []).append(i)
-    values: list[list[float]] = [[] for _ in tensors]
+    values: list[list[list[float]]] = [[] for _ in blocks]
     for indices in by_device.values():
-        rows = torch.stack([tensors[i] for i in indices]).tolist()
-        for i, row in zip(indices, rows, strict=True):
-            values[i] = row
+        flat = torch.cat([blocks[i] for i in indices]).tolist()
+        start = 0
+        for i in indices:
+            values[i] = flat[start : start + blocks[i].shape[0]]
+            start += blocks[i].shape[0]
     return values
 
 

@@ -192,6 +192,9 @@ def _hoelder_fro(h: torch.Tensor) -> torch.Tensor:
     return torch.minimum(fro, hoelder)
 
 
+_NARROW = (torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex32)
+
+
 def _gram_bounds(mats: torch.Tensor, iters: int) -> torch.Tensor:
     """:func:`gram_iteration` without host reads: ``inf`` where a matrix is not finite."""
     complex_ = mats.is_complex()
@@ -201,11 +204,63 @@ def _gram_bounds(mats: torch.Tensor, iters: int) -> torch.Tensor:
     batch = h.shape[:-2]
     if h.numel() == 0:
         return torch.zeros(batch, dtype=torch.float64, device=h.device)
-    # Scale every matrix by a power of two so that its largest entry is in [0.5, 1): exact
-    # (entries pushed below the subnormal range change the norm by less than sqrt(m n) 2^-1074,
-    # far inside NUMERIC_MARGIN), and the first Frobenius norm can then neither overflow nor
-    # underflow (entries beyond 2^+-512 made it inf or 0, and the bound 0). Two factors, because
-    # 2^-e alone overflows for the smallest subnormal e.
+    if min(rows, cols) == 1:
+        iters = 0  # a vector's Frobenius norm is its spectral norm: iterating gains nothing
+    if mats.dtype in _NARROW:
+        # entries of at most float32's range square exactly in float64 with neither overflow
+        # nor underflow (|x| in [2^-149, 2^128]): the first Frobenius norm needs no scaling, and
+        # it is finite exactly when every entry is
+        log_scale = torch.zeros(batch, dtype=torch.float64, device=h.device)
+        finite = None
+    else:
+        h, log_scale, finite = _scaled_to_unit(h)
+    # Put the smaller dimension last once, so every Gram matrix is min(m, n) square.
+    if rows < cols:
+        h = h.mH
+    # Step t divides the iterate by its Frobenius norm c_t; log_scale + sum_t 2^-t log c_t is
+    # then the bound from ||G_t||_F, summed once after the loop (one operator, not four per
+    # step). c_0 is 0 only for a zero matrix (the first iterate's squares cannot underflow, later
+    # ones have norm >= 1 / rank): its NaN iterates are replaced by the exact bound 0 at the end.
+    first = torch.linalg.vector_norm(h, dim=(-2, -1), keepdim=True)
+    cs = []
+    for t in range(iters):
+        c = first if t == 0 else torch.linalg.vector_norm(h, dim=(-2, -1), keepdim=True)
+        cs.append(c)
+        h = h.div_(c) if t else h / c
+        h = _gram_product(h)
+    zero = (first == 0).reshape(batch)
+    if finite is None:
+        finite = torch.isfinite(first).reshape(batch)
+    best = torch.full_like(log_scale, math.inf)
+    if cs:
+        weights = torch.pow(0.5, torch.arange(iters, dtype=torch.float64, device=h.device))
+        log_scale = log_scale + (torch.log(torch.cat(cs, dim=-1)) * weights).sum(-1).reshape(batch)
+        best = log_scale
+    # The last iterate's Hoelder / Frobenius bound usually improves on the last c_t, but with
+    # rounding not always: the result is the smaller of the two.
+    best = torch.minimum(best, log_scale + torch.log(_hoelder_fro(h)) * (2.0**-iters))
+    bound = torch.exp(best) * factor
+    # a subnormal result has lost relative precision: the smallest normal number bounds it
+    bound = torch.where(zero, torch.zeros_like(bound), bound.clamp_min(_TINY))
+    return torch.where(finite, bound, torch.full_like(bound, math.inf))
+
+
+def _gram_product(h: torch.Tensor) -> torch.Tensor:
+    """``h^H h``: ``mm`` / ``bmm`` directly for real 2-D / 3-D iterates (``matmul`` dispatches
+    through a few more operators, each a launch-sized overhead on an accelerator)."""
+    if h.dim() > 3:
+        return h.mH @ h
+    left = h.mH if h.is_complex() else h.mT
+    return torch.mm(left, h) if h.dim() == 2 else torch.bmm(left, h)
+
+
+def _scaled_to_unit(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h 2^-e, e log 2, finite)`` per matrix, ``2^e`` the power of two bringing the largest
+    entry into ``[0.5, 1)``: exact (entries pushed below the subnormal range change the norm by
+    less than ``sqrt(m n) 2^-1074``, far inside NUMERIC_MARGIN), and the first Frobenius norm can
+    then neither overflow nor underflow (entries beyond ``2^+-512`` made it inf or 0, and the
+    bound 0). Two factors, because ``2^-e`` alone overflows for the smallest subnormal ``e``.
+    A non-finite matrix becomes zero, its ``finite`` false."""
     amax = h.abs().flatten(-2).amax(dim=-1)
     finite = torch.isfinite(amax)
     amax = torch.where(finite, amax, torch.ones_like(amax))
@@ -214,27 +269,7 @@ def _gram_bounds(mats: torch.Tensor, iters: int) -> torch.Tensor:
     half = torch.div(e, 2, rounding_mode="floor")
     one = torch.ones_like(amax)
     h = h * torch.ldexp(one, -half)[..., None, None] * torch.ldexp(one, half - e)[..., None, None]
-    log_scale = e.to(torch.float64) * math.log(2.0)
-    # Put the smaller dimension last once, so every Gram matrix is min(m, n) square.
-    if rows < cols:
-        h = h.mH
-    # After step t, log_scale is the bound from ||G_t||_F (the Frobenius norm c_t divides the
-    # iterate); the last iterate's Hoelder / Frobenius bound usually improves on it, but with
-    # rounding not always: the result is the smaller of the two.
-    best = torch.full_like(log_scale, math.inf)
-    for t in range(iters):
-        # a zero matrix (the only one with c below the smallest normal) stays zero
-        c = torch.linalg.vector_norm(h, dim=(-2, -1)).clamp_min_(_TINY)
-        log_scale = torch.add(log_scale, c.log(), alpha=2.0**-t)
-        h = h.div_(c[..., None, None]) if t else h / c[..., None, None]
-        h = h.mH @ h
-        best = log_scale
-    # log(0) = -inf gives a zero bound for a zero matrix, the exact norm
-    best = torch.minimum(best, log_scale + torch.log(_hoelder_fro(h)) * (2.0**-iters))
-    bound = torch.exp(best) * factor
-    # a subnormal result has lost relative precision: the smallest normal number bounds it
-    bound = torch.where(bound > 0, bound.clamp_min(_TINY), torch.zeros_like(bound))
-    return torch.where(finite, bound, torch.full_like(bound, math.inf))
+    return h, e.to(torch.float64) * math.log(2.0), finite
 
 
 _CHOLESKY_MARGINS = (3e-6, 1e-4, 1e-2)  # relative lift of the target c^2 above the estimate
@@ -1328,6 +1363,57 @@ def _as_tensor(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64, device=like.device)
 
 
+_TAP_PHASES: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def _tap_phases(
+    kernel: tuple[int, int],
+    dims: tuple[_Polyphase, _Polyphase],
+    strides: tuple[int, int],
+    device: torch.device,
+) -> torch.Tensor:
+    """``B[j, c, f, :]``: (real, imaginary) of ``phi_f(j)`` where tap ``j`` falls in polyphase
+    class ``c`` (its input phases), 0 elsewhere; shape ``(kh kw, sh sw, F, 2)``, float64.
+
+    ``phi_f(j) = e_h(f_h, a_h(j)) e_w(f_w, a_w(j))``, one complex product of two phases of
+    :func:`_phases` (error ``<= 12u``, as in :func:`_symbol_matrices`). Public geometry only:
+    built once per layer geometry and device (a blocking host-to-device copy), then cached."""
+    key = (kernel, tuple((tuple(d.phase), tuple(d.shift), d.grid) for d in dims), strides, device)
+    cached = _TAP_PHASES.get(key)
+    if cached is not None:
+        return cached
+    (kh, kw), (ph, pw), (sh, sw) = kernel, dims, strides
+    e_h = _phases(ph.grid, ph.grid, max(ph.shift) + 1, torch.device("cpu"))
+    e_w = _phases(pw.grid, pw.grid // 2 + 1, max(pw.shift) + 1, torch.device("cpu"))
+    table = torch.zeros((kh, kw, sh * sw, ph.grid, pw.grid // 2 + 1), dtype=torch.complex128)
+    for jh in range(kh):
+        for jw in range(kw):
+            phi = e_h[:, ph.shift[jh], None] * e_w[None, :, pw.shift[jw]]
+            table[jh, jw, ph.phase[jh] * sw + pw.phase[jw]] = phi
+    flat = torch.view_as_real(table.reshape(kh * kw, sh * sw, -1)).contiguous()
+    if len(_TAP_PHASES) > 256:
+        _TAP_PHASES.clear()
+    _TAP_PHASES[key] = cached = flat.to(device)
+    return cached
+
+
+def _symbol_tensor(
+    weight: torch.Tensor, dims: tuple[_Polyphase, _Polyphase], strides: tuple[int, int]
+) -> torch.Tensor:
+    """The per-frequency matrices of :func:`_polyphase_symbol` as ``(F, c_out, c_in sh sw)``,
+    from one real matrix product of the taps with :func:`_tap_phases` (a handful of operators
+    where the polyphase kernel's assembly runs one per tap). Each real or imaginary component is
+    a sum over the ``kh kw`` taps of a tap times a phase component (zero outside the tap's
+    class, exactly): the error analysis of :data:`NUMERIC_MARGIN` ("Symbol (DFT)") applies."""
+    c_out, c_in, kh, kw = (int(d) for d in weight.shape)
+    table = _tap_phases((kh, kw), dims, strides, weight.device)
+    taps = weight.detach().to(torch.float64).reshape(c_out * c_in, kh * kw)
+    classes, freqs = int(table.shape[1]), int(table.shape[2])
+    out = torch.mm(taps, table.reshape(kh * kw, -1)).reshape(c_out, c_in, classes, freqs, 2)
+    out = torch.view_as_complex(out.permute(3, 0, 1, 2, 4).contiguous())
+    return out.reshape(freqs, c_out, c_in * classes)
+
+
 def _conv_fft_tensor(
     weight: torch.Tensor,
     stride: tuple[int, int],
@@ -1338,9 +1424,7 @@ def _conv_fft_tensor(
     """:func:`_conv_norm_fft` on the accelerator path, as a tensor (no host read)."""
     bounds = []
     for dims, decimation, copies in _grids(weight, stride, padding, circular, input_size):
-        mats = _polyphase_symbol(weight, dims, decimation)
-        rows, cols = int(mats.shape[-2]), int(mats.shape[-1])
-        top = _gram_bounds(mats.reshape(-1, rows, cols), _GRAM_CONV_ITERS).max()
+        top = _gram_bounds(_symbol_tensor(weight, dims, decimation), _GRAM_CONV_ITERS).max()
         bounds.append(_inflated(top * _certified.sqrt(copies)))
     return torch.stack(bounds).min()
 
@@ -1356,7 +1440,11 @@ def _conv_tensor(
     kh, kw = (int(weight.shape[-2]), int(weight.shape[-1]))
     k_eff = conv_multiplicity((kh, kw), stride, padding, padding_mode, size)
     mat = weight.detach().reshape(weight.shape[0], -1)
-    frob = _inflated(_gram_bounds(mat, _GRAM_AUTO_ITERS) * _certified.sqrt(k_eff))
+    # With zero padding the FFT bound (below) is the exact norm of a circulant containing the
+    # layer, at most the size-free sqrt(k_eff) ||K_mat||_2 in every case measured (equal for
+    # all-ones kernels): the size-free bound is then only a guard, in its no-iteration form.
+    iters = 0 if size is not None and padding_mode == "zeros" else _GRAM_AUTO_ITERS
+    frob = _inflated(_gram_bounds(mat, iters) * _certified.sqrt(k_eff))
     if size is None:
         return frob
     if _small(weight, stride, padding, size):

@@ -68,8 +68,8 @@ def test_differentiable_keeps_the_graph() -> None:
 
 
 def test_the_accelerator_path_is_certified_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The branch-free bound an accelerator computes (each row scaled by a power of two first)
-    is >= the exact norm on the random and the adversarial rows above, float32."""
+    """The branch-free bound an accelerator computes (float32 rows summed in float64) is >= the
+    exact norm on the random and the adversarial rows above, float32, and tight."""
     from clipless import norms
 
     monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)

@@ -101,7 +101,7 @@ def _norms_and_upper(x: torch.Tensor, differentiable: bool) -> tuple[torch.Tenso
         flat = flat.float()
     numel = int(flat.shape[1])
     if flat.dtype == torch.float32 and matrix_products_only(flat):
-        return _scaled_norms_and_upper(flat)
+        return _wide_norms_and_upper(flat)
     norms = torch.linalg.vector_norm(flat, dim=1)
     sq = _sq_norm_upper(norms.double().square(), numel, flat.dtype)
     if flat.dtype == torch.float32:
@@ -116,27 +116,19 @@ def _norms_and_upper(x: torch.Tensor, differentiable: bool) -> tuple[torch.Tenso
     return norms, torch.sqrt(sq) * (1.0 + 2.0**-50)  # the float64 sqrt and this product round
 
 
-def _scaled_norms_and_upper(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _wide_norms_and_upper(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_norms_and_upper` of float32 rows without a data-dependent branch (no host read on
-    an accelerator): each row is first scaled by the power of two ``2^-e`` bringing its largest
-    entry into ``[0.5, 1)``, so no square overflows (two factors, each representable). The
-    scaling is exact except for entries that fall below float32's normal range, each moved by at
-    most ``2^-150`` per factor (the second factor is at most 1 when scaling down), so ``2^-149``
-    in all: the row's scaled norm by at most ``sqrt(numel) 2^-149`` (triangle inequality), added
-    before scaling back by the exact ``2^e`` in float64."""
+    an accelerator), summed in float64: a float32 entry converts exactly, its square is exact in
+    float64 (24-bit significands give 48-bit products; ``|x| <= 2^128`` and ``|x| >= 2^-149``
+    give squares in ``[2^-298, 2^256]``, inside float64's normal range), so no square overflows
+    or underflows and :func:`_sq_norm_upper`'s float64 bound applies. A few operators instead of
+    the three dozen of a per-row power-of-two scaling in float32; the float64 pass reads each
+    entry once more, which an accelerator's memory bandwidth absorbs (the CPU keeps the cheaper
+    float32 sum of :func:`_norms_and_upper`). Returns float64 computed norms."""
     numel = int(flat.shape[1])
-    amax = flat.detach().abs().amax(dim=1)
-    usable = torch.isfinite(amax) & (amax > 0)
-    _, e = torch.frexp(torch.where(usable, amax, torch.ones_like(amax)))
-    # two factors: 2^-e alone overflows float32 for rows of subnormals (e down to -148)
-    half = torch.div(e, 2, rounding_mode="floor")
-    one = torch.ones_like(amax)
-    scaled = flat * torch.ldexp(one, -half)[:, None] * torch.ldexp(one, half - e)[:, None]
-    norms = torch.linalg.vector_norm(scaled, dim=1)
-    upper = torch.sqrt(_sq_norm_upper(norms.double().square(), numel, torch.float32))
-    upper = (upper * (1.0 + 2.0**-50) + math.sqrt(numel) * 2.0**-149) * (1.0 + 2.0**-50)
-    back = torch.ldexp(torch.ones_like(upper), e.to(torch.float64))  # exact in float64
-    return norms * back.to(norms.dtype), upper * back
+    norms = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
+    upper = torch.sqrt(_sq_norm_upper(norms.square(), numel, torch.float64))
+    return norms, upper * (1.0 + 2.0**-50)  # the float64 sqrt and this product round
 
 
 def sample_norms_upper(x: torch.Tensor, *, differentiable: bool = False) -> torch.Tensor:

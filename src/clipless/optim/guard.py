@@ -89,6 +89,7 @@ from clipless.nn._base import deferred_weight_checks
 from clipless.nn._functional import _wrapped
 from clipless.nn.input import releases_in
 from clipless.nn.validate import _HOOK_KINDS, foreign_hooks
+from clipless.norms import matrix_products_only
 from clipless.optim.precision import _DENSE_LAYERS, reduced_float32_precision
 from clipless.sampling import PoissonDataLoader
 
@@ -983,11 +984,12 @@ def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
 
     A large contiguous CPU gradient is converted to float64 1 MiB at a time, into a reused
     buffer (``clipless._workspace``): ``vector_norm(..., dtype=float64)`` made a float64 copy of
-    the whole gradient, 4 MiB more at the step's memory peak (``benchmarks/RESULTS.md`` 26f).
+    the whole gradient, 4 MiB more at the CPU step's memory peak. An accelerator takes the one
+    reduction (a loop of small copies there is a loop of kernel launches).
     """
     g = grad.detach()
     n = g.numel()
-    if g.device.type != "cpu" or not g.is_contiguous() or n <= _FINGERPRINT_CHUNK:
+    if matrix_products_only(g) or not g.is_contiguous() or n <= _FINGERPRINT_CHUNK:
         return torch.linalg.vector_norm(g, dtype=torch.float64).square().view(torch.int64)
     flat = g.view(-1)
     buffer = _workspace.scratch("float64.rows", (_FINGERPRINT_CHUNK,), torch.float64)
