@@ -64,34 +64,20 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from clipless.nn import _checks
+from clipless.nn import _checks, _twins
 from clipless.nn._base import LipschitzModule
-from clipless.nn.activations import (
-    ELU,
-    Flatten,
-    Hardtanh,
-    LeakyReLU,
-    ReLU,
-    Sigmoid,
-    Tanh,
-    Unflatten,
-)
+from clipless.nn._twins import _ViewFlatten
+from clipless.nn.activations import Flatten
 from clipless.nn.containers import Residual, Sequential
-from clipless.nn.conv import PADDING_MODES, Conv2d
 from clipless.nn.export import PlainResidual
 from clipless.nn.input import InputNorm
-from clipless.nn.linear import Linear
-from clipless.nn.norm import GroupNorm
-from clipless.nn.pooling import AvgPool2d, L2NormPool2d, MaxPool2d
-from clipless.nn.validate import foreign_hooks
+from clipless.nn.validate import _type_name, foreign_hooks
 
 __all__ = ["ConversionEntry", "ConversionReport", "convert"]
 
 EntryKind = Literal["twin", "substituted", "removed", "inserted", "unconvertible"]
 BlockerKind = Literal["module", "operation", "structure"]
 _BLOCKER_ORDER = {"module": 0, "operation": 1, None: 1, "structure": 2}
-
-_MAX_GROUPS = 32  # BatchNorm2d/3d -> GroupNorm with the largest divisor of C up to this
 
 
 @dataclass(frozen=True)
@@ -186,37 +172,33 @@ class _UnconvertibleError(Exception):
         self.reason = reason
 
 
-def _type_name(module: torch.nn.Module) -> str:
-    cls = type(module)
-    if cls.__module__.startswith("torch.nn.") and getattr(torch.nn, cls.__name__, None) is cls:
-        return f"torch.nn.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _copy_parameters(source: torch.nn.Module, target: torch.nn.Module, names: list[str]) -> None:
-    with torch.no_grad():
-        for name in names:
-            src = getattr(source, name)
-            dst = getattr(target, name)
-            if src is None:
-                continue
-            dst.copy_(src)
-            dst.requires_grad_(src.requires_grad)
+class _Outcome:
+    """What the converter records for one leaf module (the registry's :class:`_twins.Outcome`)."""
 
+    def __init__(self, converter: _Converter, module: torch.nn.Module, path: str, name: str):
+        self.converter, self.module, self.path, self.name = converter, module, path, name
 
-def _largest_divisor(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+    def twin(self, new: torch.nn.Module, reason: str = "certified twin") -> torch.nn.Module:
+        self.converter.record(self.path, self.name, new, reason, "twin")
+        return new
 
+    def substitute(self, new: torch.nn.Module, reason: str) -> torch.nn.Module:
+        self.converter.record(self.path, self.name, new, reason, "substituted")
+        return new
 
-_NORM_REASON = (
-    "batch statistics mix the samples of a batch (one sample changes every other sample's "
-    "output, so per-sample sensitivity is unbounded); substituted by the per-sample thesis "
-    "normalisation (x - mean) / max(alpha, std), Lipschitz 1/alpha, without affine parameters"
-)
+    def removed(self, reason: str) -> None:
+        self.converter.record(self.path, self.name, None, reason, "removed")
+
+    def unconvertible(self, reason: str) -> torch.nn.Module:
+        self.converter.record(self.path, self.name, None, reason, "unconvertible")
+        return _deepcopy(self.module)
+
+    def sequential(self, items: list[tuple[str, torch.nn.Module | None]]) -> torch.nn.Module:
+        return self.converter.sequential(items)
 
 
 class _Converter:
@@ -283,267 +265,15 @@ class _Converter:
         return self.traced(module, path)
 
     def leaf(self, m: torch.nn.Module, path: str, name: str) -> Any:
-        def twin(new: torch.nn.Module, reason: str = "certified twin") -> torch.nn.Module:
-            self.record(path, name, new, reason, "twin")
-            return new
-
-        def substitute(new: torch.nn.Module, reason: str) -> torch.nn.Module:
-            self.record(path, name, new, reason, "substituted")
-            return new
-
-        def removed(reason: str) -> None:
-            self.record(path, name, None, reason, "removed")
-
-        def unconvertible(reason: str) -> torch.nn.Module:
-            self.record(path, name, None, reason, "unconvertible")
-            return _deepcopy(m)
-
-        if type(m) is torch.nn.Linear:
-            w = m.weight
-            new = Linear(
-                m.in_features,
-                m.out_features,
-                bias=m.bias is not None,
-                device=w.device,
-                dtype=w.dtype,
-            )
-            _copy_parameters(m, new, ["weight", "bias"])
-            return twin(new, "certified twin, weights copied")
-        if type(m) is torch.nn.Conv2d:
-            return self.conv2d(m, twin, unconvertible)
-        if type(m) is torch.nn.Conv1d:
-            return self.conv1d(m, twin, unconvertible)
-        if type(m) is torch.nn.ReLU:
-            return twin(ReLU())
-        if type(m) is torch.nn.LeakyReLU:
-            leaky = LeakyReLU(m.negative_slope)
-            return twin(leaky, f"certified twin, Lipschitz {leaky.lipschitz()}")
-        if type(m) in (torch.nn.Hardtanh, torch.nn.ReLU6):
-            lo, hi = float(getattr(m, "min_val")), float(getattr(m, "max_val"))  # noqa: B009
-            if not lo <= 0.0 <= hi:
-                return unconvertible(
-                    f"Hardtanh({lo}, {hi}) does not map 0 to 0; clipless.nn.Hardtanh needs "
-                    "min_val <= 0 <= max_val"
-                )
-            return twin(Hardtanh(lo, hi), "certified twin, Lipschitz 1")
-        if type(m) is torch.nn.ELU:
-            alpha = float(m.alpha)
-            if alpha < 0:
-                return unconvertible(f"ELU(alpha={alpha}): clipless.nn.ELU needs alpha >= 0")
-            elu = ELU(alpha)
-            return twin(elu, f"certified twin, Lipschitz {elu.lipschitz()}")
-        if type(m) is _ViewFlatten:
-            return twin(
-                Flatten(1, -1, features=m.features),
-                f"x.view(-1, {m.features}) is a flatten when every sample has {m.features} "
-                "entries; the converted Flatten checks that at every forward",
-            )
-        if type(m) is torch.nn.Tanh:
-            return twin(Tanh())
-        if type(m) is torch.nn.Sigmoid:
-            return twin(Sigmoid())
-        if type(m) is torch.nn.Flatten:
-            if m.start_dim < 1:
-                return unconvertible(
-                    f"Flatten(start_dim={m.start_dim}) flattens the batch dimension or depends on "
-                    "the input's rank; clipless.nn.Flatten needs start_dim >= 1"
-                )
-            if m.end_dim == 0:
-                return unconvertible("Flatten(end_dim=0) flattens the batch dimension")
-            return twin(Flatten(m.start_dim, m.end_dim))
-        if type(m) is torch.nn.MaxPool2d:
-            kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
-            problem = _pool_problem(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.dilation)
-            if problem:
-                return self.max_pool(m, twin, unconvertible)
-            return substitute(
-                L2NormPool2d(kernel),
-                "no certified max pooling in clipless; the L2 norm of each same window is "
-                "1-Lipschitz (values differ: the window's L2 norm instead of its maximum)",
-            )
-        if type(m) is torch.nn.AvgPool2d:
-            kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
-            refused = [
-                text
-                for text, bad in (
-                    ("ceil_mode=True", m.ceil_mode),
-                    ("count_include_pad=False", not m.count_include_pad),
-                    ("divisor_override is set", m.divisor_override is not None),
-                )
-                if bad
-            ]
-            if refused:
-                return unconvertible(
-                    f"{', '.join(refused)}; clipless.nn.AvgPool2d divides every window by its "
-                    "full size (count_include_pad=True, floor mode)"
-                )
-            pool = AvgPool2d(kernel, m.stride or None, m.padding)
-            return twin(pool, f"certified twin, Lipschitz {pool.lipschitz():.6g}")
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-            channels = int(m.num_features)
-            groups = (
-                1
-                if isinstance(m, torch.nn.BatchNorm1d)
-                else _largest_divisor(channels, _MAX_GROUPS)
-            )
-            return substitute(GroupNorm(groups, channels), _NORM_REASON)
-        if type(m) is torch.nn.LayerNorm:
-            shape = tuple(m.normalized_shape)
-            return substitute(
-                GroupNorm(1, int(shape[0])),
-                _NORM_REASON.replace(
-                    "batch statistics mix the samples of a batch (one sample changes every other "
-                    "sample's output, so per-sample sensitivity is unbounded)",
-                    "LayerNorm's 1/sqrt(var + eps) has Lipschitz constant about 1/sqrt(eps)",
-                )
-                + f"; assumes normalized_shape {shape} covers every non-batch dimension",
-            )
-        if type(m) is torch.nn.GroupNorm:
-            return substitute(
-                GroupNorm(m.num_groups, m.num_channels),
-                "GroupNorm's 1/sqrt(var + eps) has Lipschitz constant about 1/sqrt(eps); "
-                "substituted by (x - mean) / max(alpha, std), Lipschitz 1/alpha, without affine "
-                "parameters",
-            )
-        if isinstance(m, torch.nn.modules.instancenorm._InstanceNorm):
-            channels = int(m.num_features)
-            return substitute(
-                GroupNorm(channels, channels),
-                "InstanceNorm's 1/sqrt(var + eps) has Lipschitz constant about 1/sqrt(eps); "
-                "substituted by (x - mean) / max(alpha, std) per channel, Lipschitz 1/alpha, "
-                "without affine parameters",
-            )
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-            removed(
-                "dropout has no useful Lipschitz certificate and is the identity in eval mode; "
-                "the DP noise already regularises"
-            )
-            return None
-        if type(m) is torch.nn.Identity:
-            removed("identity")
-            return None
+        """The converted leaf (``None``: removed), by its registry entry (:mod:`._twins`);
+        ``_NOT_A_LEAF`` for a custom module with its own ``forward`` (traced instead)."""
+        outcome = _Outcome(self, m, path, name)
+        rule = _twins.converter(m)
+        if rule is not None:
+            return rule(m, outcome)
         if type(m).__module__.startswith("torch.") or not _has_own_forward(m):
-            from clipless.nn.validate import _advice
-
-            return unconvertible(_advice(m))
+            return outcome.unconvertible(_twins.advice(m))
         return _NOT_A_LEAF
-
-    def max_pool(
-        self,
-        m: torch.nn.MaxPool2d,
-        twin: Callable[[torch.nn.Module, str], torch.nn.Module],
-        unconvertible: Callable[[str], torch.nn.Module],
-    ) -> torch.nn.Module:
-        """Overlapping (or padded) windows: the certified twin, Lipschitz ``sqrt(m)``."""
-        if _checks.int_pair("dilation", m.dilation, 1) != (1, 1):
-            return unconvertible(
-                f"dilation={m.dilation}; clipless.nn.MaxPool2d has no dilation (use dilation=1)"
-            )
-        new = MaxPool2d(m.kernel_size, m.stride or None, m.padding, bool(m.ceil_mode))
-        return twin(
-            new,
-            f"certified twin: {new.multiplicity()} windows can contain one pixel, so the "
-            f"Lipschitz constant is sqrt({new.multiplicity()}) (1 for non-overlapping windows, "
-            "which are converted to L2-norm pooling only when stride = kernel and no padding)",
-        )
-
-    def conv1d(
-        self,
-        m: torch.nn.Conv1d,
-        twin: Callable[[torch.nn.Module, str], torch.nn.Module],
-        unconvertible: Callable[[str], torch.nn.Module],
-    ) -> torch.nn.Module:
-        """``Conv1d`` as a ``Conv2d`` with a ``1 x k`` kernel on ``[batch, C, 1, L]``: same
-        function, and every certified bound of ``Conv2d`` applies unchanged."""
-        (k,) = m.kernel_size
-        problems = []
-        if m.groups != 1:
-            problems.append(f"groups={m.groups} (only groups=1 is certified)")
-        if tuple(m.dilation) != (1,):
-            problems.append(f"dilation={m.dilation} (only dilation 1 is certified)")
-        if m.padding_mode not in PADDING_MODES:
-            problems.append(f"padding_mode={m.padding_mode!r} (clipless has {PADDING_MODES})")
-        padding: Any = m.padding
-        if padding == "valid":
-            padding = (0,)
-        elif padding == "same":
-            if k % 2 == 0:
-                problems.append("padding='same' with an even kernel (asymmetric padding)")
-            padding = (k // 2,)
-        if problems:
-            return unconvertible("clipless.nn.Conv2d does not support " + ", ".join(problems))
-        w = m.weight
-        conv = Conv2d(
-            m.in_channels,
-            m.out_channels,
-            (1, k),
-            stride=(1, int(m.stride[0])),
-            padding=(0, int(padding[0])),
-            padding_mode=m.padding_mode,
-            bias=m.bias is not None,
-            device=w.device,
-            dtype=w.dtype,
-        )
-        with torch.no_grad():
-            conv.weight.copy_(w.unsqueeze(2))
-            conv.weight.requires_grad_(w.requires_grad)
-            if m.bias is not None and conv.bias is not None:
-                conv.bias.copy_(m.bias)
-                conv.bias.requires_grad_(m.bias.requires_grad)
-        new = Sequential(
-            OrderedDict(
-                [("unsqueeze", Unflatten(2, (1, -1))), ("conv", conv), ("squeeze", Flatten(2, 3))]
-            )
-        )
-        return twin(
-            new,
-            f"certified twin, weights copied: a Conv2d with a 1 x {k} kernel on [batch, C, 1, L] "
-            "(parameters renamed conv.weight / conv.bias)",
-        )
-
-    def conv2d(
-        self,
-        m: torch.nn.Conv2d,
-        twin: Callable[[torch.nn.Module, str], torch.nn.Module],
-        unconvertible: Callable[[str], torch.nn.Module],
-    ) -> torch.nn.Module:
-        kernel = _checks.int_pair("kernel_size", m.kernel_size, 1)
-        problems = []
-        if m.groups != 1:
-            problems.append(f"groups={m.groups} (only groups=1 is certified)")
-        if tuple(m.dilation) != (1, 1):
-            problems.append(f"dilation={m.dilation} (only dilation 1 is certified)")
-        if m.padding_mode not in PADDING_MODES:
-            problems.append(f"padding_mode={m.padding_mode!r} (clipless has {PADDING_MODES})")
-        padding: Any = m.padding
-        if padding == "valid":
-            padding = (0, 0)
-        elif padding == "same":
-            if any(k % 2 == 0 for k in kernel):
-                problems.append("padding='same' with an even kernel (asymmetric padding)")
-            padding = (kernel[0] // 2, kernel[1] // 2)
-        if problems:
-            return unconvertible("clipless.nn.Conv2d does not support " + ", ".join(problems))
-        w = m.weight
-        new = Conv2d(
-            m.in_channels,
-            m.out_channels,
-            kernel,
-            stride=_checks.int_pair("stride", tuple(m.stride), 1),
-            padding=_checks.int_pair("padding", tuple(padding), 0),
-            padding_mode=m.padding_mode,
-            bias=m.bias is not None,
-            device=w.device,
-            dtype=w.dtype,
-        )
-        _copy_parameters(m, new, ["weight", "bias"])
-        reason = "certified twin, weights copied"
-        if m.bias is not None:
-            reason += (
-                " (bias kept: its per-sample gradient bound grows as sqrt(output positions); "
-                "bias=False is usually better under DP)"
-            )
-        return twin(new, reason)
 
     # --------------------------------------------------------------- containers
     def sequential(self, items: list[tuple[str, torch.nn.Module | None]]) -> torch.nn.Module:
@@ -730,23 +460,6 @@ def _has_own_forward(module: torch.nn.Module) -> bool:
     return type(module).forward is not torch.nn.Module.forward
 
 
-def _pool_problem(
-    kernel_size: Any, stride: Any, padding: Any, ceil_mode: bool, dilation: Any
-) -> str:
-    kernel = _checks.int_pair("kernel_size", kernel_size, 1)
-    strides = kernel if stride is None or stride == [] else _checks.int_pair("stride", stride, 1)
-    problems = []
-    if strides != kernel:
-        problems.append(f"stride {strides} != kernel_size {kernel} (overlapping or gapped windows)")
-    if _checks.int_pair("padding", padding, 0) != (0, 0):
-        problems.append(f"padding={padding}")
-    if _checks.int_pair("dilation", dilation, 1) != (1, 1):
-        problems.append(f"dilation={dilation}")
-    if ceil_mode:
-        problems.append("ceil_mode=True")
-    return ", ".join(problems)
-
-
 def _describe(node: torch.fx.Node) -> str:
     target = node.target
     if node.op == "output":
@@ -780,23 +493,12 @@ def _sig_method_flatten(self: Any, start_dim: int = 0, end_dim: int = -1) -> Non
 def _sig_dropout(
     input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
 ) -> None: ...
-def _sig_pool(
-    input: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, *rest: Any, **kw: Any
-) -> None: ...
 def _sig_method_unary(self: Any) -> None: ...
 def _sig_leaky(input: Any, negative_slope: float = 0.01, inplace: bool = False) -> None: ...
 def _sig_hardtanh(
     input: Any, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False
 ) -> None: ...
 def _sig_elu(input: Any, alpha: float = 1.0, inplace: bool = False) -> None: ...
-
-
-class _ViewFlatten(torch.nn.Flatten):
-    """``x.view(-1, features)`` (internal: converted to ``Flatten(features=features)``)."""
-
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.features = features
 
 
 def _activation_module(node: torch.fx.Node) -> torch.nn.Module | None:
