@@ -4,8 +4,8 @@ The analogue of Opacus's ``ModuleValidator.fix`` (:func:`clipless.nn.validate` i
 ``ModuleValidator.validate``). Each module is mapped to a clipless layer with a certified bound
 where one exists (by the registry :data:`clipless.nn._twins.TWINS`, which gives
 :func:`~clipless.nn.validate` its advice too; a custom ``forward`` is read by
-:mod:`clipless.nn._graph`); the result always starts with a :class:`~clipless.nn.InputNorm` (the certified
-input bound ``X_0`` of :mod:`clipless.bounds`). Every decision is recorded in a
+:mod:`clipless.nn._graph`); the result always starts with a :class:`~clipless.nn.InputNorm`
+(the certified input bound ``X_0`` of :mod:`clipless.bounds`). Every decision is recorded in a
 :class:`ConversionReport`:
 
 * **twins** compute exactly the original function (weights copied): ``Linear``, ``Conv2d`` (no
