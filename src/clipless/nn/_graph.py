@@ -256,8 +256,8 @@ def _is_helper(node: torch.fx.Node) -> bool:
 
 class _Proxy(torch.fx.Proxy):
     """Records ``h += t`` as ``operator.iadd`` (and so on): ``torch.fx.Proxy`` has no in-place
-    operators, so ``h += t`` was traced as ``h = h + t``, and a name bound to ``h`` before it
-    (``x0 = x; x += f(x); ... x + x0``) read the old value in the graph but the updated one
+    operators, so it would trace ``h += t`` as ``h = h + t``, and a name bound to ``h`` before it
+    (``x0 = x; x += f(x); ... x + x0``) would read the old value in the graph but the updated one
     eagerly."""
 
     def _inplace(self, op: Callable[[Any, Any], Any], other: Any) -> torch.fx.Proxy:

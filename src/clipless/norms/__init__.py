@@ -67,8 +67,8 @@ __all__ = [
 
 _SUBMODULES = (certificates, iterations, dense, convolution)
 
-# The submodules' private helpers and thresholds are attributes here too, as when the package was
-# one module: tests and benchmarks read and patch them through ``clipless.norms``.
+# The submodules' private helpers and thresholds are attributes here too, so that tests and
+# benchmarks read and patch them through ``clipless.norms`` wherever a subject's code lives.
 for _module in _SUBMODULES:
     globals().update(
         (name, value)

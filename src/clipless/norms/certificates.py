@@ -261,6 +261,11 @@ def _cholesky_max_norm(flat: torch.Tensor) -> float:
     ``c^2 I - fl(A_i^H A_i)`` that runs to completion proves ``||A_i||_2^2 <= c^2 + tau_i`` (the
     complex Hermitian analogue of :func:`_cholesky_norm`).
 
+    Precondition: ``flat`` finite complex128 on the CPU, ``k >= n``, components within
+    ``2^(+-257)``; conventional BLAS/LAPACK kernels (as stated in the proof).
+
+    Claim: the result is ``>= max_i ||flat[i]||_2``.
+
     Steering (never enters the bound). Each Gram matrix gets a short Lanczos run
     (:func:`_lanczos_top`, :data:`_CONV_LANCZOS_STEPS` steps) that ranks the frequencies; the
     :data:`_CONV_CANDIDATES` best-ranked get an accurate estimate (:func:`_refined_estimate`:
@@ -352,6 +357,8 @@ def _batched_eigh_max_norm(flat: torch.Tensor) -> float:
     :func:`_eigh_certificate` (the Gram products by a batched complex ``zgemm``: step 1 of
     :func:`_cholesky_max_norm` bounds every computed entry, in either triangle). The few
     float64 operations combining the terms are covered by a factor ``1 + 16u``.
+
+    Precondition: as :func:`_cholesky_max_norm`. Claim: the result is ``>= max_i ||flat[i]||_2``.
     """
     a = flat
     k, n = int(a.shape[-2]), int(a.shape[-1])
@@ -374,6 +381,8 @@ def _max_norm_tall(flat: torch.Tensor) -> float:
     with ``n <=`` :data:`_CONV_EIGH_MAX_DIM` go through one batched ``eigvalsh``
     (:func:`_batched_eigh_max_norm`) and larger ones through one Gram product and one complex
     Cholesky factorisation each at a common level (:func:`_cholesky_max_norm`).
+
+    Precondition: ``flat`` finite, on the CPU. Claim: the result is ``>= max_i ||flat[i]||_2``.
     """
     k, n = int(flat.shape[-2]), int(flat.shape[-1])
     if flat.numel() == 0:

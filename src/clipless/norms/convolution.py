@@ -117,6 +117,10 @@ def conv_multiplicity(
     pixel can be read through several wrapped copies). The count is separable, so the 2-D maximum
     is the product of the two 1-D maxima, each found by enumeration.
 
+    Claim: the result ``k_eff`` bounds, for every input pixel, the number of (output position,
+    tap) pairs that read it (for every input size when ``input_size=None``); hence the two uses
+    below.
+
     Uses. (1) Per-sample conv weight gradient:
     ``grad_K[co, ci, j] = sum_o dy[co, o] x[ci, i(o, j)]``; by Cauchy-Schwarz
     ``||grad_K||_F^2 <= ||dy||^2 sum_{o, j} ||x[:, i(o, j)]||^2 <= k_eff ||dy||^2 ||x||^2``.
@@ -166,6 +170,12 @@ def _polyphase_1d(n: int, k: int, s: int, p: int, circular: bool) -> _Polyphase:
     ``x_b[m] = x[m s + b]`` (a permutation of the pixels: an isometry) the layer is
     ``y[o] = sum_j w[j] x_{b_j}[o + a_j]``: a stride-1 correlation with ``s`` times more input
     channels and taps ``a_j`` spanning ``span <= ceil(k / s)`` positions.
+
+    Claim: the layer is ``S C P`` with ``C`` the stride-1 circular correlation of the polyphase
+    taps on ``Z_grid``, ``||P||^2 <= copies`` and ``||S||^2 <= duplication`` (crops,
+    zero-extensions and permutations have norm <= 1), so its norm is at most
+    ``sqrt(copies duplication) ||C||``; in 2-D the index maps act on each dimension separately,
+    so the factors multiply. Proof, case by case:
 
     * Zero padding: every ``x_b`` lives on ``m in [0, ceil(n / s))``; the outputs form a crop (and
       zero rows) of the full correlation, which equals the circular correlation on a grid of size
@@ -489,6 +499,14 @@ def conv_norm(
     ``"auto"``: ``"explicit"`` for small layers (``c_in H W <= 1024``), else the smaller of
     ``"fft"`` and ``"frobenius"`` (both certified) when ``input_size`` is known, else
     ``"frobenius"``.
+
+    Precondition: ``weight`` finite and 4-D; a valid geometry (``ValueError`` otherwise).
+
+    Claim: the result is ``>= ||x -> conv2d(x, weight)||_2`` on inputs of size ``input_size``
+    (every size for ``None``), for every method. Proofs: :func:`_polyphase_1d` and
+    :func:`_polyphase_candidates` (the embeddings),
+    :func:`clipless.norms.certificates._max_norm_tall` (the per-frequency norms),
+    :func:`conv_multiplicity` (``"frobenius"``), :func:`dense_norm` (``"explicit"``).
     """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 4:
         raise ValueError("weight must be a 4-D tensor (c_out, c_in, kh, kw)")

@@ -85,6 +85,11 @@ def _cholesky_norm(w: torch.Tensor, v0: object = None) -> tuple[float, object] |
 
     Returns ``(bound, ritz_vector)`` or ``None`` (the caller then falls back to ``eigh``).
 
+    Precondition: ``w`` a finite real matrix on the CPU; conventional BLAS/LAPACK kernels (every
+    product of two numbers formed once, sums in any order). ``None`` for anything else.
+
+    Claim: ``bound >= ||W||_2`` whenever a bound is returned.
+
     Idea: ``||W||_2 <= c`` iff ``c^2 I - W^T W`` is positive semi-definite, and a floating-point
     Cholesky factorisation that *runs to completion* proves a nearby matrix positive
     semi-definite. The level ``c^2`` is an ARPACK (Lanczos) estimate of ``lambda_max(W^T W)``
@@ -253,6 +258,12 @@ def dense_norm(
     512-square weight with a tenth of its singular values at the top, exact on orthogonal ones);
     on the CPU, SVD when ``min(m, n) <= 64``, ``"cholesky"`` for real matrices up to
     ``min(m, n) <= 4096``, otherwise ``eigh`` up to ``min(m, n) <= 1024``, else Gram iteration.
+
+    Precondition: ``weight`` finite and 2-D (``ValueError`` otherwise).
+
+    Claim: the result is ``>= ||W||_2`` for every method. Proofs: the ``"svd"`` and ``"eigh"``
+    arguments above (with :func:`_eigh_norm` for the scaling), :func:`_cholesky_norm`,
+    :func:`clipless.norms.iterations.gram_iteration`.
     """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor, got shape {getattr(weight, 'shape', None)}")
@@ -301,6 +312,9 @@ def _auto_dense_method(w: torch.Tensor) -> Literal["svd", "eigh", "cholesky", "g
 
 def _eigh_norm(w: torch.Tensor) -> float:
     """``sqrt(lambda_max(fl(W^H W)) + gamma_k ||W||_F^2)``, inflated (see :func:`dense_norm`).
+
+    Precondition: ``w`` finite, float64 or complex128. Claim: the result is ``>= ||W||_2``
+    (proof: :func:`dense_norm`'s ``"eigh"`` paragraph, and the scaling below).
 
     Entries outside ``2^(+-256)`` are first scaled by an exact power of two: a float64 Gram
     product of entries below ``~1e-154`` underflows (the result could then fall *below* the

@@ -22,6 +22,12 @@ from clipless.norms.certificates import _TINY, NUMERIC_MARGIN, all_finite
 def _gram_rounding_factor(rows: int, cols: int, complex_: bool) -> float:
     """A-priori factor ``1 / (1 - a)`` covering the rounding of a float64 Gram iteration.
 
+    Precondition: ``a < 1/2`` for the shape (``ValueError`` otherwise).
+
+    Claim: after ``T`` computed steps of :func:`_gram_bounds` on a ``rows x cols`` matrix ``W``
+    (scales ``c_t``, last iterate ``H_T``),
+    ``s(W) <= prod_t c_t^(2^-t) s(H_T)^(2^-T) (1 - a)^-(1 - 2^-T)``, for every ``T``.
+
     Proof sketch (``u`` unit roundoff, ``r = min(rows, cols)`` bounds every iterate's rank,
     ``k = max(rows, cols)`` every inner dimension, ``s(.)`` the spectral norm, ``F(.)`` the
     Frobenius norm, ``F <= sqrt(r) s``). One step rescales ``H' = fl(H / c)`` (entrywise relative
@@ -51,6 +57,12 @@ def gram_iteration(mats: torch.Tensor, iters: int) -> torch.Tensor:
     result has shape ``(...)`` (float64) and satisfies ``result >= ||mats[i]||_2`` entrywise.
     Raises ``ValueError`` for a non-finite input; :func:`_gram_bounds` is the same bound without
     that check (no host read: an infinite bound for a non-finite matrix).
+
+    Precondition: ``mats`` finite, of a shape :func:`_gram_rounding_factor` accepts; ``iters >=
+    0`` (``ValueError`` otherwise).
+
+    Claim: ``result[i] >= ||mats[i]||_2`` for every matrix ``i``; up to rounding, it exceeds it
+    by at most the factor ``rank^(2^-(iters+1))``.
 
     Proof. With ``G_0 = W`` and ``G_{t+1} = G_t^H G_t``, the singular values of ``G_t`` are
     ``sigma_i(W)^(2^t)``, so ``||W||_2 = ||G_t||_2^(2^-t) <= ||G_t||_F^(2^-t)``; the ratio to the
