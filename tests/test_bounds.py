@@ -59,6 +59,15 @@ def test_layering_is_one_way() -> None:
         assert imported <= {"clipless._errors", "clipless._errors.PrivacyContractError"}, name
 
 
+def test_the_norms_modules_import_one_way() -> None:
+    """Inside ``clipless.norms``: certificates <- iterations <- dense <- convolution."""
+    order = ("certificates", "iterations", "dense", "convolution")
+    for rank, name in enumerate(order):
+        imported = _imported_modules(SRC / "norms" / f"{name}.py")
+        inside = {m.split(".")[2] for m in imported if m.startswith("clipless.norms.")}
+        assert inside <= set(order[:rank]), (name, inside)
+
+
 def test_certified_and_norms_import_alone() -> None:
     """``clipless.norms`` loads without ``clipless.nn`` (and ``_certified`` without torch)."""
     code = (
