@@ -36,6 +36,8 @@ GEOMETRIES = [
 
 def _load(src: str) -> ModuleType:
     path = Path(src) / "clipless" / "norms.py"
+    if not path.exists():  # a package's modules import each other: only one file loads alone
+        raise SystemExit(f"--before needs a checkout with a single-file norms.py; {path} is absent")
     spec = importlib.util.spec_from_file_location("norms_before", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

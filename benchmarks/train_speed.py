@@ -388,7 +388,10 @@ _STEP_PARTS = {
     "bound refresh (DPOptimizer.refresh)": ("optim/optimizer.py", "refresh"),
     "accounting (ledger.record)": ("ledger.py", "record"),
 }
-_CERTIFY = {"dense_norm": ("norms.py", "dense_norm"), "conv_norm": ("norms.py", "conv_norm")}
+_CERTIFY = {
+    "dense_norm": ("norms/dense.py", "dense_norm"),
+    "conv_norm": ("norms/convolution.py", "conv_norm"),
+}
 
 
 def _cum(stats: pstats.Stats, file_end: str, func: str) -> tuple[float, int]:

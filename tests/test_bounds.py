@@ -1,4 +1,4 @@
-"""clipless.bounds: backward-compatible re-exports of the norms, and the one-way layering.
+"""clipless.bounds: the one-way layering of the certified modules.
 
 Backpropagation for bounds itself (:func:`clipless.bounds.report`, :func:`sensitivities`) is
 tested in ``test_sensitivities.py``; the certified norms in ``test_norms.py``.
@@ -13,29 +13,9 @@ import sys
 
 import pytest
 
-from clipless import bounds, norms
+from clipless import bounds
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "clipless"
-
-
-# the names clipless.bounds has always re-exported (a frozen compatibility list: newer
-# certificate helpers, such as norms.norm_tensor, live in clipless.norms only)
-_REEXPORTED = (
-    "NUMERIC_MARGIN",
-    "PowerIterationResult",
-    "conv_multiplicity",
-    "conv_norm",
-    "conv_power_iteration",
-    "dense_norm",
-    "gram_iteration",
-    "power_iteration",
-)
-
-
-@pytest.mark.parametrize("name", _REEXPORTED)
-def test_norms_are_reexported(name: str) -> None:
-    assert name in bounds.__all__
-    assert getattr(bounds, name) is getattr(norms, name)
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:
@@ -53,10 +33,12 @@ def _imported_modules(path: pathlib.Path) -> set[str]:
 def test_layering_is_one_way() -> None:
     """``_certified`` -> ``norms`` -> ``nn`` -> ``bounds``: nothing below imports what is above."""
     below_nn = {"clipless.nn", "clipless.bounds", "clipless.constraints"}
+    norms_files = sorted(str(p.relative_to(SRC)) for p in (SRC / "norms").glob("*.py"))
+    assert norms_files, "the clipless.norms package has no modules"
     for name, forbidden in (
         ("_certified.py", {"clipless.norms", *below_nn}),
         ("_workspace.py", {"clipless"}),  # torch only: norms, constraints and optim use it
-        ("norms.py", below_nn),
+        *((path, below_nn) for path in norms_files),
     ):
         imported = _imported_modules(SRC / name)
         assert not {m for m in imported if any(m.startswith(f) for f in forbidden)}, name
@@ -75,6 +57,15 @@ def test_layering_is_one_way() -> None:
     for name in ("_errors.py", "_hooks.py"):  # below nn: torch and each other only
         imported = _imported_modules(SRC / name)
         assert imported <= {"clipless._errors", "clipless._errors.PrivacyContractError"}, name
+
+
+def test_the_norms_modules_import_one_way() -> None:
+    """Inside ``clipless.norms``: certificates <- iterations <- dense <- convolution."""
+    order = ("certificates", "iterations", "dense", "convolution")
+    for rank, name in enumerate(order):
+        imported = _imported_modules(SRC / "norms" / f"{name}.py")
+        inside = {m.split(".")[2] for m in imported if m.startswith("clipless.norms.")}
+        assert inside <= set(order[:rank]), (name, inside)
 
 
 def test_certified_and_norms_import_alone() -> None:

@@ -157,6 +157,35 @@ def test_dense_norm_auto_uses_matrix_products_off_the_cpu(monkeypatch: pytest.Mo
         assert exact <= gram <= exact * 1.002, (shape, gram / exact)
 
 
+def test_a_name_set_on_the_package_reaches_the_submodules_that_read_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``clipless.norms`` is a package whose submodules read their own globals: the flag set on
+    the package (as the conftest and the benchmarks do) and a helper patched there reach them."""
+    from clipless.norms import certificates, convolution, dense
+
+    mat = torch.randn(90, 70, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    gram = dense_norm(mat, method="gram", gram_iters=norms._GRAM_AUTO_ITERS)
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", False)
+    assert certificates.ACCELERATOR_PATH_ON_CPU is False
+    assert dense_norm(mat) == dense_norm(mat, method="cholesky") != gram
+    norms.ACCELERATOR_PATH_ON_CPU = True  # plain assignment; monkeypatch restores the original
+    assert certificates.ACCELERATOR_PATH_ON_CPU is True
+    assert dense_norm(mat) == gram
+    calls: list[tuple[int, ...]] = []
+    original = norms.matrix_products_only
+
+    def counting(t: torch.Tensor) -> bool:
+        calls.append(tuple(t.shape))
+        return original(t)
+
+    monkeypatch.setattr(norms, "matrix_products_only", counting)
+    assert dense.matrix_products_only is convolution.matrix_products_only is counting
+    weight = torch.randn(4, 3, 3, 3, generator=torch.Generator().manual_seed(1))
+    norms.norm_tensor(weight, padding=1, input_size=12)
+    assert (4, 3, 3, 3) in calls
+
+
 def _adversarial(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """Near-degenerate top singular values, huge condition numbers, rank deficiency, scales."""
     n = 160

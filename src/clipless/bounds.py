@@ -6,8 +6,7 @@ collects every parametric layer's per-sample gradient bounds; :func:`sensitiviti
 to one bound per parameter name. Bound arithmetic is in Python floats (float64), every product and
 sum rounded upward (:mod:`clipless._certified`).
 
-The certified operator norms these bounds rest on live in :mod:`clipless.norms`; they are
-re-exported here (``clipless.bounds.dense_norm`` etc.) for backward compatibility.
+The certified operator norms these bounds rest on live in :mod:`clipless.norms`.
 """
 
 from __future__ import annotations
@@ -22,28 +21,10 @@ import torch
 from clipless import nn as cnn
 from clipless._bits import same_bits
 from clipless._certified import UNIT_ROUNDOFF, add, mul, sqrt, up
-from clipless.norms import (
-    NUMERIC_MARGIN,
-    PowerIterationResult,
-    conv_multiplicity,
-    conv_norm,
-    conv_power_iteration,
-    dense_norm,
-    gram_iteration,
-    power_iteration,
-)
 
 __all__ = [
-    "NUMERIC_MARGIN",
     "BoundReport",
     "LayerBound",
-    "PowerIterationResult",
-    "conv_multiplicity",
-    "conv_norm",
-    "conv_power_iteration",
-    "dense_norm",
-    "gram_iteration",
-    "power_iteration",
     "report",
     "sensitivities",
 ]
