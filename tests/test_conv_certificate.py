@@ -420,3 +420,25 @@ def test_the_accelerator_symbol_is_the_einsum_symbol(
         assert torch.allclose(got, expect, rtol=0, atol=1e-13 * float(w.abs().max()))
         table = norms._tap_phases((3, 3), dims, decimation, w.device)
         assert norms._tap_phases((3, 3), dims, decimation, w.device) is table
+
+
+@pytest.mark.parametrize("exponent", [-149, -140, -120, -60, 0, 60, 120])
+@pytest.mark.parametrize(("stride", "padding", "mode"), [(1, 1, "zeros"), (2, 1, "circular")])
+def test_the_unscaled_float32_symbol_at_float32_extremes(
+    exponent: int, stride: int, padding: int, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The accelerator's FFT certificate of a float32 kernel (its symbol not scaled before the
+    Gram iteration) stays >= the exact norm, from subnormal taps to taps near 2^128; the exact
+    norm is that of the float64 Jacobian of the kernel scaled exactly by 2^-exponent."""
+    gen = torch.Generator().manual_seed(16)
+    w = (torch.randn(6, 4, 3, 3, generator=gen, dtype=torch.float64) * 2.0**exponent).float()
+    if exponent == -149:
+        w[0, 0, 0, 0] = 2.0**-149  # at least one non-zero subnormal tap
+    kw = {"stride": stride, "padding": padding, "padding_mode": mode, "input_size": 7}
+    unit = w.double() * 2.0 ** (-exponent)  # exact, float64: the scaled path
+    exact = _jacobian_norm(unit, stride, padding, mode, (7, 7))
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
+    fft = conv_norm(w, method="fft", **kw)  # type: ignore[arg-type]
+    scaled = fft * 2.0 ** (-exponent)  # exact: a power of two
+    assert exact <= scaled
+    assert scaled == pytest.approx(conv_norm(unit, method="fft", **kw), rel=1e-12)  # type: ignore[arg-type]

@@ -48,9 +48,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(x, y)
 
 
-def same_bits_tensor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def same_bits_tensor(
+    a: torch.Tensor, b: torch.Tensor, *, numpy_on_cpu: bool = True
+) -> torch.Tensor:
     """:func:`same_bits` as a 0-dim boolean tensor on ``a``'s device, computed without a host
-    read, so that many comparisons leave an accelerator in one transfer."""
+    read, so that many comparisons leave an accelerator in one transfer. ``numpy_on_cpu``: a
+    large CPU comparison runs in NumPy (faster there); off for a CPU run of the accelerator's
+    path, so that it runs the accelerator's operators."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return torch.zeros((), dtype=torch.bool, device=a.device)
     plain = a.layout == torch.strided and not (
@@ -65,6 +69,6 @@ def same_bits_tensor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if as_int is None:  # pragma: no cover - every real dtype has an integer of its size
         return torch.eq(x, y).all()
     x, y = x.view(as_int), y.view(as_int)
-    if x.device.type == "cpu" and x.numel() >= _NUMPY_FROM:  # no transfer to avoid on the CPU
-        return torch.tensor(bool(np.array_equal(x.numpy(), y.numpy())))
+    if numpy_on_cpu and x.device.type == "cpu" and x.numel() >= _NUMPY_FROM:
+        return torch.tensor(bool(np.array_equal(x.numpy(), y.numpy())))  # no transfer to avoid
     return torch.eq(x, y).all()

@@ -25,6 +25,7 @@ import torch
 
 from clipless import _certified
 from clipless._bits import same_bits, same_bits_tensor
+from clipless.norms import matrix_products_only
 
 __all__ = [
     "LipschitzModule",
@@ -182,7 +183,8 @@ class ParametricLipschitzModule(LipschitzModule):
             w_ref, key_ref, value = cached
             checks = _DEFERRED[-1] if _DEFERRED else None
             if key_ref == key and checks is not None and self._stamped(param):
-                checks.append((self, same_bits_tensor(w_ref, weight)))
+                host = not matrix_products_only(weight)
+                checks.append((self, same_bits_tensor(w_ref, weight, numpy_on_cpu=host)))
                 return float(value)
             if key_ref == key and same_bits(w_ref, weight):
                 return float(value)

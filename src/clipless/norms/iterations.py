@@ -97,8 +97,13 @@ def _hoelder_fro(h: torch.Tensor) -> torch.Tensor:
 _NARROW = (torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex32)
 
 
-def _gram_bounds(mats: torch.Tensor, iters: int) -> torch.Tensor:
-    """:func:`gram_iteration` without host reads: ``inf`` where a matrix is not finite."""
+def _gram_bounds(mats: torch.Tensor, iters: int, *, unscaled: bool = False) -> torch.Tensor:
+    """:func:`gram_iteration` without host reads: ``inf`` where a matrix is not finite.
+
+    ``unscaled``: the caller has proved that no square of an entry overflows float64 and that
+    the squares that underflow change the first Frobenius norm by less than NUMERIC_MARGIN
+    (relative), so the power-of-two scaling is skipped; implied for float32 and narrower
+    entries, whose squares are exact in float64."""
     complex_ = mats.is_complex()
     h = mats.detach().to(torch.complex128 if complex_ else torch.float64)
     rows, cols = h.shape[-2], h.shape[-1]
@@ -108,7 +113,7 @@ def _gram_bounds(mats: torch.Tensor, iters: int) -> torch.Tensor:
         return torch.zeros(batch, dtype=torch.float64, device=h.device)
     if min(rows, cols) == 1:
         iters = 0  # a vector's Frobenius norm is its spectral norm: iterating gains nothing
-    if mats.dtype in _NARROW:
+    if unscaled or mats.dtype in _NARROW:
         # entries of at most float32's range square exactly in float64 with neither overflow
         # nor underflow (|x| in [2^-149, 2^128]): the first Frobenius norm needs no scaling, and
         # it is finite exactly when every entry is
