@@ -117,6 +117,10 @@ def test_a_registered_allocation_runs_end_to_end_and_the_ledger_records_its_even
     assert entry.event == expected and entry.count == 3 and entry.parameters is None
     direct = accounting.event_epsilon(accounting.repeated(expected, 3), 1e-5)
     assert engine.get_epsilon(1e-5) == direct == config.epsilon(1e-5, steps=3)
+    guarantee = engine.guarantee(1e-5)
+    assert (
+        guarantee.mechanism.startswith("steps of ComposedDpEvent") and guarantee.epsilon == direct
+    )
     # the file holds the event (version 2) and reads back to the same ledger
     path = f"{tmp_path}/ledger.json"
     engine.ledger.to_json(path)

@@ -14,6 +14,11 @@ allocation"):
   records in the ledger and what the calibration composes. By default one Poisson-subsampled
   Gaussian of multiplier ``sigma_eff`` (in ``dp_accounting``'s convention).
 
+Its soundness is its author's obligation, as for the two built in: given that one example
+changes each noised tensor's sum by at most its certified sensitivity (and each group of uses
+sharing a parameter jointly by at most the group's bound), the noise of :meth:`stds` must make
+the step at least as private as :meth:`step_event` says.
+
 A new allocation is one subclass in one file::
 
     @register_allocation
@@ -42,6 +47,7 @@ __all__ = [
     "UseGroup",
     "allocation_names",
     "get_allocation",
+    "mechanism_count",
     "register_allocation",
     "unregister_allocation",
 ]

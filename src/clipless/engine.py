@@ -37,8 +37,6 @@ from clipless.optim import DPOptimizer, switch_to_full_float32
 
 __all__ = ["CheckpointMismatchError", "MechanismSpec", "PrivacyEngine", "RunOptions"]
 
-NEIGHBOURING = mechanism.NEIGHBOURING
-
 
 _OPACUS_ONLY: dict[str, str] = {
     "max_grad_norm": (
@@ -447,9 +445,12 @@ class PrivacyEngine:
         """
         config = self._opt().config
         _warn_large_delta(delta, config.num_samples, "delta")
-        mechanism_name = (
-            f"Poisson-subsampled Gaussian, clipless {config.scaling} scaling, {config.noise} noise"
+        event = config.step_event()
+        gaussian = accounting.gaussian_step_event(
+            config.accounting_noise_multiplier, config.sample_rate
         )
+        kind = "Poisson-subsampled Gaussian" if event == gaussian else f"steps of {event!r}"
+        mechanism_name = f"{kind}, clipless {config.scaling} scaling, {config.noise} noise"
         if self.seed is not None:
             mechanism_name += ", generators seeded by the caller (reproducible: experiments only)"
         return self.ledger.guarantee(delta, mechanism=mechanism_name)
@@ -908,114 +909,126 @@ def _validate_dataset(
     """
     from torch.utils.data import TensorDataset
 
-    num_logits = report.num_logits
-
-    def refusal(t: torch.Tensor) -> Exception | None:
-        logits = torch.zeros((t.shape[0], *report.output_shape), dtype=dtype, device=t.device)
-        try:
-            with torch.no_grad():
-                loss(logits, t)
-        except (ValueError, RuntimeError, TypeError, IndexError) as exc:
-            return exc
-        return None
-
-    # One record per distinct scalar target, across the chunks: a rule about which targets may
-    # share a batch (binary labels in {0, 1} or in {-1, 1}, never both) is checked on them
-    # together. Up to _TARGET_KINDS distinct values (labels); beyond, the targets are a
-    # continuous regression target, which no clipless loss restricts jointly.
-    kinds: dict[float, torch.Tensor] = {}
-    kinds_full = False
-
-    def check_targets(index_offset: int, target: torch.Tensor) -> None:
-        nonlocal kinds_full
-        for start in range(0, int(target.shape[0]), _TARGET_CHUNK):
-            stop = min(start + _TARGET_CHUNK, int(target.shape[0]))
-            if refusal(target[start:stop]) is None:
-                continue
-            for row in range(start, stop):  # error path only: find the first refused record
-                exc = refusal(target[row : row + 1])
-                if exc is not None:
-                    raise ValueError(
-                        f"record {index_offset + row}: the loss ({type(loss).__name__}) refuses "
-                        f"its target, so any step that samples it would fail: {exc}"
-                    ) from exc
-            exc = refusal(target[start:stop])
-            raise ValueError(
-                f"records {index_offset + start}-{index_offset + stop - 1}: the loss "
-                f"({type(loss).__name__}) refuses their targets: {exc}"
-            ) from exc
-        if kinds_full or not target.numel() or target[0].numel() != 1:
-            return
-        values, first = torch.unique(target.reshape(-1), return_inverse=True)
-        if len(kinds) + int(values.numel()) > _TARGET_KINDS:
-            kinds_full = True
-            return
-        for i, value in enumerate(values.tolist()):
-            if value not in kinds:
-                row = int((first == i).nonzero()[0, 0])
-                kinds[value] = target[row : row + 1]
-
-    def check_kinds() -> None:
-        if kinds_full or len(kinds) < 2:
-            return
-        exc = refusal(torch.cat(list(kinds.values())))
-        if exc is not None:
-            raise ValueError(
-                f"the loss ({type(loss).__name__}) refuses a batch holding the targets "
-                f"{sorted(kinds)} together, and Poisson batches can draw any mix of records: "
-                f"{exc}"
-            ) from exc
-
-    def check(index_offset: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        for position, t in enumerate(tensors):
-            t = torch.as_tensor(t)
-            if t.is_floating_point() or t.is_complex():
-                # one aminmax pass (norms.all_finite: ~20x faster than isfinite on a large
-                # dataset); the per-row search only runs when something is not finite
-                bad = None
-                if t.ndim and not all_finite(t):
-                    bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
-                if bad is not None and bool(bad.any()):
-                    local = int(bad.nonzero()[0, 0])
-                    row = index_offset + local
-                    at = (~torch.isfinite(t[local])).nonzero()[0].tolist()
-                    what = "features" if position == 0 else f"item {position}"
-                    place = f"{what}[{', '.join(map(str, [row, *at]))}]"
-                    raise ValueError(
-                        f"the training data has a non-finite value (NaN or inf) in record {row}, "
-                        f"at {place} (item {position} of the record, index {tuple(at)} within "
-                        "it); clean or drop it before training"
-                    )
-                # (other model dtypes are refused by the optimizer, with their own message)
-                certified = dtype in (torch.float32, torch.float64)
-                if position == 0 and t.is_floating_point() and t.dtype != dtype and certified:
-                    raise ValueError(
-                        f"the training data's features are {t.dtype} but the model's parameters "
-                        f"are {dtype}: convert one of them (e.g. x.to({dtype}) or "
-                        f"model.to({t.dtype})) before make_private"
-                    )
-            elif position == 1 and num_logits > 1 and t.ndim == 1:
-                bad = (t < 0) | (t >= num_logits)
-                if bool(bad.any()):
-                    row = index_offset + int(bad.nonzero()[0, 0])
-                    raise ValueError(
-                        f"record {row} has label {int(t[row - index_offset])}, outside the "
-                        f"model's {num_logits} classes [0, {num_logits})"
-                    )
-        if len(tensors) >= 2:  # (x, y, ...): the target is y, as fit and the optimizer read it
-            check_targets(index_offset, torch.as_tensor(tensors[1]))
-
+    checker = _DatasetCheck(report, loss, dtype)
     if isinstance(dataset, TensorDataset):
-        check(0, tuple(dataset.tensors))
+        checker.check(0, tuple(dataset.tensors))
     else:
         offset = 0
         for batch in DataLoader(dataset, batch_size=4096, shuffle=False):
             parts = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
             tensors = tuple(p for p in parts if isinstance(p, torch.Tensor))
             if tensors:
-                check(offset, tensors)
+                checker.check(offset, tensors)
                 offset += int(tensors[0].shape[0])
-    check_kinds()
+    checker.check_kinds()
+
+
+class _DatasetCheck:
+    """The checks of :func:`_validate_dataset`, chunk by chunk, and the targets seen so far."""
+
+    def __init__(self, report: bounds.BoundReport, loss: torch.nn.Module, dtype: torch.dtype):
+        self.report, self.loss, self.dtype = report, loss, dtype
+        # One record per distinct scalar target, across the chunks: a rule about which targets
+        # may share a batch (binary labels in {0, 1} or in {-1, 1}, never both) is checked on
+        # them together. Up to _TARGET_KINDS distinct values (labels); beyond, the targets are a
+        # continuous regression target, which no clipless loss restricts jointly.
+        self.kinds: dict[float, torch.Tensor] = {}
+        self.kinds_full = False
+
+    def refusal(self, t: torch.Tensor) -> Exception | None:
+        logits = torch.zeros(
+            (t.shape[0], *self.report.output_shape), dtype=self.dtype, device=t.device
+        )
+        try:
+            with torch.no_grad():
+                self.loss(logits, t)
+        except (ValueError, RuntimeError, TypeError, IndexError) as exc:
+            return exc
+        return None
+
+    def check_targets(self, index_offset: int, target: torch.Tensor) -> None:
+        name = type(self.loss).__name__
+        for start in range(0, int(target.shape[0]), _TARGET_CHUNK):
+            stop = min(start + _TARGET_CHUNK, int(target.shape[0]))
+            if self.refusal(target[start:stop]) is None:
+                continue
+            for row in range(start, stop):  # error path only: find the first refused record
+                exc = self.refusal(target[row : row + 1])
+                if exc is not None:
+                    raise ValueError(
+                        f"record {index_offset + row}: the loss ({name}) refuses its target, so "
+                        f"any step that samples it would fail: {exc}"
+                    ) from exc
+            exc = self.refusal(target[start:stop])
+            raise ValueError(
+                f"records {index_offset + start}-{index_offset + stop - 1}: the loss "
+                f"({name}) refuses their targets: {exc}"
+            ) from exc
+        if self.kinds_full or not target.numel() or target[0].numel() != 1:
+            return
+        values, first = torch.unique(target.reshape(-1), return_inverse=True)
+        if len(self.kinds) + int(values.numel()) > _TARGET_KINDS:
+            self.kinds_full = True
+            return
+        for i, value in enumerate(values.tolist()):
+            if value not in self.kinds:
+                row = int((first == i).nonzero()[0, 0])
+                self.kinds[value] = target[row : row + 1]
+
+    def check_kinds(self) -> None:
+        if self.kinds_full or len(self.kinds) < 2:
+            return
+        exc = self.refusal(torch.cat(list(self.kinds.values())))
+        if exc is not None:
+            raise ValueError(
+                f"the loss ({type(self.loss).__name__}) refuses a batch holding the targets "
+                f"{sorted(self.kinds)} together, and Poisson batches can draw any mix of "
+                f"records: {exc}"
+            ) from exc
+
+    def check(self, index_offset: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        for position, t in enumerate(tensors):
+            t = torch.as_tensor(t)
+            if t.is_floating_point() or t.is_complex():
+                self.check_floats(index_offset, position, t)
+            elif position == 1 and self.report.num_logits > 1 and t.ndim == 1:
+                bad = (t < 0) | (t >= self.report.num_logits)
+                if bool(bad.any()):
+                    row = index_offset + int(bad.nonzero()[0, 0])
+                    raise ValueError(
+                        f"record {row} has label {int(t[row - index_offset])}, outside the "
+                        f"model's {self.report.num_logits} classes "
+                        f"[0, {self.report.num_logits})"
+                    )
+        if len(tensors) >= 2:  # (x, y, ...): the target is y, as fit and the optimizer read it
+            self.check_targets(index_offset, torch.as_tensor(tensors[1]))
+
+    def check_floats(self, index_offset: int, position: int, t: torch.Tensor) -> None:
+        # one aminmax pass (norms.all_finite: ~20x faster than isfinite on a large dataset);
+        # the per-row search only runs when something is not finite
+        bad = None
+        if t.ndim and not all_finite(t):
+            bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
+        if bad is not None and bool(bad.any()):
+            local = int(bad.nonzero()[0, 0])
+            row = index_offset + local
+            at = (~torch.isfinite(t[local])).nonzero()[0].tolist()
+            what = "features" if position == 0 else f"item {position}"
+            place = f"{what}[{', '.join(map(str, [row, *at]))}]"
+            raise ValueError(
+                f"the training data has a non-finite value (NaN or inf) in record {row}, "
+                f"at {place} (item {position} of the record, index {tuple(at)} within "
+                "it); clean or drop it before training"
+            )
+        # (other model dtypes are refused by the optimizer, with their own message)
+        dtype = self.dtype
+        certified = dtype in (torch.float32, torch.float64)
+        if position == 0 and t.is_floating_point() and t.dtype != dtype and certified:
+            raise ValueError(
+                f"the training data's features are {t.dtype} but the model's parameters "
+                f"are {dtype}: convert one of them (e.g. x.to({dtype}) or "
+                f"model.to({t.dtype})) before make_private"
+            )
 
 
 def _run_id(seed: int | None) -> str:

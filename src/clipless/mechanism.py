@@ -36,10 +36,11 @@ contributions, so its bound is the *sum* of their ``G`` (triangle inequality). A
 neighbours change the sum by one contribution; replace-one by the difference of two, which
 doubles every sensitivity (``sensitivity_factor = 2``).
 
-**Noise allocation** (the two built in, :mod:`clipless.allocation`). ``"per-layer"``: tensor ``p`` gets noise ``sigma * Delta_p``, and the step
-is one Gaussian mechanism with ``sigma_eff = sigma / sqrt(D)`` when the squared Mahalanobis
-sensitivity ``sum_p ||c_p||^2 / (sigma Delta_p)^2`` of one sample's contributions ``c_p`` is at
-most ``D / sigma^2``. Every term is at most ``1 / sigma^2``, so ``D`` = the number of noised
+**Noise allocation** (the two built in, :mod:`clipless.allocation`). ``"per-layer"``: tensor
+``p`` gets noise ``sigma * Delta_p``, and the step is one Gaussian mechanism with
+``sigma_eff = sigma / sqrt(D)`` when the squared Mahalanobis sensitivity
+``sum_p ||c_p||^2 / (sigma Delta_p)^2`` of one sample's contributions ``c_p`` is at most
+``D / sigma^2``. Every term is at most ``1 / sigma^2``, so ``D`` = the number of noised
 tensors is always valid. Tensors that one layer use produces together (a weight and its bias)
 are not independent mechanisms, though: one sample's *joint* (weight, bias) contribution has
 norm at most ``G_k``, so for ``std_p = sigma Delta_p`` with ``Delta_p = G_k`` the pair's squared
