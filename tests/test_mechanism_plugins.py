@@ -242,7 +242,7 @@ def test_moved_keywords_warn_and_build_the_same_config() -> None:
     new, *_ = _setup(spec, noise_multiplier=1.5, options=clipless.RunOptions(certify_every=2))
     mech = pytest.warns(DeprecationWarning, match=r"pass mechanism=MechanismSpec\(noise=\.\.\.")
     run = pytest.warns(DeprecationWarning, match=r"options=RunOptions\(certify_every")
-    with mech, run:
+    with mech as caught, run:
         old, *_ = _setup(
             None,  # type: ignore[arg-type]
             noise_multiplier=1.5,
@@ -251,6 +251,24 @@ def test_moved_keywords_warn_and_build_the_same_config() -> None:
             neighbouring="replace_one",
             certify_every=2,
         )
+    # attributed to make_private's caller (here _setup), so that the warning filter of the
+    # caller's module applies (pyproject makes those from clipless's own modules errors)
+    assert {w.filename for w in caught if w.category is DeprecationWarning} == {__file__}
+    with pytest.warns(DeprecationWarning) as caught:
+        engine = clipless.PrivacyEngine(seed=0)
+        model = nn.Sequential(nn.InputNorm(1.0), nn.Linear(DIM, 2))
+        engine.make_private_with_epsilon(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.randn(N, DIM), torch.zeros(N).long())),
+            loss=nn.CrossEntropyLoss(),
+            target_epsilon=2.0,
+            target_delta=1e-5,
+            steps=5,
+            scaling="bound",
+        )
+    assert [w.filename for w in caught if w.category is DeprecationWarning] == [__file__]
+    assert engine.privacy_config.scaling == "bound"
     assert old.privacy_config == new.privacy_config
     assert old.optimizer.certify_every == new.optimizer.certify_every == 2  # type: ignore[union-attr]
     with pytest.raises(TypeError, match=r"give \['scaling'\] inside mechanism="):

@@ -731,7 +731,7 @@ def moved_keywords(
                 f"make_private({', '.join(moved)}=) is deprecated: pass "
                 f"{arg}={kind.__name__}({spelled})",
                 DeprecationWarning,
-                stacklevel=stacklevel + 1,
+                stacklevel=stacklevel,
             )
         out.append(kind(**moved) if value is None else value)
     return out[0], out[1]
