@@ -45,6 +45,7 @@ from clipless import models, nn
 from clipless.data import data_root, load_dataset
 from clipless.data.tabular import adult_max_norm, load_adult
 from clipless.diagnostics import sensitivity_use
+from clipless.engine import MechanismSpec, RunOptions
 from clipless.features import (
     apply_features,
     build_features,
@@ -331,16 +332,19 @@ def run_clipless(
         module=model,
         optimizer=opt,
         data_loader=DataLoader(rows, batch_size=cfg["batch"]),
-        input_shape=tuple(train.tensors[0].shape[1:]),  # of one row (one view with augment)
         loss=loss,
         target_epsilon=epsilon,
         target_delta=delta,
         epochs=cfg["epochs"],
-        max_norm=cfg["max_norm"],
-        constraint=cfg["constraint"],
-        scaling=cfg["scaling"],
-        noise=cfg["noise"],
-        thresholds=thresholds,
+        mechanism=MechanismSpec(
+            max_norm=cfg["max_norm"],
+            constraint=cfg["constraint"],
+            scaling=cfg["scaling"],
+            noise=cfg["noise"],
+            thresholds=thresholds,
+        ),
+        # the shape of one row (one view with augment)
+        options=RunOptions(input_shape=tuple(train.tensors[0].shape[1:])),
     )
     ema = WeightEMA(model, cfg["ema"]) if cfg["ema"] else None
     total = cfg["epochs"] * len(loader)

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
 from clipless import constraints, models, nn
+from clipless.engine import MechanismSpec
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
@@ -135,10 +136,9 @@ def train_clipless(
         target_epsilon=epsilon,
         target_delta=delta,
         epochs=epochs,
-        max_norm=max_norm,
-        constraint="clip",
-        scaling=scaling,
-        noise="global",
+        mechanism=MechanismSpec(
+            max_norm=max_norm, constraint="clip", scaling=scaling, noise="global"
+        ),
     )
     for _ in range(epochs):
         for x, y in loader:

@@ -171,9 +171,7 @@ def make_runner(
     xb, yb = xb.to(device), yb.to(device)
     if config.startswith("clipless"):
         scaling = "bound" if config == "clipless-bound" else "per-sample"
-        extra: dict[str, Any] = {}
-        if config == "clipless-carried":
-            extra["certify_every"] = certify_every
+        every = certify_every if config == "clipless-carried" else 1
         loss = nn.CrossEntropyLoss(temperature=TEMPERATURE)
         opt = torch.optim.SGD(cmodel.parameters(), lr=lr)
         engine = clipless.PrivacyEngine(accountant="pld", seed=seed)
@@ -183,11 +181,10 @@ def make_runner(
             data_loader=_loader(x_all, y_all, batch),
             loss=loss,
             noise_multiplier=sigma,
-            max_norm=1.0,
-            constraint="clip",
-            scaling=scaling,
-            noise="global",
-            **extra,
+            mechanism=clipless.MechanismSpec(
+                max_norm=1.0, constraint="clip", scaling=scaling, noise="global"
+            ),
+            options=clipless.RunOptions(certify_every=every),
         )
         dp_opt.data_loader = None  # every step trains on the same batch (timing only)
 

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
 from clipless import models, nn
+from clipless.engine import MechanismSpec
 
 
 def main() -> None:
@@ -40,8 +41,8 @@ def main() -> None:
                 data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
                 loss=loss,
                 noise_multiplier=1.0,
-                constraint=None,
                 epochs=5,
+                mechanism=MechanismSpec(constraint=None),
             )
             opt.data_loader = None  # every step trains on the same batch (timing only)
         return model, opt, loss

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 # opacus: from opacus.validators import ModuleValidator
 # opacus: from opacus.utils.batch_memory_manager import BatchMemoryManager
 import clipless.nn as cnn
-from clipless import PrivacyEngine
+from clipless import MechanismSpec, PrivacyEngine
 
 EPOCHS = 10
 BATCH_SIZE = 256
@@ -82,7 +82,8 @@ def main() -> None:
         target_epsilon=TARGET_EPSILON,
         target_delta=TARGET_DELTA,
         epochs=EPOCHS,
-        max_norm=1.0,  # operator-norm constraint of every layer (NOT max_grad_norm)
+        # operator-norm constraint of every layer (NOT max_grad_norm)
+        mechanism=MechanismSpec(max_norm=1.0),
     )
     print(f"noise multiplier: {optimizer.noise_multiplier:.3f}")
 

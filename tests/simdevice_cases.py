@@ -17,6 +17,7 @@ import clipless
 from _simdevice import SimTensor
 from clipless import models, nn, norms
 from clipless.cli import FEATURES_INPUT_NORM, FEATURES_LOSS_CLIP, _premap_inputs
+from clipless.engine import MechanismSpec, RunOptions
 from clipless.features import (
     CENTER_NOISE,
     WHITEN_NOISE,
@@ -221,9 +222,9 @@ def _features_run(device: torch.device, out: Path, epochs: int) -> dict[str, Any
         optimizer=torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9),
         data_loader=poisson_loader(train, sample_rate=0.25, generator=_cpu_gen(3)),
         loss=loss,
-        constraint=None,
         noise_multiplier=2.0,
-        input_shape=shape,
+        mechanism=MechanismSpec(constraint=None),
+        options=RunOptions(input_shape=shape),
     )
     _premap_inputs(model, train, test)  # the CPU features, with the model's buffers
     result = fit(

@@ -17,6 +17,7 @@ import torch
 import clipless
 from clipless import constraints
 from clipless import nn as cnn
+from clipless.engine import MechanismSpec, RunOptions
 
 
 @pytest.fixture(autouse=True)
@@ -54,9 +55,8 @@ def _train(certify_every: int, lr: float, dtype: torch.dtype, steps: int) -> lis
         data_loader=loader,
         loss=loss,
         noise_multiplier=1.0,
-        max_norm=1.0,
-        constraint="clip",
-        certify_every=certify_every,
+        mechanism=MechanismSpec(max_norm=1.0, constraint="clip"),
+        options=RunOptions(certify_every=certify_every),
     )
     opt.data_loader = None  # a deterministic trajectory: the test picks the rows
     for step in range(steps):

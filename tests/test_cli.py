@@ -772,19 +772,19 @@ def test_linear_model() -> None:
 def test_train_defaults_match_the_api_except_where_documented() -> None:
     import inspect
 
-    from clipless.engine import PrivacyEngine
+    from clipless.engine import MechanismSpec, PrivacyEngine
 
     args = build_parser().parse_args(["train"])
-    make_private = inspect.signature(PrivacyEngine.make_private).parameters
+    spec = MechanismSpec()  # make_private's default mechanism
     for option in ("max_norm", "scaling", "noise", "neighbouring"):
-        assert getattr(args, option) == make_private[option].default, option
+        assert getattr(args, option) == getattr(spec, option), option
     engine_init = inspect.signature(PrivacyEngine.__init__).parameters
     assert args.accountant == engine_init["accountant"].default
     assert args.unsafe_seed is None and engine_init["seed"].default is None  # secret noise
     # --constraint: the API's default, except for the linear model (one layer needs none)
     assert args.constraint is None  # resolved once the model is known
     assert args.model is None and args.bias is None  # linear with a bias (docs/cli.md)
-    assert make_private["constraint"].default == "orthogonal"
+    assert spec.constraint == "orthogonal"
 
 
 def test_default_batch_size() -> None:

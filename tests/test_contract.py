@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
+from _mechanism import split_options
 from clipless import nn, norms
 from clipless.optim import PlanExhaustedError, PrivacyContractError
 from clipless.training import training_loss
@@ -50,7 +51,7 @@ def _private(model: torch.nn.Module | None = None, **kw):
         optimizer=opt,
         data_loader=DataLoader(kw.pop("dataset", _data()), batch_size=20),
         loss=kw.pop("loss", nn.CrossEntropyLoss()),
-        **kw,
+        **split_options(kw),
     )
     o.data_loader = None  # these tests feed their own rows (test_batches_* check the loader)
     return engine, m, o, dl
@@ -814,7 +815,7 @@ def _loader_private(n: int = N, batch_size: int = 20, **kw):
         data_loader=DataLoader(_data(n), batch_size=batch_size),
         loss=nn.CrossEntropyLoss(),
         noise_multiplier=1.0,
-        **kw,
+        **split_options(kw),
     )
     assert o.data_loader is dl
     return engine, m, o, dl

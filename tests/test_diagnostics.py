@@ -14,6 +14,7 @@ import pytest
 import torch
 from scipy.optimize import root
 
+from _mechanism import split_options
 from clipless import mechanism
 from clipless.diagnostics import (
     clipped_mean_gradient,
@@ -234,7 +235,7 @@ def _private(model, loss, x, y, **kw):
     options = {"max_norm": 1.0, "constraint": "clip", "scaling": "per-sample", **kw}
     model, opt, _ = engine.make_private(
         module=model, optimizer=opt, data_loader=loader, loss=loss,
-        target_epsilon=1.0, target_delta=1e-5, epochs=1, **options,
+        target_epsilon=1.0, target_delta=1e-5, epochs=1, **split_options(options),
     )  # fmt: skip
     return model, opt
 

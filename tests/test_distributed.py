@@ -17,6 +17,7 @@ import torch.distributed as dist
 import clipless
 from clipless import distributed
 from clipless import nn as cnn
+from clipless.engine import RunOptions
 
 STEPS = 4
 
@@ -38,7 +39,7 @@ def _setup(parallel: bool, ledger_path: Path | None = None, seed: int | None = 7
         data_loader=loader,
         loss=loss,
         noise_multiplier=1.0,
-        ledger_path=ledger_path,
+        options=RunOptions(ledger_path=ledger_path),
     )
     if parallel:
         distributed.make_data_parallel(opt, loader)

@@ -12,7 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
+from _mechanism import split_options
 from clipless import nn
+from clipless.engine import MechanismSpec
 from clipless.mechanism import PrivacyConfig
 
 N = 200
@@ -47,9 +49,7 @@ def _private(noise: str = "global", neighbouring: str = "add_remove", **kw):
         optimizer=opt,
         data_loader=loader,
         loss=nn.CrossEntropyLoss(),
-        noise=noise,
-        neighbouring=neighbouring,
-        **kw,
+        **split_options({"noise": noise, "neighbouring": neighbouring, **kw}),
     )
     return engine, m, o, dl
 
@@ -225,7 +225,7 @@ def test_no_per_sample_gradients(scaling: str) -> None:
             data_loader=DataLoader(data, batch_size=batch),
             loss=nn.CrossEntropyLoss(),
             noise_multiplier=1.0,
-            scaling=scaling,
+            mechanism=MechanismSpec(scaling=scaling),
         )
         o.data_loader = None  # own rows
         x, y = data.tensors[0][:batch], data.tensors[1][:batch]

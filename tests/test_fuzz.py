@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _mechanism import split_options
 from clipless import accounting
 from clipless.accounting import PrivacyLedger
 from clipless.cli import main
@@ -271,7 +272,7 @@ def test_make_private_names_bad_options(option: str, value: object) -> None:
     if option == "steps":
         kwargs.pop("epochs")
     try:
-        clipless.PrivacyEngine(seed=0).make_private(**_engine_args(), **kwargs)
+        clipless.PrivacyEngine(seed=0).make_private(**split_options({**_engine_args(), **kwargs}))
     except NAMED as exc:
         names = {"target_epsilon": "epsilon", "target_delta": "delta"}
         _named(exc, option, names.get(option, option), "sample_rate")

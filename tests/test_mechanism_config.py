@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
 from clipless import models, nn
+from clipless.engine import MechanismSpec
 from clipless.mechanism import PrivacyConfig
 
 
@@ -41,8 +42,7 @@ def test_engine_config_with_threshold_scaling() -> None:
         loss=nn.CrossEntropyLoss(),
         noise_multiplier=1.0,
         epochs=1,
-        scaling="threshold",
-        thresholds=dict.fromkeys(paths, 0.5),
+        mechanism=MechanismSpec(scaling="threshold", thresholds=dict.fromkeys(paths, 0.5)),
     )
     assert engine.config["thresholds"] == dict.fromkeys(paths, 0.5)
 

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
+from _mechanism import split_options
 from clipless import nn
 
 N, DIM = 200, 6
@@ -37,7 +38,7 @@ def _engine(**kw):
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=DataLoader(_data(), batch_size=20),
-            **kw,
+            **split_options(kw),
         )
     return (engine, *out)
 

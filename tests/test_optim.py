@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
 from clipless import nn
+from clipless.engine import MechanismSpec
 from clipless.optim import AdamBC
 
 
@@ -138,8 +139,7 @@ def test_dp_optimizer_passes_the_averaged_gradient_noise_variance(noise):
         data_loader=DataLoader(data, batch_size=20),
         loss=loss,
         noise_multiplier=1.3,
-        noise=noise,
-        constraint="clip",
+        mechanism=MechanismSpec(noise=noise, constraint="clip"),
     )
     names = dict(m.named_parameters())
     for step, (x, y) in enumerate(dl):

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
+from _mechanism import split_options
 from clipless import nn
 from clipless.optim import PrivacyContractError
 
@@ -42,7 +43,7 @@ def _private(model: torch.nn.Module | None = None, dataset=None, **kw):
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(dataset if dataset is not None else _data(), batch_size=20),
         loss=kw.pop("loss", nn.CrossEntropyLoss()),
-        **kw,
+        **split_options(kw),
     )
     return engine, m, o, dl
 

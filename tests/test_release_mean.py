@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
 from clipless import nn
-from clipless.engine import input_releases
+from clipless.engine import MechanismSpec, input_releases
 from clipless.features import release_mean
 
 
@@ -108,7 +108,7 @@ def test_engine_composes_the_models_release_with_the_steps() -> None:
         target_epsilon=2.0,
         target_delta=1e-5,
         steps=10,
-        constraint=None,
+        mechanism=MechanismSpec(constraint=None),
     )
     config = engine.config
     assert config["releases"] == [5.0]

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless
 from clipless import nn
-from clipless.engine import input_release_labels, input_releases
+from clipless.engine import MechanismSpec, input_release_labels, input_releases
 from clipless.features import release_channel_moment, release_mean, whitening
 from clipless.nn.export import PlainInputNorm
 
@@ -221,7 +221,7 @@ def _private(
         target_epsilon=epsilon,
         target_delta=1e-5,
         steps=steps,
-        constraint=None,
+        mechanism=MechanismSpec(constraint=None),
     )
 
 

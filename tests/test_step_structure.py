@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 import clipless
 from clipless import models, norms
 from clipless import nn as cnn
+from clipless.engine import MechanismSpec
 
 DECOMPOSITIONS = ("eig", "svd", "cholesky", "matrix_norm", "linalg_qr", "linalg_solve", "lstsq")
 
@@ -35,7 +36,7 @@ def _private(model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[Any, Any, 
         ),
         loss=loss,
         noise_multiplier=1.0,
-        constraint="clip",
+        mechanism=MechanismSpec(constraint="clip"),
     )
     o.data_loader = None
     return m, o, loss, (x[:16], y[:16])

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import clipless.nn as cnn
 from clipless.accounting import PrivacyLedger
-from clipless.engine import PrivacyEngine
+from clipless.engine import MechanismSpec, PrivacyEngine, RunOptions
 from clipless.training import (
     CHECKPOINT_NAME,
     LEDGER_NAME,
@@ -59,8 +59,8 @@ def _setup(
         data_loader=loader,
         loss=loss,
         noise_multiplier=sigma,
-        scaling=scaling,
-        input_shape=(4,),
+        mechanism=MechanismSpec(scaling=scaling),
+        options=RunOptions(input_shape=(4,)),
     )
     return model, optimizer, loader, loss, engine, DataLoader(data, batch_size=N)
 
@@ -487,8 +487,7 @@ def _unseeded(ledger_path: Path | None = None) -> tuple[Any, Any, Any, Any, Priv
         data_loader=DataLoader(_data(), batch_size=16),
         loss=loss,
         noise_multiplier=4.0,
-        input_shape=(4,),
-        ledger_path=ledger_path,
+        options=RunOptions(input_shape=(4,), ledger_path=ledger_path),
     )
     return model, optimizer, loader, loss, engine
 

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["PrivacyEngine", "__version__"]
+__all__ = ["MechanismSpec", "PrivacyEngine", "RunOptions", "__version__"]
 
 if TYPE_CHECKING:
-    from clipless.engine import PrivacyEngine
+    from clipless.engine import PrivacyEngine, RunOptions
+    from clipless.mechanism import MechanismSpec
 
 
 def __getattr__(name: str) -> Any:
-    if name == "PrivacyEngine":
-        return importlib.import_module("clipless.engine").PrivacyEngine
+    if name in ("PrivacyEngine", "RunOptions", "MechanismSpec"):
+        return getattr(importlib.import_module("clipless.engine"), name)
     raise AttributeError(f"module 'clipless' has no attribute {name!r}")

@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from clipless.allocation import allocation_names
+
 __all__ = ["build_mlp", "build_parser", "load_trained_model", "main"]
 
 MODEL_FORMAT = "clipless-model-v2"  # v2: the architecture names its kind (mlp / cnn)
@@ -408,7 +410,7 @@ def _add_train_parser(sub: Any) -> None:
     )
     priv.add_argument(
         "--noise",
-        choices=("global", "per-layer"),
+        choices=allocation_names(),
         default="global",
         help="noise allocation across layers (docs/design.md 'Noise strategies')",
     )
@@ -1129,7 +1131,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from clipless._io import atomic_write, atomic_write_with
     from clipless.accounting import ReleasesExceedTargetError
     from clipless.data import DatasetNotFoundError, load_dataset
-    from clipless.engine import PrivacyEngine
+    from clipless.engine import MechanismSpec, PrivacyEngine, RunOptions
     from clipless.sampling import poisson_loader
     from clipless.training import fit, plot_training, write_metrics
 
@@ -1378,12 +1380,14 @@ def _run_train(args: argparse.Namespace) -> int:
             optimizer=optimizer,
             data_loader=poisson,
             loss=loss,
-            max_norm=args.max_norm,
-            constraint=None if args.constraint == "none" else args.constraint,
-            scaling=args.scaling,
-            noise=args.noise,
-            neighbouring=args.neighbouring,
-            input_shape=input_shape,
+            mechanism=MechanismSpec(
+                max_norm=args.max_norm,
+                constraint=None if args.constraint == "none" else args.constraint,
+                scaling=args.scaling,
+                noise=args.noise,
+                neighbouring=args.neighbouring,
+            ),
+            options=RunOptions(input_shape=input_shape),
             **calibration,
         )
     except ReleasesExceedTargetError as exc:

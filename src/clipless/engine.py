@@ -26,17 +26,16 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader
 
-from clipless import accounting, bounds, constraints, mechanism, models
+from clipless import accounting, bounds, constraints, mechanism, models, sampling
 from clipless._io import atomic_write_with
 from clipless._records import refuse_repeated_records
-from clipless.mechanism import PrivacyConfig
+from clipless.allocation import get_allocation
+from clipless.mechanism import MechanismSpec, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
 from clipless.norms import all_finite
 from clipless.optim import DPOptimizer, switch_to_full_float32
 
-__all__ = ["CheckpointMismatchError", "PrivacyEngine"]
-
-NEIGHBOURING = mechanism.NEIGHBOURING
+__all__ = ["CheckpointMismatchError", "MechanismSpec", "PrivacyEngine", "RunOptions"]
 
 
 _OPACUS_ONLY: dict[str, str] = {
@@ -161,93 +160,63 @@ class PrivacyEngine:
         target_delta: float | None = None,
         epochs: int | None = None,
         steps: int | None = None,
-        max_norm: float = 1.0,
-        constraint: str | None = "orthogonal",
-        scaling: str = "per-sample",
-        noise: str = "global",
-        neighbouring: str = "add_remove",
-        thresholds: Mapping[str, float] | None = None,
-        allow_unproven: bool = False,
-        input_shape: tuple[int, ...] | None = None,
-        sample_rate: float | None = None,
-        ledger_path: str | os.PathLike[str] | None = None,
-        certify_every: int = 1,
-        validate_data: bool = True,
-        allow_mean_reduced_loss: bool = False,
-        poisson_sampling: bool = True,
+        mechanism: MechanismSpec | None = None,
+        options: RunOptions | None = None,
         max_grad_norm: float | None = None,
+        poisson_sampling: bool = True,
         **opacus_options: Any,
     ) -> tuple[torch.nn.Module, DPOptimizer, DataLoader[Any]]:
         """Return ``(module, optimizer, data_loader)`` ready for private training.
 
-        Give either ``noise_multiplier`` (``sigma``; with ``noise="per-layer"`` every noised
-        tensor gets ``sigma`` and the step's effective multiplier is ``sigma / sqrt(D)``) or
-        ``target_epsilon`` and ``target_delta`` with ``epochs`` (or ``steps``), in which case the
-        smallest multiplier meeting the target is calibrated and the run is planned for that many
-        steps: the optimizer refuses a step past the plan (``extend`` re-plans explicitly).
-        ``max_norm`` is the layers' operator-norm constraint ``C`` (not the input radius, which
-        is the model's ``InputNorm(max_norm=...)``). ``constraint`` is the projection after each
-        step (:mod:`clipless.constraints`): ``"orthogonal"`` (default, as in the CLI) keeps the
-        layers gradient-norm preserving, so that every layer's certified cotangent bound stays
-        close to the true cotangents (on Adult the mean per-sample gradient over its bound was the
-        same in every layer); ``"clip"`` is Lip-DP-SGD's weight clipping, ``"fix"`` always
-        rescales to ``C``; ``None`` projects nothing: the noise then follows the certified norms
-        of the current weights (public, so still DP), which suits a single-layer model, whose
-        sensitivity does not depend on its weights at all. ``neighbouring`` is ``"add_remove"``
-        (default) or ``"replace_one"`` (doubles every sensitivity). With ``ledger_path`` the ledger
-        is written (atomically) before every step's noise is drawn, so a crash never loses
-        accounting. ``certify_every=k`` lets the projection carry a certified bound between exact
-        certifications. ``validate_data`` checks once that every record is finite, that the
-        features have the model's dtype and that the loss accepts every target (integer labels a
-        valid class, binary labels in ``{0, 1}`` or ``{-1, 1}``, probability rows on the
-        simplex), so that no record can make a step fail when it is sampled (a failure with
-        probability ``q`` per step would break delta). A backward pass before the first step
-        whose every per-sample loss gradient is at most ``L / B`` (a mean-reduced loss, e.g. one
-        built inside the training loop instead of the one given here: it trains at chance) raises
-        :class:`clipless.optim.PrivacyContractError`; ``allow_mean_reduced_loss=True`` (a model
-        whose gradients really are that small, e.g. fine-tuning a converged one) makes it a
-        warning. A ``target_delta`` (or a ``delta`` read
-        later) above ``1 / n`` warns: such a claim protects little. The loader's sampler
-        must be torch's default (sequential or shuffling); one that selects or weights records
-        is refused rather than dropped (pass a ``torch.utils.data.Subset`` instead). A dataset
-        that reaches one record through two indices (``Subset(ds, [0, 0, 1])``, ``ConcatDataset(
-        [ds, ds])``: oversampling) is refused (:mod:`clipless._records`): a repeated record
-        contributes and is sampled as many times as it appears.
+        Args:
+            module, optimizer, data_loader: the model (every module with a certified Lipschitz
+                bound), its optimizer (every parameter it holds is noised) and the training
+                data's loader, replaced by a Poisson loader of the same expected batch size.
+                Its sampler must be torch's default (sequential or shuffling): one that selects
+                or weights records is refused (pass a ``torch.utils.data.Subset``), as is a
+                dataset reaching one record through two indices (:mod:`clipless._records`).
+            loss: a clipless loss (Opacus's ``criterion=``): its certified Lipschitz constant
+                enters the noise; it is switched to ``reduction="sum"`` (the optimizer divides
+                by the expected batch size), so backpropagate this instance.
+            noise_multiplier: ``sigma`` (with ``noise="per-layer"`` every noised tensor gets
+                ``sigma`` and the step's effective multiplier is ``sigma / sqrt(D)``). Give it,
+                or ``target_epsilon`` and ``target_delta`` with ``epochs`` (or ``steps``): the
+                smallest multiplier meeting the target is calibrated and the run planned for
+                that many steps (the optimizer refuses a step past the plan; ``extend``
+                re-plans). A ``target_delta`` (or a ``delta`` read later) above ``1 / n`` warns.
+            mechanism: the :class:`clipless.mechanism.MechanismSpec` (noise allocation,
+                scaling, constraint, neighbouring relation, ...; default ``MechanismSpec()``).
+            options: the :class:`RunOptions` that do not change the mechanism (ledger file,
+                certification schedule, data validation, input shape; default
+                ``RunOptions()``).
+            max_grad_norm, poisson_sampling: Opacus's keywords, refused with the reason
+                (there is no clipping; sampling is always Poisson).
 
-        A model whose :class:`clipless.nn.InputNorm` subtracts a released mean (``center=``, from
-        :func:`clipless.features.release_mean`) carries that release: it is composed with the
-        steps in the calibration (:attr:`PrivacyConfig.releases`) and recorded in the ledger
-        before the first step, so the target epsilon covers both.
+        The keywords ``noise``, ``scaling``, ``constraint``, ``max_norm``, ``neighbouring``,
+        ``thresholds``, ``allow_unproven``, ``sample_rate`` (now ``mechanism=``) and
+        ``ledger_path``, ``certify_every``, ``validate_data``, ``allow_mean_reduced_loss``,
+        ``input_shape`` (now ``options=``) are still accepted, with a ``DeprecationWarning``.
 
-        The optimizer enforces the contract the noise relies on (:mod:`clipless.optim`): the
-        per-sample cotangent at the model output is clipped to the loss constant, gradient
-        accumulation, steps past the plan, changed parameter sets and inputs of another shape are
-        refused with a named error.
+        Returns:
+            The module (its initial weights projected by the constraint), a
+            :class:`clipless.optim.DPOptimizer` and the Poisson data loader.
+
+        Raises:
+            ValueError, TypeError: a model without certified bounds, a plain torch loss, a
+                mode without a DP proof unless allowed, contradictory arguments, a record that
+                would make a step fail (``options.validate_data``).
+
+        A model whose :class:`clipless.nn.InputNorm` carries a released mean or moment has
+        that release composed with the steps in the calibration and recorded in the ledger
+        before the first step, so the target epsilon covers both. The optimizer enforces the
+        contract the noise relies on (:mod:`clipless.optim`).
         """
-        from clipless import nn, sampling
-
         if self.optimizer is not None:
             raise RuntimeError("this PrivacyEngine already made a model private; use a new engine")
         loss = _loss_argument(loss, opacus_options)
+        spec, opts = moved_keywords(mechanism, options, opacus_options, stacklevel=3)
         _refuse_opacus_options(opacus_options, max_grad_norm, poisson_sampling)
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
-        nn.validate(module)
-        if not callable(getattr(loss, "lipschitz", None)):
-            raise TypeError(
-                f"loss must be a clipless loss with a certified lipschitz() (e.g. "
-                f"clipless.nn.CrossEntropyLoss); got {type(loss).__name__}. Plain torch losses "
-                "have no certified constant; clipless.nn has a twin of the usual ones"
-            )
-        if scaling == "batch-max" and not allow_unproven:
-            raise ValueError(
-                "scaling='batch-max' is not differentially private (thesis Algorithm 8 line 11 "
-                "rescales every sample by the batch maximum); pass allow_unproven=True to use it "
-                "for reproduction only"
-            )
-        certify_every = _positive_int("certify_every", certify_every)
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+        _check_setup(module, optimizer, loss, spec, noise_multiplier, target_epsilon)
         if noise_multiplier is not None and target_delta is not None:
             raise ValueError(
                 "target_delta is used with target_epsilon only (to calibrate the noise); with "
@@ -256,51 +225,22 @@ class PrivacyEngine:
             )
         if epochs is not None and steps is not None:
             raise ValueError("give epochs or steps, not both (steps would override epochs)")
-        if constraint is None and max_norm != 1.0:
+        if spec.constraint is None and spec.max_norm != 1.0:
             # a warning, not an error: runs saved with it (the CLI's --max-norm with --constraint
             # none) must still resume
             warnings.warn(
-                f"max_norm={max_norm!r} is the projection's operator-norm bound, but "
+                f"max_norm={spec.max_norm!r} is the projection's operator-norm bound, but "
                 "constraint=None projects nothing: it is unused",
                 stacklevel=2,
             )
-        if not isinstance(allow_unproven, bool):
-            raise TypeError(f"allow_unproven must be a bool; got {type(allow_unproven).__name__}")
-        if not isinstance(allow_mean_reduced_loss, bool):
-            raise TypeError(
-                "allow_mean_reduced_loss must be True or False; got "
-                f"{type(allow_mean_reduced_loss).__name__}"
-            )
-        if ledger_path is not None and not isinstance(ledger_path, str | os.PathLike):
-            raise TypeError(
-                f"ledger_path must be a str, an os.PathLike or None; got "
-                f"{type(ledger_path).__name__}"
-            )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}"
-            )
-
-        if isinstance(data_loader, sampling.PoissonDataLoader) and sample_rate is None:
-            loader = data_loader
-        else:
-            # The batch choice must be secret (amplification by subsampling): the sampler draws
-            # from the OS CSPRNG unless this engine was given a seed (reproducible experiments).
-            sampler_gen = None
-            if self.seed is not None:
-                sampler_gen = torch.Generator().manual_seed(self.seed + 1)
-            loader = sampling.as_poisson_loader(
-                data_loader, sample_rate=sample_rate, generator=sampler_gen
-            )
-        q = loader.sample_rate
-        n = loader.num_samples
-        if input_shape is None:
-            input_shape = _infer_input_shape(loader)
-        input_shape = _shape_tuple(input_shape)
+        loader = self._poisson_loader(data_loader, spec.sample_rate)
+        q, n = loader.sample_rate, loader.num_samples
+        input_shape = _shape_tuple(
+            _infer_input_shape(loader) if opts.input_shape is None else opts.input_shape
+        )
         noised = _noised(module, optimizer)
         if getattr(loss, "reduction", "sum") != "sum":
             setattr(loss, "reduction", "sum")  # noqa: B010 - typed as Tensor | Module
-
         planned = (
             None
             if target_epsilon is None and epochs is None and steps is None
@@ -308,30 +248,7 @@ class PrivacyEngine:
         )
         # Everything the step relies on is checked before any state changes.
         report = bounds.report(module, loss, input_shape)
-        noised_ids = {id(p) for p in noised}
-        names = [name for name, p in module.named_parameters() if id(p) in noised_ids]
-        # per-layer noise composes one Gaussian mechanism per group of layer uses, not one per
-        # tensor (a weight and its bias are one: mechanism.py, "Noise allocation")
-        mechanisms = mechanism.per_layer_mechanisms(report, names)
-        config = PrivacyConfig(
-            noise_multiplier=1.0 if noise_multiplier is None else noise_multiplier,
-            sample_rate=q,
-            num_samples=n,
-            num_tensors=len(noised),
-            noise=noise,
-            scaling=scaling,
-            constraint=constraint,
-            max_norm=max_norm,
-            neighbouring=neighbouring,
-            accountant=self.accountant_kind,
-            steps=planned,
-            thresholds=thresholds,
-            allow_unproven=allow_unproven,
-            releases=input_releases(module),
-            num_mechanisms=(
-                mechanisms if noise == "per-layer" and mechanisms < len(noised) else None
-            ),
-        )
+        config = self._config_for(module, noised, report, spec, q, n, planned, noise_multiplier)
         if target_epsilon is not None:
             if target_delta is None:
                 raise ValueError("target_delta is required with target_epsilon")
@@ -340,8 +257,87 @@ class PrivacyEngine:
             config = config.calibrate(target_epsilon, target_delta, planned)
 
         refuse_repeated_records(loader.dataset)  # structural, cheap: always
-        if validate_data:
+        if opts.validate_data:
             _validate_dataset(loader.dataset, report, loss, _float_dtype(module))
+        self._start_ledger(module, spec.neighbouring)
+        # The initial weights are public; projecting them is free.
+        if spec.constraint is not None:
+            constraints.project(module, mode=spec.constraint, max_norm=spec.max_norm)  # type: ignore[arg-type]
+        _prepare_precision(module)
+        generator = torch.Generator(device=noised[0].device)
+        generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+        self.optimizer = DPOptimizer(
+            optimizer,
+            module=module,
+            loss=loss,
+            input_shape=input_shape,
+            config=config,
+            ledger=self.ledger,
+            generator=generator,
+            ledger_path=opts.ledger_path,
+            certify_every=opts.certify_every,
+            data_loader=loader,
+        )
+        self.optimizer.allow_mean_reduced_loss = opts.allow_mean_reduced_loss
+        _warn_default_threads(module)
+        self._target_delta = target_delta
+        self._config = config
+        self.data_loader = loader
+        return module, self.optimizer, loader
+
+    def _poisson_loader(
+        self, data_loader: DataLoader[Any], sample_rate: float | None
+    ) -> sampling.PoissonDataLoader:
+        """``data_loader`` as a Poisson loader (itself when it is one and no rate is given)."""
+        if isinstance(data_loader, sampling.PoissonDataLoader) and sample_rate is None:
+            return data_loader
+        # The batch choice must be secret (amplification by subsampling): the sampler draws
+        # from the OS CSPRNG unless this engine was given a seed (reproducible experiments).
+        sampler_gen = None
+        if self.seed is not None:
+            sampler_gen = torch.Generator().manual_seed(self.seed + 1)
+        return sampling.as_poisson_loader(
+            data_loader, sample_rate=sample_rate, generator=sampler_gen
+        )
+
+    def _config_for(
+        self,
+        module: torch.nn.Module,
+        noised: list[torch.nn.Parameter],
+        report: bounds.BoundReport,
+        spec: MechanismSpec,
+        q: float,
+        n: int,
+        planned: int | None,
+        noise_multiplier: float | None,
+    ) -> PrivacyConfig:
+        """The :class:`PrivacyConfig` of ``spec`` for this model and loader (before calibration:
+        multiplier 1 when none is given)."""
+        noised_ids = {id(p) for p in noised}
+        names = [name for name, p in module.named_parameters() if id(p) in noised_ids]
+        # per-layer noise composes one Gaussian mechanism per group of layer uses, not one per
+        # tensor (a weight and its bias are one: mechanism.py, "Noise allocation")
+        counted = mechanism.per_layer_mechanisms(report, names)
+        return PrivacyConfig(
+            noise_multiplier=1.0 if noise_multiplier is None else noise_multiplier,
+            sample_rate=q,
+            num_samples=n,
+            num_tensors=len(noised),
+            noise=spec.noise,
+            scaling=spec.scaling,
+            constraint=spec.constraint,
+            max_norm=spec.max_norm,
+            neighbouring=spec.neighbouring,
+            accountant=self.accountant_kind,
+            steps=planned,
+            thresholds=spec.thresholds,
+            allow_unproven=spec.allow_unproven,
+            releases=input_releases(module),
+            num_mechanisms=get_allocation(spec.noise).num_mechanisms(counted, len(noised)),
+        )
+
+    def _start_ledger(self, module: torch.nn.Module, neighbouring: str) -> None:
+        """A fresh ledger for this run, holding the releases the model carries."""
         self.ledger = accounting.PrivacyLedger(
             accountant=cast(accounting.AccountantKind, self.accountant_kind),
             neighbouring=cast(accounting.Neighbouring, neighbouring),
@@ -352,31 +348,6 @@ class PrivacyEngine:
         # spent before the first step (the model carries them)
         for label, sigma in input_release_labels(module):
             self.ledger.record_release(sigma, label=label)
-        # The initial weights are public; projecting them is free.
-        if constraint is not None:
-            constraints.project(module, mode=constraint, max_norm=max_norm)  # type: ignore[arg-type]
-        _prepare_precision(module)
-        device = noised[0].device
-        generator = torch.Generator(device=device)
-        generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
-        self.optimizer = DPOptimizer(
-            optimizer,
-            module=module,
-            loss=loss,
-            input_shape=input_shape,
-            config=config,
-            ledger=self.ledger,
-            generator=generator,
-            ledger_path=ledger_path,
-            certify_every=certify_every,
-            data_loader=loader,
-        )
-        self.optimizer.allow_mean_reduced_loss = allow_mean_reduced_loss
-        _warn_default_threads(module)
-        self._target_delta = target_delta
-        self._config = config
-        self.data_loader = loader
-        return module, self.optimizer, loader
 
     def make_private_with_epsilon(
         self,
@@ -389,13 +360,17 @@ class PrivacyEngine:
         target_delta: float,
         epochs: int | None = None,
         steps: int | None = None,
-        **options: Any,
+        mechanism: MechanismSpec | None = None,
+        options: RunOptions | None = None,
+        **opacus_options: Any,
     ) -> tuple[torch.nn.Module, DPOptimizer, DataLoader[Any]]:
         """Opacus's name for :meth:`make_private` with a target ``(epsilon, delta)``."""
-        if options.get("noise_multiplier") is not None:
+        if opacus_options.get("noise_multiplier") is not None:
             raise ValueError(
                 "make_private_with_epsilon calibrates the noise: drop noise_multiplier"
             )
+        opacus_options.pop("noise_multiplier", None)
+        spec, opts = moved_keywords(mechanism, options, opacus_options, stacklevel=3)
         return self.make_private(
             module=module,
             optimizer=optimizer,
@@ -405,7 +380,9 @@ class PrivacyEngine:
             target_delta=target_delta,
             epochs=epochs,
             steps=steps,
-            **options,
+            mechanism=spec,
+            options=opts,
+            **opacus_options,
         )
 
     # ------------------------------------------------------------- accounting
@@ -430,7 +407,7 @@ class PrivacyEngine:
         """True if ``count`` more steps would push epsilon above ``epsilon_budget``."""
         opt = self._opt()
         return self.ledger.would_exceed(
-            epsilon_budget, delta, opt.accounting_noise_multiplier, opt.sample_rate, count=count
+            epsilon_budget, delta, count=count, event=opt.config.step_event()
         )
 
     @property
@@ -468,9 +445,12 @@ class PrivacyEngine:
         """
         config = self._opt().config
         _warn_large_delta(delta, config.num_samples, "delta")
-        mechanism_name = (
-            f"Poisson-subsampled Gaussian, clipless {config.scaling} scaling, {config.noise} noise"
+        event = config.step_event()
+        gaussian = accounting.gaussian_step_event(
+            config.accounting_noise_multiplier, config.sample_rate
         )
+        kind = "Poisson-subsampled Gaussian" if event == gaussian else f"steps of {event!r}"
+        mechanism_name = f"{kind}, clipless {config.scaling} scaling, {config.noise} noise"
         if self.seed is not None:
             mechanism_name += ", generators seeded by the caller (reproducible: experiments only)"
         return self.ledger.guarantee(delta, mechanism=mechanism_name)
@@ -675,6 +655,122 @@ class PrivacyEngine:
         opt._ledger_file_checked = None  # the next write reads the file again
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How :meth:`PrivacyEngine.make_private` runs, apart from the mechanism (which is the
+    :class:`clipless.mechanism.MechanismSpec`): none of these changes a noise scale or epsilon.
+
+    Args:
+        ledger_path: write the ledger there (atomically) before every step's noise is drawn, so
+            a crash never loses accounting (``None``: in memory only).
+        certify_every: ``k`` lets the projection carry a certified bound between exact
+            certifications every ``k`` steps (:mod:`clipless.constraints`).
+        validate_data: check once that every record is finite, of the model's dtype, and has a
+            target the loss accepts, so that no record can make a step fail when it is sampled
+            (a failure with probability ``q`` per step would break delta).
+        allow_mean_reduced_loss: a backward pass before the first step whose every per-sample
+            loss gradient is at most ``L / B`` (a mean-reduced loss) warns instead of raising
+            :class:`clipless.optim.PrivacyContractError` (a model whose gradients really are
+            that small, e.g. fine-tuning a converged one).
+        input_shape: one example's shape (default: read from the dataset's first record).
+
+    Raises:
+        TypeError, ValueError: a value of the wrong type or out of range, named.
+    """
+
+    ledger_path: str | os.PathLike[str] | None = None
+    certify_every: int = 1
+    validate_data: bool = True
+    allow_mean_reduced_loss: bool = False
+    input_shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        every = _positive_int("certify_every", self.certify_every)
+        object.__setattr__(self, "certify_every", every)
+        for name in ("validate_data", "allow_mean_reduced_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"{name} must be True or False; got {type(getattr(self, name)).__name__}"
+                )
+        path = self.ledger_path
+        if path is not None and not isinstance(path, str | os.PathLike):
+            raise TypeError(
+                f"ledger_path must be a str, an os.PathLike or None; got {type(path).__name__}"
+            )
+        if self.input_shape is not None:
+            object.__setattr__(self, "input_shape", _shape_tuple(self.input_shape))
+
+
+_MECHANISM_KEYWORDS = tuple(f.name for f in dataclasses.fields(MechanismSpec))
+_RUN_KEYWORDS = tuple(f.name for f in dataclasses.fields(RunOptions))
+
+
+def moved_keywords(
+    spec: MechanismSpec | None,
+    options: RunOptions | None,
+    keywords: dict[str, Any],
+    *,
+    stacklevel: int,
+) -> tuple[MechanismSpec, RunOptions]:
+    """``(mechanism, options)`` of ``make_private``, folding in (and popping from
+    ``keywords``) the keywords that moved into them, with a ``DeprecationWarning`` naming the
+    new spelling. A moved keyword given with the value that now holds it is a ``TypeError``."""
+    out: list[Any] = []
+    for value, kind, arg, names in (
+        (spec, MechanismSpec, "mechanism", _MECHANISM_KEYWORDS),
+        (options, RunOptions, "options", _RUN_KEYWORDS),
+    ):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{arg} must be a {kind.__name__} or None; got {type(value).__name__}")
+        moved = {k: keywords.pop(k) for k in names if k in keywords}
+        if moved and value is not None:
+            raise TypeError(f"give {sorted(moved)} inside {arg}={kind.__name__}(...), not both")
+        if moved:
+            spelled = ", ".join(f"{k}=..." for k in moved)
+            warnings.warn(
+                f"make_private({', '.join(moved)}=) is deprecated: pass "
+                f"{arg}={kind.__name__}({spelled})",
+                DeprecationWarning,
+                stacklevel=stacklevel,
+            )
+        out.append(kind(**moved) if value is None else value)
+    return out[0], out[1]
+
+
+def _check_setup(
+    module: object,
+    optimizer: object,
+    loss: torch.nn.Module,
+    spec: MechanismSpec,
+    noise_multiplier: float | None,
+    target_epsilon: float | None,
+) -> None:
+    """The checks of ``make_private`` that read no data (each error names its argument)."""
+    from clipless import nn
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+    nn.validate(module)
+    if not callable(getattr(loss, "lipschitz", None)):
+        raise TypeError(
+            f"loss must be a clipless loss with a certified lipschitz() (e.g. "
+            f"clipless.nn.CrossEntropyLoss); got {type(loss).__name__}. Plain torch losses "
+            "have no certified constant; clipless.nn has a twin of the usual ones"
+        )
+    if spec.scaling == "batch-max" and not spec.allow_unproven:
+        raise ValueError(
+            "scaling='batch-max' is not differentially private (thesis Algorithm 8 line 11 "
+            "rescales every sample by the batch maximum); pass allow_unproven=True to use it "
+            "for reproduction only"
+        )
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of noise_multiplier or target_epsilon")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}"
+        )
+
+
 def input_releases(module: torch.nn.Module) -> tuple[float, ...]:
     """Noise multipliers of the releases the model's ``InputNorm`` layers carry.
 
@@ -813,114 +909,126 @@ def _validate_dataset(
     """
     from torch.utils.data import TensorDataset
 
-    num_logits = report.num_logits
-
-    def refusal(t: torch.Tensor) -> Exception | None:
-        logits = torch.zeros((t.shape[0], *report.output_shape), dtype=dtype, device=t.device)
-        try:
-            with torch.no_grad():
-                loss(logits, t)
-        except (ValueError, RuntimeError, TypeError, IndexError) as exc:
-            return exc
-        return None
-
-    # One record per distinct scalar target, across the chunks: a rule about which targets may
-    # share a batch (binary labels in {0, 1} or in {-1, 1}, never both) is checked on them
-    # together. Up to _TARGET_KINDS distinct values (labels); beyond, the targets are a
-    # continuous regression target, which no clipless loss restricts jointly.
-    kinds: dict[float, torch.Tensor] = {}
-    kinds_full = False
-
-    def check_targets(index_offset: int, target: torch.Tensor) -> None:
-        nonlocal kinds_full
-        for start in range(0, int(target.shape[0]), _TARGET_CHUNK):
-            stop = min(start + _TARGET_CHUNK, int(target.shape[0]))
-            if refusal(target[start:stop]) is None:
-                continue
-            for row in range(start, stop):  # error path only: find the first refused record
-                exc = refusal(target[row : row + 1])
-                if exc is not None:
-                    raise ValueError(
-                        f"record {index_offset + row}: the loss ({type(loss).__name__}) refuses "
-                        f"its target, so any step that samples it would fail: {exc}"
-                    ) from exc
-            exc = refusal(target[start:stop])
-            raise ValueError(
-                f"records {index_offset + start}-{index_offset + stop - 1}: the loss "
-                f"({type(loss).__name__}) refuses their targets: {exc}"
-            ) from exc
-        if kinds_full or not target.numel() or target[0].numel() != 1:
-            return
-        values, first = torch.unique(target.reshape(-1), return_inverse=True)
-        if len(kinds) + int(values.numel()) > _TARGET_KINDS:
-            kinds_full = True
-            return
-        for i, value in enumerate(values.tolist()):
-            if value not in kinds:
-                row = int((first == i).nonzero()[0, 0])
-                kinds[value] = target[row : row + 1]
-
-    def check_kinds() -> None:
-        if kinds_full or len(kinds) < 2:
-            return
-        exc = refusal(torch.cat(list(kinds.values())))
-        if exc is not None:
-            raise ValueError(
-                f"the loss ({type(loss).__name__}) refuses a batch holding the targets "
-                f"{sorted(kinds)} together, and Poisson batches can draw any mix of records: "
-                f"{exc}"
-            ) from exc
-
-    def check(index_offset: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        for position, t in enumerate(tensors):
-            t = torch.as_tensor(t)
-            if t.is_floating_point() or t.is_complex():
-                # one aminmax pass (norms.all_finite: ~20x faster than isfinite on a large
-                # dataset); the per-row search only runs when something is not finite
-                bad = None
-                if t.ndim and not all_finite(t):
-                    bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
-                if bad is not None and bool(bad.any()):
-                    local = int(bad.nonzero()[0, 0])
-                    row = index_offset + local
-                    at = (~torch.isfinite(t[local])).nonzero()[0].tolist()
-                    what = "features" if position == 0 else f"item {position}"
-                    place = f"{what}[{', '.join(map(str, [row, *at]))}]"
-                    raise ValueError(
-                        f"the training data has a non-finite value (NaN or inf) in record {row}, "
-                        f"at {place} (item {position} of the record, index {tuple(at)} within "
-                        "it); clean or drop it before training"
-                    )
-                # (other model dtypes are refused by the optimizer, with their own message)
-                certified = dtype in (torch.float32, torch.float64)
-                if position == 0 and t.is_floating_point() and t.dtype != dtype and certified:
-                    raise ValueError(
-                        f"the training data's features are {t.dtype} but the model's parameters "
-                        f"are {dtype}: convert one of them (e.g. x.to({dtype}) or "
-                        f"model.to({t.dtype})) before make_private"
-                    )
-            elif position == 1 and num_logits > 1 and t.ndim == 1:
-                bad = (t < 0) | (t >= num_logits)
-                if bool(bad.any()):
-                    row = index_offset + int(bad.nonzero()[0, 0])
-                    raise ValueError(
-                        f"record {row} has label {int(t[row - index_offset])}, outside the "
-                        f"model's {num_logits} classes [0, {num_logits})"
-                    )
-        if len(tensors) >= 2:  # (x, y, ...): the target is y, as fit and the optimizer read it
-            check_targets(index_offset, torch.as_tensor(tensors[1]))
-
+    checker = _DatasetCheck(report, loss, dtype)
     if isinstance(dataset, TensorDataset):
-        check(0, tuple(dataset.tensors))
+        checker.check(0, tuple(dataset.tensors))
     else:
         offset = 0
         for batch in DataLoader(dataset, batch_size=4096, shuffle=False):
             parts = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
             tensors = tuple(p for p in parts if isinstance(p, torch.Tensor))
             if tensors:
-                check(offset, tensors)
+                checker.check(offset, tensors)
                 offset += int(tensors[0].shape[0])
-    check_kinds()
+    checker.check_kinds()
+
+
+class _DatasetCheck:
+    """The checks of :func:`_validate_dataset`, chunk by chunk, and the targets seen so far."""
+
+    def __init__(self, report: bounds.BoundReport, loss: torch.nn.Module, dtype: torch.dtype):
+        self.report, self.loss, self.dtype = report, loss, dtype
+        # One record per distinct scalar target, across the chunks: a rule about which targets
+        # may share a batch (binary labels in {0, 1} or in {-1, 1}, never both) is checked on
+        # them together. Up to _TARGET_KINDS distinct values (labels); beyond, the targets are a
+        # continuous regression target, which no clipless loss restricts jointly.
+        self.kinds: dict[float, torch.Tensor] = {}
+        self.kinds_full = False
+
+    def refusal(self, t: torch.Tensor) -> Exception | None:
+        logits = torch.zeros(
+            (t.shape[0], *self.report.output_shape), dtype=self.dtype, device=t.device
+        )
+        try:
+            with torch.no_grad():
+                self.loss(logits, t)
+        except (ValueError, RuntimeError, TypeError, IndexError) as exc:
+            return exc
+        return None
+
+    def check_targets(self, index_offset: int, target: torch.Tensor) -> None:
+        name = type(self.loss).__name__
+        for start in range(0, int(target.shape[0]), _TARGET_CHUNK):
+            stop = min(start + _TARGET_CHUNK, int(target.shape[0]))
+            if self.refusal(target[start:stop]) is None:
+                continue
+            for row in range(start, stop):  # error path only: find the first refused record
+                exc = self.refusal(target[row : row + 1])
+                if exc is not None:
+                    raise ValueError(
+                        f"record {index_offset + row}: the loss ({name}) refuses its target, so "
+                        f"any step that samples it would fail: {exc}"
+                    ) from exc
+            exc = self.refusal(target[start:stop])
+            raise ValueError(
+                f"records {index_offset + start}-{index_offset + stop - 1}: the loss "
+                f"({name}) refuses their targets: {exc}"
+            ) from exc
+        if self.kinds_full or not target.numel() or target[0].numel() != 1:
+            return
+        values, first = torch.unique(target.reshape(-1), return_inverse=True)
+        if len(self.kinds) + int(values.numel()) > _TARGET_KINDS:
+            self.kinds_full = True
+            return
+        for i, value in enumerate(values.tolist()):
+            if value not in self.kinds:
+                row = int((first == i).nonzero()[0, 0])
+                self.kinds[value] = target[row : row + 1]
+
+    def check_kinds(self) -> None:
+        if self.kinds_full or len(self.kinds) < 2:
+            return
+        exc = self.refusal(torch.cat(list(self.kinds.values())))
+        if exc is not None:
+            raise ValueError(
+                f"the loss ({type(self.loss).__name__}) refuses a batch holding the targets "
+                f"{sorted(self.kinds)} together, and Poisson batches can draw any mix of "
+                f"records: {exc}"
+            ) from exc
+
+    def check(self, index_offset: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        for position, t in enumerate(tensors):
+            t = torch.as_tensor(t)
+            if t.is_floating_point() or t.is_complex():
+                self.check_floats(index_offset, position, t)
+            elif position == 1 and self.report.num_logits > 1 and t.ndim == 1:
+                bad = (t < 0) | (t >= self.report.num_logits)
+                if bool(bad.any()):
+                    row = index_offset + int(bad.nonzero()[0, 0])
+                    raise ValueError(
+                        f"record {row} has label {int(t[row - index_offset])}, outside the "
+                        f"model's {self.report.num_logits} classes "
+                        f"[0, {self.report.num_logits})"
+                    )
+        if len(tensors) >= 2:  # (x, y, ...): the target is y, as fit and the optimizer read it
+            self.check_targets(index_offset, torch.as_tensor(tensors[1]))
+
+    def check_floats(self, index_offset: int, position: int, t: torch.Tensor) -> None:
+        # one aminmax pass (norms.all_finite: ~20x faster than isfinite on a large dataset);
+        # the per-row search only runs when something is not finite
+        bad = None
+        if t.ndim and not all_finite(t):
+            bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
+        if bad is not None and bool(bad.any()):
+            local = int(bad.nonzero()[0, 0])
+            row = index_offset + local
+            at = (~torch.isfinite(t[local])).nonzero()[0].tolist()
+            what = "features" if position == 0 else f"item {position}"
+            place = f"{what}[{', '.join(map(str, [row, *at]))}]"
+            raise ValueError(
+                f"the training data has a non-finite value (NaN or inf) in record {row}, "
+                f"at {place} (item {position} of the record, index {tuple(at)} within "
+                "it); clean or drop it before training"
+            )
+        # (other model dtypes are refused by the optimizer, with their own message)
+        dtype = self.dtype
+        certified = dtype in (torch.float32, torch.float64)
+        if position == 0 and t.is_floating_point() and t.dtype != dtype and certified:
+            raise ValueError(
+                f"the training data's features are {t.dtype} but the model's parameters "
+                f"are {dtype}: convert one of them (e.g. x.to({dtype}) or "
+                f"model.to({t.dtype})) before make_private"
+            )
 
 
 def _run_id(seed: int | None) -> str:

@@ -7,8 +7,9 @@ This module and :mod:`clipless.bounds` hold the whole argument from a bound to a
 1. :class:`PrivacyConfig` (frozen, serialisable) is the mechanism: sampling rate, noise multiplier
    and its allocation, the gradient-scaling mode, the weight constraint, the neighbouring relation,
    the accountant and the planned number of steps. :meth:`PrivacyConfig.calibrate` returns a new
-   one whose multiplier meets a target ``(epsilon, delta)``. Performance settings (certification
-   schedule, seeds, ledger path, device) are not part of it.
+   one whose multiplier meets a target ``(epsilon, delta)``; :class:`MechanismSpec` is the part
+   of it a caller chooses. Settings that change no noise scale (certification schedule, ledger
+   path, data validation: :class:`clipless.engine.RunOptions`; seeds) are not part of it.
 2. Each step, :func:`clipless.bounds.report` certifies, from the weights the forward pass uses
    (public: they are the output of earlier private steps), a bound ``G_k`` on one sample's
    cotangent at the output of every parametric layer ``k``, starting from the loss constant ``L``
@@ -16,8 +17,12 @@ This module and :mod:`clipless.bounds` hold the whole argument from a bound to a
 3. :func:`plan_step` turns the config and that report into a :class:`NoisePlan`: per-tensor
    sensitivities, per-tensor noise standard deviations, the effective multiplier of the step, the
    ``dp_accounting`` event, the scaling thresholds the forward pass uses, the cotangent bound the
-   optimizer enforces at the model output, and whether the step is proven DP.
-4. :class:`clipless.optim.DPOptimizer` applies exactly that plan and records exactly its event.
+   optimizer enforces at the model output, and whether the step is proven DP. The noise
+   allocation (per-tensor stds, effective multiplier, event) is a registered
+   :class:`clipless.allocation.NoiseAllocation` named by ``PrivacyConfig.noise``.
+4. :class:`clipless.optim.DPOptimizer` applies exactly that plan and records exactly its event
+   (:meth:`NoisePlan.dp_event`) in the ledger; :meth:`PrivacyConfig.epsilon` and
+   :meth:`PrivacyConfig.calibrate` compose the same event.
 
 **Why the plan's sensitivities hold.** Under gradient scaling (:mod:`clipless.nn._scaled`) one
 sample's contribution to the (weight, bias) gradient of one *use* of layer ``k`` has norm at most
@@ -31,10 +36,11 @@ contributions, so its bound is the *sum* of their ``G`` (triangle inequality). A
 neighbours change the sum by one contribution; replace-one by the difference of two, which
 doubles every sensitivity (``sensitivity_factor = 2``).
 
-**Noise allocation.** ``"per-layer"``: tensor ``p`` gets noise ``sigma * Delta_p``, and the step
-is one Gaussian mechanism with ``sigma_eff = sigma / sqrt(D)`` when the squared Mahalanobis
-sensitivity ``sum_p ||c_p||^2 / (sigma Delta_p)^2`` of one sample's contributions ``c_p`` is at
-most ``D / sigma^2``. Every term is at most ``1 / sigma^2``, so ``D`` = the number of noised
+**Noise allocation** (the two built in, :mod:`clipless.allocation`). ``"per-layer"``: tensor
+``p`` gets noise ``sigma * Delta_p``, and the step is one Gaussian mechanism with
+``sigma_eff = sigma / sqrt(D)`` when the squared Mahalanobis sensitivity
+``sum_p ||c_p||^2 / (sigma Delta_p)^2`` of one sample's contributions ``c_p`` is at most
+``D / sigma^2``. Every term is at most ``1 / sigma^2``, so ``D`` = the number of noised
 tensors is always valid. Tensors that one layer use produces together (a weight and its bias)
 are not independent mechanisms, though: one sample's *joint* (weight, bias) contribution has
 norm at most ``G_k``, so for ``std_p = sigma Delta_p`` with ``Delta_p = G_k`` the pair's squared
@@ -78,10 +84,17 @@ import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from clipless import accounting
 from clipless.accounting._checks import _check_releases
+from clipless.allocation import (
+    NoiseAllocation,
+    UseGroup,
+    allocation_names,
+    get_allocation,
+    mechanism_count,
+)
 from clipless.nn._scaled import BATCH_MAX, SCALING_MODES, SUM_CHUNK_TERMS, SUM_MAX_CHUNKS
 
 if TYPE_CHECKING:
@@ -96,6 +109,7 @@ __all__ = [
     "NOISE_STRATEGIES",
     "ROUNDING_MARGIN",
     "SCALING_MODES",
+    "MechanismSpec",
     "NoisePlan",
     "PrivacyConfig",
     "per_layer_mechanisms",
@@ -105,8 +119,9 @@ __all__ = [
     "use_bound",
 ]
 
-NoiseStrategy = Literal["global", "per-layer"]
-NOISE_STRATEGIES: tuple[str, ...] = ("global", "per-layer")
+#: The built-in noise allocations (:mod:`clipless.allocation`; registered ones:
+#: :func:`clipless.allocation.allocation_names`).
+NOISE_STRATEGIES: tuple[str, ...] = allocation_names()
 CONSTRAINTS: tuple[str, ...] = ("clip", "fix", "orthogonal")
 NEIGHBOURING: tuple[str, ...] = ("add_remove", "replace_one")
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
@@ -218,8 +233,7 @@ class PrivacyConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
             object.__setattr__(self, name, int(value))
-        if self.noise not in NOISE_STRATEGIES:
-            raise ValueError(f"noise must be one of {NOISE_STRATEGIES}; got {self.noise!r}")
+        get_allocation(self.noise)  # a registered allocation, or the error naming them
         if self.scaling not in SCALING_MODES:
             raise ValueError(f"scaling must be one of {SCALING_MODES}; got {self.scaling!r}")
         if self.scaling == "batch-max" and not self.allow_unproven:
@@ -284,16 +298,19 @@ class PrivacyConfig:
         return _sensitivity_factor(self.neighbouring)
 
     @property
+    def allocation(self) -> NoiseAllocation:
+        """The registered :class:`clipless.allocation.NoiseAllocation` named by ``noise``."""
+        return get_allocation(self.noise)
+
+    @property
     def mechanisms(self) -> int:
         """``D`` of per-layer noise: ``num_mechanisms``, or ``num_tensors`` when not given."""
         return self.num_tensors if self.num_mechanisms is None else self.num_mechanisms
 
     @property
     def effective_noise_multiplier(self) -> float:
-        """``sigma_eff`` of one step, relative to the sensitivities."""
-        if self.noise == "global":
-            return float(self.noise_multiplier)
-        return float(self.noise_multiplier) / math.sqrt(self.mechanisms)
+        """``sigma_eff`` of one step, relative to the sensitivities (by the allocation)."""
+        return self.allocation.effective_multiplier(self)
 
     @property
     def accounting_noise_multiplier(self) -> float:
@@ -311,18 +328,18 @@ class PrivacyConfig:
         return self.sample_rate * self.num_samples
 
     def step_event(self) -> dp_accounting.DpEvent:
-        """The ``dp_accounting`` event of one step: Poisson-subsampled Gaussian."""
-        return accounting.gaussian_step_event(self.accounting_noise_multiplier, self.sample_rate)
+        """The ``dp_accounting`` event of one step (the allocation's: by default a
+        Poisson-subsampled Gaussian); :meth:`NoisePlan.dp_event` is the same event."""
+        return self.allocation.step_event(self.accounting_noise_multiplier, self.sample_rate)
 
     def epsilon(self, delta: float, steps: int | None = None) -> float:
-        """Epsilon after ``steps`` (default: the planned number) steps of this config."""
+        """Epsilon after ``steps`` (default: the planned number) of :meth:`step_event`,
+        composed with the :attr:`releases`."""
         n = self.steps if steps is None else steps
         if n is None:
             raise ValueError("steps is required: this config has no planned number of steps")
-        return accounting.epsilon(
-            self.accounting_noise_multiplier,
-            self.sample_rate,
-            n,
+        return accounting.event_epsilon(
+            accounting.repeated(self.step_event(), n),
             delta,
             accountant=self.accountant,  # type: ignore[arg-type]
             neighbouring=self.neighbouring,  # type: ignore[arg-type]
@@ -333,20 +350,23 @@ class PrivacyConfig:
     def calibrate(self, epsilon: float, delta: float, steps: int) -> PrivacyConfig:
         """A copy whose noise multiplier is the smallest meeting ``(epsilon, delta)`` in ``steps``.
 
-        The search (:func:`clipless.accounting.calibrate_noise`) runs in ``dp_accounting``'s
-        convention; the result is converted back to this config's multiplier.
+        The search (:func:`clipless.accounting.calibrate_noise`) composes ``steps`` of the
+        allocation's :meth:`step_event` at a trial multiplier in ``dp_accounting``'s convention;
+        the result is converted back to this config's multiplier.
         """
+        allocation, q = self.allocation, self.sample_rate
         sigma_acc = accounting.calibrate_noise(
             epsilon,
             delta,
-            self.sample_rate,
+            q,
             steps,
             accountant=self.accountant,  # type: ignore[arg-type]
             neighbouring=self.neighbouring,  # type: ignore[arg-type]
             releases=self.releases,
+            make_event=lambda s: accounting.repeated(allocation.step_event(s, q), steps),
         )
         sigma_eff = sigma_acc / self.sensitivity_factor
-        sigma = sigma_eff if self.noise == "global" else sigma_eff * math.sqrt(self.mechanisms)
+        sigma = allocation.noise_multiplier_for(self, sigma_eff)
         out = dataclasses.replace(self, noise_multiplier=sigma, steps=int(steps))
         # The conversion rounds: the multiplier the ledger records (converted back) must not
         # fall below the calibrated one, whose epsilon was checked (at most a few ulps).
@@ -385,6 +405,47 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True)
+class MechanismSpec:
+    """The mechanism chosen for :meth:`clipless.PrivacyEngine.make_private`: everything of a
+    :class:`PrivacyConfig` that the caller chooses (``make_private`` adds what the model, the
+    data and the calibration determine). Checked when the config is built.
+
+    Args:
+        noise: the registered noise allocation (:mod:`clipless.allocation`): ``"global"`` or
+            ``"per-layer"`` built in.
+        scaling: the gradient scaling mode (:data:`SCALING_MODES`; ``"batch-max"`` has no DP
+            proof and needs ``allow_unproven``).
+        constraint: the projection after each step (:data:`CONSTRAINTS`, or ``None``:
+            nothing is projected and the noise follows the certified norms of the current,
+            public weights). ``"orthogonal"`` keeps the layers gradient-norm preserving, so
+            every certified cotangent bound stays close to the true cotangents.
+        max_norm: the layers' operator-norm constraint ``C`` (not the input radius, which is
+            the model's ``InputNorm(max_norm=...)``).
+        neighbouring: ``"add_remove"`` or ``"replace_one"`` (doubles every sensitivity).
+        thresholds: layer path -> ``T_k``, with ``scaling="threshold"`` only.
+        allow_unproven: accept a mode without a DP proof (reproduction only).
+        sample_rate: the Poisson rate (default: the loader's batch size over the dataset size).
+    """
+
+    noise: str = "global"
+    scaling: str = "per-sample"
+    constraint: str | None = "orthogonal"
+    max_norm: float = 1.0
+    neighbouring: str = "add_remove"
+    thresholds: Mapping[str, float] | None = None
+    allow_unproven: bool = False
+    sample_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.allow_unproven, bool):
+            raise TypeError(
+                f"allow_unproven must be a bool; got {type(self.allow_unproven).__name__}"
+            )
+        if isinstance(self.thresholds, Mapping):  # the config checks the values
+            object.__setattr__(self, "thresholds", MappingProxyType(dict(self.thresholds)))
+
+
+@dataclass(frozen=True)
 class NoisePlan:
     """Exactly what one step does, computed before its gradient exists (module docstring).
 
@@ -408,9 +469,14 @@ class NoisePlan:
     rounding_margin: float
     proven: bool
     groups: tuple[tuple[str, ...], ...] = field(default=())
+    event: dp_accounting.DpEvent | None = None
 
     def dp_event(self) -> dp_accounting.DpEvent:
-        """The step's ``dp_accounting`` event (what the ledger records)."""
+        """The step's ``dp_accounting`` event, what the optimizer records in the ledger: the
+        allocation's :meth:`PrivacyConfig.step_event` (a plan built by hand without one: the
+        Poisson-subsampled Gaussian of :attr:`accounting_noise_multiplier`)."""
+        if self.event is not None:
+            return self.event
         return accounting.gaussian_step_event(self.accounting_noise_multiplier, self.sample_rate)
 
 
@@ -489,9 +555,7 @@ def use_bound(cotangent_bound: float, config: PrivacyConfig, margin: float) -> f
     return _up(float(cotangent_bound) * (1.0 + margin) * config.sensitivity_factor)
 
 
-def _groups(
-    uses: Sequence[tuple[str, float, frozenset[str]]],
-) -> list[tuple[list[str], float, int]]:
+def _groups(uses: Sequence[tuple[str, float, frozenset[str]]]) -> list[UseGroup]:
     """Connected groups of layer uses sharing a noised parameter: (members, the sum of the uses'
     bounds, the number of uses)."""
     parent = list(range(len(uses)))
@@ -517,12 +581,7 @@ def _groups(
         sums[root] = _up(sums.get(root, 0.0) + bound)
         members.setdefault(root, set()).update(params)
         counts[root] = counts.get(root, 0) + 1
-    return [(sorted(members[r]), sums[r], counts[r]) for r in sums]
-
-
-def _mechanism_count(groups: Sequence[tuple[list[str], float, int]]) -> int:
-    """``D = sum_c min(U_c, P_c)`` (module docstring, "Noise allocation")."""
-    return sum(min(n_uses, len(members)) for members, _, n_uses in groups)
+    return [UseGroup(tuple(sorted(members[r])), sums[r], counts[r]) for r in sums]
 
 
 def per_layer_mechanisms(report: BoundReport, names: Iterable[str]) -> int:
@@ -535,7 +594,7 @@ def per_layer_mechanisms(report: BoundReport, names: Iterable[str]) -> int:
         for lb in report.layers
         if (touched := frozenset(n for n in lb.gradient_bounds if n in noised))
     ]
-    return _mechanism_count(_groups(uses))
+    return mechanism_count(_groups(uses))
 
 
 def plan_step(
@@ -593,17 +652,9 @@ def plan_step(
         )
     sigma = float(config.noise_multiplier)
     groups = _groups(uses)
-    if config.noise == "per-layer" and _mechanism_count(groups) > config.mechanisms:
-        raise ValueError(
-            f"per-layer noise: the model's layers now form {_mechanism_count(groups)} Gaussian "
-            f"mechanisms but the config accounts for {config.mechanisms} (its structure changed "
-            "after make_private): the noise would be mis-calibrated"
-        )
-    if config.noise == "global":
-        total = _up(math.sqrt(_up(math.fsum(b * b for _, b, _ in groups))))
-        stds = dict.fromkeys(noised, _up(sigma * total))
-    else:
-        stds = {n: _up(sigma * per_tensor[n]) for n in noised}
+    allocation = config.allocation
+    allocation.check(config, groups)
+    stds = allocation.stds(config, groups, {n: per_tensor[n] for n in noised})
     return NoisePlan(
         names=noised,
         sensitivities=MappingProxyType({n: per_tensor[n] for n in noised}),
@@ -625,5 +676,6 @@ def plan_step(
         multiplicity=multiplicity,
         rounding_margin=margin,
         proven=config.proven,
-        groups=tuple(tuple(m) for m, _, _ in groups),
+        groups=tuple(g.members for g in groups),
+        event=config.step_event(),
     )

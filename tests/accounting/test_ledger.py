@@ -128,7 +128,7 @@ def _valid_dict() -> dict[str, object]:
     ("mutate", "match"),
     [
         (lambda d: d.update(format="something"), "not a privacy ledger"),
-        (lambda d: d.update(version=2), "unsupported privacy ledger version"),
+        (lambda d: d.update(version=3), "unsupported privacy ledger version"),
         (lambda d: d.pop("entries"), "missing keys"),
         (lambda d: d.update(extra=1), "unknown keys"),
         (lambda d: d.update(accountant="gdp"), "accountant"),

@@ -105,15 +105,23 @@ from clipless.accounting._checks import (
     AccountantKind,
     Neighbouring,
 )
-from clipless.accounting.accountant import Accountant, epsilon
+from clipless.accounting.accountant import Accountant, epsilon, event_epsilon
 from clipless.accounting.calibration import (
     PLD_MAX_EPSILON,
     ReleasesExceedTargetError,
     calibrate_noise,
 )
-from clipless.accounting.events import dpsgd_event, effective_noise_multiplier, gaussian_step_event
+from clipless.accounting.events import (
+    dpsgd_event,
+    effective_noise_multiplier,
+    event_from_dict,
+    event_to_dict,
+    gaussian_step_event,
+    repeated,
+)
 from clipless.accounting.guarantee import PrivacyGuarantee
 from clipless.accounting.ledger import (
+    LEDGER_EVENT_VERSION,
     LEDGER_FORMAT,
     LEDGER_VERSION,
     LedgerEntry,
@@ -125,6 +133,7 @@ __all__ = [
     "ACCOUNTANTS",
     "DEFAULT_PLD_DISCRETIZATION",
     "DEFAULT_RDP_ORDERS",
+    "LEDGER_EVENT_VERSION",
     "LEDGER_FORMAT",
     "LEDGER_VERSION",
     "NEIGHBOURING_RELATIONS",
@@ -141,5 +150,9 @@ __all__ = [
     "dpsgd_event",
     "effective_noise_multiplier",
     "epsilon",
+    "event_epsilon",
+    "event_from_dict",
+    "event_to_dict",
     "gaussian_step_event",
+    "repeated",
 ]

@@ -25,7 +25,7 @@ from clipless.accounting._checks import (
 )
 from clipless.accounting.events import _rdp_replace_one, dpsgd_event, gaussian_step_event
 
-__all__ = ["Accountant", "epsilon"]
+__all__ = ["Accountant", "epsilon", "event_epsilon"]
 
 _NR = dp_accounting.NeighboringRelation
 
@@ -215,6 +215,37 @@ class Accountant:
         return float(self._inner.get_delta(e))
 
 
+def event_epsilon(
+    event: dp_event.DpEvent,
+    delta: float,
+    accountant: AccountantKind = "pld",
+    neighbouring: Neighbouring = "add_remove",
+    *,
+    value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
+    orders: Sequence[float] | None = None,
+    releases: Sequence[float] = (),
+) -> float:
+    """Epsilon of ``event`` (e.g. ``repeated(step_event, steps)``) at ``delta``, composed with
+    one-shot Gaussian ``releases`` (noise multipliers ``std / G`` of whole-dataset releases).
+
+    >>> from clipless.accounting import gaussian_step_event, repeated
+    >>> round(event_epsilon(repeated(gaussian_step_event(1.0, 0.01), 1000), 1e-5), 4)
+    1.8282
+    """
+    _check_delta(delta)  # validate everything before the (possibly costly) composition
+    extra = _check_releases(releases)
+    acc = Accountant(
+        accountant,
+        neighbouring,
+        value_discretization_interval=value_discretization_interval,
+        orders=orders,
+    )
+    acc.compose(event)
+    for sigma in extra:
+        acc.compose(gaussian_step_event(sigma, 1.0))
+    return acc.epsilon(delta)
+
+
 def epsilon(
     noise_multiplier: float,
     sample_rate: float,
@@ -227,7 +258,8 @@ def epsilon(
     orders: Sequence[float] | None = None,
     releases: Sequence[float] = (),
 ) -> float:
-    """Epsilon of ``steps`` Poisson-subsampled Gaussian steps at ``delta``.
+    """Epsilon of ``steps`` Poisson-subsampled Gaussian steps at ``delta``
+    (:func:`event_epsilon` of :func:`~clipless.accounting.events.dpsgd_event`).
 
     ``releases``: noise multipliers (``std / G``) of one-shot Gaussian releases of the whole
     dataset (``q = 1``, e.g. a private mean of the inputs) composed with the steps.
@@ -235,16 +267,14 @@ def epsilon(
     >>> round(epsilon(1.0, 0.01, 1000, 1e-5), 4)
     1.8282
     """
-    _check_delta(delta)  # validate everything before the (possibly costly) composition
-    extra = _check_releases(releases)
-    event = dpsgd_event(noise_multiplier, sample_rate, steps)
-    acc = Accountant(
+    _check_delta(delta)
+    _check_releases(releases)
+    return event_epsilon(
+        dpsgd_event(noise_multiplier, sample_rate, steps),
+        delta,
         accountant,
         neighbouring,
         value_discretization_interval=value_discretization_interval,
         orders=orders,
+        releases=releases,
     )
-    acc.compose(event)
-    for sigma in extra:
-        acc.compose(gaussian_step_event(sigma, 1.0))
-    return acc.epsilon(delta)

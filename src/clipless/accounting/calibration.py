@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from dp_accounting import dp_event
 
 from clipless.accounting._checks import (
     DEFAULT_PLD_DISCRETIZATION,
@@ -19,8 +21,8 @@ from clipless.accounting._checks import (
     _check_sample_rate,
     _real,
 )
-from clipless.accounting.accountant import epsilon
-from clipless.accounting.events import _rdp_replace_one, gaussian_step_event
+from clipless.accounting.accountant import Accountant, event_epsilon
+from clipless.accounting.events import dpsgd_event
 
 __all__ = ["PLD_MAX_EPSILON", "ReleasesExceedTargetError", "calibrate_noise"]
 
@@ -86,8 +88,8 @@ def _starting_point(
 def calibrate_noise(
     target_epsilon: float,
     target_delta: float,
-    sample_rate: float,
-    steps: int,
+    sample_rate: float | None = None,
+    steps: int | None = None,
     accountant: AccountantKind = "pld",
     neighbouring: Neighbouring = "add_remove",
     tolerance: float = 1e-3,
@@ -96,8 +98,17 @@ def calibrate_noise(
     orders: Sequence[float] | None = None,
     max_noise_multiplier: float = 1e6,
     releases: Sequence[float] = (),
+    make_event: Callable[[float], dp_event.DpEvent] | None = None,
 ) -> float:
     """Smallest noise multiplier (to relative ``tolerance``) with ``epsilon <= target_epsilon``.
+
+    The mechanism is ``make_event(sigma)``, the ``DpEvent`` of the whole run at multiplier
+    ``sigma`` (as for ``dp_accounting.calibrate_dp_mechanism``; its epsilon must not increase
+    with ``sigma``), composed with the ``releases``. Without ``make_event`` it is ``steps``
+    Poisson-subsampled Gaussian steps of rate ``sample_rate``
+    (:func:`~clipless.accounting.events.dpsgd_event`). With ``make_event``, ``sample_rate`` and
+    ``steps``, if given, only choose where the search starts (the Gaussian's cheap RDP
+    calibration); every multiplier it returns was checked on ``make_event``.
 
     Bracketing followed by an Illinois (safeguarded regula falsi) search on ``log sigma``; the
     bracket always keeps an upper end whose epsilon was *computed* to be within the target, and
@@ -123,8 +134,12 @@ def calibrate_noise(
     """
     eps_target = _check_epsilon(target_epsilon, "target_epsilon")
     delta = _check_delta(target_delta, "target_delta")
-    q = _check_sample_rate(sample_rate)
-    n_steps = _check_count(steps, "steps", minimum=1)
+    if make_event is None and (sample_rate is None or steps is None):
+        raise ValueError("calibrate_noise needs sample_rate and steps, or make_event")
+    if make_event is not None and not callable(make_event):
+        raise TypeError(f"make_event must be callable (sigma -> DpEvent); got {make_event!r}")
+    q = None if sample_rate is None else _check_sample_rate(sample_rate)
+    n_steps = None if steps is None else _check_count(steps, "steps", minimum=1)
     kind = _check_kind(accountant)
     rel = _check_neighbouring(neighbouring)
     tol = _real(tolerance, "tolerance")
@@ -139,14 +154,18 @@ def calibrate_noise(
             "accountant calibrates (its support grows without bound as the multiplier shrinks); "
             "use accountant='rdp' for such targets"
         )
-    if kind == "rdp" and rel == "replace_one" and q < 1.0:
-        _rdp_replace_one(gaussian_step_event(1.0, q))  # raises the explanatory ValueError
+    if make_event is None:
+        assert q is not None and n_steps is not None
+        q_, n_ = q, n_steps
+        make_event = lambda sigma: dpsgd_event(sigma, q_, n_)  # noqa: E731
+    # refuses (with the reason) an event the accountant cannot compose, e.g. Poisson
+    # subsampling under replace-one with RDP
+    Accountant(kind, rel, orders=orders).check_supported(make_event(1.0))  # type: ignore[arg-type]
     extra = _check_releases(releases)
-    if extra:
-        alone = epsilon(
-            math.inf,
-            q,
-            1,
+
+    def run_epsilon(event: dp_event.DpEvent) -> float:
+        return event_epsilon(
+            event,
             delta,
             kind,  # type: ignore[arg-type]
             rel,  # type: ignore[arg-type]
@@ -154,6 +173,9 @@ def calibrate_noise(
             orders=orders,
             releases=extra,
         )
+
+    if extra:
+        alone = run_epsilon(dp_event.SelfComposedDpEvent(dp_event.NoOpDpEvent(), 1))
         if alone >= eps_target:
             raise ReleasesExceedTargetError(
                 f"the releases {list(extra)} alone spend epsilon {alone:.4g} >= "
@@ -162,25 +184,37 @@ def calibrate_noise(
 
     def gap(log_sigma: float) -> float:
         # log(epsilon) is close to linear in log(sigma): regula falsi converges in a few steps.
-        eps = epsilon(
-            math.exp(log_sigma),
-            q,
-            n_steps,
-            delta,
-            kind,  # type: ignore[arg-type]
-            rel,  # type: ignore[arg-type]
-            value_discretization_interval=value_discretization_interval,
-            orders=orders,
-            releases=extra,
-        )
+        eps = run_epsilon(make_event(math.exp(log_sigma)))
         return math.log(max(eps, 1e-300)) - math.log(eps_target)
 
     log_cap = math.log(sigma_cap)
     log_floor = math.log(_SIGMA_FLOOR)
-    x0, step = _starting_point(eps_target, delta, q, n_steps, kind, rel, orders)
+    if q is None or n_steps is None:
+        x0, step = math.log(1.0), math.log(2.0)
+    else:
+        x0, step = _starting_point(eps_target, delta, q, n_steps, kind, rel, orders)
     x0 = min(max(x0, log_floor), log_cap)
+    lo, g_lo, hi, g_hi = _bracket(gap, x0, step, log_floor, log_cap, eps_target, delta, sigma_cap)
+    return math.exp(_illinois(gap, lo, g_lo, hi, g_hi, math.log1p(tol)))
+
+
+_Bracket = tuple[float, float, float, float]
+
+
+def _bracket(
+    gap: Callable[[float], float],
+    x0: float,
+    step: float,
+    log_floor: float,
+    log_cap: float,
+    eps_target: float,
+    delta: float,
+    sigma_cap: float,
+) -> _Bracket:
+    """``(lo, gap(lo), hi, gap(hi))`` with ``gap(lo) > 0 >= gap(hi)``, walking from ``x0`` in
+    steps doubling in log space (down until the target is missed, or up until it is met)."""
     g0 = gap(x0)
-    if g0 <= 0.0:  # walk down (steps doubling in log space) until the target is missed
+    if g0 <= 0.0:
         hi, g_hi = x0, g0
         while True:
             if hi <= log_floor:
@@ -191,28 +225,31 @@ def calibrate_noise(
             lo = max(hi - step, log_floor)
             g_lo = gap(lo)
             if g_lo > 0.0:
-                break
+                return lo, g_lo, hi, g_hi
             hi, g_hi = lo, g_lo
             step *= 2.0
-    else:  # walk up until the target is met
-        lo, g_lo = x0, g0
-        while True:
-            if lo >= log_cap:
-                raise ValueError(
-                    f"no noise multiplier <= max_noise_multiplier={sigma_cap} reaches "
-                    f"epsilon={eps_target} at delta={delta}"
-                )
-            hi = min(lo + step, log_cap)
-            g_hi = gap(hi)
-            if g_hi <= 0.0:
-                break
-            lo, g_lo = hi, g_hi
-            step *= 2.0
+    lo, g_lo = x0, g0
+    while True:
+        if lo >= log_cap:
+            raise ValueError(
+                f"no noise multiplier <= max_noise_multiplier={sigma_cap} reaches "
+                f"epsilon={eps_target} at delta={delta}"
+            )
+        hi = min(lo + step, log_cap)
+        g_hi = gap(hi)
+        if g_hi <= 0.0:
+            return lo, g_lo, hi, g_hi
+        lo, g_lo = hi, g_hi
+        step *= 2.0
 
-    # Illinois regula falsi on the bracket, invariant gap(lo) > 0 >= gap(hi). Each estimate of
-    # the root is nudged half a tolerance towards the end that moved least recently, so that an
-    # accurate estimate closes the bracket from that side; bisection after 20 iterations.
-    log_tol = math.log1p(tol)
+
+def _illinois(
+    gap: Callable[[float], float], lo: float, g_lo: float, hi: float, g_hi: float, log_tol: float
+) -> float:
+    """The upper end ``hi`` of the bracket closed to ``log_tol`` (invariant ``gap(lo) > 0 >=
+    gap(hi)``): Illinois regula falsi, each estimate of the root nudged half a tolerance
+    towards the end that moved least recently, so that an accurate estimate closes the bracket
+    from that side; bisection after 20 iterations."""
     side = 0
     iteration = 0
     while hi - lo > log_tol:
@@ -234,4 +271,4 @@ def calibrate_noise(
             if side == -1:
                 g_hi /= 2.0
             side = -1
-    return math.exp(hi)
+    return hi

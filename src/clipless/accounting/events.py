@@ -7,13 +7,23 @@ Also the rewriting of events for the RDP accountant under replace-one neighbours
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
+import attr
 from dp_accounting import dp_event
 
 from clipless.accounting._checks import _check_count, _check_noise_multiplier, _check_sample_rate
 
-__all__ = ["dpsgd_event", "effective_noise_multiplier", "gaussian_step_event"]
+__all__ = [
+    "dpsgd_event",
+    "effective_noise_multiplier",
+    "event_from_dict",
+    "event_to_dict",
+    "gaussian_step_event",
+    "repeated",
+]
 
 
 def effective_noise_multiplier(sigmas: Sequence[float] | Iterable[float]) -> float:
@@ -65,13 +75,20 @@ def gaussian_step_event(noise_multiplier: float, sample_rate: float = 1.0) -> dp
     return dp_event.PoissonSampledDpEvent(q, gaussian)
 
 
+def repeated(event: dp_event.DpEvent, steps: int) -> dp_event.DpEvent:
+    """``steps`` compositions of one step's ``event`` (``SelfComposedDpEvent``; 0: no-op)."""
+    if not isinstance(event, dp_event.DpEvent):
+        raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
+    count = _check_count(steps, "steps", minimum=0)
+    if count == 0:
+        return dp_event.NoOpDpEvent()
+    return dp_event.SelfComposedDpEvent(event, count)
+
+
 def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_event.DpEvent:
     """``steps`` compositions of :func:`gaussian_step_event` (``SelfComposedDpEvent``)."""
     count = _check_count(steps, "steps", minimum=0)
-    step = gaussian_step_event(noise_multiplier, sample_rate)
-    if count == 0:
-        return dp_event.NoOpDpEvent()
-    return dp_event.SelfComposedDpEvent(step, count)
+    return repeated(gaussian_step_event(noise_multiplier, sample_rate), count)
 
 
 def _rdp_replace_one(event: dp_event.DpEvent) -> dp_event.DpEvent:
@@ -101,3 +118,62 @@ def _rdp_replace_one(event: dp_event.DpEvent) -> dp_event.DpEvent:
         f"event {event!r} is not supported by the RDP accountant with replace_one neighbours; "
         "use accountant='pld'"
     )
+
+
+def event_to_dict(event: dp_event.DpEvent) -> dict[str, Any]:
+    """``event`` as JSON-ready values: ``{"type": class name, field: value, ...}``, nested
+    events as such dicts, an infinite number as the string ``"inf"`` (strict JSON has none).
+
+    Any ``dp_accounting.dp_event`` class round-trips through :func:`event_from_dict`.
+
+    >>> event_to_dict(gaussian_step_event(1.0, 0.01))["event"]
+    {'type': 'GaussianDpEvent', 'noise_multiplier': 1.0}
+    """
+    if not isinstance(event, dp_event.DpEvent) or not attr.has(type(event)):
+        raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
+    if getattr(dp_event, type(event).__name__, None) is not type(event):
+        raise ValueError(f"{type(event).__name__} is not a dp_accounting.dp_event class")
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for f in attr.fields(type(event)):
+        out[f.name] = _encode(getattr(event, f.name), f.name)
+    return out
+
+
+def _encode(value: object, name: str) -> Any:
+    if isinstance(value, dp_event.DpEvent):
+        return event_to_dict(value)
+    if isinstance(value, list | tuple):
+        return [_encode(v, name) for v in value]
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        v = float(value)
+        if math.isnan(v):
+            raise ValueError(f"event field {name} is NaN")
+        return v if math.isfinite(v) else ("inf" if v > 0 else "-inf")
+    raise ValueError(f"event field {name} has a value of type {type(value).__name__}")
+
+
+def event_from_dict(data: Mapping[str, Any]) -> dp_event.DpEvent:
+    """The event :func:`event_to_dict` wrote; :class:`ValueError` naming what is malformed."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("type"), str):
+        raise ValueError(f"an event must be an object with a 'type'; got {data!r}")
+    cls = getattr(dp_event, data["type"], None)
+    if not (isinstance(cls, type) and issubclass(cls, dp_event.DpEvent) and attr.has(cls)):
+        raise ValueError(f"unknown dp_accounting event type {data['type']!r}")
+    names = [f.name for f in attr.fields(cls)]
+    if set(data) != {"type", *names}:
+        raise ValueError(f"a {data['type']} has exactly the fields {names}; got {sorted(data)}")
+    return cls(**{n: _decode(data[n]) for n in names})
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return event_from_dict(value)
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if value in ("inf", "-inf"):
+        return float(value)
+    return value

@@ -1,4 +1,11 @@
-"""The privacy ledger: every step's mechanism parameters, saved as JSON, epsilon recomputable."""
+"""The privacy ledger: every step's ``dp_accounting`` event, saved as JSON, epsilon recomputable.
+
+An entry holds the event of a run of identical steps. A Poisson-subsampled Gaussian step (every
+step of the built-in noise allocations) is written as its ``noise_multiplier`` and
+``sample_rate``, the format ledgers have always had (version 1); any other event as
+``{"event": ...}`` (:func:`~clipless.accounting.events.event_to_dict`), which makes the file
+version 2. Both versions are read.
+"""
 
 from __future__ import annotations
 
@@ -31,32 +38,88 @@ from clipless.accounting._checks import (
     _check_sample_rate,
 )
 from clipless.accounting.accountant import Accountant
-from clipless.accounting.events import gaussian_step_event
+from clipless.accounting.events import event_from_dict, event_to_dict, gaussian_step_event
 from clipless.accounting.guarantee import PrivacyGuarantee
 
-__all__ = ["LEDGER_FORMAT", "LEDGER_VERSION", "LedgerEntry", "LedgerRelease", "PrivacyLedger"]
+__all__ = [
+    "LEDGER_EVENT_VERSION",
+    "LEDGER_FORMAT",
+    "LEDGER_VERSION",
+    "LedgerEntry",
+    "LedgerRelease",
+    "PrivacyLedger",
+]
 
 LEDGER_FORMAT = "clipless.PrivacyLedger"
+#: The version written when every entry is a Poisson-subsampled Gaussian step.
 LEDGER_VERSION = 1
+#: The version written when an entry is another event (this clipless reads both).
+LEDGER_EVENT_VERSION = 2
 
 _NEVER = 1 << 62
 _MECHANISM_REFS = "Abadi et al. 2016; Mironov et al. 2019"
 
 
+def _gaussian_parameters(event: dp_event.DpEvent) -> tuple[float, float] | None:
+    """``(sigma, q)`` when ``event`` is a Poisson-subsampled (or plain) Gaussian, else ``None``."""
+    if isinstance(event, dp_event.PoissonSampledDpEvent) and isinstance(
+        event.event, dp_event.GaussianDpEvent
+    ):
+        found = (event.event.noise_multiplier, event.sampling_probability)
+    elif isinstance(event, dp_event.GaussianDpEvent):
+        found = (event.noise_multiplier, 1.0)
+    else:
+        return None
+    try:
+        sigma = _check_noise_multiplier(found[0])
+        q = _check_sample_rate(found[1])
+    except (TypeError, ValueError):
+        return None
+    return (sigma, q) if gaussian_step_event(sigma, q) == event else None
+
+
 @dataclasses.dataclass(frozen=True)
 class LedgerEntry:
-    """``count`` consecutive identical steps, starting at step index ``start_step``.
+    """``count`` consecutive identical steps of ``event``, starting at step index ``start_step``.
 
-    ``noise_multiplier`` is the step's effective multiplier (``std / G``); ``proven`` is ``False``
-    for steps taken in an unproven mode (batch-max scaling).
+    ``event`` is the step's ``dp_accounting`` event (the plan's
+    :meth:`~clipless.mechanism.NoisePlan.dp_event`); ``proven`` is ``False`` for steps taken in
+    an unproven mode (batch-max scaling). ``parameters`` is ``(noise_multiplier, sample_rate)``
+    when ``event`` is :func:`gaussian_step_event`'s (``None`` otherwise): such steps are saved
+    in the version-1 format.
     """
 
-    noise_multiplier: float
-    sample_rate: float
+    event: dp_event.DpEvent
     count: int
     start_step: int
     label: str | None = None
     proven: bool = True
+    parameters: tuple[float, float] | None = None
+
+    @classmethod
+    def gaussian(
+        cls,
+        noise_multiplier: float,
+        sample_rate: float,
+        count: int,
+        start_step: int,
+        label: str | None = None,
+        proven: bool = True,
+    ) -> LedgerEntry:
+        """Steps of :func:`gaussian_step_event` ``(noise_multiplier, sample_rate)``."""
+        sigma, q = float(noise_multiplier), float(sample_rate)
+        event = gaussian_step_event(sigma, q)
+        return cls(event, count, start_step, label, proven, (sigma, q))
+
+    @property
+    def noise_multiplier(self) -> float:
+        """The Gaussian step's multiplier (``std / G``); NaN for another event."""
+        return math.nan if self.parameters is None else self.parameters[0]
+
+    @property
+    def sample_rate(self) -> float:
+        """The Gaussian step's Poisson rate; NaN for another event."""
+        return math.nan if self.parameters is None else self.parameters[1]
 
     @property
     def stop_step(self) -> int:
@@ -64,13 +127,18 @@ class LedgerEntry:
         return self.start_step + self.count
 
     def to_dict(self) -> dict[str, Any]:
-        """The entry as JSON-ready values (an infinite multiplier is the string ``"inf"``)."""
-        sigma: float | str = self.noise_multiplier
-        if math.isinf(self.noise_multiplier):
-            sigma = "inf"  # strict JSON has no Infinity
+        """The entry as JSON-ready values: a Gaussian step as its ``noise_multiplier`` (an
+        infinite one as the string ``"inf"``) and ``sample_rate``, any other as its event."""
+        head: dict[str, Any]
+        if self.parameters is None:
+            head = {"event": event_to_dict(self.event)}
+        else:
+            sigma: float | str = self.parameters[0]
+            if math.isinf(self.parameters[0]):
+                sigma = "inf"  # strict JSON has no Infinity
+            head = {"noise_multiplier": sigma, "sample_rate": self.parameters[1]}
         return {
-            "noise_multiplier": sigma,
-            "sample_rate": self.sample_rate,
+            **head,
             "count": self.count,
             "start_step": self.start_step,
             "label": self.label,
@@ -104,6 +172,7 @@ _RELEASE_KEYS = frozenset(("noise_multiplier", "label"))
 _ENTRY_KEYS = frozenset(
     ("noise_multiplier", "sample_rate", "count", "start_step", "label", "proven")
 )
+_EVENT_ENTRY_KEYS = frozenset(("event", "count", "start_step", "label", "proven"))
 _LEDGER_KEYS = frozenset(
     (
         "format",
@@ -118,19 +187,50 @@ _LEDGER_KEYS = frozenset(
     )
 )
 
-_Groups = tuple[tuple[tuple[float, float], int], ...]
+#: Distinct step events (by :func:`_key`) and how many steps of each, in first-recorded order.
+_Groups = tuple[tuple[str, int], ...]
+
+
+def _key(event: dp_event.DpEvent) -> str:
+    """A canonical, hashable spelling of ``event`` (events holding lists are unhashable)."""
+    return json.dumps(event_to_dict(event), sort_keys=True)
+
+
+def _describe(event: dp_event.DpEvent, count: int) -> str:
+    found = _gaussian_parameters(event)
+    if found is None:
+        return f"{count} x {event!r}"
+    return f"{count} x (sigma={found[0]:.6g}, q={found[1]:.6g})"
+
+
+def _step_event(
+    noise_multiplier: float | None, sample_rate: float | None, event: dp_event.DpEvent | None
+) -> dp_event.DpEvent:
+    """``event``, or :func:`gaussian_step_event` of the other two (exactly one of the forms)."""
+    if event is not None:
+        if noise_multiplier is not None or sample_rate is not None:
+            raise TypeError("give event= or (noise_multiplier, sample_rate), not both")
+        if not isinstance(event, dp_event.DpEvent):
+            raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
+        return event
+    if noise_multiplier is None or sample_rate is None:
+        raise TypeError("give event= or both noise_multiplier and sample_rate")
+    sigma = _check_noise_multiplier(noise_multiplier)
+    return gaussian_step_event(sigma, _check_sample_rate(sample_rate))
 
 
 class PrivacyLedger:
-    """Every step's mechanism parameters, enough to recompute epsilon from the saved file alone.
+    """Every step's ``dp_accounting`` event, enough to recompute epsilon from the saved file alone.
 
-    ``record(noise_multiplier, sample_rate, count=1)`` appends steps; consecutive identical steps
-    (same multiplier, rate, label and proven flag) are merged into one :class:`LedgerEntry`, so a
-    run with a fixed noise multiplier is one entry. :meth:`epsilon` composes
-    ``SelfComposedDpEvent(gaussian_step_event(sigma, q), n)`` for every distinct ``(sigma, q)``
-    (composition commutes, so order does not matter). :meth:`to_json` writes atomically (temporary
-    file in the same directory, ``fsync``, ``os.replace``). :meth:`would_exceed` answers the
-    training loop's "may I take one more step?" so that it stops *before* the budget is exceeded.
+    ``record_event(event, count=1)`` appends steps of any event (the optimizer records its plan's
+    :meth:`~clipless.mechanism.NoisePlan.dp_event`); ``record(noise_multiplier, sample_rate)``
+    those of :func:`gaussian_step_event`. Consecutive identical steps (same event, label and
+    proven flag) are merged into one :class:`LedgerEntry`, so a run with a fixed noise multiplier
+    is one entry. :meth:`epsilon` composes ``SelfComposedDpEvent(event, n)`` for every distinct
+    event (composition commutes, so order does not matter). :meth:`to_json` writes atomically
+    (temporary file in the same directory, ``fsync``, ``os.replace``). :meth:`would_exceed`
+    answers the training loop's "may I take one more step?" so that it stops *before* the budget
+    is exceeded.
 
     ``metadata`` is any JSON-serialisable mapping stored with the ledger (dataset size, run id...).
 
@@ -162,6 +262,7 @@ class PrivacyLedger:
         self._entries: list[LedgerEntry] = []
         self._releases: list[LedgerRelease] = []
         self._eps_cache: dict[tuple[_Groups, tuple[float, ...], float], float] = {}
+        self._events: dict[str, dp_event.DpEvent] = {}  # by _key
         self._brackets: dict[tuple[Any, ...], list[int]] = {}
 
     # ----------------------------------------------------------------------- properties
@@ -193,7 +294,8 @@ class PrivacyLedger:
     @property
     def history(self) -> list[tuple[float, float, int]]:
         """Opacus's ``accountant.history``: ``(noise_multiplier, sample_rate, steps)`` for each
-        run of identical steps, oldest first (:attr:`entries` has the labels and step indices)."""
+        run of identical steps, oldest first (:attr:`entries` has the events, labels and step
+        indices; a step that is not a Poisson-subsampled Gaussian has NaN parameters)."""
         return [(e.noise_multiplier, e.sample_rate, e.count) for e in self._entries]
 
     def __len__(self) -> int:
@@ -232,31 +334,46 @@ class PrivacyLedger:
         label: str | None = None,
         proven: bool = True,
     ) -> None:
-        """Append ``count`` steps with effective ``noise_multiplier`` and ``sample_rate``."""
+        """Append ``count`` Poisson-subsampled Gaussian steps (:func:`gaussian_step_event`)."""
         sigma = _check_noise_multiplier(noise_multiplier)
         q = _check_sample_rate(sample_rate)
+        self._append(gaussian_step_event(sigma, q), count, label, proven, (sigma, q))
+
+    def record_event(
+        self,
+        event: dp_event.DpEvent,
+        count: int = 1,
+        *,
+        label: str | None = None,
+        proven: bool = True,
+    ) -> None:
+        """Append ``count`` steps of ``event`` (one step's ``dp_accounting`` event)."""
+        if not isinstance(event, dp_event.DpEvent):
+            raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
+        event_to_dict(event)  # refuses what the file could not hold, before it is recorded
+        self._append(event, count, label, proven, _gaussian_parameters(event))
+
+    def _append(
+        self,
+        event: dp_event.DpEvent,
+        count: int,
+        label: str | None,
+        proven: bool,
+        parameters: tuple[float, float] | None,
+    ) -> None:
         n = _check_count(count, "count", minimum=1)
         if label is not None and not isinstance(label, str):
             raise TypeError(f"label must be a str or None; got {type(label).__name__}")
         if not isinstance(proven, bool):
             raise TypeError(f"proven must be a bool; got {type(proven).__name__}")
         # Refuse what the accountant cannot account for *before* it enters the ledger.
-        self._checker.check_supported(gaussian_step_event(sigma, q))
+        self._checker.check_supported(event)
         last = self._entries[-1] if self._entries else None
-        if last is not None and (
-            last.noise_multiplier,
-            last.sample_rate,
-            last.label,
-            last.proven,
-        ) == (
-            sigma,
-            q,
-            label,
-            proven,
-        ):
+        entry = LedgerEntry(event, n, self.steps, label, proven, parameters)
+        if last is not None and dataclasses.replace(last, count=n, start_step=self.steps) == entry:
             self._entries[-1] = dataclasses.replace(last, count=last.count + n)
         else:
-            self._entries.append(LedgerEntry(sigma, q, n, self.steps, label, proven))
+            self._entries.append(entry)
 
     # -------------------------------------------------------------------------- epsilon
     def _make_accountant(self) -> Accountant:
@@ -267,14 +384,23 @@ class PrivacyLedger:
             orders=self._orders,
         )
 
-    def _groups(self) -> dict[tuple[float, float], int]:
-        groups: dict[tuple[float, float], int] = {}
+    def _groups(self) -> dict[str, int]:
+        """Steps per distinct event (by :func:`_key`), in first-recorded order."""
+        groups: dict[str, int] = {}
         for e in self._entries:
-            key = (e.noise_multiplier, e.sample_rate)
+            key = _key(e.event)
+            self._events.setdefault(key, e.event)
             groups[key] = groups.get(key, 0) + e.count
         return groups
 
-    def _epsilon_of(self, groups: Mapping[tuple[float, float], int], delta: float) -> float:
+    def _compose(self, acc: Accountant, groups: Mapping[str, int]) -> None:
+        for key, n in groups.items():
+            if n > 0:
+                acc.compose(dp_event.SelfComposedDpEvent(self._events[key], n))
+        for r in self._releases:
+            acc.compose(gaussian_step_event(r.noise_multiplier, 1.0))
+
+    def _epsilon_of(self, groups: Mapping[str, int], delta: float) -> float:
         frozen: _Groups = tuple((k, n) for k, n in groups.items() if n > 0)
         releases = tuple(r.noise_multiplier for r in self._releases)
         cached = self._eps_cache.get((frozen, releases, delta))
@@ -282,10 +408,7 @@ class PrivacyLedger:
             return cached
         acc = self._make_accountant()
         try:
-            for (sigma, q), n in frozen:
-                acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
-            for sigma in releases:
-                acc.compose(gaussian_step_event(sigma, 1.0))
+            self._compose(acc, dict(frozen))
             eps = acc.epsilon(delta)
         except (OverflowError, FloatingPointError):
             # dp_accounting's arithmetic overflows only for extreme multipliers (e.g. sigma
@@ -298,13 +421,10 @@ class PrivacyLedger:
         return eps
 
     def to_dp_event(self) -> dp_event.DpEvent:
-        """The whole ledger as one ``DpEvent`` (grouped by distinct ``(sigma, q)``, then the
+        """The whole ledger as one ``DpEvent`` (grouped by distinct step event, then the
         releases)."""
         return dp_event.ComposedDpEvent(
-            [
-                dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n)
-                for (sigma, q), n in self._groups().items()
-            ]
+            [dp_event.SelfComposedDpEvent(self._events[k], n) for k, n in self._groups().items()]
             + [gaussian_step_event(r.noise_multiplier, 1.0) for r in self._releases]
         )
 
@@ -320,10 +440,7 @@ class PrivacyLedger:
         """Delta spent so far at ``epsilon`` (1, a sound bound, where dp_accounting overflows)."""
         acc = self._make_accountant()
         try:
-            for (sigma, q), n in self._groups().items():
-                acc.compose(dp_event.SelfComposedDpEvent(gaussian_step_event(sigma, q), n))
-            for r in self._releases:
-                acc.compose(gaussian_step_event(r.noise_multiplier, 1.0))
+            self._compose(acc, self._groups())
             return float(acc.delta(epsilon))
         except (OverflowError, FloatingPointError):  # extreme multipliers, as in _epsilon_of
             return 1.0
@@ -331,12 +448,16 @@ class PrivacyLedger:
     def guarantee(self, delta: float, mechanism: str | None = None) -> PrivacyGuarantee:
         """A frozen :class:`PrivacyGuarantee` for everything recorded so far."""
         groups = self._groups()
-        sigmas = {k[0] for k in groups}
-        rates = {k[1] for k in groups}
+        params = {_gaussian_parameters(self._events[k]) for k in groups}
+        sigmas = {p[0] for p in params if p is not None}
+        rates = {p[1] for p in params if p is not None}
+        gaussian = None not in params
         if mechanism is None:
-            parts = [f"{n} x (sigma={s:.6g}, q={q:.6g})" for (s, q), n in groups.items()]
+            parts = [_describe(self._events[k], n) for k, n in groups.items()]
             mechanism = f"Poisson-subsampled Gaussian ({_MECHANISM_REFS})"
-            if len(groups) > 1:
+            if not gaussian:
+                mechanism = "dp_accounting events: " + ", ".join(parts)
+            elif len(groups) > 1:
                 mechanism += ": " + ", ".join(parts)
             if self._releases:
                 mechanism += ", and " + ", ".join(
@@ -349,8 +470,8 @@ class PrivacyLedger:
             delta=delta,
             accountant=self._accountant,
             neighbouring=self._neighbouring,
-            sample_rate=next(iter(rates)) if len(rates) == 1 else None,
-            noise_multiplier=next(iter(sigmas)) if len(sigmas) == 1 else None,
+            sample_rate=next(iter(rates)) if gaussian and len(rates) == 1 else None,
+            noise_multiplier=next(iter(sigmas)) if gaussian and len(sigmas) == 1 else None,
             steps=self.steps,
             mechanism=mechanism,
             is_dp_guarantee=self.is_dp_guarantee,
@@ -361,11 +482,14 @@ class PrivacyLedger:
         self,
         epsilon_budget: float,
         delta: float,
-        noise_multiplier: float,
-        sample_rate: float,
+        noise_multiplier: float | None = None,
+        sample_rate: float | None = None,
         count: int = 1,
+        *,
+        event: dp_event.DpEvent | None = None,
     ) -> bool:
-        """True if ``count`` more steps ``(noise_multiplier, sample_rate)`` would exceed the budget.
+        """True if ``count`` more steps of ``event`` (or of :func:`gaussian_step_event`
+        ``(noise_multiplier, sample_rate)``) would exceed the budget.
 
         "Exceed" means the epsilon at ``delta`` after those steps is strictly above
         ``epsilon_budget``. Repeated calls are cheap: for a given budget, delta and step the
@@ -378,12 +502,12 @@ class PrivacyLedger:
         """
         budget = _check_epsilon(epsilon_budget, "epsilon_budget")
         d = _check_delta(delta)
-        sigma = _check_noise_multiplier(noise_multiplier)
-        q = _check_sample_rate(sample_rate)
+        step = _step_event(noise_multiplier, sample_rate, event)
         n = _check_count(count, "count", minimum=1)
-        self._checker.check_supported(gaussian_step_event(sigma, q))
+        self._checker.check_supported(step)
         groups = self._groups()
-        key_step = (sigma, q)
+        key_step = _key(step)
+        self._events.setdefault(key_step, step)
         current = groups.pop(key_step, 0)
         others: _Groups = tuple(groups.items())
         total = current + n
@@ -479,7 +603,11 @@ class PrivacyLedger:
         """JSON-ready dict (format tag, version, accountant settings, entries, metadata)."""
         return {
             "format": LEDGER_FORMAT,
-            "version": LEDGER_VERSION,
+            "version": (
+                LEDGER_VERSION
+                if all(e.parameters is not None for e in self._entries)
+                else LEDGER_EVENT_VERSION
+            ),
             "accountant": self._accountant,
             "neighbouring": self._neighbouring,
             "value_discretization_interval": self._vdi,
@@ -500,10 +628,10 @@ class PrivacyLedger:
                 f"{LEDGER_FORMAT!r}"
             )
         version = data.get("version")
-        if version != LEDGER_VERSION or isinstance(version, bool):
+        if version not in (LEDGER_VERSION, LEDGER_EVENT_VERSION) or isinstance(version, bool):
             raise ValueError(
-                f"unsupported privacy ledger version {version!r} (this clipless reads version "
-                f"{LEDGER_VERSION})"
+                f"unsupported privacy ledger version {version!r} (this clipless reads versions "
+                f"{LEDGER_VERSION} and {LEDGER_EVENT_VERSION})"
             )
         unknown = set(data) - _LEDGER_KEYS
         missing = {"accountant", "neighbouring", "entries"} - set(data)
@@ -528,41 +656,7 @@ class PrivacyLedger:
         if not isinstance(entries, list):
             raise ValueError("malformed privacy ledger: 'entries' must be a list")
         for i, raw in enumerate(entries):
-            if not isinstance(raw, Mapping) or set(raw) != _ENTRY_KEYS:
-                keys = sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__
-                raise ValueError(
-                    f"malformed privacy ledger: entries[{i}] must have exactly the keys "
-                    f"{sorted(_ENTRY_KEYS)}; got {keys}"
-                )
-            sigma_raw = raw["noise_multiplier"]
-            if sigma_raw == "inf":
-                sigma_raw = math.inf
-            if raw["start_step"] != ledger.steps or isinstance(raw["start_step"], bool):
-                raise ValueError(
-                    f"malformed privacy ledger: entries[{i}].start_step is {raw['start_step']!r}, "
-                    f"expected {ledger.steps} (entries must be contiguous)"
-                )
-            try:
-                entry = LedgerEntry(
-                    noise_multiplier=_check_noise_multiplier(
-                        sigma_raw, f"entries[{i}].noise_multiplier"
-                    ),
-                    sample_rate=_check_sample_rate(raw["sample_rate"], f"entries[{i}].sample_rate"),
-                    count=_check_count(raw["count"], f"entries[{i}].count", minimum=1),
-                    start_step=ledger.steps,
-                    label=raw["label"],
-                    proven=raw["proven"],
-                )
-                if entry.label is not None and not isinstance(entry.label, str):
-                    raise TypeError(f"entries[{i}].label must be a string or null")
-                if not isinstance(entry.proven, bool):
-                    raise TypeError(f"entries[{i}].proven must be true or false")
-                ledger._checker.check_supported(
-                    gaussian_step_event(entry.noise_multiplier, entry.sample_rate)
-                )
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"malformed privacy ledger: {exc}") from exc
-            ledger._entries.append(entry)  # kept as written: no re-merging
+            ledger._entries.append(ledger._entry_from_dict(i, raw, events=version != 1))
         releases = data.get("releases", [])
         if not isinstance(releases, list):
             raise ValueError("malformed privacy ledger: 'releases' must be a list")
@@ -581,6 +675,44 @@ class PrivacyLedger:
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"malformed privacy ledger: releases[{i}]: {exc}") from exc
         return ledger
+
+    def _entry_from_dict(self, i: int, raw: object, *, events: bool) -> LedgerEntry:
+        """``entries[i]`` of a saved ledger, as written (no re-merging); ``events``: a version
+        that may hold ``{"event": ...}`` entries."""
+        keys = _ENTRY_KEYS
+        if events and isinstance(raw, Mapping) and "event" in raw:
+            keys = _EVENT_ENTRY_KEYS
+        if not isinstance(raw, Mapping) or set(raw) != keys:
+            got = sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__
+            raise ValueError(
+                f"malformed privacy ledger: entries[{i}] must have exactly the keys "
+                f"{sorted(keys)}; got {got}"
+            )
+        if raw["start_step"] != self.steps or isinstance(raw["start_step"], bool):
+            raise ValueError(
+                f"malformed privacy ledger: entries[{i}].start_step is {raw['start_step']!r}, "
+                f"expected {self.steps} (entries must be contiguous)"
+            )
+        try:
+            count = _check_count(raw["count"], f"entries[{i}].count", minimum=1)
+            if keys is _EVENT_ENTRY_KEYS:
+                event = event_from_dict(raw["event"])
+                parameters = _gaussian_parameters(event)
+            else:
+                sigma_raw = raw["noise_multiplier"]
+                sigma = _check_noise_multiplier(
+                    math.inf if sigma_raw == "inf" else sigma_raw, f"entries[{i}].noise_multiplier"
+                )
+                q = _check_sample_rate(raw["sample_rate"], f"entries[{i}].sample_rate")
+                event, parameters = gaussian_step_event(sigma, q), (sigma, q)
+            if raw["label"] is not None and not isinstance(raw["label"], str):
+                raise TypeError(f"entries[{i}].label must be a string or null")
+            if not isinstance(raw["proven"], bool):
+                raise TypeError(f"entries[{i}].proven must be true or false")
+            self._checker.check_supported(event)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed privacy ledger: {exc}") from exc
+        return LedgerEntry(event, count, self.steps, raw["label"], raw["proven"], parameters)
 
     def to_json(self, path: str | os.PathLike[str], *, mode: int | None = None) -> None:
         """Write the ledger to ``path`` atomically (temp file in the same directory, fsync,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from clipless._argtypes import integer, number
+from clipless.allocation import allocation_names
 from clipless.audit._modes import AUDIT_MODES
 
 __all__ = ["add_audit_parser", "audit_command"]
@@ -74,7 +75,7 @@ def add_audit_parser(sub: Any) -> None:
         action="store_true",
         help="required with --mode batch-max (a mode without a DP proof)",
     )
-    p.add_argument("--noise", choices=("global", "per-layer"), default="global", help="noise")
+    p.add_argument("--noise", choices=allocation_names(), default="global", help="noise")
     p.add_argument(
         "--sigma",
         type=number("a number in [0.001, 1e6)", 1e-3, 1e6, open_low=False),

@@ -311,11 +311,13 @@ def audit_gradient_canaries(
         target_epsilon=float(epsilon),
         target_delta=float(delta),
         steps=steps,
-        sample_rate=1.0,
-        constraint="orthogonal",
-        scaling=mode,
-        noise=noise,
-        thresholds={p: _RADIUS / 2.0 for p in ("1", "3", "5")} if mode == "threshold" else None,
+        mechanism=clipless.MechanismSpec(
+            sample_rate=1.0,
+            constraint="orthogonal",
+            scaling=mode,
+            noise=noise,
+            thresholds={p: _RADIUS / 2.0 for p in ("1", "3", "5")} if mode == "threshold" else None,
+        ),
     )
     plan, clean = _clean_sum(opt, model, loss, x0, y0)
     if any(len(group) != 1 for group in plan.groups):

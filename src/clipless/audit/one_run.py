@@ -207,7 +207,7 @@ def audit_one_run(
         target_epsilon=epsilon,
         target_delta=delta,
         epochs=epochs,
-        constraint="orthogonal",
+        mechanism=clipless.MechanismSpec(constraint="orthogonal"),
     )
     with torch.random.fork_rng(devices=[]):  # the loader's base seed draws from the global RNG
         result = fit(

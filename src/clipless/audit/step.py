@@ -353,12 +353,14 @@ def audit_step(
         data_loader=DataLoader(TensorDataset(x0, y0), batch_size=records),
         loss=loss,
         noise_multiplier=float(noise_multiplier),
-        sample_rate=1.0,
-        constraint="orthogonal",
-        scaling=mode,
-        noise=noise,
-        thresholds=thresholds,
-        allow_unproven=allow_unproven,
+        mechanism=clipless.MechanismSpec(
+            sample_rate=1.0,
+            constraint="orthogonal",
+            scaling=mode,
+            noise=noise,
+            thresholds=thresholds,
+            allow_unproven=allow_unproven,
+        ),
     )
     x_c, y_c = _canary(model, float(radius), gen)
     plan0, sums0 = _clean_sum(opt, model, loss, x0, y0)

@@ -36,7 +36,8 @@ loop cannot void the guarantee. One step:
    weights of every parametric layer (noised or frozen) have not been changed since the forward
    pass. When every row's cotangent is at most ``L / B`` (a mean-reduced loss: its gradients are
    ``B`` times too small, and the run trains at chance) it raises before the first step (unless
-   ``make_private(..., allow_mean_reduced_loss=True)``) and warns once after it.
+   ``make_private(..., options=RunOptions(allow_mean_reduced_loss=True))``) and warns once
+   after it.
 3. :meth:`DPOptimizer.step` refuses a step that is not one private gradient: two backward passes
    through the model since the last step (gradient accumulation: one sample could contribute
    twice), gradients that did not come only from the one guarded backward pass (hooks on every
@@ -881,8 +882,8 @@ class ContractGuard:
             # before the first step only a mean-reduced loss gets there: it would train at chance
             if self.ledger.steps == 0 and not self.allow_mean_reduced_loss:
                 failures.append(
-                    message + "; make_private(..., allow_mean_reduced_loss=True) makes this a "
-                    "warning"
+                    message + "; make_private(..., options=RunOptions("
+                    "allow_mean_reduced_loss=True)) makes this a warning"
                 )
                 continue
             self._mean_warning_given = True  # a converged model's gradients can be that small

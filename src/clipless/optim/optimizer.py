@@ -334,7 +334,7 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
             # run, or a hand-written resume from an older checkpoint, would forget it).
             self.ledger.check_overwrite(self.ledger_path)
             self._ledger_file_checked = self.ledger_path
-        self.ledger.record(plan.accounting_noise_multiplier, plan.sample_rate, proven=plan.proven)
+        self.ledger.record_event(plan.dp_event(), proven=plan.proven)
         if self.ledger_path is not None and writes:
             self.ledger.to_json(self.ledger_path)
 
