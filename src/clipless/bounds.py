@@ -12,8 +12,8 @@ The certified operator norms these bounds rest on live in :mod:`clipless.norms`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
@@ -398,6 +398,36 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     hidden inside a custom (non-``Sequential``, non-``Residual``) container is not reached:
     :func:`sensitivities` then raises.
     """
+    first, shape, lip_fn = _report_arguments(model, loss, input_shape)
+    x0 = float(first.max_norm)
+    trace = _trace_forward(model, shape, first)
+    output = trace.output
+    assert isinstance(output, torch.Tensor)  # _trace_forward refused anything else
+    num_logits = max(1, math.prod(int(d) for d in output.shape[1:]))
+    loss_lip = float(lip_fn(num_logits))
+    if not (math.isfinite(loss_lip) and loss_lip >= 0.0):
+        raise ValueError(f"loss.lipschitz({num_logits}) returned {loss_lip!r}")
+    walker = _Walker(trace.shapes, first)
+    walker.forward(model, "", x0)
+    walker.backward(model, "", loss_lip)
+    # The walk follows the containers' children lists: the model that runs must be the one it
+    # certifies (call counts, container forwards, one row per sample, leaves without parameters).
+    _check_structure(model, walker, trace.calls, trace.rows, trace.inputs, int(output.shape[0]))
+    return BoundReport(
+        input_bound=x0,
+        loss_lipschitz=loss_lip,
+        num_logits=num_logits,
+        layers=_layer_bounds(model, walker),
+        model_lipschitz=walker.lipschitz(model),
+        output_shape=tuple(int(d) for d in output.shape[1:]),
+    )
+
+
+def _report_arguments(
+    model: torch.nn.Module, loss: object, input_shape: tuple[int, ...] | int
+) -> tuple[cnn.InputNorm, tuple[int, ...], Callable[[int], float]]:
+    """:func:`report`'s arguments checked: the leading ``InputNorm``, the sample shape and the
+    loss's ``lipschitz``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cnn.validate(model)
@@ -420,33 +450,49 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
             "the model must start with a clipless.nn.InputNorm (its max_norm is the certified "
             f"input bound X_0); its first layer is {type(first).__name__}"
         )
-    x0 = float(first.max_norm)
+    return first, shape, lip_fn
 
-    shapes: dict[int, tuple[int, ...]] = {}
-    reused: dict[int, set[tuple[int, ...]]] = {}
-    calls: dict[int, int] = {}
-    rows: dict[int, int] = {}
-    inputs: dict[int, tuple[object, ...]] = {}
 
-    def hook(module: torch.nn.Module, args: tuple[object, ...]) -> None:
-        calls[id(module)] = calls.get(id(module), 0) + 1
-        inputs.setdefault(id(module), args)
+@dataclass
+class _Trace:
+    """What the no-grad forward of a zero input recorded, per module id."""
+
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    reused: dict[int, set[tuple[int, ...]]] = field(default_factory=dict)
+    calls: dict[int, int] = field(default_factory=dict)
+    rows: dict[int, int] = field(default_factory=dict)
+    inputs: dict[int, tuple[object, ...]] = field(default_factory=dict)
+    output: object = None
+
+    def hook(self, module: torch.nn.Module, args: tuple[object, ...]) -> None:
+        key = id(module)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.inputs.setdefault(key, args)
         if args and isinstance(args[0], torch.Tensor):
             leading = int(args[0].shape[0]) if args[0].dim() else 0
             if leading != _ROWS:
-                rows.setdefault(id(module), leading)  # the first use that breaks the rule
+                self.rows.setdefault(key, leading)  # the first use that breaks the rule
             new = tuple(int(d) for d in args[0].shape[1:])
-            old = shapes.setdefault(id(module), new)
+            old = self.shapes.setdefault(key, new)
             # modules whose bounds depend on the input size (Conv2d's operator norm and k_eff,
             # Sigmoid's and GroupNorm's sample_numel) are certified for ONE size
             if old != new and (isinstance(module, cnn.Conv2d) or hasattr(module, "sample_numel")):
-                reused.setdefault(id(module), {old}).add(new)
+                self.reused.setdefault(key, {old}).add(new)
 
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
+
+def _trace_forward(
+    model: torch.nn.Module, shape: tuple[int, ...], first: torch.nn.Module
+) -> _Trace:
+    """Run the model once on a zero input under no grad, recording every module's input shape
+    and uses (forward pre-hooks), and refuse what the bounds cannot cover: buffers written by
+    the forward, a size-dependent module used at two sizes, the leading ``InputNorm`` reused,
+    an output that is not ``[batch, ...]``."""
+    trace = _Trace()
+    handles = [m.register_forward_pre_hook(trace.hook) for m in model.modules()]
     buffers = _buffer_state(model)
     try:
         with torch.no_grad():
-            output = model(_zero_input(model, shape))
+            trace.output = model(_zero_input(model, shape))
     finally:
         for handle in handles:
             handle.remove()
@@ -457,9 +503,9 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
             "from the batch (running statistics) is private data released without noise; use "
             "modules whose training forward leaves their buffers alone"
         )
-    if reused:
+    if trace.reused:
         paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-        key, sizes = next(iter(reused.items()))
+        key, sizes = next(iter(trace.reused.items()))
         kind = type(next(m for m in model.modules() if id(m) == key)).__name__
         raise ValueError(
             f"{kind} {paths.get(key, '?')!r} is applied to inputs of {len(sizes)} shapes "
@@ -467,27 +513,21 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
             f"certified for one size; use one {kind} per size (Conv2d layers may share their "
             "weight: tied weights add their bounds)"
         )
-    if calls.get(id(first), 0) > 1:
+    if trace.calls.get(id(first), 0) > 1:
         raise ValueError(
             "the model's leading InputNorm is applied more than once: only its first use is "
             "certified as the input projection (its later uses are not 1-Lipschitz); use "
             "another InputNorm instance where the model normalises again"
         )
-    if not isinstance(output, torch.Tensor) or output.dim() < 1:
+    if not isinstance(trace.output, torch.Tensor) or trace.output.dim() < 1:
         raise ValueError("the model must return a tensor of shape [batch, ...]")
-    num_logits = max(1, math.prod(int(d) for d in output.shape[1:]))
-    loss_lip = float(lip_fn(num_logits))
-    if not (math.isfinite(loss_lip) and loss_lip >= 0.0):
-        raise ValueError(f"loss.lipschitz({num_logits}) returned {loss_lip!r}")
+    return trace
 
+
+def _layer_bounds(model: torch.nn.Module, walker: _Walker) -> tuple[LayerBound, ...]:
+    """Each parametric layer's bounds from the walk, in forward order, its gradient bounds keyed
+    by the model's parameter names."""
     names = {id(p): name for name, p in model.named_parameters()}
-    walker = _Walker(shapes, first)
-    walker.forward(model, "", x0)
-    walker.backward(model, "", loss_lip)
-    # The walk follows the containers' children lists: the model that runs must be the one it
-    # certifies (call counts, container forwards, one row per sample, leaves without parameters).
-    _check_structure(model, walker, calls, rows, inputs, int(output.shape[0]))
-
     layers: list[LayerBound] = []
     for path, module, x_bound, g_bound in reversed(walker.entries):
         assert isinstance(module, cnn.ParametricLipschitzModule)
@@ -510,14 +550,7 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
                 gradient_bounds=MappingProxyType(full),
             )
         )
-    return BoundReport(
-        input_bound=x0,
-        loss_lipschitz=loss_lip,
-        num_logits=num_logits,
-        layers=tuple(layers),
-        model_lipschitz=walker.lipschitz(model),
-        output_shape=tuple(int(d) for d in output.shape[1:]),
-    )
+    return tuple(layers)
 
 
 def sensitivities(
