@@ -298,69 +298,13 @@ def audit_step(
     ``records`` the size of ``D``; ``radius`` the ``InputNorm`` radius. ``seed`` makes the model,
     the canary and the noise reproducible (default: fresh randomness).
     """
-    import clipless
-    from clipless import nn
-    from clipless.optim import draw_noise
-
-    if mode not in AUDIT_MODES:
-        raise ValueError(f"mode must be one of {AUDIT_MODES}; got {mode!r}")
-    if mode == "batch-max" and not allow_unproven:
-        raise ValueError(
-            "mode 'batch-max' is not differentially private; pass allow_unproven=True to audit it "
-            "(the audit shows that its claimed epsilon is false)"
-        )
-    _check_int("trials", trials, 20)
-    _check_int("steps", steps, 1)
-    _check_int("records", records, 1)
+    _check_audit_arguments(
+        mode, trials, steps, records, noise_multiplier, radius, allow_unproven, seed
+    )
     delta = _check_open_unit("delta", delta)
     confidence = _check_open_unit("confidence", confidence)
-    for name, value in (("noise_multiplier", noise_multiplier), ("radius", radius)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a number; got {type(value).__name__}")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"seed must be an integer >= 0 or None; got {seed!r}")
-
-    from clipless.audit._seeds import independent_seeds
-
-    # the canary, the model and the noise from independent streams (module docstring)
-    if seed is not None:
-        canary_seed, model_seed, noise_seed = independent_seeds(seed, 3)
-    else:
-        canary_seed, model_seed = independent_seeds(secrets.randbits(62), 2)
-        noise_seed = None  # the engine's CSPRNG
-    gen = torch.Generator()
-    gen.manual_seed(canary_seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(model_seed)
-        model = _model(float(radius)).double()
-    loss = nn.CrossEntropyLoss(reduction="sum")
-    # D: `records` copies of one small-norm record (their batch maximum is small).
-    small = torch.randn(1, _DIM, generator=gen, dtype=torch.float64)
-    small = 0.05 * radius * small / small.norm()
-    x0 = small.repeat(records, 1)
-    y0 = torch.zeros(records, dtype=torch.long)
-    thresholds = None
-    if mode == "threshold":
-        thresholds = {path: radius / 2.0 for path in ("1", "3", "5")}
-    with warnings.catch_warnings():  # the audit's own seeded engine: an experiment, no release
-        warnings.filterwarnings("ignore", message=r"PrivacyEngine\(seed=")
-        engine = clipless.PrivacyEngine(seed=noise_seed)
-    model, opt, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(TensorDataset(x0, y0), batch_size=records),
-        loss=loss,
-        noise_multiplier=float(noise_multiplier),
-        mechanism=clipless.MechanismSpec(
-            sample_rate=1.0,
-            constraint="orthogonal",
-            scaling=mode,
-            noise=noise,
-            thresholds=thresholds,
-            allow_unproven=allow_unproven,
-        ),
+    engine, opt, model, loss, gen, (x0, y0) = _audit_setup(
+        mode, noise, float(noise_multiplier), records, float(radius), allow_unproven, seed
     )
     x_c, y_c = _canary(model, float(radius), gen)
     plan0, sums0 = _clean_sum(opt, model, loss, x0, y0)
@@ -372,32 +316,13 @@ def audit_step(
     plan = plan0
     scale = float(plan.expected_batch_size)
     names = list(plan.names)
-    means0 = {n: sums0[n] / scale for n in names}
     diff = {n: (sums1[n] - sums0[n]) / scale for n in names}
-    var = {n: (plan.stds[n] / scale) ** 2 for n in names}
-    w = {n: diff[n] / var[n] for n in names}
+    w = {n: diff[n] / (plan.stds[n] / scale) ** 2 for n in names}
     mahalanobis = math.sqrt(sum(float((diff[n] * w[n]).sum()) for n in names))
     sensitivity_ratio = mahalanobis * float(plan.effective_noise_multiplier)
-
-    shapes = {n: tuple(sums0[n].shape) for n in names}
-    dtype = sums0[names[0]].dtype
-
-    def scores(sums: Mapping[str, torch.Tensor]) -> NDArray[np.float64]:
-        out = np.zeros(trials, dtype=np.float64)
-        block = max(1, 8192 // steps)
-        for start in range(0, trials, block):
-            k = min(block, trials - start)
-            total = torch.zeros(k, dtype=torch.float64)
-            for n in names:
-                noise_draws = draw_noise(plan, n, (k * steps, *shapes[n]), opt.generator, dtype)
-                released = (sums[n] + noise_draws) / plan.expected_batch_size
-                centred = (released - means0[n]).reshape(k, steps, -1)
-                total += (centred * w[n].reshape(1, 1, -1)).sum(dim=(1, 2)).double()
-            out[start : start + k] = total.numpy()
-        return out
-
-    s0 = scores(sums0)
-    s1 = scores(sums1)
+    means0 = {n: sums0[n] / scale for n in names}
+    s0 = _scores(plan, opt.generator, sums0, means0, w, trials, steps)
+    s1 = _scores(plan, opt.generator, sums1, means0, w, trials, steps)
     test = epsilon_lower_bound(s0, s1, delta, confidence)
     gaussian = gaussian_epsilon_lower_bound(s0, s1, delta, confidence)
     claimed = engine.privacy_config.epsilon(delta, steps=steps)
@@ -416,3 +341,119 @@ def audit_step(
         scores_with=s1,
         gaussian=gaussian,
     )
+
+
+def _check_audit_arguments(
+    mode: str,
+    trials: int,
+    steps: int,
+    records: int,
+    noise_multiplier: float,
+    radius: float,
+    allow_unproven: bool,
+    seed: int | None,
+) -> None:
+    """:func:`audit_step`'s arguments, each refused with its name and what is accepted."""
+    if mode not in AUDIT_MODES:
+        raise ValueError(f"mode must be one of {AUDIT_MODES}; got {mode!r}")
+    if mode == "batch-max" and not allow_unproven:
+        raise ValueError(
+            "mode 'batch-max' is not differentially private; pass allow_unproven=True to audit it "
+            "(the audit shows that its claimed epsilon is false)"
+        )
+    _check_int("trials", trials, 20)
+    _check_int("steps", steps, 1)
+    _check_int("records", records, 1)
+    for name, value in (("noise_multiplier", noise_multiplier), ("radius", radius)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number; got {type(value).__name__}")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be an integer >= 0 or None; got {seed!r}")
+
+
+def _audit_setup(
+    mode: str,
+    noise: str,
+    noise_multiplier: float,
+    records: int,
+    radius: float,
+    allow_unproven: bool,
+    seed: int | None,
+) -> tuple[Any, Any, torch.nn.Module, torch.nn.Module, torch.Generator, tuple[torch.Tensor, ...]]:
+    """``(engine, optimizer, model, loss, canary generator, (x0, y0))``: the private model
+    trained on ``D`` (``records`` copies of one small-norm record, so their batch maximum is
+    small), with the canary, the model and the noise from independent streams (module
+    docstring)."""
+    import clipless
+    from clipless import nn
+    from clipless.audit._seeds import independent_seeds
+
+    if seed is not None:
+        canary_seed, model_seed, noise_seed = independent_seeds(seed, 3)
+    else:
+        canary_seed, model_seed = independent_seeds(secrets.randbits(62), 2)
+        noise_seed = None  # the engine's CSPRNG
+    gen = torch.Generator()
+    gen.manual_seed(canary_seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(model_seed)
+        model = _model(radius).double()
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    small = torch.randn(1, _DIM, generator=gen, dtype=torch.float64)
+    small = 0.05 * radius * small / small.norm()
+    x0 = small.repeat(records, 1)
+    y0 = torch.zeros(records, dtype=torch.long)
+    thresholds = None
+    if mode == "threshold":
+        thresholds = {path: radius / 2.0 for path in ("1", "3", "5")}
+    with warnings.catch_warnings():  # the audit's own seeded engine: an experiment, no release
+        warnings.filterwarnings("ignore", message=r"PrivacyEngine\(seed=")
+        engine = clipless.PrivacyEngine(seed=noise_seed)
+    model, opt, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(x0, y0), batch_size=records),
+        loss=loss,
+        noise_multiplier=noise_multiplier,
+        mechanism=clipless.MechanismSpec(
+            sample_rate=1.0,
+            constraint="orthogonal",
+            scaling=mode,
+            noise=noise,
+            thresholds=thresholds,
+            allow_unproven=allow_unproven,
+        ),
+    )
+    return engine, opt, model, loss, gen, (x0, y0)
+
+
+def _scores(
+    plan: Any,
+    generator: torch.Generator,
+    sums: Mapping[str, torch.Tensor],
+    means0: Mapping[str, torch.Tensor],
+    w: Mapping[str, torch.Tensor],
+    trials: int,
+    steps: int,
+) -> NDArray[np.float64]:
+    """The likelihood-ratio score of ``trials`` simulated releases of ``sums`` (``steps`` noisy
+    copies each), in blocks of about 8,192 draws."""
+    from clipless.optim import draw_noise
+
+    names = list(plan.names)
+    dtype = sums[names[0]].dtype
+    out = np.zeros(trials, dtype=np.float64)
+    block = max(1, 8192 // steps)
+    for start in range(0, trials, block):
+        k = min(block, trials - start)
+        total = torch.zeros(k, dtype=torch.float64)
+        for n in names:
+            shape = (k * steps, *sums[n].shape)
+            noise_draws = draw_noise(plan, n, shape, generator, dtype)
+            released = (sums[n] + noise_draws) / plan.expected_batch_size
+            centred = (released - means0[n]).reshape(k, steps, -1)
+            total += (centred * w[n].reshape(1, 1, -1)).sum(dim=(1, 2)).double()
+        out[start : start + k] = total.numpy()
+    return out
