@@ -513,6 +513,7 @@ def run_opacus(
         "epsilon": engine.get_epsilon(delta),
         "sigma": opt.noise_multiplier,
         "time_s": time.perf_counter() - start,
+        "model": model,  # Opacus's GradSampleModule (for benchmarks/robust_twins.py)
     }
 
 

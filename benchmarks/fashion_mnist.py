@@ -165,10 +165,13 @@ def train_opacus(
     lr: float,
     max_grad_norm: float,
     temperature: float,
+    initial: torch.nn.Module | None = None,
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``initial``: the clipless model whose plain twin Opacus trains (default: ``arch``'s
+    :func:`initial_model`, ``InputNorm`` radius 1)."""
     from opacus import PrivacyEngine as OpacusEngine
 
-    plain = nn.vanilla_export(initial_model(arch, seed))
+    plain = nn.vanilla_export(initial if initial is not None else initial_model(arch, seed))
     opt = torch.optim.SGD(plain.parameters(), lr=lr)
     engine = OpacusEngine(accountant="prv")
     torch.manual_seed(seed)

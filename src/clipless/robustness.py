@@ -72,6 +72,7 @@ __all__ = [
     "RobustAccuracy",
     "certified_accuracy",
     "certify",
+    "empirical_accuracy",
     "lipschitz_summary",
     "pgd_l2",
 ]
@@ -542,3 +543,42 @@ def pgd_l2(
         with torch.no_grad():
             best = torch.minimum(best, _margin(model(x + delta).reshape(len(x), -1), cls))
     return best
+
+
+def empirical_accuracy(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    radii: Sequence[float],
+    *,
+    steps: int = 40,
+    restarts: int = 3,
+    seed: int = 0,
+) -> tuple[float, ...]:
+    """Empirical robust accuracy under :func:`pgd_l2` at each of ``radii`` (L2, inputs' space).
+
+    The fraction of samples correctly classified (margin ``z_y - max_{j != y} z_j > 0``; one
+    logit: ``z`` signed towards ``y``) whose margin :func:`pgd_l2` cannot make ``<= 0`` within the
+    radius; radius 0 gives the clean accuracy. An *upper* bound on the true robust accuracy (the
+    attack may miss an adversarial point), where :func:`certified_accuracy` gives a lower bound;
+    it needs no certificate, so it measures any model returning logits (an Opacus-trained twin
+    too). The model is used as it is: call ``model.eval()`` first if it has a training mode.
+    """
+    if isinstance(radii, (str, bytes)) or not isinstance(radii, Sequence):
+        raise ValueError(f"radii must be a sequence of numbers >= 0; got {radii!r}")
+    checked = tuple(_radius(r) for r in radii)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2 or len(x) == 0:
+        raise ValueError("x must be a non-empty floating tensor of samples [n, ...]")
+    if not isinstance(y, torch.Tensor) or y.reshape(-1).shape[0] != len(x):
+        raise ValueError(f"y must be a tensor of {len(x)} labels (one per sample of x)")
+    labels = y.reshape(-1).to(device=x.device, dtype=torch.int64)
+    with torch.no_grad():
+        correct = _margin(model(x).reshape(len(x), -1), labels) > 0
+    out = []
+    for r in checked:
+        if r == 0:
+            out.append(float(correct.double().mean()))
+            continue
+        worst = pgd_l2(model, x, labels, r, steps=steps, restarts=restarts, seed=seed)
+        out.append(float((correct & (worst > 0)).double().mean()))
+    return tuple(out)

@@ -1,0 +1,239 @@
+"""Robustness of clipless models and their Opacus-trained twins at the same epsilon.
+
+For each seed, a clipless model and an Opacus DP-SGD model are trained on the same data at the
+same (epsilon, delta), each library with its own accountant and Poisson sampling, and on the test
+set each is given:
+
+* its clean accuracy (the whole test set);
+* the certified robust accuracy at each L2 radius (clipless only, whole test set:
+  :func:`clipless.robustness.certified_accuracy`, a lower bound on the true robust accuracy; an
+  Opacus model has no certified constant);
+* the empirical robust accuracy under the same PGD attack (both, the first ``--pgd-samples`` test
+  samples: :func:`clipless.robustness.empirical_accuracy`, L2, 40 steps, 3 restarts; an upper
+  bound). The clipless model's certified accuracy on those same samples is printed beside it.
+
+Pairs (``--pair``), each side in the setting its own harness chose (no new tuning):
+
+* ``adult linear``: the CLI's Adult setting (linear, ``public-bins-fine`` features, Adam,
+  temperature 0.1, loss-gradient clip 0.3, EMA 0.9, batch n/16) against Opacus's chosen linear
+  trial (SGD lr 2, clip 1, batch 1024, 30 epochs): :mod:`benchmarks.adult`, RESULTS.md 24a.
+* ``adult mlp``: :mod:`benchmarks.adult`'s default MLPs (one hidden layer of 64; clipless
+  orthogonal, GroupSort, SGD 0.02, batch 128; Opacus ReLU, SGD lr 2, clip 1, batch 1024), the
+  loader's default 104 features, 30 epochs.
+* ``fashion-mnist gnp``: ``clipless train --model gnp --hidden 4,16`` on raw pixels (the CLI's
+  defaults: ``InputNorm`` radius 7, Adam 0.01, temperature 0.1, EMA 0.9, batch 2048) against the
+  plain twin of the same architecture (:func:`clipless.nn.vanilla_export`: the same ball
+  projection, GroupSort and 2x2 stride-2 convolutions without the constraint) trained by
+  :func:`benchmarks.fashion_mnist.train_opacus` (ghost clipping, SGD lr 4, clip 1, logits / T with
+  T = 1/8, batch 2048), the same number of epochs.
+
+Radii are in the space the models read: Adult's public per-record transform (a changed category
+moves the input by sqrt(2)), Fashion-MNIST's pixels in [0, 1]. Opacus is optional: without it the
+script says so and exits.
+
+Usage (``benchmarks/RESULTS.md`` section 40)::
+
+    PYTHONPATH=src python benchmarks/robust_twins.py --dataset adult --pair linear --seeds 0,1,2
+    CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
+        --dataset fashion-mnist --pair gnp --seeds 1,2,3 --epochs 5 --pgd-samples 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import adult
+import fashion_mnist
+import robustness
+
+from clipless import models
+from clipless.cli import load_trained_model
+from clipless.data import load_dataset
+from clipless.robustness import certified_accuracy, empirical_accuracy
+
+RADII = {"adult": [0.1, 0.25, 0.5, 1.0], "fashion-mnist": [0.1, 0.25, 0.5, 1.0]}
+
+# the chosen settings of benchmarks/adult.py (RESULTS.md 24a for linear; the harness defaults
+# for mlp)
+ADULT_PAIRS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "linear": (
+        {
+            "preprocessing": "public-bins-fine",
+            "hidden": (),
+            "bias": True,
+            "constraint": None,
+            "optimizer": "adam",
+            "lr": 0.003,
+            "temperature": 0.1,
+            "clip": 0.3,
+            "ema": 0.9,
+            "batch": 2035,
+            "ratios": False,
+        },
+        {"preprocessing": "public-bins-fine", "hidden": ()},
+    ),
+    "mlp": ({"ratios": False}, {}),
+}
+# Opacus's twin of the GNP ConvNet (fashion_mnist.OPACUS_GRID's lr 4 / T 1/8, at the CLI's batch)
+OPACUS_GNP = {"lr": 4.0, "max_grad_norm": 1.0, "temperature": 1 / 8}
+GNP_WIDTHS = (4, 16)
+GNP_RADIUS = 7.0  # the CLI's public InputNorm radius on 784 pixels: sqrt(784) / 4
+GNP_BATCH = 2048  # the CLI's expected batch size on 60,000 images
+
+
+def _require_opacus() -> None:
+    if importlib.util.find_spec("opacus") is None:
+        raise SystemExit(
+            "robust_twins.py needs Opacus for the twins (pip install 'opacus>=1.6'); it is not "
+            "installed in this environment"
+        )
+
+
+def _plain(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside Opacus's ``GradSampleModule``, its per-sample hooks removed (the
+    attack's backward passes would otherwise feed them); a clipless model as it is."""
+    to_standard = getattr(model, "to_standard_module", None)
+    return model if to_standard is None else to_standard()
+
+
+def _measure(
+    model: torch.nn.Module,
+    test: TensorDataset,
+    radii: list[float],
+    samples: int,
+    certify: bool,
+) -> dict[str, Any]:
+    """Clean accuracy, certified accuracy (all samples, and the attacked ones) and PGD accuracy."""
+    model = model.double().eval()
+    x, y = test.tensors[0].double(), test.tensors[1]
+    xs, ys = x[:samples], y[:samples]
+    row: dict[str, Any] = {"clean": empirical_accuracy(model, x, y, [0.0])[0]}
+    if certify:
+        row["certified"] = list(certified_accuracy(model, x, y, radii).certified)
+        row["certified_attacked"] = list(certified_accuracy(model, xs, ys, radii).certified)
+    row["pgd"] = list(empirical_accuracy(model, xs, ys, radii))
+    return row
+
+
+def _adult(pair: str, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    ours, theirs = ADULT_PAIRS[pair]
+    data = adult.load("adult", "none", ours.get("preprocessing"))
+    rows = []
+    for side, runner, base, overrides in (
+        ("clipless", adult.run_clipless, adult.CLIPLESS_DEFAULTS, ours),
+        ("opacus", adult.run_opacus, adult.OPACUS_DEFAULTS, theirs),
+    ):
+        cfg = {**base, **overrides, "epsilon": args.epsilon}
+        if args.epochs is not None:
+            cfg["epochs"] = args.epochs
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = runner(cfg, seed, *data)
+        model = _plain(result["model"])
+        row = _measure(model, data[1], args.radii, args.pgd_samples, side == "clipless")
+        rows.append({"side": side, "seed": seed, "epsilon": result["epsilon"], **row})
+        rows[-1]["time_s"] = time.perf_counter() - start
+    return rows
+
+
+def _fashion_gnp(seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    epochs = args.epochs or 5
+    rows = []
+    _, test, _ = load_dataset("fashion-mnist", download=False)
+    start = time.perf_counter()
+    robustness.HIDDEN["gnp"] = ",".join(str(w) for w in GNP_WIDTHS)
+    with tempfile.TemporaryDirectory() as tmp:
+        robustness._train(Path(tmp), "fashion-mnist", "gnp", args.epsilon, seed, epochs)
+        spent = json.loads((Path(tmp) / "metrics.json").read_text())["epsilon"]
+        model = load_trained_model(Path(tmp) / "model.pt")
+    row = _measure(model, test, args.radii, args.pgd_samples, certify=True)
+    rows.append({"side": "clipless", "seed": seed, "epsilon": spent, **row})
+    rows[-1]["time_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    train, _, _ = fashion_mnist.load_data(0)
+    torch.manual_seed(seed)
+    initial = models.gnp_convnet((1, 28, 28), GNP_WIDTHS, 10, input_norm=GNP_RADIUS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin, info = fashion_mnist.train_opacus(
+            "gnp", train, args.epsilon, 1e-5, epochs, GNP_BATCH, seed, initial=initial, **OPACUS_GNP
+        )
+    twin = _plain(twin)
+    row = _measure(twin, test, args.radii, args.pgd_samples, certify=False)
+    rows.append({"side": "opacus", "seed": seed, "epsilon": info["epsilon_spent"], **row})
+    rows[-1]["time_s"] = time.perf_counter() - start
+    return rows
+
+
+def _cell(group: list[dict[str, Any]], key: str, i: int) -> str:
+    if key not in group[0]:
+        return "—"
+    return f"{100 * statistics.median(g[key][i] for g in group):.1f}%"
+
+
+def _table(rows: list[dict[str, Any]], radii: list[float]) -> str:
+    """Medians over the seeds: certified (all) / certified (attacked) / PGD per radius."""
+    head = "| side | epsilon | clean | " + " | ".join(
+        f"r = {r:g}: certified / certified (attacked) / PGD" for r in radii
+    )
+    lines = [head + " |", "|---" * (3 + len(radii)) + "|"]
+    for side in ("clipless", "opacus"):
+        group = [row for row in rows if row["side"] == side]
+        if not group:
+            continue
+        cells = [
+            " / ".join(_cell(group, key, i) for key in ("certified", "certified_attacked", "pgd"))
+            for i in range(len(radii))
+        ]
+        eps = statistics.median(g["epsilon"] for g in group)
+        clean = 100 * statistics.median(g["clean"] for g in group)
+        lines.append(f"| {side} | {eps:.3f} | {clean:.2f}% | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dataset", choices=("adult", "fashion-mnist"), default="adult")
+    parser.add_argument("--pair", default=None, help="adult: linear | mlp; fashion-mnist: gnp")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--epochs", type=int, default=None, help="default: each harness's")
+    parser.add_argument(
+        "--epsilon", type=float, default=None, help="default: adult 0.414 (delta 1/n), else 3"
+    )
+    parser.add_argument("--pgd-samples", type=int, default=1000)
+    parser.add_argument("--radii", default=None, help="comma-separated L2 radii")
+    args = parser.parse_args()
+    pairs = {"adult": ("linear", "mlp"), "fashion-mnist": ("gnp",)}[args.dataset]
+    args.pair = args.pair or pairs[0]
+    if args.pair not in pairs:
+        raise SystemExit(f"--pair must be one of {pairs} for {args.dataset}; got {args.pair!r}")
+    args.radii = [float(r) for r in args.radii.split(",")] if args.radii else RADII[args.dataset]
+    if args.epsilon is None and args.dataset != "adult":
+        args.epsilon = 3.0
+    _require_opacus()
+    torch.set_num_threads(1)
+    rows = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        new = _adult(args.pair, seed, args) if args.dataset == "adult" else _fashion_gnp(seed, args)
+        for row in new:
+            print(json.dumps(row), flush=True)
+        rows += new
+    print(_table(rows, args.radii))
+
+
+if __name__ == "__main__":
+    main()
