@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 from scipy import stats as _stats
 
 __all__ = ["OneRunAudit", "audit_one_run", "one_run_epsilon_lower_bound", "one_run_p_value"]
@@ -149,47 +150,15 @@ def audit_one_run(
     from clipless.training import fit
 
     xa, ya = np.asarray(x), np.asarray(y)
-    if xa.ndim != 2 or ya.shape != (xa.shape[0],) or xa.shape[0] < 1:
-        raise ValueError(
-            f"x must be [n, d] with n >= 1 and y [n]; got {tuple(xa.shape)}, {tuple(ya.shape)}"
-        )
-    if not np.issubdtype(xa.dtype, np.number) or not np.all(np.isfinite(xa)):
-        raise ValueError("x must hold finite numbers")
-    if not (np.issubdtype(ya.dtype, np.number) and np.all(ya == np.round(ya)) and ya.min() >= 0):
-        raise ValueError("y must hold integer class labels >= 0")
-    for name, value, low in (("canaries", canaries, 2), ("guesses", guesses, 2)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
-    if guesses > canaries or guesses % 2:
-        raise ValueError(f"guesses must be even and at most canaries; got {guesses}")
-    # checked before the run, not after it
-    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real):
-        raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
-    if not 0.0 < float(confidence) < 1.0:
-        raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
-        raise ValueError(f"delta must be a number in (0, 1); got {delta!r}")
-    if radius is not None and not (
-        isinstance(radius, numbers.Real)
-        and not isinstance(radius, bool)
-        and math.isfinite(radius)
-        and radius > 0
-    ):
-        raise ValueError(f"radius must be a finite number > 0 or None; got {radius!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0; got {seed!r}")
+    _check_one_run_arguments(xa, ya, canaries, guesses, confidence, delta, radius, seed)
     xt = torch.as_tensor(xa, dtype=torch.float32)
     yt = torch.as_tensor(ya.astype(np.int64), dtype=torch.long)
     classes = max(int(yt.max()) + 1, 2)
     canary_seed, model_seed, noise_seed = independent_seeds(seed, 3)
-    gen = torch.Generator().manual_seed(canary_seed)
     r0 = float(radius) if radius is not None else float(xt.norm(dim=1).max())
     if not r0 > 0:
         raise ValueError("radius: every row of x is zero; pass radius > 0")
-    direction = torch.randn(canaries, xt.shape[1], generator=gen)
-    cx = r0 * direction / direction.norm(dim=1, keepdim=True)
-    cy = torch.randint(0, classes, (canaries,), generator=gen)
-    included = torch.rand(canaries, generator=gen) < 0.5
+    cx, cy, included = _canaries(canaries, int(xt.shape[1]), classes, r0, canary_seed)
     train_x = torch.cat([xt, cx[included]])
     train_y = torch.cat([yt, cy[included]])
     with torch.random.fork_rng(devices=[]):
@@ -237,3 +206,57 @@ def audit_one_run(
         confidence=float(confidence),
         test_accuracy=accuracy,
     )
+
+
+def _check_one_run_arguments(
+    xa: NDArray[Any],
+    ya: NDArray[Any],
+    canaries: int,
+    guesses: int,
+    confidence: float,
+    delta: float,
+    radius: float | None,
+    seed: int,
+) -> None:
+    """:func:`audit_one_run`'s arguments, checked before the run (not after it)."""
+    if xa.ndim != 2 or ya.shape != (xa.shape[0],) or xa.shape[0] < 1:
+        raise ValueError(
+            f"x must be [n, d] with n >= 1 and y [n]; got {tuple(xa.shape)}, {tuple(ya.shape)}"
+        )
+    if not np.issubdtype(xa.dtype, np.number) or not np.all(np.isfinite(xa)):
+        raise ValueError("x must hold finite numbers")
+    if not (np.issubdtype(ya.dtype, np.number) and np.all(ya == np.round(ya)) and ya.min() >= 0):
+        raise ValueError("y must hold integer class labels >= 0")
+    for name, value, low in (("canaries", canaries, 2), ("guesses", guesses, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    if guesses > canaries or guesses % 2:
+        raise ValueError(f"guesses must be even and at most canaries; got {guesses}")
+    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real):
+        raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
+    if not 0.0 < float(confidence) < 1.0:
+        raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+        raise ValueError(f"delta must be a number in (0, 1); got {delta!r}")
+    if radius is not None and not (
+        isinstance(radius, numbers.Real)
+        and not isinstance(radius, bool)
+        and math.isfinite(radius)
+        and radius > 0
+    ):
+        raise ValueError(f"radius must be a finite number > 0 or None; got {radius!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0; got {seed!r}")
+
+
+def _canaries(count: int, dim: int, classes: int, radius: float, seed: int) -> tuple[Any, Any, Any]:
+    """``(x, y, included)``: ``count`` canaries on the sphere of ``radius`` with random labels,
+    each included in the training data with probability 1/2 (one generator, in this order)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.randn(count, dim, generator=gen)
+    cx = radius * direction / direction.norm(dim=1, keepdim=True)
+    cy = torch.randint(0, classes, (count,), generator=gen)
+    included = torch.rand(count, generator=gen) < 0.5
+    return cx, cy, included
