@@ -70,8 +70,8 @@ its clip and scaling; the largest excess measured over 288 end-to-end float32 co
 ``6.7e-8``, 3,600 times below it): an engineering allowance, not a proof. (b) The batch sum, the
 one operation that mixes rows, is covered by a proof (:func:`rounding_margin`), as a function of
 the dtype, the largest number of uses of one tensor, and a *public* bound on the batch size (the
-dataset size plus one, never the private batch): a review measured 1.000167 times the planned
-sensitivity at ``B = 8192`` in float32 with (a) alone. Half precision (float16 / bfloat16) is
+dataset size plus one, never the private batch): float32 sums alone exceeded the planned
+sensitivity (1.000167 times it at ``B = 8192``). Half precision (float16 / bfloat16) is
 refused because its rounding (measured excess ``1.4e-3`` in bfloat16, overflow in float16) is not
 covered.
 """

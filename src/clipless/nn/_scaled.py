@@ -21,7 +21,7 @@ float64 whatever the parameters' dtype, in chunks of at most :data:`SUM_CHUNK_TE
 coordinate, and rounded to the parameters' dtype once: the proof of the rounding margin
 (:func:`clipless.mechanism.rounding_margin`) relies on it. A float32 sum of ``B`` terms can be off
 by ``(B - 1) 2^-24`` times the sum of their magnitudes (up to ``B`` sensitivities), which no
-constant margin covers (a review measured 1.000167 times the planned sensitivity at ``B = 8192``).
+constant margin covers (1.000167 times the planned sensitivity was measured at ``B = 8192``).
 
 Modes (:func:`clipless.mechanism.thresholds_for` chooses ``T_k``):
 

@@ -394,8 +394,7 @@ class ContractGuard:
         The noise plan's rounding margin is that of the dtype the parameters had at
         ``make_private`` (:func:`clipless.mechanism.rounding_margin`); a later ``model.half()``
         or a forward under ``torch.autocast`` computes the gradient in a lower precision whose
-        rounding the margin does not cover (audit finding: a ``model.half()`` after
-        ``make_private`` stepped with the float32 margin)."""
+        rounding the margin does not cover."""
         devices = set()
         for p, name in self._names.items():
             if str(p.dtype).removeprefix("torch.") != self._dtype:
@@ -650,8 +649,8 @@ class ContractGuard:
     def _check_param_hooks(self, p: torch.nn.Parameter) -> None:
         """Refuse a tensor hook on a noised parameter that clipless did not place. Checked before
         every training forward and again in the backward pass (by the parameter's own hook, which
-        runs first): a hook registered between the forward and the backward, and removed before
-        the step, scaled the gradient 100 times unseen (audit, RESULTS.md section 30)."""
+        runs first): a hook registered between the forward and the backward and removed before
+        the step would otherwise scale the gradient unseen."""
         tensor_hooks = getattr(p, "_backward_hooks", None) or {}
         after = getattr(p, "_post_accumulate_grad_hooks", None) or {}
         if any(not isinstance(h, _GradHook) for h in tensor_hooks.values()) or any(
