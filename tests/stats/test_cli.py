@@ -276,3 +276,42 @@ def test_an_earlier_release_is_not_overwritten_and_bad_outputs_fail_first(
     ):
         assert run([*base, *argv]) == 2
         assert named in capsys.readouterr().err, argv
+
+
+def test_a_bad_cell_is_named_by_column_line_and_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN in the second named column is reported under that column's argument and header
+    name, at its data row and file line (a blank line in between shifts the line, not the row)."""
+    path = tmp_path / "d.csv"
+    path.write_text("id,score,label\na,0.1,1\n\nb,0.2,0\nc,nan,1\n")
+    out = str(tmp_path / "o")
+    argv = ["roc", str(path), "--score", "score", "--label", "label", "--epsilon", "1"]
+    assert run([*argv, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith(
+        f"--score: data row 3 is NaN (column 'score', line 5 of {str(path)!r})"
+    )
+    path.write_text("id,score,label\na,0.1,1\nb,0.2,maybe\n")
+    assert run([*argv, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "--label: data row 2 ('maybe') is not a binary label (column 'label', line 3" in err
+    assert "accepted: 1, true, yes, y, t (positive) or 0, false, no, n, f (negative)" in err
+
+
+@pytest.mark.parametrize(
+    ("yes", "no"),
+    [("1", "0"), ("TRUE", "false"), ("Yes", "no"), ("t", "F"), ("1.0", "0.0"), ("Y", "N")],
+)
+def test_every_label_spelling_that_help_lists_is_read(
+    tmp_path: Path, yes: str, no: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from clipless.stats.cli import LABEL_SPELLINGS, read_columns
+
+    help_text = " ".join(
+        parser()._subparsers._group_actions[0].choices["roc"].format_help().split()
+    )  # type: ignore[union-attr]
+    assert " ".join(f"column of binary labels: {LABEL_SPELLINGS}".split()) in help_text
+    path = write_csv(tmp_path / "l.csv", ["y"], [[yes], [no], [yes]])
+    (labels,) = read_columns(str(path), [("y", "--label", "label")])
+    assert labels.tolist() == [1, 0, 1]

@@ -12,7 +12,10 @@ Wiring (done in the main ``clipless`` command)::
 
 Each command returns an exit code: 0 on success, 2 on bad input (after a one-line message on
 stderr that names the offending argument, like argparse's own errors). The CSV is read with the
-standard :mod:`csv` module (first row = header). Error messages never echo data values.
+standard :mod:`csv` module (first row = header) by one function, :func:`read_columns`, which
+parses numbers and labels and names a bad cell by argument, data row, file line and column
+(pandas is not needed for one or two columns, and its ``read_csv`` turns ``NA``, ``null`` or an
+empty cell into NaN silently). Error messages never echo numbers from the data.
 
 The grid bounds are required arguments on purpose: they must be public, chosen without looking at
 the data (thesis section 6.3.1 takes them from the data, which leaks; see
@@ -30,7 +33,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -69,8 +72,13 @@ _NEIGHBOURING = {
     "add_remove": "add_remove",
     "add-remove": "add_remove",
 }
-_TRUE = {"1", "1.0", "true", "yes", "y", "t"}
-_FALSE = {"0", "0.0", "false", "no", "n", "f"}
+_TRUE = ("1", "true", "yes", "y", "t", "1.0")
+_FALSE = ("0", "false", "no", "n", "f", "0.0")
+#: The label spellings ``roc`` and ``hl`` accept; their ``--help`` says so.
+LABEL_SPELLINGS = (
+    f"{', '.join(_TRUE[:-1])} (positive) or {', '.join(_FALSE[:-1])} (negative), any case; "
+    f"also {_TRUE[-1]} and {_FALSE[-1]}"
+)
 
 
 class BadInputError(ValueError):
@@ -181,8 +189,7 @@ def add_roc_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--label",
         required=True,
-        help="column of binary labels: 1, true, yes, y, t (positive) or 0, false, no, n, f "
-        "(negative), any case",
+        help=f"column of binary labels: {LABEL_SPELLINGS}",
     )
     p.add_argument("--lower", default="0", help="public lower bound of the grid (default 0)")
     p.add_argument("--upper", default="1", help="public upper bound of the grid (default 1)")
@@ -228,8 +235,7 @@ def add_hl_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--label",
         required=True,
-        help="column of binary labels: 1, true, yes, y, t (positive) or 0, false, no, n, f "
-        "(negative), any case",
+        help=f"column of binary labels: {LABEL_SPELLINGS}",
     )
     p.add_argument("--groups", default="10", help="number of groups Q, 3 to 65536 (default 10)")
     p.add_argument(
@@ -375,14 +381,37 @@ def _out_dir(value: str, files: Sequence[str], force: bool) -> Path:
     return out
 
 
-def _read_columns(
-    path: str, columns: Sequence[tuple[str, str]], allow_empty: bool = False
-) -> list[list[str]]:
-    """The named columns of a CSV file; ``columns`` = ``(column name, argument name)``.
-    ``allow_empty``: a header without rows is a dataset too (add/remove: the size is private)."""
+Kind = Literal["number", "label"]
+
+
+def read_columns(
+    path: str, columns: Sequence[tuple[str, str, Kind]], allow_empty: bool = False
+) -> list[NDArray[Any]]:
+    """The named columns of a CSV file (header row first), each parsed as ``kind``: finite or
+    infinite floats (``"number"``; +-inf are clamped to the grid like other values outside it)
+    or 0/1 labels (``"label"``, :data:`LABEL_SPELLINGS`). ``columns`` holds ``(column name,
+    argument name, kind)``; blank lines are skipped. Every error names the argument, the data
+    row, the file line and the column (never the value of a number). ``allow_empty``: a header
+    without rows is a dataset too (add/remove: the size is private)."""
+    cells, lines = _read_cells(path, [(name, arg) for name, arg, _ in columns])
+    if not lines and not allow_empty:
+        raise BadInputError(
+            f"FILE.csv: {path!r} has a header but no data rows (an empty dataset is released "
+            "only under --neighbouring add_remove, where the size is private)"
+        )
+    return [
+        _parse(col, [f"column {name!r}, line {n} of {path!r}" for n in lines], arg, kind)
+        for col, (name, arg, kind) in zip(cells, columns, strict=True)
+    ]
+
+
+def _read_cells(path: str, columns: Sequence[tuple[str, str]]) -> tuple[list[list[str]], list[int]]:
+    """The raw cells of the named columns and the file line of each data row."""
     file = Path(path)
     if not file.is_file():
         raise BadInputError(f"FILE.csv: no such file: {path!r}")
+    out: list[list[str]] = [[] for _ in columns]
+    lines: list[int] = []
     try:
         with file.open(newline="", encoding="utf-8-sig") as fh:
             reader = csv.reader(fh)
@@ -397,49 +426,40 @@ def _read_columns(
                         f"{arg}: no column {name!r} in {path!r} (columns: {', '.join(header)})"
                     )
                 idx.append(header.index(name))
-            out: list[list[str]] = [[] for _ in columns]
-            for row_no, row in enumerate(reader, start=2):
+            for row in reader:
                 if not row or all(not c.strip() for c in row):
                     continue
+                lines.append(reader.line_num)
                 for k, (j, (_, arg)) in enumerate(zip(idx, columns, strict=True)):
                     if j >= len(row):
-                        raise BadInputError(f"{arg}: line {row_no} of {path!r} has no such field")
+                        raise BadInputError(
+                            f"{arg}: line {reader.line_num} of {path!r} has no such field"
+                        )
                     out[k].append(row[j].strip())
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise BadInputError(f"FILE.csv: cannot read {path!r}: {exc}") from None
-    if not out[0] and not allow_empty:
-        raise BadInputError(
-            f"FILE.csv: {path!r} has a header but no data rows (an empty dataset is released "
-            "only under --neighbouring add_remove, where the size is private)"
-        )
-    return out
+    return out, lines
 
 
-def _numbers(cells: list[str], arg: str) -> NDArray[np.float64]:
-    out = np.empty(len(cells))
+def _parse(cells: list[str], where: list[str], arg: str, kind: Kind) -> NDArray[Any]:
+    """``cells`` as floats or 0/1 labels; ``where[i]`` locates row ``i`` in the file."""
+    out = np.empty(len(cells), dtype=np.float64 if kind == "number" else np.int64)
     for i, cell in enumerate(cells):
+        if kind == "label":
+            c = cell.lower()
+            if c not in _TRUE and c not in _FALSE:
+                raise BadInputError(
+                    f"{arg}: data row {i + 1} ({cell!r}) is not a binary label "
+                    f"({where[i]}; accepted: {LABEL_SPELLINGS})"
+                )
+            out[i] = c in _TRUE
+            continue
         try:
             out[i] = float(cell)
         except ValueError:
-            raise BadInputError(f"{arg}: data row {i + 1} is not a number") from None
-        if math.isnan(out[i]):  # +-inf are clamped to the grid like other values outside it
-            raise BadInputError(f"{arg}: data row {i + 1} is NaN")
-    return out
-
-
-def _labels(cells: list[str], arg: str) -> NDArray[np.int64]:
-    out = np.empty(len(cells), dtype=np.int64)
-    for i, cell in enumerate(cells):
-        c = cell.lower()
-        if c in _TRUE:
-            out[i] = 1
-        elif c in _FALSE:
-            out[i] = 0
-        else:
-            raise BadInputError(
-                f"{arg}: data row {i + 1} ({cell!r}) is not a binary label (1/0, true/false, "
-                "yes/no, y/n, t/f)"
-            )
+            raise BadInputError(f"{arg}: data row {i + 1} is not a number ({where[i]})") from None
+        if math.isnan(out[i]):
+            raise BadInputError(f"{arg}: data row {i + 1} is NaN ({where[i]})")
     return out
 
 
@@ -511,8 +531,7 @@ def _ecdf(args: argparse.Namespace) -> int:
     mech, k = _mechanism(args)
     levels = _levels(args.quantiles)
     grid = _grid(args)
-    (cells,) = _read_columns(args.file, [(args.column, "--column")], nb == "add_remove")
-    values = _numbers(cells, "--column")
+    (values,) = read_columns(args.file, [(args.column, "--column", "number")], nb == "add_remove")
     out = _out_dir(args.out, ("ecdf.csv", "quantiles.csv", "ecdf.png"), args.force)
     released = ecdf(values, grid, eps, nb, smoothing, rng=rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
     _write_csv(
@@ -557,11 +576,11 @@ def _roc(args: argparse.Namespace) -> int:
     eps, nb, smoothing, rng = _options(args)
     mech, k = _mechanism(args)
     grid = _grid(args)
-    score_cells, label_cells = _read_columns(
-        args.file, [(args.score, "--score"), (args.label, "--label")], nb == "add_remove"
+    scores, labels = read_columns(
+        args.file,
+        [(args.score, "--score", "number"), (args.label, "--label", "label")],
+        nb == "add_remove",
     )
-    scores = _numbers(score_cells, "--score")
-    labels = _labels(label_cells, "--label")
     out = _out_dir(args.out, ("roc.csv", "roc.png"), args.force)
     curve = roc(scores, labels, grid, eps, nb, smoothing, rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
     _write_csv(
@@ -589,8 +608,7 @@ def _quantiles(args: argparse.Namespace) -> int:
     mech, k = _mechanism(args)
     levels = _levels(args.levels, "--levels")
     grid = _grid(args)
-    (cells,) = _read_columns(args.file, [(args.column, "--column")], nb == "add_remove")
-    values = _numbers(cells, "--column")
+    (values,) = read_columns(args.file, [(args.column, "--column", "number")], nb == "add_remove")
     out = _out_dir(args.out, ("quantiles.csv",), args.force)
     released = quantiles(
         values,
@@ -629,16 +647,14 @@ def _hl_choices(args: argparse.Namespace) -> tuple[int, str, str]:
 def _hl(args: argparse.Namespace) -> int:
     eps, nb, rng = _budget(args)
     groups, binning, split = _hl_choices(args)
-    p_cells, y_cells = _read_columns(
+    probs, labels = read_columns(
         args.file,
-        [(args.probability, "--probability"), (args.label, "--label")],
+        [(args.probability, "--probability", "number"), (args.label, "--label", "label")],
         nb == "add_remove",
     )
-    probs = _numbers(p_cells, "--probability")
     outside = np.flatnonzero((probs < 0) | (probs > 1))
     if outside.size:
         raise BadInputError(f"--probability: data row {outside[0] + 1} is outside [0, 1]")
-    labels = _labels(y_cells, "--label")
     out = _out_dir(args.out, ("hl.csv",), args.force)
     res = hosmer_lemeshow(
         probs,
