@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless.stats._progress import Progress
 from clipless.stats.calibration import hosmer_lemeshow
 from clipless.stats.counting import MAX_BRANCHING as _MAX_BRANCHING
 from clipless.stats.ecdf import ecdf
@@ -47,6 +48,11 @@ from clipless.stats.quantiles import quantiles
 from clipless.stats.roc import roc
 
 _MAX_SIZE = 10**8  # clipless.stats.Grid's largest grid
+# the phases of ecdf and roc, for the progress estimate (clipless.stats._progress)
+_PHASES = [("releasing the DP ECDF", "release", 1.0), ("writing the CSV files", "csv", 1.0),
+           ("plotting", "plot", 1.0)]  # fmt: skip
+_PHASES_ROC = [("releasing the DP ROC curve", "release", 1.0),
+               ("writing the CSV files", "csv", 0.75), ("plotting", "plot", 1.0)]  # fmt: skip
 
 if TYPE_CHECKING:
     from clipless.stats.calibration import Binning, Split
@@ -533,26 +539,31 @@ def _ecdf(args: argparse.Namespace) -> int:
     grid = _grid(args)
     (values,) = read_columns(args.file, [(args.column, "--column", "number")], nb == "add_remove")
     out = _out_dir(args.out, ("ecdf.csv", "quantiles.csv", "ecdf.png"), args.force)
-    released = ecdf(values, grid, eps, nb, smoothing, rng=rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
-    _write_csv(
-        out / "ecdf.csv",
-        ["threshold", "value"],
-        (
-            [repr(t), repr(v)]
-            for t, v in zip(grid.thresholds.tolist(), released.values.tolist(), strict=True)
-        ),
-    )
-    q = np.atleast_1d(released.quantile(levels))
-    _write_csv(
-        out / "quantiles.csv",
-        ["level", "quantile"],
-        ([repr(lev), repr(v)] for lev, v in zip(levels.tolist(), q.tolist(), strict=True)),
-    )
-    fig = Figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    released.plot(ax=ax)
-    ax.set_title(f"DP ECDF of {args.column}")
-    _save(fig, out / "ecdf.png")
+    progress = Progress("ecdf", len(grid), _PHASES)
+    with progress.phase("releasing the DP ECDF"):
+        released = ecdf(values, grid, eps, nb, smoothing, rng=rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
+    with progress.phase("writing the CSV files"):
+        _write_csv(
+            out / "ecdf.csv",
+            ["threshold", "value"],
+            (
+                [repr(t), repr(v)]
+                for t, v in zip(grid.thresholds.tolist(), released.values.tolist(), strict=True)
+            ),
+        )
+        q = np.atleast_1d(released.quantile(levels))
+        _write_csv(
+            out / "quantiles.csv",
+            ["level", "quantile"],
+            ([repr(lev), repr(v)] for lev, v in zip(levels.tolist(), q.tolist(), strict=True)),
+        )
+    with progress.phase("plotting"):
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        released.plot(ax=ax)
+        ax.legend(loc="lower right")  # "best" scans every point: minutes at 10**8 thresholds
+        ax.set_title(f"DP ECDF of {args.column}")
+        _save(fig, out / "ecdf.png")
     used = getattr(released.release, "mechanism", "binary")
     kk = getattr(released.release, "branching", None)
     mech_txt = f"{used}" + (f" (k={kk})" if kk else "")
@@ -582,21 +593,26 @@ def _roc(args: argparse.Namespace) -> int:
         nb == "add_remove",
     )
     out = _out_dir(args.out, ("roc.csv", "roc.png"), args.force)
-    curve = roc(scores, labels, grid, eps, nb, smoothing, rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
-    _write_csv(
-        out / "roc.csv",
-        ["threshold", "fpr", "tpr"],
-        (
-            [repr(t), repr(f), repr(p)]
-            for t, f, p in zip(
-                grid.thresholds.tolist(), curve.fpr.tolist(), curve.tpr.tolist(), strict=True
-            )
-        ),
-    )
-    fig = Figure(figsize=(5, 5))
-    ax = fig.add_subplot()
-    curve.plot(ax=ax)
-    _save(fig, out / "roc.png")
+    # two class trees, three columns, two curves: twice the ECDF's phases, roughly
+    progress = Progress("roc", 2 * len(grid), _PHASES_ROC)
+    with progress.phase("releasing the DP ROC curve"):
+        curve = roc(scores, labels, grid, eps, nb, smoothing, rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
+    with progress.phase("writing the CSV files"):
+        _write_csv(
+            out / "roc.csv",
+            ["threshold", "fpr", "tpr"],
+            (
+                [repr(t), repr(f), repr(p)]
+                for t, f, p in zip(
+                    grid.thresholds.tolist(), curve.fpr.tolist(), curve.tpr.tolist(), strict=True
+                )
+            ),
+        )
+    with progress.phase("plotting"):
+        fig = Figure(figsize=(5, 5))
+        ax = fig.add_subplot()
+        curve.plot(ax=ax)
+        _save(fig, out / "roc.png")
     print(f"DP ROC of {args.score!r} vs {args.label!r}: {_guarantee(eps, nb)}")
     print(f"AUC={curve.auc():.6f}")
     print(f"wrote {out / 'roc.csv'} and {out / 'roc.png'}")
@@ -610,17 +626,19 @@ def _quantiles(args: argparse.Namespace) -> int:
     grid = _grid(args)
     (values,) = read_columns(args.file, [(args.column, "--column", "number")], nb == "add_remove")
     out = _out_dir(args.out, ("quantiles.csv",), args.force)
-    released = quantiles(
-        values,
-        grid,
-        levels,
-        eps,
-        nb,
-        mechanism=cast("Mechanism", mech),
-        branching=k,
-        smoothing=smoothing,
-        rng=rng,
-    )
+    progress = Progress("quantiles", len(grid), [("releasing the DP quantiles", "release", 1.0)])
+    with progress.phase("releasing the DP quantiles"):
+        released = quantiles(
+            values,
+            grid,
+            levels,
+            eps,
+            nb,
+            mechanism=cast("Mechanism", mech),
+            branching=k,
+            smoothing=smoothing,
+            rng=rng,
+        )
     _write_csv(
         out / "quantiles.csv",
         ["level", "quantile"],
