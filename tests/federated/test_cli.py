@@ -89,6 +89,8 @@ def test_init_writes_private_secrets(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert code == 0, capsys.readouterr().err
     session = json.loads((out / "session.json").read_text())
     assert session["servers_at"] == [["10.0.0.1", 7000], ["10.0.0.2", 7000]]
+    assert session["format"] == "clipless-federated-session/2"
+    assert session["ca"].startswith("-----BEGIN CERTIFICATE-----")
     names = sorted(p.name for p in (out / "secrets").iterdir())
     assert names == [
         "analyst-0.json", "dealer-0.json", "owner-0.json", "owner-1.json",
@@ -290,7 +292,7 @@ def test_serve_noise_key_file_is_the_servers_own(tmp_path: Path) -> None:
 
     from clipless.federated.cli import _own_noise_key
 
-    dist = {"noise_sharing": "distributed"}
+    dist = "distributed"
     path = tmp_path / "k"
     key = _own_noise_key(str(path), dist)
     assert key is not None and len(key) == 16
@@ -299,7 +301,7 @@ def test_serve_noise_key_file_is_the_servers_own(tmp_path: Path) -> None:
     assert _own_noise_key(str(path), dist) == key
     assert _own_noise_key(None, dist) is None
     with pytest.raises(ValueError, match="only for noise_sharing distributed"):
-        _own_noise_key(str(path), {"noise_sharing": "dealer"})
+        _own_noise_key(str(path), "dealer")
     path.write_text("abc")
     with pytest.raises(ValueError, match="32 hex digits"):
         _own_noise_key(str(path), dist)
