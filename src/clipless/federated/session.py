@@ -216,7 +216,11 @@ def _server_addr(session: Session, j: int) -> tuple[str, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _credentials(session: Session, secret: PartySecret) -> Credentials:
+def _credentials(session: Session, secret: PartySecret, me: Party | None = None) -> Credentials:
+    """The TLS identity of ``secret``'s party; ``me``: the party it must be (a wrong secret is
+    named here, before any connection)."""
+    if me is not None and secret.party != party_name(me):
+        raise ValueError(f"{party_name(me)} was given {secret.party}'s secret")
     return Credentials(secret.party, secret.tls_cert, secret.tls_key, session.ca)
 
 
@@ -344,7 +348,7 @@ def run_owner(
 
     me: Party = ("owner", index)
     keys = dict(secret.links)
-    tls = client_context(_credentials(session, secret))
+    tls = client_context(_credentials(session, secret, me))
     counter = Counter()
     deadline = time.monotonic() + float(session.timeout)
     if fault == "sleep":  # test hook: a slow owner
@@ -402,7 +406,7 @@ def run_dealer(session: Session, secret: PartySecret) -> Counter:
 
     me: Party = ("dealer", 0)
     keys = dict(secret.links)
-    tls = client_context(_credentials(session, secret))
+    tls = client_context(_credentials(session, secret, me))
     counter = Counter()
     deadline = time.monotonic() + float(session.timeout)
     param = _noise_setup(session)[0]
@@ -455,7 +459,7 @@ def run_server(
     analysts: list[tuple[ssl.SSLSocket, Frame]] = []
     error: FederatedError | None = None
     deadline = time.monotonic() + timeout
-    tls = server_context(_credentials(session, secret))
+    tls = server_context(_credentials(session, secret, me))
     inbox = Inbox(listener, keys, sid, me, cap=max(64, 4 * (len(keys) + 1)), tls=tls)
     try:
         while error is None and set(got) != expected:
@@ -601,7 +605,7 @@ def run_analyst(session: Session, secret: PartySecret) -> tuple[NDArray[np.int64
 
     me: Party = ("analyst", 0)
     keys = dict(secret.links)
-    tls = client_context(_credentials(session, secret))
+    tls = client_context(_credentials(session, secret, me))
     sid = bytes.fromhex(session.session_id)
     counter = Counter()
     deadline = time.monotonic() + 2 * float(session.timeout) + 5.0
