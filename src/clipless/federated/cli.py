@@ -4,9 +4,10 @@
 Beta(2, 5) on [0, 1] from ``--data-seed``) and, for ``--noise-sharing dealer``, a noise dealer,
 each a separate process on 127.0.0.1, then acts as the analyst: it prints the released ECDF,
 the wall time, one line ``total: N bytes`` and the bytes sent by each role. ``init`` writes a
-public session file and one secret file per party (link keys; the dealer's noise key with
+public session file (with the session's TLS certificate authority) and one secret file per
+party (its TLS key and certificate, its link keys; the dealer's noise key with
 ``--noise-sharing dealer``, no noise key at all with ``distributed``, where each ``serve``
-draws its own); ``serve``, ``owner``, ``dealer`` and
+draws its own); every link is mutually authenticated TLS 1.3. ``serve``, ``owner``, ``dealer`` and
 ``analyst`` run one party from the session file and its own secret file (docs/federated.md shows
 how to run them on several machines; the protocol is :mod:`clipless.federated.session`).
 """
@@ -182,7 +183,9 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     ):
         q = sub.add_parser(name, help=f"run {what} from a session file", formatter_class=_Defaults)
         q.add_argument("session", help="public session JSON")
-        q.add_argument("--secret", required=True, help="this party's secret JSON (link keys)")
+        q.add_argument(
+            "--secret", required=True, help="this party's secret JSON (TLS key, link keys)"
+        )
         if name in ("serve", "owner"):
             q.add_argument("--index", type=integer(0), required=True, help="party index")
         if name == "serve":
@@ -199,7 +202,7 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
                 default=None,
                 help="port to listen on (default: the port of the session's servers_at for "
                 "--index; 0: any free port, printed). Another port than the recorded one is for "
-                "a tunnel, TLS proxy or port forward that reaches it from there (a note says so)",
+                "a port forward that reaches it from there (a note says so)",
             )
         if name == "serve":
             q.add_argument(
