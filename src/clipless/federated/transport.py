@@ -189,7 +189,16 @@ def send_frame(
             party_name(receiver),
         ) from None
     except ssl.SSLError as exc:
-        raise tls_error(exc, party_name(receiver)) from None
+        if not isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError):
+            raise tls_error(exc, party_name(receiver)) from None
+        alert = _pending_alert(sock, party_name(receiver))
+        if alert is not None:
+            raise alert from None
+        raise PartyDroppedError(
+            f"{party_name(receiver)} closed the TLS connection ({exc}; if it persists, this "
+            "party's certificate may not be of that session)",
+            party_name(receiver),
+        ) from None
     except OSError as exc:
         alert = _pending_alert(sock, party_name(receiver))
         if alert is not None:
