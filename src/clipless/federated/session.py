@@ -1,10 +1,13 @@
-"""Owners, servers, a noise dealer and an analyst as separate processes over TCP.
+"""Owners, servers, a noise dealer and an analyst as separate processes over mutual TLS.
 
-A *session* is a public JSON description (protocol, servers, owners, grid, budget, noise
-option, timeout, a 16-byte session id, the servers' addresses) plus, for each party, a secret
-JSON holding only its own link keys (32 bytes per link, HMAC-SHA256, see
-:mod:`clipless.federated.transport`) and, for the dealer or the ``"distributed"`` servers, its
-node-noise key. Message flow (one message per connection, each acknowledged):
+A *session* is a public :class:`~clipless.federated.sessionfile.Session` (protocol, servers,
+owners, grid, budget, noise option, timeout, a 16-byte session id, the servers' addresses, the
+session's TLS certificate authority) plus, for each party, a
+:class:`~clipless.federated.sessionfile.PartySecret` holding only its own TLS key and
+certificate (:mod:`clipless.federated.tls`), its link keys (32 bytes per link, HMAC-SHA256, see
+:mod:`clipless.federated.transport`) and, for the dealer, its node-noise key (a
+``"distributed"`` server draws its own when it serves). Message flow (one message per
+connection, each acknowledged):
 
 * owner ``i`` -> server ``j``: ``SHARE`` (a 16-byte seed, or the explicit share for the last
   server) or ``KEYS`` (its DCF keys for server ``j``, ``protocol="fss"``);
@@ -715,51 +718,11 @@ def make_session(
         raise ValueError(f"owners must be >= 1, got {owners}")
     if noise_sharing not in ("dealer", "distributed"):
         raise ValueError(f"noise_sharing must be 'dealer' or 'distributed', got {noise_sharing!r}")
-    from clipless.federated.ecdf import _points, noise_parameter
     from clipless.stats.grid import Grid
-    from clipless.stats.tree import tree_depth
 
     grid = Grid(lower, upper, size=size)
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
-    if noise not in ("laplace", "gaussian"):
-        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
-    # the budget is checked now, not by the dealer or the servers mid-run
-    noise_parameter(tree_depth(len(grid)), neighbouring, noise, epsilon, rho)
-    if n_values is not None and (
-        isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1
-    ):
-        raise ValueError(f"n_values must be an integer >= 1 or None; got {n_values!r}")
-    if n_values is not None and neighbouring == "add_remove":
-        raise ValueError(
-            "n_values must be None under neighbouring='add_remove': add/remove neighbours differ "
-            "in the number of values, so it is private (the release is normalised by its noisy "
-            "total instead); a public n is for 'replace_one'"
-        )
-    if isinstance(timeout, bool) or not (
-        isinstance(timeout, int | float) and 0 < timeout <= MAX_TIMEOUT
-    ):
-        raise ValueError(
-            f"timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT} (30 days), got "
-            f"{timeout!r}"
-        )
-    if points is not None:
-        try:  # grid indices in [0, size), strictly increasing
-            _points(np.asarray(points), len(grid))
-        except ValueError as exc:
-            raise ValueError(f"points: {exc}") from None
-
-    if noise_sharing == "distributed" and noise_keys is not None:
-        raise ValueError(
-            "noise_keys must be None with noise_sharing='distributed': each server draws "
-            "its own noise key when it serves, so that no single party (the one running "
-            "init included) knows the noise; give reproducible keys to the servers "
-            "themselves (simulate(noise_keys=...) or serve --noise-key-file)"
-        )
-    if noise_sharing == "dealer":
-        _check_noise_keys(noise_keys, 1)
+    _check_release(grid, neighbouring, noise, epsilon, rho, n_values, timeout, points)
+    _check_noise_sharing(noise_sharing, noise_keys)
     kary = None
     if mechanism != "binary" and statistic == "ecdf" and points is None:
         from clipless.stats.counting import counting_plan
@@ -806,6 +769,64 @@ def make_session(
         for p in parties
     }
     return session, secret
+
+
+def _check_release(
+    grid: Any,
+    neighbouring: Neighbouring,
+    noise: Noise,
+    epsilon: float | None,
+    rho: float | None,
+    n_values: int | None,
+    timeout: float,
+    points: Sequence[int] | None,
+) -> None:
+    """:func:`make_session`'s release arguments, each named in its error."""
+    if neighbouring not in ("replace_one", "add_remove"):
+        raise ValueError(
+            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
+        )
+    if noise not in ("laplace", "gaussian"):
+        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    from clipless.federated.ecdf import _points, noise_parameter
+    from clipless.stats.tree import tree_depth
+
+    # the budget is checked now, not by the dealer or the servers mid-run
+    noise_parameter(tree_depth(len(grid)), neighbouring, noise, epsilon, rho)
+    if n_values is not None and (
+        isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1
+    ):
+        raise ValueError(f"n_values must be an integer >= 1 or None; got {n_values!r}")
+    if n_values is not None and neighbouring == "add_remove":
+        raise ValueError(
+            "n_values must be None under neighbouring='add_remove': add/remove neighbours differ "
+            "in the number of values, so it is private (the release is normalised by its noisy "
+            "total instead); a public n is for 'replace_one'"
+        )
+    if isinstance(timeout, bool) or not (
+        isinstance(timeout, int | float) and 0 < timeout <= MAX_TIMEOUT
+    ):
+        raise ValueError(
+            f"timeout must be a number of seconds > 0 and <= {MAX_TIMEOUT} (30 days), got "
+            f"{timeout!r}"
+        )
+    if points is not None:
+        try:  # grid indices in [0, size), strictly increasing
+            _points(np.asarray(points), len(grid))
+        except ValueError as exc:
+            raise ValueError(f"points: {exc}") from None
+
+
+def _check_noise_sharing(noise_sharing: str, noise_keys: Sequence[bytes] | None) -> None:
+    if noise_sharing == "distributed" and noise_keys is not None:
+        raise ValueError(
+            "noise_keys must be None with noise_sharing='distributed': each server draws "
+            "its own noise key when it serves, so that no single party (the one running "
+            "init included) knows the noise; give reproducible keys to the servers "
+            "themselves (simulate(noise_keys=...) or serve --noise-key-file)"
+        )
+    if noise_sharing == "dealer":
+        _check_noise_keys(noise_keys, 1)
 
 
 def _check_noise_keys(noise_keys: Sequence[bytes] | None, need: int) -> None:
