@@ -19,6 +19,7 @@ import json
 import math
 import os
 import socket
+import ssl
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -32,7 +33,7 @@ from clipless.federated.sessionfile import (
     load_secret,
     load_session,
 )
-from clipless.federated.tls import certificate_name
+from clipless.federated.tls import Credentials, certificate_name, server_context
 
 __all__ = ["add_federated_parser", "main"]
 
@@ -526,6 +527,11 @@ def _load_party(args: argparse.Namespace) -> tuple[Session, PartySecret]:
     if certificate_name(secret.tls_cert) != me or not _signed_by(secret.tls_cert, sess.ca):
         raise ValueError(f"--secret {args.secret!r}: its TLS certificate is not {me}'s in this "
                          "session (a secret from another init?)")  # fmt: skip
+    try:  # the key must match the certificate: load them now, not at the first connection
+        server_context(Credentials(secret.party, secret.tls_cert, secret.tls_key, sess.ca))
+    except ssl.SSLError as exc:
+        raise ValueError(f"--secret {args.secret!r}: its TLS key and certificate do not load "
+                         f"({exc.reason or exc})") from None  # fmt: skip
     if cmd == "owner" and args.labels is not None and sess.statistic != "roc":
         raise ValueError("--labels: this session releases an ECDF (labels are for roc)")
     return sess, secret
