@@ -89,6 +89,8 @@ def test_init_writes_private_secrets(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert code == 0, capsys.readouterr().err
     session = json.loads((out / "session.json").read_text())
     assert session["servers_at"] == [["10.0.0.1", 7000], ["10.0.0.2", 7000]]
+    assert session["format"] == "clipless-federated-session/2"
+    assert session["ca"].startswith("-----BEGIN CERTIFICATE-----")
     names = sorted(p.name for p in (out / "secrets").iterdir())
     assert names == [
         "analyst-0.json", "dealer-0.json", "owner-0.json", "owner-1.json",
@@ -290,7 +292,7 @@ def test_serve_noise_key_file_is_the_servers_own(tmp_path: Path) -> None:
 
     from clipless.federated.cli import _own_noise_key
 
-    dist = {"noise_sharing": "distributed"}
+    dist = "distributed"
     path = tmp_path / "k"
     key = _own_noise_key(str(path), dist)
     assert key is not None and len(key) == 16
@@ -299,7 +301,7 @@ def test_serve_noise_key_file_is_the_servers_own(tmp_path: Path) -> None:
     assert _own_noise_key(str(path), dist) == key
     assert _own_noise_key(None, dist) is None
     with pytest.raises(ValueError, match="only for noise_sharing distributed"):
-        _own_noise_key(str(path), {"noise_sharing": "dealer"})
+        _own_noise_key(str(path), "dealer")
     path.write_text("abc")
     with pytest.raises(ValueError, match="32 hex digits"):
         _own_noise_key(str(path), dist)
@@ -329,3 +331,35 @@ def test_simulate_distributed_subprocesses_with_key_files(
     assert res.release.mechanism == "k-ary"
     assert np.array_equal(res.ecdf.values, fed.ecdf.values)
     assert np.array_equal(res.ecdf.values, central.values)
+
+
+def test_party_files_from_another_session_or_version_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A secret whose TLS key is not its certificate's, a secret from another init, and a
+    session written before TLS: each a one-line error (exit 2) before any connection."""
+    import json
+
+    assert _init(tmp_path / "run") == 0 and _init(tmp_path / "other") == 0
+    capsys.readouterr()
+    run = tmp_path / "run"
+    mine = json.loads((run / "secrets" / "owner-0.json").read_text())
+    theirs = json.loads((run / "secrets" / "owner-1.json").read_text())
+    mine["tls"]["key"] = theirs["tls"]["key"]
+    (tmp_path / "mixed.json").write_text(json.dumps(mine))
+    old = json.loads((run / "session.json").read_text())
+    del old["format"], old["ca"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    cases = [
+        (str(run / "session.json"), str(tmp_path / "mixed.json"),
+         "its TLS key and certificate do not load (KEY_VALUES_MISMATCH)"),
+        (str(run / "session.json"), str(tmp_path / "other" / "secrets" / "owner-0.json"),
+         "its TLS certificate is not owner 0's in this session (a secret from another init?)"),
+        (str(tmp_path / "old.json"), str(run / "secrets" / "owner-0.json"),
+         "written by an earlier clipless, before the transport used TLS"),
+    ]  # fmt: skip
+    for session, secret, message in cases:
+        argv = ["federated", "owner", session, "--index", "0", "--secret", secret]
+        assert main([*argv, "--values", "0.5"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err

@@ -183,11 +183,46 @@ def test_default_public_n_needs_one_value_per_owner() -> None:
     from clipless.federated.session import run_owner
 
     session, secret = make_session("shares", 3, 2, 8, 1.0)
-    assert session["one_value_per_owner"]
+    assert session.one_value_per_owner
     with pytest.raises(ValueError, match="one value per owner"):
         run_owner(session, secret["owner 0"], 0, [0.1, 0.2, 0.3])
     session, _ = make_session("shares", 3, 2, 8, 1.0, n_values=3)
-    assert not session["one_value_per_owner"]  # explicit n: any split among owners
+    assert not session.one_value_per_owner  # explicit n: any split among owners
+
+
+def _tls_pair():
+    """A session's server 0 and owner 0 TLS contexts and link key (for inbox-level tests)."""
+    from clipless.federated.session import _credentials
+    from clipless.federated.tls import client_context, server_context
+
+    session, secret = make_session("shares", 1, 2, 4, 1.0)
+    server, owner = secret["server 0"], secret["owner 0"]
+    return (
+        server_context(_credentials(session, server)),
+        client_context(_credentials(session, owner)),
+        owner.links["server 0"],
+    )
+
+
+def _tls_client(port: int, ctx, parts: list[bytes], go: list) -> tuple:
+    """A thread that connects over TLS and sends ``parts[0]``, then each later part once
+    ``go`` holds an event for it; returns (thread, socket holder)."""
+    import socket
+    import threading
+
+    holder: list = []
+
+    def run() -> None:
+        sock = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port)))
+        holder.append(sock)
+        sock.sendall(parts[0])
+        for part, event in zip(parts[1:], go, strict=True):
+            event.wait(10)
+            sock.sendall(part)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, holder
 
 
 def test_the_inbox_survives_more_connections_than_its_cap() -> None:
@@ -201,30 +236,31 @@ def test_the_inbox_survives_more_connections_than_its_cap() -> None:
     from clipless.federated.session import _Inbox
     from clipless.federated.transport import encode_frame
 
-    key, sid = bytes(32), bytes(16)
+    server_tls, owner_tls, key = _tls_pair()
+    sid = bytes(16)
     me, peer = ("server", 0), ("owner", 0)
     listener = socket.create_server(("127.0.0.1", 0))
-    inbox = _Inbox(listener, {"owner 0": key}, sid, me, cap=2)
+    inbox = _Inbox(listener, {"owner 0": key}, sid, me, cap=2, tls=server_tls)
     port = listener.getsockname()[1]
     first = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
     for c in first:
-        c.sendall(b"CL")  # half a magic: accepted and registered, then pending
+        c.sendall(b"\x16\x03")  # the start of a TLS record: accepted, handshake pending
     assert inbox.poll(time.monotonic() + 0.3) == []
     third = socket.create_connection(("127.0.0.1", port))  # the listener is ready first...
     time.sleep(0.05)
     first[0].sendall(b"F1")  # ...then the oldest connection, dropped when the third is accepted
     time.sleep(0.05)
     assert inbox.poll(time.monotonic() + 0.3) == []
-    good = socket.create_connection(("127.0.0.1", port))
-    good.sendall(encode_frame(key, sid, peer, me, 1, b"payload"))
+    thread, _ = _tls_client(port, owner_tls, [encode_frame(key, sid, peer, me, 1, b"payload")], [])
     got: list = []
     deadline = time.monotonic() + 5.0
     while not got and time.monotonic() < deadline:
         got = inbox.poll(min(deadline, time.monotonic() + 0.5))
+    thread.join(5)
     assert [f.payload for _, f in got] == [b"payload"]
     assert inbox.unidentified >= 2  # dropped at the cap, never an exception
     inbox.close()
-    for c in [*first, third, good, *(conn for conn, _ in got)]:
+    for c in [*first, third, *(conn for conn, _ in got)]:
         c.close()
     listener.close()
 
@@ -235,7 +271,7 @@ def test_add_remove_sessions_publish_no_n() -> None:
     ``--n-values``). Now there is none; owners hold any number of values, and the TCP release
     equals the central add/remove one."""
     session, _ = make_session("shares", 3, 2, 8, 1.0, neighbouring="add_remove")
-    assert session["n_values"] is None and not session["one_value_per_owner"]
+    assert session.n_values is None and not session.one_value_per_owner
     with pytest.raises(ValueError, match="n_values must be None under neighbouring='add_remove'"):
         make_session("shares", 3, 2, 8, 1.0, neighbouring="add_remove", n_values=3)
     owners, size = [[0.1, 0.35], [], [0.5, 0.52, 0.9]], 10
@@ -261,9 +297,10 @@ def _run_parties(session, secret, owners) -> None:
 
     ctx = mp.get_context("fork")
     procs = []
-    for j in range(int(session["servers"])):
+    for j in range(session.servers):
         listener = socket.create_server(("127.0.0.1", 0))
-        session["servers_at"].append(["127.0.0.1", listener.getsockname()[1]])
+        at = ("127.0.0.1", listener.getsockname()[1])
+        session = session.with_servers_at([*session.servers_at, at])
         procs.append(
             ctx.Process(target=run_server, args=(session, secret[f"server {j}"], j, listener))
         )
@@ -295,58 +332,70 @@ def test_fss_servers_check_the_public_n() -> None:
 def test_a_flood_of_idle_connections_does_not_push_out_a_party() -> None:
     """Audit finding: at the inbox's cap the *oldest* unfinished connection was dropped, so a
     stranger opening idle connections pushed out an owner part-way through its message. The
-    connection with the fewest bytes received goes now."""
+    connection with the fewest bytes received goes now (a stranger's TLS handshake never
+    finishes: it has received none)."""
     import socket
+    import threading
     import time
 
     from clipless.federated.session import _Inbox
     from clipless.federated.transport import encode_frame
 
-    key, sid = bytes(32), bytes(16)
+    server_tls, owner_tls, key = _tls_pair()
+    sid = bytes(16)
     me, peer = ("server", 0), ("owner", 0)
     listener = socket.create_server(("127.0.0.1", 0))
-    inbox = _Inbox(listener, {"owner 0": key}, sid, me, cap=4)
+    inbox = _Inbox(listener, {"owner 0": key}, sid, me, cap=4, tls=server_tls)
     port = listener.getsockname()[1]
     frame = encode_frame(key, sid, peer, me, 1, b"x" * 4096)
-    owner = socket.create_connection(("127.0.0.1", port))
-    owner.sendall(frame[:100])  # part-way through its message
-    assert inbox.poll(time.monotonic() + 0.2) == []
+    rest = threading.Event()
+    thread, _ = _tls_client(port, owner_tls, [frame[:100], frame[100:]], [rest])
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:  # the handshake and the first 100 bytes
+        assert inbox.poll(time.monotonic() + 0.1) == []
     flood = []
     for _ in range(12):  # three times the cap, idle
         flood.append(socket.create_connection(("127.0.0.1", port)))
         inbox.poll(time.monotonic() + 0.05)
-    owner.sendall(frame[100:])
+    rest.set()
     got: list = []
     deadline = time.monotonic() + 5.0
     while not got and time.monotonic() < deadline:
         got = inbox.poll(min(deadline, time.monotonic() + 0.5))
+    thread.join(5)
     assert [f.payload for _, f in got] == [b"x" * 4096]
     assert inbox.unidentified >= 8  # the idle strangers were dropped instead
     inbox.close()
-    for c in [owner, *flood, *(conn for conn, _ in got)]:
+    for c in [*flood, *(conn for conn, _ in got)]:
         c.close()
     listener.close()
 
 
 def test_a_party_resends_after_its_connection_drops() -> None:
-    """A connection that drops before the ACK is opened again and the message resent."""
+    """A connection that drops before the ACK (here during the TLS handshake) is opened again
+    and the message resent."""
     import socket
     import threading
     import time
 
-    from clipless.federated.session import _send_one
+    from clipless.federated.session import _credentials, _send_one
+    from clipless.federated.tls import client_context, server_context
     from clipless.federated.transport import ACK, Counter, recv_frame, send_frame
 
-    key, sid = bytes(32), bytes(16)
+    session, secret = make_session("shares", 1, 2, 4, 1.0)
+    key = secret["owner 0"].links["server 0"]
+    sid = bytes.fromhex(session.session_id)
     listener = socket.create_server(("127.0.0.1", 0))
-    session = {"session": sid.hex(), "servers_at": [["127.0.0.1", listener.getsockname()[1]]]}
+    session = session.with_servers_at([("127.0.0.1", listener.getsockname()[1])])
+    server_tls = server_context(_credentials(session, secret["server 0"]))
     received = []
 
     def server() -> None:
         first, _ = listener.accept()
         first.recv(10)  # a few bytes, then the connection is dropped
         first.close()
-        conn, _ = listener.accept()
+        raw, _ = listener.accept()
+        conn = server_tls.wrap_socket(raw, server_side=True)
         frame = recv_frame(conn, {"owner 0": key}, sid, ("server", 0), time.monotonic() + 5, "o")
         received.append(frame.payload)
         send_frame(conn, key, sid, ("server", 0), ("owner", 0), ACK, b"", Counter())
@@ -355,8 +404,9 @@ def test_a_party_resends_after_its_connection_drops() -> None:
     thread = threading.Thread(target=server)
     thread.start()
     counter = Counter()
+    owner_tls = client_context(_credentials(session, secret["owner 0"]))
     _send_one(
-        session, {"server 0": key}, ("owner", 0), 0, 1, b"y" * 200_000, counter,
+        session, {"server 0": key}, owner_tls, ("owner", 0), 0, 1, b"y" * 200_000, counter,
         time.monotonic() + 10.0,
     )  # fmt: skip
     thread.join(10)
@@ -409,6 +459,7 @@ def test_no_file_written_by_init_reconstructs_the_distributed_noise(tmp_path) ->
         run_owner,
         run_server,
     )
+    from clipless.federated.sessionfile import load_secret, load_session
 
     listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
     at = [f"127.0.0.1:{lst.getsockname()[1]}" for lst in listeners]
@@ -420,9 +471,10 @@ def test_no_file_written_by_init_reconstructs_the_distributed_noise(tmp_path) ->
         *itertools.chain.from_iterable(("--server-at", a) for a in at),
     ]) == 0  # fmt: skip
     files = [run / "session.json", *sorted((run / "secrets").iterdir())]
-    session = json.loads(files[0].read_text())
-    secret = {p.stem.replace("-", " "): json.loads(p.read_text()) for p in files[1:]}
-    assert all(set(s) == {"links"} for s in secret.values()), secret  # link keys only
+    session = load_session(files[0])
+    secret = {p.stem.replace("-", " "): load_secret(p) for p in files[1:]}
+    docs = [json.loads(p.read_text()) for p in files[1:]]
+    assert all(set(d) == {"format", "party", "links", "tls"} for d in docs)  # no noise key
 
     ctx = multiprocessing.get_context("fork")
     procs, pipes = [], []
@@ -446,7 +498,7 @@ def test_no_file_written_by_init_reconstructs_the_distributed_noise(tmp_path) ->
     assert [parent.recv()["error"] for parent, _ in pipes] == [None] * 5
     grid = Grid(0, 1, size=4)
     param, _, _, lev, idx, matrix = _noise_setup(session)  # the session's public tree
-    assert session["kary"] is not None  # init's default: the central default's k-ary plan
+    assert session.kary is not None  # init's default: the central default's k-ary plan
     true_nodes = matrix @ np.cumsum(grid.counts([0.1, 0.8]))
     released_noise = np.asarray(out, dtype=np.int64) - true_nodes
     assert np.any(released_noise != 0)

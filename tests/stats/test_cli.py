@@ -276,3 +276,105 @@ def test_an_earlier_release_is_not_overwritten_and_bad_outputs_fail_first(
     ):
         assert run([*base, *argv]) == 2
         assert named in capsys.readouterr().err, argv
+
+
+def test_a_bad_cell_is_named_by_column_line_and_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN in the second named column is reported under that column's argument and header
+    name, at its data row and file line (a blank line in between shifts the line, not the row)."""
+    path = tmp_path / "d.csv"
+    path.write_text("id,score,label\na,0.1,1\n\nb,0.2,0\nc,nan,1\n")
+    out = str(tmp_path / "o")
+    argv = ["roc", str(path), "--score", "score", "--label", "label", "--epsilon", "1"]
+    assert run([*argv, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith(
+        f"--score: data row 3 is NaN (column 'score', line 5 of {str(path)!r})"
+    )
+    path.write_text("id,score,label\na,0.1,1\nb,0.2,maybe\n")
+    assert run([*argv, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "--label: data row 2 ('maybe') is not a binary label (column 'label', line 3" in err
+    assert "accepted: 1, true, yes, y, t (positive) or 0, false, no, n, f (negative)" in err
+
+
+@pytest.mark.parametrize(
+    ("yes", "no"),
+    [("1", "0"), ("TRUE", "false"), ("Yes", "no"), ("t", "F"), ("1.0", "0.0"), ("Y", "N")],
+)
+def test_every_label_spelling_that_help_lists_is_read(
+    tmp_path: Path, yes: str, no: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from clipless.stats.cli import LABEL_SPELLINGS, read_columns
+
+    help_text = " ".join(
+        parser()._subparsers._group_actions[0].choices["roc"].format_help().split()
+    )  # type: ignore[union-attr]
+    assert " ".join(f"column of binary labels: {LABEL_SPELLINGS}".split()) in help_text
+    path = write_csv(tmp_path / "l.csv", ["y"], [[yes], [no], [yes]])
+    (labels,) = read_columns(str(path), [("y", "--label", "label")])
+    assert labels.tolist() == [1, 0, 1]
+
+
+def test_long_releases_report_progress_with_an_estimate(
+    income: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the threshold forced to 0 a small release reports each phase's start (with the
+    estimate left), heartbeat lines and its end on stderr, in order; stdout and the files are
+    those of a quiet run. At the default threshold a small release prints no progress."""
+    from clipless.stats import _progress
+
+    argv = ["ecdf", str(income), "--column", "income", "--lower", "0", "--upper", "100",
+            "--size", "4000", "--epsilon", "1", "--seed", "5"]  # fmt: skip
+    assert run([*argv, "--out", str(tmp_path / "quiet")]) == 0
+    quiet = capsys.readouterr()
+    assert "clipless ecdf:" not in quiet.err
+    monkeypatch.setattr(_progress, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(_progress, "PROGRESS_EVERY_S", 0.001)
+    assert run([*argv, "--out", str(tmp_path / "loud")]) == 0
+    loud = capsys.readouterr()
+    assert loud.out.replace("loud", "quiet") == quiet.out
+    for name in ("ecdf.csv", "quantiles.csv"):
+        assert (tmp_path / "loud" / name).read_bytes() == (tmp_path / "quiet" / name).read_bytes()
+    lines = [line for line in loud.err.splitlines() if line.startswith("clipless ecdf: [")]
+    starts = [i for i, line in enumerate(lines) if "(estimate: " in line]
+    ends = [i for i, line in enumerate(lines) if ": done in " in line]
+    assert [lines[i].split("]")[0][-3:] for i in starts] == ["1/3", "2/3", "3/3"]
+    assert lines[starts[0]].startswith("clipless ecdf: [1/3] releasing the DP ECDF (estimate: ")
+    assert len(ends) == 3 and all(s < e for s, e in zip(starts, ends, strict=True))
+
+
+def test_the_progress_estimate_rescales_by_the_finished_phases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The estimate left: the per-threshold costs at the start; once a phase took twice its
+    estimate, the phases still to come are expected to take twice theirs too."""
+    import io
+
+    from clipless.stats import _progress
+
+    now = [0.0]
+    monkeypatch.setattr(_progress, "_clock", lambda: now[0])
+    monkeypatch.setattr(_progress, "PROGRESS_EVERY_S", 3600.0)
+    phases = [("a", "csv", 2.0), ("b", "csv", 1.0)]
+    stream = io.StringIO()
+    progress = _progress.Progress("ecdf", 10**7, phases, stream)  # 40 s + 20 s
+    assert progress.enabled
+    assert progress._left("a", 10.0) == "about 50 s left in all"
+    assert progress._left("a", 80.0) == "longer than estimated; then about 40 s"
+    assert progress._left("b", 30.0) == "longer than estimated"
+    with progress.phase("a"):
+        now[0] += 80.0  # twice the estimate of 40 s
+    with progress.phase("b"):
+        now[0] += 40.0
+    assert stream.getvalue().splitlines() == [
+        "clipless ecdf: [1/2] a (estimate: about 60 s left in all)",
+        "clipless ecdf: [1/2] a: done in 80 s",
+        "clipless ecdf: [2/2] b (estimate: about 40 s left in all)",
+        "clipless ecdf: [2/2] b: done in 40 s",
+    ]
+    assert not _progress.Progress("ecdf", 10**5, phases, stream).enabled  # 0.6 s: quiet

@@ -4,9 +4,10 @@
 Beta(2, 5) on [0, 1] from ``--data-seed``) and, for ``--noise-sharing dealer``, a noise dealer,
 each a separate process on 127.0.0.1, then acts as the analyst: it prints the released ECDF,
 the wall time, one line ``total: N bytes`` and the bytes sent by each role. ``init`` writes a
-public session file and one secret file per party (link keys; the dealer's noise key with
+public session file (with the session's TLS certificate authority) and one secret file per
+party (its TLS key and certificate, its link keys; the dealer's noise key with
 ``--noise-sharing dealer``, no noise key at all with ``distributed``, where each ``serve``
-draws its own); ``serve``, ``owner``, ``dealer`` and
+draws its own); every link is mutually authenticated TLS 1.3. ``serve``, ``owner``, ``dealer`` and
 ``analyst`` run one party from the session file and its own secret file (docs/federated.md shows
 how to run them on several machines; the protocol is :mod:`clipless.federated.session`).
 """
@@ -18,19 +19,27 @@ import json
 import math
 import os
 import socket
+import ssl
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
 from clipless._argtypes import integer, number
 from clipless.federated.noise import server_keys
+from clipless.federated.sessionfile import (
+    MAX_TIMEOUT,
+    PartySecret,
+    Session,
+    load_secret,
+    load_session,
+)
+from clipless.federated.tls import Credentials, certificate_name, server_context
 
 __all__ = ["add_federated_parser", "main"]
 
 _FINITE_POSITIVE = number("a finite number > 0", 0.0, math.inf)
-# 30 days, as clipless.federated.session.MAX_TIMEOUT (not imported: --help stays fast); 1e12 s
-# ended in an OverflowError traceback
-_MAX_TIMEOUT = 30 * 86400
+# 30 days; 1e12 s ended in an OverflowError traceback
+_MAX_TIMEOUT = MAX_TIMEOUT
 _TIMEOUT = number(
     f"a number of seconds > 0 and <= {_MAX_TIMEOUT} (30 days)",
     0.0,
@@ -175,7 +184,9 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
     ):
         q = sub.add_parser(name, help=f"run {what} from a session file", formatter_class=_Defaults)
         q.add_argument("session", help="public session JSON")
-        q.add_argument("--secret", required=True, help="this party's secret JSON (link keys)")
+        q.add_argument(
+            "--secret", required=True, help="this party's secret JSON (TLS key, link keys)"
+        )
         if name in ("serve", "owner"):
             q.add_argument("--index", type=integer(0), required=True, help="party index")
         if name == "serve":
@@ -192,7 +203,7 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
                 default=None,
                 help="port to listen on (default: the port of the session's servers_at for "
                 "--index; 0: any free port, printed). Another port than the recorded one is for "
-                "a tunnel, TLS proxy or port forward that reaches it from there (a note says so)",
+                "a port forward that reaches it from there (a note says so)",
             )
         if name == "serve":
             q.add_argument(
@@ -335,7 +346,7 @@ def _init(args: argparse.Namespace) -> int:
         print("clipless federated init: error: --server-at: two servers at one address",
               file=sys.stderr)  # fmt: skip
         return 2
-    sess["servers_at"] = addrs
+    sess = sess.with_servers_at([(h, p) for h, p in addrs])
     out = Path(args.out)
     if os.path.lexists(out / "session.json"):  # an earlier session: never overwritten
         print(f"clipless federated init: error: --out {str(out)!r} already holds a session.json "
@@ -348,14 +359,15 @@ def _init(args: argparse.Namespace) -> int:
               "(choose a new directory)", file=sys.stderr)  # fmt: skip
         return 2
     with open(out / "session.json", "x") as fh:  # "x": fails rather than overwrite
-        fh.write(json.dumps(sess, indent=1))
+        fh.write(json.dumps(sess.to_json(), indent=1))
     for name, sec in secrets_.items():
         path = out / "secrets" / f"{name.replace(' ', '-')}.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
-            json.dump(sec, fh)
+            json.dump(sec.to_json(), fh)
     print(f"wrote {out / 'session.json'} and {len(secrets_)} secret files in {out / 'secrets'}")
-    print("give each party ONLY its own secret file, over a confidential channel")
+    print("give each party ONLY its own secret file, over a confidential channel (it holds the "
+          "party's TLS private key and link keys); the session's CA key was not kept")  # fmt: skip
     return 0
 
 
@@ -382,7 +394,7 @@ def _party(args: argparse.Namespace) -> int:
         sess, secret = _load_party(args)
         if cmd == "serve":
             at, recorded = _listen_address(args, sess)
-            own_key = _own_noise_key(args.noise_key_file, sess)
+            own_key = _own_noise_key(args.noise_key_file, sess.noise_sharing)
     except ValueError as exc:
         print(f"clipless federated {cmd}: error: {exc}", file=sys.stderr)
         return 2
@@ -439,12 +451,12 @@ def _party(args: argparse.Namespace) -> int:
     return 0
 
 
-def _own_noise_key(path: str | None, sess: dict[str, Any]) -> bytes | None:
+def _own_noise_key(path: str | None, noise_sharing: str) -> bytes | None:
     """``serve --noise-key-file``: read this server's own noise key, or create the file (mode
     0600, never overwritten) with a fresh one."""
     if path is None:
         return None
-    if sess.get("noise_sharing") != "distributed":
+    if noise_sharing != "distributed":
         raise ValueError(
             "--noise-key-file: only for noise_sharing distributed (with a dealer the servers "
             "hold shares of the dealer's noise, not a key)"
@@ -479,86 +491,65 @@ def _status_stream(cmd: str) -> TextIO:
     return sys.stderr if cmd == "analyst" else sys.stdout
 
 
-_SESSION_KEYS = ("session", "protocol", "servers", "owners", "noise_sharing", "thresholds",
-                 "timeout", "servers_at")  # fmt: skip
-
-
-def _listen_address(args: argparse.Namespace, sess: dict[str, Any]) -> tuple[tuple[str, int], bool]:
+def _listen_address(args: argparse.Namespace, sess: Session) -> tuple[tuple[str, int], bool]:
     """Where ``serve`` listens, and whether the session records an address for ``--index``:
     ``--host`` and ``--port``, each by default the session's ``servers_at[--index]`` (where the
     owners, the dealer and the analyst connect), else 127.0.0.1 and any free port (a session
     whose addresses are not known yet: ``simulate``'s). A ``--port`` other than the recorded one
-    gets a note on stderr: the other parties reach it only through a tunnel or port forward."""
-    servers_at = sess["servers_at"]
-    recorded = isinstance(servers_at, list) and args.index < len(servers_at)
-    host, port = "127.0.0.1", 0
-    if recorded:
-        entry = servers_at[args.index]
-        if not (
-            isinstance(entry, list)
-            and len(entry) == 2
-            and isinstance(entry[0], str)
-            and isinstance(entry[1], int)
-            and 1 <= entry[1] <= 65535
-        ):
-            raise ValueError(f"session {args.session!r}: servers_at[{args.index}] is "
-                             f"{entry!r}, not [HOST, PORT] with PORT in 1-65535")  # fmt: skip
-        host, port = entry
-        if args.port is not None and args.port != port:
-            print(f"clipless federated serve: note: --port {args.port} is not the session's "
-                  f"servers_at[{args.index}] {host}:{port}, where the other parties connect "
-                  "(a tunnel or port forward must reach this port from there)",
-                  file=sys.stderr)  # fmt: skip
+    gets a note on stderr: the other parties reach it only through a port forward."""
+    recorded = args.index < len(sess.servers_at)
+    host, port = sess.servers_at[args.index] if recorded else ("127.0.0.1", 0)
+    if recorded and args.port is not None and args.port != port:
+        print(f"clipless federated serve: note: --port {args.port} is not the session's "
+              f"servers_at[{args.index}] {host}:{port}, where the other parties connect "
+              "(a port forward must reach this port from there)", file=sys.stderr)  # fmt: skip
     return (args.host if args.host is not None else host,
             args.port if args.port is not None else port), recorded  # fmt: skip
 
 
-def _load_party(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+def _load_party(args: argparse.Namespace) -> tuple[Session, PartySecret]:
     """The session and this party's secret, checked against each other and ``--index``
     (a wrong file or index is named now, not at the run's timeout)."""
-    docs = []
-    for flag, path in (("session", args.session), ("--secret", args.secret)):
-        try:
-            doc = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ValueError(f"{flag} {path!r}: {exc.strerror or exc}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{flag} {path!r} is not a JSON file ({exc})") from None
-        if not isinstance(doc, dict):
-            raise ValueError(f"{flag} {path!r} is not a clipless federated file")
-        docs.append(doc)
-    sess, secret = docs
-    missing = [k for k in _SESSION_KEYS if k not in sess]
-    if missing:
-        raise ValueError(f"session {args.session!r} lacks {', '.join(missing)} (not a session "
-                         "written by clipless federated init?)")  # fmt: skip
-    timeout = sess["timeout"]
-    if isinstance(timeout, bool) or not (
-        isinstance(timeout, int | float) and 0 < timeout <= _MAX_TIMEOUT
-    ):
-        raise ValueError(f"session {args.session!r}: timeout {timeout!r} is not a number of "
-                         f"seconds > 0 and <= {_MAX_TIMEOUT}")  # fmt: skip
-    links = secret.get("links")
-    if not isinstance(links, dict) or not links:
-        raise ValueError(f"--secret {args.secret!r} holds no link keys (not a party's secret?)")
+    sess = load_session(args.session)
+    secret = load_secret(args.secret)
     cmd = args.federated_command
-    m, n = int(sess["servers"]), int(sess["owners"])
-    if cmd == "serve":
-        if args.index >= m:
-            raise ValueError(f"--index {args.index}: this session has servers 0..{m - 1}")
-        expected = {f"owner {i}" for i in range(n)} | {"analyst 0"}
-        if not expected <= set(links):
-            raise ValueError(f"--secret {args.secret!r} is not a server's secret (it has no "
-                             "keys for the owners and the analyst)")  # fmt: skip
-    else:
-        if cmd == "owner" and args.index >= n:
-            raise ValueError(f"--index {args.index}: this session has owners 0..{n - 1}")
-        if set(links) != {f"server {j}" for j in range(m)}:
-            raise ValueError(f"--secret {args.secret!r} is not the secret of a party that talks "
-                             f"to the {m} servers (a server's secret?)")  # fmt: skip
-        if cmd == "owner" and args.labels is not None and sess.get("statistic") != "roc":
-            raise ValueError("--labels: this session releases an ECDF (labels are for roc)")
+    m, n = sess.servers, sess.owners
+    role = {"serve": "server", "owner": "owner", "dealer": "dealer", "analyst": "analyst"}[cmd]
+    if cmd in ("serve", "owner") and args.index >= (m if cmd == "serve" else n):
+        plural = "servers" if cmd == "serve" else "owners"
+        top = m if cmd == "serve" else n
+        raise ValueError(f"--index {args.index}: this session has {plural} 0..{top - 1}")
+    me = f"{role} {args.index if cmd in ('serve', 'owner') else 0}"
+    if secret.party != me:
+        what = "a server's" if cmd == "serve" else f"{me}'s"
+        raise ValueError(f"--secret {args.secret!r} is not {what} secret (it is "
+                         f"{secret.party}'s: a server's secret? the wrong --index?)")  # fmt: skip
+    if certificate_name(secret.tls_cert) != me or not _signed_by(secret.tls_cert, sess.ca):
+        raise ValueError(f"--secret {args.secret!r}: its TLS certificate is not {me}'s in this "
+                         "session (a secret from another init?)")  # fmt: skip
+    try:  # the key must match the certificate: load them now, not at the first connection
+        server_context(Credentials(secret.party, secret.tls_cert, secret.tls_key, sess.ca))
+    except ssl.SSLError as exc:
+        raise ValueError(f"--secret {args.secret!r}: its TLS key and certificate do not load "
+                         f"({exc.reason or exc})") from None  # fmt: skip
+    if cmd == "owner" and args.labels is not None and sess.statistic != "roc":
+        raise ValueError("--labels: this session releases an ECDF (labels are for roc)")
     return sess, secret
+
+
+def _signed_by(cert_pem: str, ca_pem: str) -> bool:
+    """Whether the session's CA signed this certificate (a secret from another session fails
+    here, before any connection)."""
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+
+    cert = x509.load_pem_x509_certificate(cert_pem.encode())
+    ca = x509.load_pem_x509_certificate(ca_pem.encode())
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

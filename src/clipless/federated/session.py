@@ -1,10 +1,13 @@
-"""Owners, servers, a noise dealer and an analyst as separate processes over TCP.
+"""Owners, servers, a noise dealer and an analyst as separate processes over mutual TLS.
 
-A *session* is a public JSON description (protocol, servers, owners, grid, budget, noise
-option, timeout, a 16-byte session id, the servers' addresses) plus, for each party, a secret
-JSON holding only its own link keys (32 bytes per link, HMAC-SHA256, see
-:mod:`clipless.federated.transport`) and, for the dealer or the ``"distributed"`` servers, its
-node-noise key. Message flow (one message per connection, each acknowledged):
+A *session* is a public :class:`~clipless.federated.sessionfile.Session` (protocol, servers,
+owners, grid, budget, noise option, timeout, a 16-byte session id, the servers' addresses, the
+session's TLS certificate authority) plus, for each party, a
+:class:`~clipless.federated.sessionfile.PartySecret` holding only its own TLS key and
+certificate (:mod:`clipless.federated.tls`), its link keys (32 bytes per link, HMAC-SHA256, see
+:mod:`clipless.federated.transport`) and, for the dealer, its node-noise key (a
+``"distributed"`` server draws its own when it serves). Message flow (one message per
+connection, each acknowledged):
 
 * owner ``i`` -> server ``j``: ``SHARE`` (a 16-byte seed, or the explicit share for the last
   server) or ``KEYS`` (its DCF keys for server ``j``, ``protocol="fss"``);
@@ -32,9 +35,9 @@ import json
 import multiprocessing
 import os
 import secrets
-import selectors
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -48,7 +51,19 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless.federated.inbox import Inbox
 from clipless.federated.noise import tree_context, tree_key
+from clipless.federated.sessionfile import (
+    MAX_TIMEOUT,
+    Neighbouring,
+    Noise,
+    NoiseSharing,
+    PartySecret,
+    Protocol,
+    Session,
+    Statistic,
+)
+from clipless.federated.tls import Credentials, client_context, make_authority, server_context
 from clipless.federated.transport import (
     ACK,
     ERROR,
@@ -61,10 +76,8 @@ from clipless.federated.transport import (
     Counter,
     FederatedError,
     Frame,
-    FrameReader,
     Party,
     PartyDroppedError,
-    PartyTimeoutError,
     ProtocolError,
     connect,
     party_name,
@@ -80,35 +93,35 @@ __all__ = ["SimulationResult", "run_dealer", "run_owner", "run_server", "simulat
 # --------------------------------------------------------------------------------------------
 
 
-def _grid(session: dict[str, Any]) -> Any:
+def _grid(session: Session) -> Any:
     from clipless.stats.grid import Grid
 
-    return Grid.from_thresholds(np.asarray(session["thresholds"], dtype=np.float64))
+    return Grid.from_thresholds(np.asarray(session.thresholds, dtype=np.float64))
 
 
-def _points(session: dict[str, Any]) -> NDArray[np.int64]:
-    size = int(session["grid"]["size"])
-    pts = session.get("points")
+def _points(session: Session) -> NDArray[np.int64]:
+    size = int(session.size)
+    pts = session.points
     return np.arange(size, dtype=np.int64) if pts is None else np.asarray(pts, dtype=np.int64)
 
 
-def _n_bits(session: dict[str, Any]) -> int:
+def _n_bits(session: Session) -> int:
     from clipless.federated.dcf import domain_bits
 
-    return domain_bits(int(session["grid"]["size"]))
+    return domain_bits(int(session.size))
 
 
-def _is_roc(session: dict[str, Any]) -> bool:
-    return session.get("statistic", "ecdf") == "roc"
+def _is_roc(session: Session) -> bool:
+    return session.statistic == "roc"
 
 
-def _budget(session: dict[str, Any]) -> tuple[str, float | None, float | None]:
+def _budget(session: Session) -> tuple[str, float | None, float | None]:
     """``(neighbouring, epsilon, rho)`` of one tree: a ROC's classes are add/remove trees at
     ``epsilon/2`` (replace-one) or ``epsilon`` (add/remove), as in :func:`clipless.stats.roc`."""
     if not _is_roc(session):
-        return session["neighbouring"], session["epsilon"], session["rho"]
-    parts = 2 if session["neighbouring"] == "replace_one" else 1
-    eps, rho = session["epsilon"], session["rho"]
+        return session.neighbouring, session.epsilon, session.rho
+    parts = 2 if session.neighbouring == "replace_one" else 1
+    eps, rho = session.epsilon, session.rho
     return (
         "add_remove",
         None if eps is None else float(eps) / parts,
@@ -116,18 +129,18 @@ def _budget(session: dict[str, Any]) -> tuple[str, float | None, float | None]:
     )
 
 
-def _plan(session: dict[str, Any]) -> Any:
+def _plan(session: Session) -> Any:
     """The session's ``k``-ary plan (public, fixed at ``init``), or ``None`` (binary tree)."""
-    spec = session.get("kary")
+    spec = session.kary
     if spec is None:
         return None
     from clipless.stats.counting import CountingPlan
 
-    shares = tuple(Fraction(str(w)) for w in spec["shares"])
-    return CountingPlan(int(spec["branching"]), shares, float("nan"))
+    shares = tuple(Fraction(w) for w in spec[1])
+    return CountingPlan(spec[0], shares, float("nan"))
 
 
-def _context(session: dict[str, Any]) -> bytes:
+def _context(session: Session) -> bytes:
     """The released tree's identity (:func:`~clipless.federated.noise.tree_context`)."""
     plan = _plan(session)
     shape = ""
@@ -135,11 +148,11 @@ def _context(session: dict[str, Any]) -> bytes:
         from clipless.federated.ecdf import kary_shape
 
         shape = kary_shape(plan)
-    return tree_context(session["thresholds"], session.get("statistic", "ecdf"), shape)
+    return tree_context(session.thresholds, session.statistic, shape)
 
 
 def _noise_setup(
-    session: dict[str, Any],
+    session: Session,
 ) -> tuple[Any, float, int, NDArray[np.int64], NDArray[np.int64], Any]:
     """``(param, node variance, sensitivity, noise levels, noise index, matrix)``; for a
     ``k``-ary session ``param`` is the per-level tuple (the variance and sensitivity entries
@@ -152,17 +165,17 @@ def _noise_setup(
         from clipless.federated.ecdf import kary_query
         from clipless.stats.counting import kary_params, kary_released_nodes
 
-        size = int(session["grid"]["size"])
+        size = int(session.size)
         nb, eps, rho = _budget(session)
-        budget = _budget_of(session["noise"], eps, rho)
+        budget = _budget_of(session.noise, eps, rho)
         lv, ix = kary_released_nodes(size, plan, nb)  # type: ignore[arg-type]
-        params = kary_params(plan, nb, session["noise"], budget)  # type: ignore[arg-type]
+        params = kary_params(plan, nb, session.noise, budget)  # type: ignore[arg-type]
         return params, 0.0, 0, lv[:, None], ix[:, None], kary_query(size, plan)
-    size = int(session["grid"]["size"])
+    size = int(session.size)
     depth = tree_depth(size)
     nb, eps, rho = _budget(session)
-    param, var, delta = noise_parameter(depth, nb, session["noise"], eps, rho)  # type: ignore[arg-type]
-    if session.get("points") is None:
+    param, var, delta = noise_parameter(depth, nb, session.noise, eps, rho)  # type: ignore[arg-type]
+    if session.points is None:
         lv, ix = _all_nodes(session)
         matrix = tree_query(size)
         if _is_roc(session):
@@ -180,7 +193,7 @@ def _budget_of(noise: str, eps: float | None, rho: float | None) -> Fraction:
     return budget_fraction(noise, eps, rho)[0]
 
 
-def _all_nodes(session: dict[str, Any]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+def _all_nodes(session: Session) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """Every node that carries noise (both class trees, tags 0 and 1, for a ROC)."""
     from clipless.federated.noise import TAG_SHIFT, node_ids
 
@@ -188,22 +201,17 @@ def _all_nodes(session: dict[str, Any]) -> tuple[NDArray[np.int64], NDArray[np.i
     if plan is not None:
         from clipless.stats.counting import kary_released_nodes
 
-        return kary_released_nodes(int(session["grid"]["size"]), plan, session["neighbouring"])
+        return kary_released_nodes(int(session.size), plan, session.neighbouring)
 
-    depth = int(int(session["grid"]["size"]) - 1).bit_length()
+    depth = int(int(session.size) - 1).bit_length()
     lv, ix = node_ids(depth)
     if _is_roc(session):
         return np.concatenate([lv, lv + (1 << TAG_SHIFT)]), np.concatenate([ix, ix])
     return lv, ix
 
 
-def _server_addr(session: dict[str, Any], j: int) -> tuple[str, int]:
-    host, port = session["servers_at"][j]
-    return str(host), int(port)
-
-
-def _keys(secret: dict[str, Any]) -> dict[str, bytes]:
-    return {name: bytes.fromhex(h) for name, h in secret["links"].items()}
+def _server_addr(session: Session, j: int) -> tuple[str, int]:
+    return session.servers_at[j]
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,9 +219,18 @@ def _keys(secret: dict[str, Any]) -> dict[str, bytes]:
 # --------------------------------------------------------------------------------------------
 
 
+def _credentials(session: Session, secret: PartySecret, me: Party | None = None) -> Credentials:
+    """The TLS identity of ``secret``'s party; ``me``: the party it must be (a wrong secret is
+    named here, before any connection)."""
+    if me is not None and secret.party != party_name(me):
+        raise ValueError(f"{party_name(me)} was given {secret.party}'s secret")
+    return Credentials(secret.party, secret.tls_cert, secret.tls_key, session.ca)
+
+
 def _send_one(
-    session: dict[str, Any],
+    session: Session,
     keys: dict[str, bytes],
+    tls: ssl.SSLContext,
     me: Party,
     j: int,
     mtype: int,
@@ -230,13 +247,13 @@ def _send_one(
     from clipless.federated.transport import encode_frame
 
     peer: Party = ("server", j)
-    sid = bytes.fromhex(session["session"])
+    sid = bytes.fromhex(session.session_id)
     host, port = _server_addr(session, j)
     after: Callable[[], None] | None = None
     wait = 0.05
     while True:
         try:
-            with connect(host, port, peer, deadline) as sock:
+            with connect(host, port, peer, deadline, tls) as sock:
                 if fault == "tamper":  # test hook: flip one payload bit after signing
                     key = keys[party_name(peer)]
                     bad = bytearray(encode_frame(key, sid, me, peer, mtype, payload))
@@ -247,8 +264,8 @@ def _send_one(
                     send_frame(sock, keys[party_name(peer)], sid, me, peer, mtype, payload[:-8],
                                counter)  # fmt: skip
                 elif fault == "stranger":  # test hook: unauthenticated connections around it
-                    after = _stranger(sock, host, port, keys[party_name(peer)], sid, me, peer,
-                                      mtype, payload, counter)  # fmt: skip
+                    after = _stranger(sock, tls, keys[party_name(peer)], sid, me, peer,
+                                      (mtype, payload), counter, deadline)  # fmt: skip
                 elif fault == "die":  # test hook: crash half way through the message
                     data = encode_frame(keys[party_name(peer)], sid, me, peer, mtype, payload)
                     sock.sendall(data[: len(data) // 2])
@@ -269,40 +286,49 @@ def _send_one(
 
 
 def _stranger(
-    sock: socket.socket,
-    host: str,
-    port: int,
+    sock: ssl.SSLSocket,
+    tls: ssl.SSLContext,
     key: bytes,
     sid: bytes,
     me: Party,
     peer: Party,
-    mtype: int,
-    payload: bytes,
+    message: tuple[int, bytes],
     counter: Counter,
+    deadline: float,
 ) -> Callable[[], None]:
-    """Test hook (``fault="stranger"``): what anyone who can reach a server's port may send.
+    """Test hook (``fault="stranger"``): what anyone who can reach a server's port may send,
+    and what a party holding a valid certificate may get wrong.
 
-    Before the owner's real message: an idle connection held open throughout, an HTTP request,
-    a frame in this owner's name signed with a wrong key, a frame addressed to another server,
-    and a frame cut short after its header; after it (and its ACK, read by the caller), a
-    byte-identical replay of the message on a fresh connection (the returned function, called
-    once the ACK is in). None may change the release."""
+    Before the owner's real message: an idle TCP connection held open throughout, an HTTP
+    request (not TLS), and over TLS with this owner's own certificate a frame signed with a
+    wrong key, a frame addressed to another server, a frame in another party's name and a frame
+    cut short after its header; after it (and its ACK, read by the caller), a byte-identical
+    replay of the message on a fresh connection (the returned function, called once the ACK is
+    in). None may change the release."""
     from clipless.federated.transport import encode_frame
 
+    mtype, payload = message
+    host, port = sock.getpeername()[:2]
     idle = socket.create_connection((host, port))
+    with socket.create_connection((host, port)) as junk:
+        junk.sendall(b"GET / HTTP/1.0\r\n\r\n")
     for data in (
-        b"GET / HTTP/1.0\r\n\r\n",
         encode_frame(secrets.token_bytes(32), sid, me, peer, mtype, payload),
         encode_frame(key, sid, me, ("server", peer[1] + 1), mtype, payload),
+        encode_frame(key, sid, ("owner", me[1] + 1000), peer, mtype, payload),
         encode_frame(key, sid, me, peer, mtype, payload)[:31],  # cut short
     ):
-        with socket.create_connection((host, port)) as junk:
-            junk.sendall(data)
+        with connect(host, port, peer, deadline, tls) as bad:
+            bad.sendall(data)
     send_frame(sock, key, sid, me, peer, mtype, payload, counter)
     frame = encode_frame(key, sid, me, peer, mtype, payload)
 
     def replay() -> None:
-        with contextlib.suppress(OSError), socket.create_connection((host, port)) as again:
+        # the server may be done by now (its listener closed): a refused replay is fine too
+        with (
+            contextlib.suppress(OSError, FederatedError),
+            connect(host, port, peer, deadline, tls) as again,
+        ):
             again.sendall(frame)
             again.settimeout(5.0)
             again.recv(1 << 16)
@@ -312,8 +338,8 @@ def _stranger(
 
 
 def run_owner(
-    session: dict[str, Any],
-    secret: dict[str, Any],
+    session: Session,
+    secret: PartySecret,
     index: int,
     values: Sequence[float],
     fault: str = "",
@@ -324,19 +350,20 @@ def run_owner(
     from clipless.federated.ustat import owner_messages
 
     me: Party = ("owner", index)
-    keys = _keys(secret)
+    keys = dict(secret.links)
+    tls = client_context(_credentials(session, secret, me))
     counter = Counter()
-    deadline = time.monotonic() + float(session["timeout"])
+    deadline = time.monotonic() + float(session.timeout)
     if fault == "sleep":  # test hook: a slow owner
-        time.sleep(float(session["timeout"]) + 0.5)
-    thresholds = np.asarray(session["thresholds"], dtype=np.float64)
+        time.sleep(float(session.timeout) + 0.5)
+    thresholds = np.asarray(session.thresholds, dtype=np.float64)
     vals = np.asarray(values, dtype=np.float64)
     if vals.ndim != 1 or not np.all(np.isfinite(vals)):
         raise ValueError(f"owner {index}: values must be finite numbers")
-    if session.get("one_value_per_owner") and vals.size != 1:
+    if session.one_value_per_owner and vals.size != 1:
         # the public n defaults to one value per owner; more would be divided by the wrong n
         raise ValueError(
-            f"owner {index}: this session's public n is {session['n_values']}, one value per "
+            f"owner {index}: this session's public n is {session.n_values}, one value per "
             f"owner, but this owner holds {vals.size}; start the session with --n-values (the "
             "total number of values)"
         )
@@ -344,12 +371,12 @@ def run_owner(
     leaves = np.minimum(np.searchsorted(thresholds, vals, side="left"), thresholds.size - 1).astype(
         np.int64
     )
-    m = int(session["servers"])
+    m = int(session.servers)
     if _is_roc(session):
         y = np.asarray(labels if labels is not None else [], dtype=np.int64)
         if y.shape != vals.shape or not np.all((y == 0) | (y == 1)):
             raise ValueError(f"owner {index}: one 0/1 label per value is needed")
-        if session["protocol"] == "fss":
+        if session.protocol == "fss":
             from clipless.federated.dcf import prefix_dcf_keys
 
             pairs = [prefix_dcf_keys(leaves, (y == c).astype(np.int64), _n_bits(session))
@@ -362,7 +389,7 @@ def run_owner(
                 np.searchsorted(np.sort(leaves[y == c]), pts, side="right") for c in (0, 1)
             ]).astype(np.int64)  # fmt: skip
             msgs, mtype = owner_messages(u, m), SHARE
-    elif session["protocol"] == "fss":
+    elif session.protocol == "fss":
         from clipless.federated.dcf import gen_dcf
 
         pair = gen_dcf(leaves, _n_bits(session))
@@ -372,156 +399,32 @@ def run_owner(
         u = np.searchsorted(np.sort(leaves), pts, side="right").astype(np.int64)
         msgs, mtype = owner_messages(u, m), SHARE
     for j in range(m):
-        _send_one(session, keys, me, j, mtype, msgs[j], counter, deadline, fault)
+        _send_one(session, keys, tls, me, j, mtype, msgs[j], counter, deadline, fault)
     return counter
 
 
-def run_dealer(session: dict[str, Any], secret: dict[str, Any]) -> Counter:
+def run_dealer(session: Session, secret: PartySecret) -> Counter:
     """The noise dealer: node-noise shares for every node of the tree, to every server."""
     from clipless.federated.ustat import NoiseDealer
 
     me: Party = ("dealer", 0)
-    keys = _keys(secret)
+    keys = dict(secret.links)
+    tls = client_context(_credentials(session, secret, me))
     counter = Counter()
-    deadline = time.monotonic() + float(session["timeout"])
+    deadline = time.monotonic() + float(session.timeout)
     param = _noise_setup(session)[0]
     levels, index = _all_nodes(session)
-    dealer = NoiseDealer(bytes.fromhex(secret["noise_key"]), int(session["servers"]))
-    msgs = dealer.messages(session["noise"], param, levels, index)
+    dealer = NoiseDealer(secret.noise_key or b"", int(session.servers))
+    msgs = dealer.messages(session.noise, param, levels, index)
     for j, msg in enumerate(msgs):
-        _send_one(session, keys, me, j, NOISE, msg, counter, deadline)
+        _send_one(session, keys, tls, me, j, NOISE, msg, counter, deadline)
     return counter
 
 
-class _Inbox:
-    """A server's listener, multiplexed with :mod:`selectors`: every connection is read
-    incrementally, so no peer can stall the others, and a frame that does not verify closes
-    only its own connection.
-
-    Anyone who can reach the port can open a connection, so nothing unauthenticated may end
-    the run: a connection that sends garbage, a frame claiming an unknown party or failing its
-    HMAC, one that stays idle, or one closed mid-frame is dropped and remembered
-    (:attr:`rejected`, by the party the frame claimed) -- if that party's verified message
-    never arrives, the server's timeout error names it with what was seen. At most ``cap``
-    connections are read at once; beyond that, the one that has received the fewest bytes
-    (the oldest of those) is dropped, so that idle connections opened by a stranger cannot push
-    out a party part-way through its message (parties also reconnect and resend until their
-    deadline: :func:`_send_one`)."""
-
-    def __init__(
-        self,
-        listener: socket.socket,
-        keys: dict[str, bytes],
-        sid: bytes,
-        me: Party,
-        cap: int,
-    ) -> None:
-        self.listener, self.keys, self.sid, self.me, self.cap = listener, keys, sid, me, cap
-        self.sel = selectors.DefaultSelector()
-        listener.setblocking(False)
-        self.sel.register(listener, selectors.EVENT_READ, None)
-        self.open: dict[socket.socket, FrameReader] = {}
-        self.rejected: dict[str, FederatedError] = {}
-        self.unidentified = 0
-
-    def _reject(self, conn: socket.socket, exc: FederatedError | None, claimed: str) -> None:
-        self.sel.unregister(conn)
-        del self.open[conn]
-        conn.close()
-        if exc is not None and claimed in self.keys:
-            self.rejected[claimed] = exc
-        else:
-            self.unidentified += 1
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # e.g. too many open files: leave it in the backlog for now
-                return
-            if len(self.open) >= self.cap:  # the least progress (the oldest among equals)
-                victim = min(self.open, key=lambda c: self.open[c].received)
-                self._reject(victim, None, "")
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.open[conn] = FrameReader(self.keys, self.sid, self.me)
-            self.sel.register(conn, selectors.EVENT_READ, conn)
-
-    def poll(self, until: float) -> list[tuple[socket.socket, Frame]]:
-        """The frames verified before ``until`` (returns as soon as there is one, or at
-        ``until``); their connections are handed over in blocking mode."""
-        done: list[tuple[socket.socket, Frame]] = []
-        while not done:
-            remaining = until - time.monotonic()
-            if remaining <= 0:
-                break
-            for key, _ in self.sel.select(timeout=remaining):
-                if key.data is None:
-                    self._accept()
-                    continue
-                conn: socket.socket = key.data
-                reader = self.open.get(conn)
-                if reader is None:  # dropped earlier in this batch of events (the cap)
-                    continue
-                try:
-                    chunk = conn.recv(min(max(reader.pending, 1), 1 << 20))
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError as exc:
-                    chunk, why = b"", f"dropped the connection ({exc})"
-                else:
-                    why = "closed the connection mid-message"
-                if not chunk:
-                    who = reader.claimed or "an unidentified peer"
-                    self._reject(conn, PartyDroppedError(f"{who} {why}", who), reader.claimed)
-                    continue
-                try:
-                    frame = reader.feed(chunk)
-                except FederatedError as exc:
-                    self._reject(conn, exc, reader.claimed or exc.party)
-                    continue
-                if frame is not None:
-                    self.sel.unregister(conn)
-                    del self.open[conn]
-                    conn.setblocking(True)
-                    done.append((conn, frame))
-        return done
-
-    def missing_error(self, index: int, missing: list[str], timeout: float) -> FederatedError:
-        """The error for parties whose verified message did not arrive in time: what was
-        rejected in their name, if anything, else a timeout."""
-        seen = [p for p in missing if p in self.rejected]
-        strangers = (
-            f"; {self.unidentified} unidentified connection(s) were dropped"
-            if self.unidentified
-            else ""
-        )
-        if seen:
-            exc = self.rejected[seen[0]]
-            return type(exc)(
-                f"server {index}: no verified message from {', '.join(missing)} within "
-                f"{timeout} s; a frame claiming to come from {seen[0]} was rejected: {exc}"
-                + strangers,
-                seen[0],
-            )
-        return PartyTimeoutError(
-            f"server {index}: no message from {', '.join(missing)} within {timeout} s (slow, "
-            f"crashed or never started){strangers}",
-            missing[0],
-        )
-
-    def close(self) -> None:
-        for conn in list(self.open):
-            self.sel.unregister(conn)
-            conn.close()
-        self.open.clear()
-        self.sel.unregister(self.listener)
-        self.sel.close()
+_Inbox = Inbox  # the name the tests and earlier code use
 
 
-def server_noise_key(session: dict[str, Any], own_key: bytes | None = None) -> bytes:
+def server_noise_key(session: Session, own_key: bytes | None = None) -> bytes:
     """A ``"distributed"`` server's node-noise key for this session's tree: its own 16-byte
     ``own_key`` (kept by the server, e.g. ``serve --noise-key-file``) or, by default, a fresh
     one drawn here and never written, bound to the tree (:func:`~clipless.federated.noise.
@@ -531,8 +434,8 @@ def server_noise_key(session: dict[str, Any], own_key: bytes | None = None) -> b
 
 
 def run_server(
-    session: dict[str, Any],
-    secret: dict[str, Any],
+    session: Session,
+    secret: PartySecret,
     index: int,
     listener: socket.socket,
     noise_key: bytes | None = None,
@@ -547,19 +450,20 @@ def run_server(
     different messages from one party); an unauthenticated connection is dropped without
     effect (:class:`_Inbox`), and a byte-identical replay of an accepted frame is ignored."""
     me: Party = ("server", index)
-    keys = _keys(secret)
-    sid = bytes.fromhex(session["session"])
+    keys = dict(secret.links)
+    sid = bytes.fromhex(session.session_id)
     counter = Counter()
-    m, n = int(session["servers"]), int(session["owners"])
-    timeout = float(session["timeout"])
-    dealer = session["noise_sharing"] == "dealer"
+    m, n = int(session.servers), int(session.owners)
+    timeout = float(session.timeout)
+    dealer = session.noise_sharing == "dealer"
     own = None if dealer else server_noise_key(session, noise_key)
     expected = {f"owner {i}" for i in range(n)} | ({"dealer 0"} if dealer else set())
     got: dict[str, Frame] = {}
-    analysts: list[tuple[socket.socket, Frame]] = []
+    analysts: list[tuple[ssl.SSLSocket, Frame]] = []
     error: FederatedError | None = None
     deadline = time.monotonic() + timeout
-    inbox = _Inbox(listener, keys, sid, me, cap=max(64, 4 * (len(keys) + 1)))
+    tls = server_context(_credentials(session, secret, me))
+    inbox = Inbox(listener, keys, sid, me, cap=max(64, 4 * (len(keys) + 1)), tls=tls)
     try:
         while error is None and set(got) != expected:
             if time.monotonic() >= deadline:
@@ -631,7 +535,7 @@ def run_server(
 
 
 def _server_output(
-    session: dict[str, Any], index: int, m: int, got: dict[str, Frame], noise_key: bytes | None
+    session: Session, index: int, m: int, got: dict[str, Frame], noise_key: bytes | None
 ) -> bytes:
     from clipless.federated.ustat import ShareServer
 
@@ -639,7 +543,7 @@ def _server_output(
     roc = _is_roc(session)
     srv = ShareServer(index, m, pts.size * (2 if roc else 1), noise_key=noise_key)
     owners = sorted((w for w in got if w.startswith("owner")), key=lambda w: int(w.split()[1]))
-    if session["protocol"] == "fss":
+    if session.protocol == "fss":
         from clipless.federated.dcf import DcfKeys, server_prefix_shares
 
         for w in owners:
@@ -669,11 +573,11 @@ def _server_output(
                 )
             except ValueError as exc:
                 raise ProtocolError(f"server {index}: malformed DCF keys ({exc})") from None
-            if session["n_values"] is not None and len(keys) != int(session["n_values"]):
+            if session.n_values is not None and len(keys) != int(session.n_values):
                 # one key per value: the true total is known here (public under replace-one)
                 raise ProtocolError(
                     f"server {index}: the owners sent {len(keys)} DCF keys (one per value) but "
-                    f"the session's public n is {session['n_values']}: the ECDF would be divided "
+                    f"the session's public n is {session.n_values}: the ECDF would be divided "
                     "by the wrong n; start a session with the right --n-values"
                 )
             srv.add_plain(server_prefix_shares(keys, pts))
@@ -686,7 +590,7 @@ def _server_output(
             except ValueError as exc:
                 raise ProtocolError(f"malformed share from {w}: {exc}", w) from None
     param, _, _, lev, idx, matrix = _noise_setup(session)
-    if session["noise_sharing"] == "dealer":
+    if session.noise_sharing == "dealer":
         levels, index_all = _all_nodes(session)
         try:
             srv.receive_noise(got["dealer 0"].payload, levels, index_all)
@@ -694,27 +598,26 @@ def _server_output(
             raise ProtocolError(
                 f"malformed noise shares from dealer 0: {exc}", "dealer 0"
             ) from None
-    out = srv.output(session["noise"], param, lev, idx, matrix)
+    out = srv.output(session.noise, param, lev, idx, matrix)
     return out.astype("<u8").tobytes()
 
 
-def run_analyst(
-    session: dict[str, Any], secret: dict[str, Any]
-) -> tuple[NDArray[np.int64], Counter]:
+def run_analyst(session: Session, secret: PartySecret) -> tuple[NDArray[np.int64], Counter]:
     """Ask every server for its share; sum them (or raise the error a server reports)."""
     from clipless.federated.ustat import combine
 
     me: Party = ("analyst", 0)
-    keys = _keys(secret)
-    sid = bytes.fromhex(session["session"])
+    keys = dict(secret.links)
+    tls = client_context(_credentials(session, secret, me))
+    sid = bytes.fromhex(session.session_id)
     counter = Counter()
-    deadline = time.monotonic() + 2 * float(session["timeout"]) + 5.0
+    deadline = time.monotonic() + 2 * float(session.timeout) + 5.0
     shares = []
-    for j in range(int(session["servers"])):
+    for j in range(int(session.servers)):
         peer: Party = ("server", j)
         host, port = _server_addr(session, j)
-        reach_by = min(deadline, time.monotonic() + float(session["timeout"]))
-        with connect(host, port, peer, reach_by) as sock:
+        reach_by = min(deadline, time.monotonic() + float(session.timeout))
+        with connect(host, port, peer, reach_by, tls) as sock:
             send_frame(sock, keys[party_name(peer)], sid, me, peer, REQUEST, b"", counter)
             frame = recv_frame(sock, keys, sid, me, deadline, party_name(peer))
         if frame.mtype == ERROR:
@@ -760,33 +663,30 @@ class SimulationResult:
         return out
 
 
-#: The largest per-phase timeout (30 days): every deadline (at most now + 2 timeout + 5 s) stays
-#: far inside what socket timeouts and ``select`` can represent (1e12 s overflowed).
-MAX_TIMEOUT = 30 * 86400
-
-
 def make_session(
-    protocol: str,
+    protocol: Protocol,
     owners: int,
     servers: int,
     size: int,
     epsilon: float | None,
     *,
-    noise_sharing: str = "dealer",
+    noise_sharing: NoiseSharing = "dealer",
     lower: float = 0.0,
     upper: float = 1.0,
     points: Sequence[int] | None = None,
-    neighbouring: str = "replace_one",
-    noise: str = "laplace",
+    neighbouring: Neighbouring = "replace_one",
+    noise: Noise = "laplace",
     rho: float | None = None,
     timeout: float = 30.0,
     noise_keys: Sequence[bytes] | None = None,
     n_values: int | None = None,
-    statistic: str = "ecdf",
+    statistic: Statistic = "ecdf",
     mechanism: str = "auto",
-) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """A fresh public session and every party's secret: the pairwise link keys and, with
-    ``noise_sharing="dealer"``, the dealer's noise key (``noise_keys=[K]`` or fresh).
+) -> tuple[Session, dict[str, PartySecret]]:
+    """A fresh public session and every party's secret: the pairwise link keys, its TLS key
+    and certificate (signed by the session's fresh CA, whose private key is then discarded:
+    :mod:`clipless.federated.tls`) and, with ``noise_sharing="dealer"``, the dealer's noise key
+    (``noise_keys=[K]`` or fresh).
 
     With ``"distributed"`` no noise key is written anywhere: each server draws its own when it
     serves (:func:`run_server`), so whoever runs this (``clipless federated init``) knows
@@ -818,19 +718,81 @@ def make_session(
         raise ValueError(f"owners must be >= 1, got {owners}")
     if noise_sharing not in ("dealer", "distributed"):
         raise ValueError(f"noise_sharing must be 'dealer' or 'distributed', got {noise_sharing!r}")
-    from clipless.federated.ecdf import _points, noise_parameter
     from clipless.stats.grid import Grid
-    from clipless.stats.tree import tree_depth
 
     grid = Grid(lower, upper, size=size)
+    _check_release(grid, neighbouring, noise, epsilon, rho, n_values, timeout, points)
+    _check_noise_sharing(noise_sharing, noise_keys)
+    kary = None
+    if mechanism != "binary" and statistic == "ecdf" and points is None:
+        from clipless.stats.counting import counting_plan
+
+        budget = _budget_of(noise, epsilon, rho)
+        plan = counting_plan(size, neighbouring, noise, budget)
+        kary = (plan.branching, tuple(str(w) for w in plan.shares))
+    elif mechanism == "k-ary":
+        raise ValueError("mechanism='k-ary' is for a whole-grid ECDF (points None, statistic ecdf)")
+    parties = (
+        [f"owner {i}" for i in range(owners)]
+        + [f"server {j}" for j in range(servers)]
+        + ["analyst 0"]
+        + (["dealer 0"] if noise_sharing == "dealer" else [])
+    )
+    sid = secrets.token_hex(16)
+    ca, certs = make_authority(sid, parties)
+    session = Session(
+        session_id=sid, statistic=statistic, thresholds=tuple(grid.thresholds.tolist()),
+        protocol=protocol, servers=servers, owners=owners, noise_sharing=noise_sharing,
+        lower=float(lower), upper=float(upper), size=size,
+        points=None if points is None else tuple(int(p) for p in points),
+        epsilon=epsilon, rho=rho, noise=noise, neighbouring=neighbouring, timeout=timeout,
+        # replace-one: the public n (by default one value per owner, checked by the owners);
+        # add/remove: none (the number of values is private, and owners hold any number)
+        n_values=None if neighbouring == "add_remove" else n_values if n_values else owners,
+        one_value_per_owner=neighbouring == "replace_one" and n_values is None,
+        servers_at=(), kary=kary, ca=ca,
+    )  # fmt: skip
+    links: dict[str, dict[str, bytes]] = {p: {} for p in parties}
+    for j in range(servers):
+        for p in parties:
+            if not p.startswith("server"):
+                links[p][f"server {j}"] = links[f"server {j}"][p] = secrets.token_bytes(32)
+    noise_key = None
+    if noise_sharing == "dealer":
+        nk = secrets.token_bytes(16) if noise_keys is None else bytes(next(iter(noise_keys)))
+        # the dealer holds the key bound to this tree (grid, statistic, shape): noise.tree_key
+        noise_key = tree_key(nk, _context(session))
+    secret = {
+        p: PartySecret(
+            p, links[p], certs[p][1], certs[p][0], noise_key if p == "dealer 0" else None
+        )
+        for p in parties
+    }
+    return session, secret
+
+
+def _check_release(
+    grid: Any,
+    neighbouring: Neighbouring,
+    noise: Noise,
+    epsilon: float | None,
+    rho: float | None,
+    n_values: int | None,
+    timeout: float,
+    points: Sequence[int] | None,
+) -> None:
+    """:func:`make_session`'s release arguments, each named in its error."""
     if neighbouring not in ("replace_one", "add_remove"):
         raise ValueError(
             f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
         )
     if noise not in ("laplace", "gaussian"):
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    from clipless.federated.ecdf import _points, noise_parameter
+    from clipless.stats.tree import tree_depth
+
     # the budget is checked now, not by the dealer or the servers mid-run
-    noise_parameter(tree_depth(len(grid)), neighbouring, noise, epsilon, rho)  # type: ignore[arg-type]
+    noise_parameter(tree_depth(len(grid)), neighbouring, noise, epsilon, rho)
     if n_values is not None and (
         isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1
     ):
@@ -854,68 +816,17 @@ def make_session(
         except ValueError as exc:
             raise ValueError(f"points: {exc}") from None
 
-    session = {
-        "session": secrets.token_hex(16),
-        "statistic": statistic,
-        "thresholds": grid.thresholds.tolist(),
-        "protocol": protocol,
-        "servers": servers,
-        "owners": owners,
-        "noise_sharing": noise_sharing,
-        "grid": {"lower": lower, "upper": upper, "size": size},
-        "points": None if points is None else [int(p) for p in points],
-        "epsilon": epsilon,
-        "rho": rho,
-        "noise": noise,
-        "neighbouring": neighbouring,
-        "timeout": timeout,
-        # replace-one: the public n (by default one value per owner, checked by the owners);
-        # add/remove: none (the number of values is private, and owners hold any number)
-        "n_values": None
-        if neighbouring == "add_remove"
-        else (owners if n_values is None else n_values),
-        "one_value_per_owner": neighbouring == "replace_one" and n_values is None,
-        "servers_at": [],
-        "kary": None,
-    }
-    if mechanism != "binary" and statistic == "ecdf" and points is None:
-        from clipless.stats.counting import counting_plan
 
-        budget = _budget_of(noise, epsilon, rho)
-        plan = counting_plan(size, neighbouring, noise, budget)  # type: ignore[arg-type]
-        session["kary"] = {
-            "branching": plan.branching,
-            "shares": [str(w) for w in plan.shares],
-        }
-    elif mechanism == "k-ary":
-        raise ValueError("mechanism='k-ary' is for a whole-grid ECDF (points None, statistic ecdf)")
-    parties = (
-        [f"owner {i}" for i in range(owners)]
-        + [f"server {j}" for j in range(servers)]
-        + ["analyst 0"]
-        + (["dealer 0"] if noise_sharing == "dealer" else [])
-    )
-    secret: dict[str, dict[str, Any]] = {p: {"links": {}} for p in parties}
-    for j in range(servers):
-        for p in parties:
-            if not p.startswith("server"):
-                k = secrets.token_hex(32)
-                secret[p]["links"][f"server {j}"] = k
-                secret[f"server {j}"]["links"][p] = k
-    if noise_sharing == "distributed":
-        if noise_keys is not None:
-            raise ValueError(
-                "noise_keys must be None with noise_sharing='distributed': each server draws "
-                "its own noise key when it serves, so that no single party (the one running "
-                "init included) knows the noise; give reproducible keys to the servers "
-                "themselves (simulate(noise_keys=...) or serve --noise-key-file)"
-            )
-        return session, secret
-    _check_noise_keys(noise_keys, 1)
-    nk = [secrets.token_bytes(16)] if noise_keys is None else list(noise_keys)
-    # the dealer holds the key bound to this tree (grid, statistic, shape): noise.tree_key
-    secret["dealer 0"]["noise_key"] = tree_key(bytes(nk[0]), _context(session)).hex()
-    return session, secret
+def _check_noise_sharing(noise_sharing: str, noise_keys: Sequence[bytes] | None) -> None:
+    if noise_sharing == "distributed" and noise_keys is not None:
+        raise ValueError(
+            "noise_keys must be None with noise_sharing='distributed': each server draws "
+            "its own noise key when it serves, so that no single party (the one running "
+            "init included) knows the noise; give reproducible keys to the servers "
+            "themselves (simulate(noise_keys=...) or serve --noise-key-file)"
+        )
+    if noise_sharing == "dealer":
+        _check_noise_keys(noise_keys, 1)
 
 
 def _check_noise_keys(noise_keys: Sequence[bytes] | None, need: int) -> None:
@@ -949,7 +860,7 @@ def _child(target: Callable[..., Counter], args: tuple[Any, ...], conn: Any) -> 
 
 
 def simulate(
-    protocol: str,
+    protocol: Protocol,
     owner_values: Sequence[Sequence[float]],
     servers: int,
     size: int,
@@ -1012,7 +923,8 @@ def simulate(
                 for j in range(servers):
                     # one listener at a time, closed here once forked: no other process holds it
                     lst = socket.create_server(("127.0.0.1", 0))
-                    session["servers_at"].append(["127.0.0.1", lst.getsockname()[1]])
+                    at = (*session.servers_at, ("127.0.0.1", lst.getsockname()[1]))
+                    session = session.with_servers_at(at)
                     launch(
                         f"server {j}",
                         run_server,
@@ -1022,7 +934,7 @@ def simulate(
                 if kill_server is not None:
                     procs[kill_server][1].kill()
                     procs[kill_server][1].join()
-                if session["noise_sharing"] == "dealer":
+                if session.noise_sharing == "dealer":
                     launch("dealer 0", run_dealer, (session, secret["dealer 0"]))
                 for i, vals in enumerate(owner_values):
                     launch(
@@ -1038,7 +950,7 @@ def simulate(
                         ),
                     )
             else:
-                _launch_subprocesses(
+                session = _launch_subprocesses(
                     session, secret, owner_values, Path(tmp), procs, kill_server, owner_labels,
                     own_keys,
                 )  # fmt: skip
@@ -1050,7 +962,7 @@ def simulate(
             except FederatedError as exc:
                 analyst_error = exc
             party_errors: list[FederatedError] = []
-            grace = 0.5 if analyst_error is not None else float(session["timeout"]) + 10.0
+            grace = 0.5 if analyst_error is not None else float(session.timeout) + 10.0
             for name, proc, channel in procs:
                 report = _collect(name, proc, channel, spawn, grace)
                 if report is None:
@@ -1071,7 +983,7 @@ def simulate(
 
 
 def _finish(
-    session: dict[str, Any],
+    session: Session,
     out: NDArray[np.int64],
     sent: dict[str, int],
     wall: float,
@@ -1081,19 +993,19 @@ def _finish(
     from clipless.federated.ecdf import assemble
 
     param, var, delta, _, _, _ = _noise_setup(session)
-    m_noise = int(session["servers"]) if session["noise_sharing"] == "distributed" else 1
+    m_noise = int(session.servers) if session.noise_sharing == "distributed" else 1
     pts = _points(session)
-    whole = session.get("points") is None
+    whole = session.points is None
     nb, eps, rho = _budget(session)
     plan = _plan(session)
     if plan is not None:
         from clipless.stats.counting import kary_estimate
         from clipless.stats.ecdf import from_release
 
-        n_pub = int(session["n_values"] or 0)
+        n_pub = int(session.n_values or 0)
         kary = kary_estimate(
-            out, len(pts), plan, nb, session["noise"], _budget_of(session["noise"], eps, rho),  # type: ignore[arg-type]
-            n_pub, eps if session["noise"] == "laplace" else None, rho, m_noise,
+            out, len(pts), plan, nb, session.noise, _budget_of(session.noise, eps, rho),  # type: ignore[arg-type]
+            n_pub, eps if session.noise == "laplace" else None, rho, m_noise,
         )  # fmt: skip
         Fk = from_release(
             kary, _grid(session), n=n_pub if nb == "replace_one" else None,
@@ -1104,7 +1016,7 @@ def _finish(
         )
     if not _is_roc(session):
         counts, values, release, F = assemble(
-            out, _grid(session), pts, whole, int(session["n_values"] or 0), session["noise"],
+            out, _grid(session), pts, whole, int(session.n_values or 0), session.noise,
             param, var * m_noise, delta, eps, rho, nb,  # type: ignore[arg-type]
             smoothing, consistency,  # type: ignore[arg-type]
         )  # fmt: skip
@@ -1115,7 +1027,7 @@ def _finish(
     curves = []
     for part in (out[:half], out[half:]):
         _, _, _, Fc = assemble(
-            part, _grid(session), pts, True, 0, session["noise"], param, var * m_noise,
+            part, _grid(session), pts, True, 0, session.noise, param, var * m_noise,
             delta, eps, rho, "add_remove", smoothing, consistency,  # type: ignore[arg-type]
         )  # fmt: skip
         curves.append(Fc)
@@ -1124,7 +1036,7 @@ def _finish(
     fpr, tpr = 1.0 - np.asarray(neg.values), 1.0 - np.asarray(pos.values)
     roc = DPROC(
         thresholds=neg.grid.thresholds, fpr=fpr, tpr=tpr, negatives=neg, positives=pos,
-        epsilon=session["epsilon"], rho=session["rho"], neighbouring=session["neighbouring"],
+        epsilon=session.epsilon, rho=session.rho, neighbouring=session.neighbouring,
         smoothing=smoothing,  # type: ignore[arg-type]
     )  # fmt: skip
     counts = np.concatenate([neg.release.prefix_counts, pos.release.prefix_counts])
@@ -1167,17 +1079,18 @@ def _stop(proc: Any) -> None:
 
 
 def _launch_subprocesses(
-    session: dict[str, Any],
-    secret: dict[str, dict[str, Any]],
+    session: Session,
+    secret: dict[str, PartySecret],
     owner_values: Sequence[Sequence[float]],
     tmp: Path,
     procs: list[tuple[str, Any, Any]],
     kill_server: int | None,
     owner_labels: Sequence[Sequence[int]] | None = None,
     own_keys: Sequence[bytes | None] | None = None,
-) -> None:
+) -> Session:
     """Start ``clipless federated serve/dealer/owner`` processes (servers first, on port 0);
-    a ``"distributed"`` server given its own key gets it in its own ``--noise-key-file``."""
+    a ``"distributed"`` server given its own key gets it in its own ``--noise-key-file``.
+    Returns the session with the servers' addresses."""
     exe = [sys.executable, "-m", "clipless.federated.cli"]  # fast start: no torch, no scipy
     env = dict(os.environ)
 
@@ -1185,7 +1098,7 @@ def _launch_subprocesses(
         path = tmp / f"{name.replace(' ', '-')}.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
-            json.dump(secret[name], fh)
+            json.dump(secret[name].to_json(), fh)
         return str(path)
 
     def key_file(j: int) -> list[str]:
@@ -1198,8 +1111,8 @@ def _launch_subprocesses(
         return ["--noise-key-file", str(path)]
 
     pub = tmp / "session.json"
-    pub.write_text(json.dumps(session))
-    for j in range(int(session["servers"])):
+    pub.write_text(json.dumps(session.to_json()))
+    for j in range(int(session.servers)):
         proc = subprocess.Popen(
             [
                 *exe,
@@ -1224,12 +1137,12 @@ def _launch_subprocesses(
         if not line.startswith("listening "):
             raise PartyDroppedError(f"server {j} failed to start", f"server {j}")
         host, port = line.split()[1].rsplit(":", 1)
-        session["servers_at"].append([host, int(port)])
-    pub.write_text(json.dumps(session))
+        session = session.with_servers_at([*session.servers_at, (host, int(port))])
+    pub.write_text(json.dumps(session.to_json()))
     if kill_server is not None:
         procs[kill_server][1].kill()
         procs[kill_server][1].wait()
-    if session["noise_sharing"] == "dealer":
+    if session.noise_sharing == "dealer":
         proc = subprocess.Popen(
             [*exe, "dealer", str(pub), "--secret", secret_file("dealer 0")],
             stdout=subprocess.PIPE,
@@ -1258,3 +1171,4 @@ def _launch_subprocesses(
             env=env,
         )
         procs.append((f"owner {i}", proc, None))
+    return session

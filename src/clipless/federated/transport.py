@@ -1,4 +1,5 @@
-"""Length-prefixed, HMAC-SHA256-authenticated binary messages over TCP, with byte counters.
+"""Length-prefixed, HMAC-SHA256-authenticated binary messages over mutually authenticated TLS
+1.3 (:mod:`clipless.federated.tls`), with byte counters.
 
 Frame layout (all integers big-endian)::
 
@@ -9,13 +10,21 @@ Frame layout (all integers big-endian)::
 (sender, receiver) link (RFC 2104; :mod:`hmac` with :func:`hmac.compare_digest`). The 16-byte
 session id binds a frame to one run; each party accepts at most one message from each peer per
 run, so a replayed frame changes nothing (a server acknowledges a byte-identical replay and
-ignores it; a different second message is an error). Messages are authenticated,
-**not encrypted**: on a network that others can read, run the links inside TLS or an SSH tunnel
-(secret shares and DCF keys must stay confidential; the docs say how).
+ignores it; a different second message is an error).
+
+Every connection is TLS 1.3 with a certificate on both sides from the session's own authority
+(:func:`connect` checks the server's name; a server takes the client's name from its
+certificate, and :class:`FrameReader` accepts only frames sent in that name), so the frames are
+confidential and tampering in transit breaks the TLS record (an :class:`AuthenticationError`).
+The HMAC stays, inside TLS: it binds each message to the session id and to its link end to
+end (whoever terminates TLS -- a proxy in front of a server -- still cannot forge or redirect a
+frame), and it keeps the frame format and the byte counts of the cost model unchanged.
 
 Failures are never silent. Every error names the party at fault:
 
 * :class:`AuthenticationError` -- a frame whose tag does not verify, or from an unknown party;
+  a peer certificate that does not verify or names another party; a TLS record that fails its
+  integrity check (tampered in transit);
 * :class:`PartyTimeoutError` -- a party that sent nothing (or not all of its frame) in time;
 * :class:`PartyDroppedError` -- a party whose connection was refused or closed mid-message;
 * :class:`ProtocolError` -- a well-authenticated but invalid message (wrong size, duplicate).
@@ -26,10 +35,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import socket
+import ssl
 import struct
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+from clipless.federated.tls import peer_name
 
 __all__ = [
     "AuthenticationError",
@@ -44,6 +56,7 @@ __all__ = [
     "party_name",
     "recv_frame",
     "send_frame",
+    "tls_error",
 ]
 
 MAGIC = b"CLF1"
@@ -74,7 +87,8 @@ class FederatedError(RuntimeError):
 
 
 class AuthenticationError(FederatedError):
-    """A message failed HMAC-SHA256 verification (tampered, or from an unknown party)."""
+    """A message failed HMAC-SHA256 verification (tampered, or from an unknown party), or the
+    TLS layer refused a peer (certificate, name, or a record tampered in transit)."""
 
     code = 1
 
@@ -174,7 +188,21 @@ def send_frame(
             f"{party_name(receiver)} did not accept data within the timeout",
             party_name(receiver),
         ) from None
+    except ssl.SSLError as exc:
+        if not isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError):
+            raise tls_error(exc, party_name(receiver)) from None
+        alert = _pending_alert(sock, party_name(receiver))
+        if alert is not None:
+            raise alert from None
+        raise PartyDroppedError(
+            f"{party_name(receiver)} closed the TLS connection ({exc}; if it persists, this "
+            "party's certificate may not be of that session)",
+            party_name(receiver),
+        ) from None
     except OSError as exc:
+        alert = _pending_alert(sock, party_name(receiver))
+        if alert is not None:
+            raise alert from None
         raise PartyDroppedError(
             f"{party_name(receiver)} closed the connection ({exc})", party_name(receiver)
         ) from None
@@ -193,6 +221,10 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, who: str) -> bytes
             chunk = sock.recv(min(n - len(buf), 1 << 20))
         except TimeoutError:
             raise PartyTimeoutError(f"{who} did not send its whole message in time", who) from None
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:
+            raise PartyDroppedError(f"{who} dropped the connection ({exc})", who) from None
+        except ssl.SSLError as exc:
+            raise tls_error(exc, who) from None
         except OSError as exc:
             raise PartyDroppedError(f"{who} dropped the connection ({exc})", who) from None
         if not chunk:
@@ -204,14 +236,19 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, who: str) -> bytes
 
 
 def _check_header(
-    raw: bytes, keys: dict[str, bytes], me: Party, expect_from: str
+    raw: bytes, keys: dict[str, bytes], me: Party, expect_from: str, peer: str = ""
 ) -> tuple[int, Party, int]:
-    """The type, claimed sender and payload length of a frame header (nothing verified yet)."""
+    """The type, claimed sender and payload length of a frame header (nothing verified yet but
+    the sender's name against ``peer``, the name in the connection's TLS certificate)."""
     magic, mtype, srole, sidx, rrole, ridx, length = _HEADER.unpack(raw)
     if magic != MAGIC or srole >= len(ROLES) or rrole >= len(ROLES):
         raise ProtocolError(f"{expect_from} sent a frame with a bad header", expect_from)
     sender = (ROLES[srole], sidx)
     who = party_name(sender)
+    if peer and who != peer:
+        raise AuthenticationError(
+            f"a frame in the name of {who} came over {peer}'s TLS connection", peer
+        )
     if who not in keys:
         raise AuthenticationError(f"a frame claims to come from {who}, an unknown party", who)
     if (ROLES[rrole], ridx) != me:
@@ -245,9 +282,11 @@ def recv_frame(
     deadline: float,
     expect_from: str = "a peer",
 ) -> Frame:
-    """Read and verify one frame; ``keys`` maps peer names (``"owner 3"``) to link keys."""
+    """Read and verify one frame; ``keys`` maps peer names (``"owner 3"``) to link keys. On a
+    TLS connection the frame must come from the party its certificate names."""
     raw = _recv_exact(sock, _HEADER.size, deadline, expect_from)
-    _, sender, length = _check_header(raw, keys, me, expect_from)
+    peer = peer_name(sock) if isinstance(sock, ssl.SSLSocket) else ""
+    _, sender, length = _check_header(raw, keys, me, expect_from, peer)
     body = _recv_exact(sock, length + TAG_BYTES, deadline, party_name(sender))
     return _check_tag(keys, session, me, raw, body)
 
@@ -257,22 +296,24 @@ class FrameReader:
 
     :meth:`feed` takes the bytes received so far and returns the verified :class:`Frame` once
     it is whole, ``None`` while it is not; an invalid header or tag raises the same named
-    :class:`FederatedError` as :func:`recv_frame`. :attr:`claimed` is the sender the header
-    names (unauthenticated until the tag verifies)."""
+    :class:`FederatedError` as :func:`recv_frame`. ``peer`` is the party the connection's TLS
+    certificate names (set once the handshake is done): a frame in any other name is refused.
+    :attr:`claimed` is the sender the header names (unauthenticated until the tag verifies)."""
 
-    def __init__(self, keys: dict[str, bytes], session: bytes, me: Party) -> None:
-        self.keys, self.session, self.me = keys, session, me
+    def __init__(self, keys: dict[str, bytes], session: bytes, me: Party, peer: str = "") -> None:
+        self.keys, self.session, self.me, self.peer = keys, session, me, peer
         self.buf = bytearray()
         self.raw: bytes | None = None
         self.need = _HEADER.size
-        self.claimed = ""
+        self.claimed = peer
 
     def feed(self, data: bytes) -> Frame | None:
         self.buf += data
         if self.raw is None and len(self.buf) >= _HEADER.size:
             self.raw = bytes(self.buf[: _HEADER.size])
             del self.buf[: _HEADER.size]
-            _, sender, length = _check_header(self.raw, self.keys, self.me, "an unidentified peer")
+            who = self.peer or "an unidentified peer"
+            _, sender, length = _check_header(self.raw, self.keys, self.me, who, self.peer)
             self.claimed = party_name(sender)
             self.need = length + TAG_BYTES
         if self.raw is None or len(self.buf) < self.need:
@@ -292,8 +333,82 @@ class FrameReader:
         return self.need - len(self.buf) if self.raw is not None else _HEADER.size - len(self.buf)
 
 
-def connect(host: str, port: int, peer: Party, deadline: float) -> socket.socket:
-    """Connect to a listening party, retrying a refused connection until the deadline."""
+def connect(
+    host: str, port: int, peer: Party, deadline: float, tls: ssl.SSLContext
+) -> ssl.SSLSocket:
+    """Connect to a listening party over TLS (:func:`~clipless.federated.tls.client_context`),
+    retrying a refused connection until the deadline, and check that its certificate names
+    ``peer``. Raises :class:`AuthenticationError` when it does not, or when its certificate
+    does not verify against the session's CA: nothing has been sent then."""
+    sock = _connect_tcp(host, port, peer, deadline)
+    who = party_name(peer)
+    try:
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        tsock = tls.wrap_socket(sock)
+    except ssl.SSLCertVerificationError as exc:
+        sock.close()
+        raise AuthenticationError(
+            f"{who} at {host}:{port}: its TLS certificate does not verify against this "
+            f"session's CA ({exc.verify_message}): not {who} of this session",
+            who,
+        ) from None
+    except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError) as exc:
+        sock.close()
+        raise PartyDroppedError(
+            f"{who} at {host}:{port} closed the connection ({exc})", who
+        ) from None
+    except TimeoutError:
+        sock.close()
+        raise PartyTimeoutError(f"{who} at {host}:{port}: TLS handshake timed out", who) from None
+    except ssl.SSLError as exc:
+        sock.close()
+        raise tls_error(exc, who) from None
+    name = peer_name(tsock)
+    if name != who:
+        tsock.close()
+        raise AuthenticationError(
+            f"the TLS certificate at {host}:{port} is {name or 'nameless'}'s, not {who}'s "
+            "(a wrong servers_at address, or swapped secret files?)",
+            who,
+        )
+    return tsock
+
+
+def tls_error(exc: ssl.SSLError, who: str) -> AuthenticationError:
+    """The named error for a TLS failure on a link with ``who``: its alert (it refused this
+    party's certificate) or a record that failed its integrity check (tampered in transit)."""
+    reason = exc.reason or str(exc)
+    if "ALERT" in reason.upper():
+        return AuthenticationError(
+            f"{who} refused the TLS connection ({reason}): this party's certificate is not "
+            "of that session, or not the party it claims to be",
+            who,
+        )
+    return AuthenticationError(
+        f"the TLS connection with {who} failed ({reason}): a record tampered in transit, or "
+        "not a TLS peer",
+        who,
+    )
+
+
+def _pending_alert(sock: socket.socket, who: str) -> AuthenticationError | None:
+    """After a failed send: the TLS alert the peer sent before closing, if any (a refused
+    certificate surfaces as a reset connection otherwise)."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return None
+    try:
+        sock.settimeout(0.5)
+        sock.recv(1)
+    except ssl.SSLError as exc:
+        if "ALERT" in (exc.reason or "").upper():
+            return tls_error(exc, who)
+    except OSError:
+        pass
+    return None
+
+
+def _connect_tcp(host: str, port: int, peer: Party, deadline: float) -> socket.socket:
+    """A TCP connection to a listening party, retrying a refused one until the deadline."""
     who = party_name(peer)
     last: OSError | None = None
     while time.monotonic() < deadline:

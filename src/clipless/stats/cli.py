@@ -12,7 +12,10 @@ Wiring (done in the main ``clipless`` command)::
 
 Each command returns an exit code: 0 on success, 2 on bad input (after a one-line message on
 stderr that names the offending argument, like argparse's own errors). The CSV is read with the
-standard :mod:`csv` module (first row = header). Error messages never echo data values.
+standard :mod:`csv` module (first row = header) by one function, :func:`read_columns`, which
+parses numbers and labels and names a bad cell by argument, data row, file line and column
+(pandas is not needed for one or two columns, and its ``read_csv`` turns ``NA``, ``null`` or an
+empty cell into NaN silently). Error messages never echo numbers from the data.
 
 The grid bounds are required arguments on purpose: they must be public, chosen without looking at
 the data (thesis section 6.3.1 takes them from the data, which leaks; see
@@ -30,11 +33,12 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless.stats._progress import Progress
 from clipless.stats.calibration import hosmer_lemeshow
 from clipless.stats.counting import MAX_BRANCHING as _MAX_BRANCHING
 from clipless.stats.ecdf import ecdf
@@ -44,6 +48,11 @@ from clipless.stats.quantiles import quantiles
 from clipless.stats.roc import roc
 
 _MAX_SIZE = 10**8  # clipless.stats.Grid's largest grid
+# the phases of ecdf and roc, for the progress estimate (clipless.stats._progress)
+_PHASES = [("releasing the DP ECDF", "release", 1.0), ("writing the CSV files", "csv", 1.0),
+           ("plotting", "plot", 1.0)]  # fmt: skip
+_PHASES_ROC = [("releasing the DP ROC curve", "release", 1.0),
+               ("writing the CSV files", "csv", 0.75), ("plotting", "plot", 1.0)]  # fmt: skip
 
 if TYPE_CHECKING:
     from clipless.stats.calibration import Binning, Split
@@ -69,8 +78,13 @@ _NEIGHBOURING = {
     "add_remove": "add_remove",
     "add-remove": "add_remove",
 }
-_TRUE = {"1", "1.0", "true", "yes", "y", "t"}
-_FALSE = {"0", "0.0", "false", "no", "n", "f"}
+_TRUE = ("1", "true", "yes", "y", "t", "1.0")
+_FALSE = ("0", "false", "no", "n", "f", "0.0")
+#: The label spellings ``roc`` and ``hl`` accept; their ``--help`` says so.
+LABEL_SPELLINGS = (
+    f"{', '.join(_TRUE[:-1])} (positive) or {', '.join(_FALSE[:-1])} (negative), any case; "
+    f"also {_TRUE[-1]} and {_FALSE[-1]}"
+)
 
 
 class BadInputError(ValueError):
@@ -181,8 +195,7 @@ def add_roc_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--label",
         required=True,
-        help="column of binary labels: 1, true, yes, y, t (positive) or 0, false, no, n, f "
-        "(negative), any case",
+        help=f"column of binary labels: {LABEL_SPELLINGS}",
     )
     p.add_argument("--lower", default="0", help="public lower bound of the grid (default 0)")
     p.add_argument("--upper", default="1", help="public upper bound of the grid (default 1)")
@@ -228,8 +241,7 @@ def add_hl_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--label",
         required=True,
-        help="column of binary labels: 1, true, yes, y, t (positive) or 0, false, no, n, f "
-        "(negative), any case",
+        help=f"column of binary labels: {LABEL_SPELLINGS}",
     )
     p.add_argument("--groups", default="10", help="number of groups Q, 3 to 65536 (default 10)")
     p.add_argument(
@@ -375,14 +387,37 @@ def _out_dir(value: str, files: Sequence[str], force: bool) -> Path:
     return out
 
 
-def _read_columns(
-    path: str, columns: Sequence[tuple[str, str]], allow_empty: bool = False
-) -> list[list[str]]:
-    """The named columns of a CSV file; ``columns`` = ``(column name, argument name)``.
-    ``allow_empty``: a header without rows is a dataset too (add/remove: the size is private)."""
+Kind = Literal["number", "label"]
+
+
+def read_columns(
+    path: str, columns: Sequence[tuple[str, str, Kind]], allow_empty: bool = False
+) -> list[NDArray[Any]]:
+    """The named columns of a CSV file (header row first), each parsed as ``kind``: finite or
+    infinite floats (``"number"``; +-inf are clamped to the grid like other values outside it)
+    or 0/1 labels (``"label"``, :data:`LABEL_SPELLINGS`). ``columns`` holds ``(column name,
+    argument name, kind)``; blank lines are skipped. Every error names the argument, the data
+    row, the file line and the column (never the value of a number). ``allow_empty``: a header
+    without rows is a dataset too (add/remove: the size is private)."""
+    cells, lines = _read_cells(path, [(name, arg) for name, arg, _ in columns])
+    if not lines and not allow_empty:
+        raise BadInputError(
+            f"FILE.csv: {path!r} has a header but no data rows (an empty dataset is released "
+            "only under --neighbouring add_remove, where the size is private)"
+        )
+    return [
+        _parse(col, [f"column {name!r}, line {n} of {path!r}" for n in lines], arg, kind)
+        for col, (name, arg, kind) in zip(cells, columns, strict=True)
+    ]
+
+
+def _read_cells(path: str, columns: Sequence[tuple[str, str]]) -> tuple[list[list[str]], list[int]]:
+    """The raw cells of the named columns and the file line of each data row."""
     file = Path(path)
     if not file.is_file():
         raise BadInputError(f"FILE.csv: no such file: {path!r}")
+    out: list[list[str]] = [[] for _ in columns]
+    lines: list[int] = []
     try:
         with file.open(newline="", encoding="utf-8-sig") as fh:
             reader = csv.reader(fh)
@@ -397,49 +432,40 @@ def _read_columns(
                         f"{arg}: no column {name!r} in {path!r} (columns: {', '.join(header)})"
                     )
                 idx.append(header.index(name))
-            out: list[list[str]] = [[] for _ in columns]
-            for row_no, row in enumerate(reader, start=2):
+            for row in reader:
                 if not row or all(not c.strip() for c in row):
                     continue
+                lines.append(reader.line_num)
                 for k, (j, (_, arg)) in enumerate(zip(idx, columns, strict=True)):
                     if j >= len(row):
-                        raise BadInputError(f"{arg}: line {row_no} of {path!r} has no such field")
+                        raise BadInputError(
+                            f"{arg}: line {reader.line_num} of {path!r} has no such field"
+                        )
                     out[k].append(row[j].strip())
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise BadInputError(f"FILE.csv: cannot read {path!r}: {exc}") from None
-    if not out[0] and not allow_empty:
-        raise BadInputError(
-            f"FILE.csv: {path!r} has a header but no data rows (an empty dataset is released "
-            "only under --neighbouring add_remove, where the size is private)"
-        )
-    return out
+    return out, lines
 
 
-def _numbers(cells: list[str], arg: str) -> NDArray[np.float64]:
-    out = np.empty(len(cells))
+def _parse(cells: list[str], where: list[str], arg: str, kind: Kind) -> NDArray[Any]:
+    """``cells`` as floats or 0/1 labels; ``where[i]`` locates row ``i`` in the file."""
+    out = np.empty(len(cells), dtype=np.float64 if kind == "number" else np.int64)
     for i, cell in enumerate(cells):
+        if kind == "label":
+            c = cell.lower()
+            if c not in _TRUE and c not in _FALSE:
+                raise BadInputError(
+                    f"{arg}: data row {i + 1} ({cell!r}) is not a binary label "
+                    f"({where[i]}; accepted: {LABEL_SPELLINGS})"
+                )
+            out[i] = c in _TRUE
+            continue
         try:
             out[i] = float(cell)
         except ValueError:
-            raise BadInputError(f"{arg}: data row {i + 1} is not a number") from None
-        if math.isnan(out[i]):  # +-inf are clamped to the grid like other values outside it
-            raise BadInputError(f"{arg}: data row {i + 1} is NaN")
-    return out
-
-
-def _labels(cells: list[str], arg: str) -> NDArray[np.int64]:
-    out = np.empty(len(cells), dtype=np.int64)
-    for i, cell in enumerate(cells):
-        c = cell.lower()
-        if c in _TRUE:
-            out[i] = 1
-        elif c in _FALSE:
-            out[i] = 0
-        else:
-            raise BadInputError(
-                f"{arg}: data row {i + 1} ({cell!r}) is not a binary label (1/0, true/false, "
-                "yes/no, y/n, t/f)"
-            )
+            raise BadInputError(f"{arg}: data row {i + 1} is not a number ({where[i]})") from None
+        if math.isnan(out[i]):
+            raise BadInputError(f"{arg}: data row {i + 1} is NaN ({where[i]})")
     return out
 
 
@@ -511,29 +537,33 @@ def _ecdf(args: argparse.Namespace) -> int:
     mech, k = _mechanism(args)
     levels = _levels(args.quantiles)
     grid = _grid(args)
-    (cells,) = _read_columns(args.file, [(args.column, "--column")], nb == "add_remove")
-    values = _numbers(cells, "--column")
+    (values,) = read_columns(args.file, [(args.column, "--column", "number")], nb == "add_remove")
     out = _out_dir(args.out, ("ecdf.csv", "quantiles.csv", "ecdf.png"), args.force)
-    released = ecdf(values, grid, eps, nb, smoothing, rng=rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
-    _write_csv(
-        out / "ecdf.csv",
-        ["threshold", "value"],
-        (
-            [repr(t), repr(v)]
-            for t, v in zip(grid.thresholds.tolist(), released.values.tolist(), strict=True)
-        ),
-    )
-    q = np.atleast_1d(released.quantile(levels))
-    _write_csv(
-        out / "quantiles.csv",
-        ["level", "quantile"],
-        ([repr(lev), repr(v)] for lev, v in zip(levels.tolist(), q.tolist(), strict=True)),
-    )
-    fig = Figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    released.plot(ax=ax)
-    ax.set_title(f"DP ECDF of {args.column}")
-    _save(fig, out / "ecdf.png")
+    progress = Progress("ecdf", len(grid), _PHASES)
+    with progress.phase("releasing the DP ECDF"):
+        released = ecdf(values, grid, eps, nb, smoothing, rng=rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
+    with progress.phase("writing the CSV files"):
+        _write_csv(
+            out / "ecdf.csv",
+            ["threshold", "value"],
+            (
+                [repr(t), repr(v)]
+                for t, v in zip(grid.thresholds.tolist(), released.values.tolist(), strict=True)
+            ),
+        )
+        q = np.atleast_1d(released.quantile(levels))
+        _write_csv(
+            out / "quantiles.csv",
+            ["level", "quantile"],
+            ([repr(lev), repr(v)] for lev, v in zip(levels.tolist(), q.tolist(), strict=True)),
+        )
+    with progress.phase("plotting"):
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        released.plot(ax=ax)
+        ax.legend(loc="lower right")  # "best" scans every point: minutes at 10**8 thresholds
+        ax.set_title(f"DP ECDF of {args.column}")
+        _save(fig, out / "ecdf.png")
     used = getattr(released.release, "mechanism", "binary")
     kk = getattr(released.release, "branching", None)
     mech_txt = f"{used}" + (f" (k={kk})" if kk else "")
@@ -557,27 +587,32 @@ def _roc(args: argparse.Namespace) -> int:
     eps, nb, smoothing, rng = _options(args)
     mech, k = _mechanism(args)
     grid = _grid(args)
-    score_cells, label_cells = _read_columns(
-        args.file, [(args.score, "--score"), (args.label, "--label")], nb == "add_remove"
+    scores, labels = read_columns(
+        args.file,
+        [(args.score, "--score", "number"), (args.label, "--label", "label")],
+        nb == "add_remove",
     )
-    scores = _numbers(score_cells, "--score")
-    labels = _labels(label_cells, "--label")
     out = _out_dir(args.out, ("roc.csv", "roc.png"), args.force)
-    curve = roc(scores, labels, grid, eps, nb, smoothing, rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
-    _write_csv(
-        out / "roc.csv",
-        ["threshold", "fpr", "tpr"],
-        (
-            [repr(t), repr(f), repr(p)]
-            for t, f, p in zip(
-                grid.thresholds.tolist(), curve.fpr.tolist(), curve.tpr.tolist(), strict=True
-            )
-        ),
-    )
-    fig = Figure(figsize=(5, 5))
-    ax = fig.add_subplot()
-    curve.plot(ax=ax)
-    _save(fig, out / "roc.png")
+    # two class trees, three columns, two curves: twice the ECDF's phases, roughly
+    progress = Progress("roc", 2 * len(grid), _PHASES_ROC)
+    with progress.phase("releasing the DP ROC curve"):
+        curve = roc(scores, labels, grid, eps, nb, smoothing, rng, mechanism=mech, branching=k)  # type: ignore[arg-type]
+    with progress.phase("writing the CSV files"):
+        _write_csv(
+            out / "roc.csv",
+            ["threshold", "fpr", "tpr"],
+            (
+                [repr(t), repr(f), repr(p)]
+                for t, f, p in zip(
+                    grid.thresholds.tolist(), curve.fpr.tolist(), curve.tpr.tolist(), strict=True
+                )
+            ),
+        )
+    with progress.phase("plotting"):
+        fig = Figure(figsize=(5, 5))
+        ax = fig.add_subplot()
+        curve.plot(ax=ax)
+        _save(fig, out / "roc.png")
     print(f"DP ROC of {args.score!r} vs {args.label!r}: {_guarantee(eps, nb)}")
     print(f"AUC={curve.auc():.6f}")
     print(f"wrote {out / 'roc.csv'} and {out / 'roc.png'}")
@@ -589,20 +624,21 @@ def _quantiles(args: argparse.Namespace) -> int:
     mech, k = _mechanism(args)
     levels = _levels(args.levels, "--levels")
     grid = _grid(args)
-    (cells,) = _read_columns(args.file, [(args.column, "--column")], nb == "add_remove")
-    values = _numbers(cells, "--column")
+    (values,) = read_columns(args.file, [(args.column, "--column", "number")], nb == "add_remove")
     out = _out_dir(args.out, ("quantiles.csv",), args.force)
-    released = quantiles(
-        values,
-        grid,
-        levels,
-        eps,
-        nb,
-        mechanism=cast("Mechanism", mech),
-        branching=k,
-        smoothing=smoothing,
-        rng=rng,
-    )
+    progress = Progress("quantiles", len(grid), [("releasing the DP quantiles", "release", 1.0)])
+    with progress.phase("releasing the DP quantiles"):
+        released = quantiles(
+            values,
+            grid,
+            levels,
+            eps,
+            nb,
+            mechanism=cast("Mechanism", mech),
+            branching=k,
+            smoothing=smoothing,
+            rng=rng,
+        )
     _write_csv(
         out / "quantiles.csv",
         ["level", "quantile"],
@@ -629,16 +665,14 @@ def _hl_choices(args: argparse.Namespace) -> tuple[int, str, str]:
 def _hl(args: argparse.Namespace) -> int:
     eps, nb, rng = _budget(args)
     groups, binning, split = _hl_choices(args)
-    p_cells, y_cells = _read_columns(
+    probs, labels = read_columns(
         args.file,
-        [(args.probability, "--probability"), (args.label, "--label")],
+        [(args.probability, "--probability", "number"), (args.label, "--label", "label")],
         nb == "add_remove",
     )
-    probs = _numbers(p_cells, "--probability")
     outside = np.flatnonzero((probs < 0) | (probs > 1))
     if outside.size:
         raise BadInputError(f"--probability: data row {outside[0] + 1} is outside [0, 1]")
-    labels = _labels(y_cells, "--label")
     out = _out_dir(args.out, ("hl.csv",), args.force)
     res = hosmer_lemeshow(
         probs,
