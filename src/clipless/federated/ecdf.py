@@ -316,24 +316,10 @@ def federated_ecdf(
     coalitions listed for the chosen backend and noise option; with ``"distributed"`` the noise
     variance is ``servers`` times larger (and :attr:`DPECDF.variance` says so).
     """
-    if protocol not in ("local", "shares", "fss"):
-        raise ValueError(f"protocol must be 'local', 'shares' or 'fss', got {protocol!r}")
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
-    if protocol == "fss" and servers != 2:
-        raise ValueError(f"protocol='fss' uses exactly 2 servers (a two-party DCF), got {servers}")
-    if protocol == "fss" and neighbouring == "add_remove":
-        raise ValueError(_FSS_ADD_REMOVE)
-    if smoothing not in (None, "isotonic", "l1", "l2"):
-        raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
-    if mechanism not in ("auto", "binary", "k-ary"):
-        raise ValueError(f"mechanism must be 'auto', 'binary' or 'k-ary', got {mechanism!r}")
+    _check_options(protocol, servers, neighbouring, smoothing, mechanism)
     g = _as_grid(grid)
     N = len(g)
-    L = tree_depth(N)
-    param, variance, delta = noise_parameter(L, neighbouring, noise, epsilon, rho)
+    noise_parameter(tree_depth(N), neighbouring, noise, epsilon, rho)  # refused before either tree
     pts = _points(thresholds, N)
     whole = pts is None
     if mechanism == "k-ary" and not (whole and consistency):
@@ -348,6 +334,53 @@ def federated_ecdf(
             owner_values, g, epsilon, rho, protocol, servers, noise_sharing, neighbouring, noise,
             smoothing, noise_keys, branching,
         )  # fmt: skip
+    return _federated_binary(
+        owner_values, g, epsilon, rho, pts, protocol, servers, noise_sharing, neighbouring,
+        noise, smoothing, consistency, noise_keys,
+    )  # fmt: skip
+
+
+def _check_options(
+    protocol: str, servers: int, neighbouring: str, smoothing: str | None, mechanism: str
+) -> None:
+    """:func:`federated_ecdf`'s choices, each refused with its name and the accepted values."""
+    if protocol not in ("local", "shares", "fss"):
+        raise ValueError(f"protocol must be 'local', 'shares' or 'fss', got {protocol!r}")
+    if neighbouring not in ("replace_one", "add_remove"):
+        raise ValueError(
+            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
+        )
+    if protocol == "fss" and servers != 2:
+        raise ValueError(f"protocol='fss' uses exactly 2 servers (a two-party DCF), got {servers}")
+    if protocol == "fss" and neighbouring == "add_remove":
+        raise ValueError(_FSS_ADD_REMOVE)
+    if smoothing not in (None, "isotonic", "l1", "l2"):
+        raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
+    if mechanism not in ("auto", "binary", "k-ary"):
+        raise ValueError(f"mechanism must be 'auto', 'binary' or 'k-ary', got {mechanism!r}")
+
+
+def _federated_binary(
+    owner_values: Sequence[ArrayLike],
+    g: Grid,
+    epsilon: float | None,
+    rho: float | None,
+    pts: NDArray[np.int64] | None,
+    protocol: Protocol,
+    servers: int,
+    noise_sharing: NoiseSharing,
+    neighbouring: Neighbouring,
+    noise: NoiseKind,
+    smoothing: Smoothing | None,
+    consistency: bool,
+    noise_keys: Sequence[bytes] | None,
+) -> FederatedECDF:
+    """The thesis's binary tree over the owners' shares: a pointwise query (``pts``) or the
+    whole grid (``pts`` None)."""
+    N = len(g)
+    L = tree_depth(N)
+    param, variance, delta = noise_parameter(L, neighbouring, noise, epsilon, rho)
+    whole = pts is None
     points = np.arange(N, dtype=np.int64) if pts is None else pts
     leaves = owner_leaves(owner_values, g)
     n_total = int(sum(lv.size for lv in leaves))
