@@ -754,68 +754,89 @@ def fit(
     metrics_file = _metrics_paths(metrics_path)[0] if metrics_path is not None else None
     _check_metrics_path(metrics_file, keeper.directory, keeper.writer)
     resumed = keeper.restore(resume, epochs)
-    ema = _weight_ema(model, ema_decay, resumed)
-    history = resumed.history if resumed is not None else []
-    start_epoch = resumed.epoch if resumed is not None else 0
-    keeper.ema = ema
+    keeper.ema = ema = _weight_ema(model, ema_decay, resumed)
     loop = _EpochLoop(
         model, optimizer, train_loader, loss, engine, ema, augment, augmult, epsilon_budget, delta
     )
-    bar = loop.progress_bar(epochs, start_epoch, progress)
+    config: dict[str, Any] = {"epochs": epochs, "delta": delta, "epsilon_budget": epsilon_budget}
+    config |= {"ema_decay": ema_decay, "augmult": augmult, "engine": getattr(engine, "config", {})}
+    history = resumed.history if resumed is not None else []
     summary = _Summary(
         history=history,
         delta=delta,
         epsilon_budget=epsilon_budget,
         checkpoint_path=keeper.path,
         metrics_path=metrics_file,
+        writer=keeper.writer,
         ema=ema,
-        config={
-            "epochs": epochs,
-            "delta": delta,
-            "epsilon_budget": epsilon_budget,
-            "ema_decay": ema_decay,
-            "augmult": augmult,
-            "engine": getattr(engine, "config", {}),
-        },
+        config=config,
         epsilon=_epsilon(engine, delta) if _ledger_steps(engine) else 0.0,
         epochs_completed=sum(1 for r in history if r.get("complete")),
     )
-
-    def publish() -> None:
-        if metrics_file is not None and keeper.writer:
-            write_metrics(summary.result(engine), metrics_file)
-
-    try:
-        for epoch in range(start_epoch, epochs):
-            record, budget_hit = loop.run_epoch(epoch, summary.epsilon, bar, eval_loader)
-            summary.epsilon = record["epsilon"]
-            history.append(record)
-            if budget_hit:
-                summary.stop_reason = "budget"
-                keeper.save(epoch, "budget", history)
-                publish()
-                if on_epoch_end is not None:
-                    on_epoch_end(dict(record))
-                break
-            summary.epochs_completed += 1
-            keeper.save(epoch + 1, None, history)
-            publish()
-            stop = on_epoch_end is not None and bool(on_epoch_end(dict(record)))
-            if _agreed(stop, loop.parallel):  # every rank asks (a rank may have no callback)
-                summary.stop_reason = "callback"
-                break
-    except BaseException:
-        keeper.write_ledger()  # a crash loses no accounting: the steps taken were spent
-        if isinstance(optimizer, DPOptimizer):
-            optimizer.discard_batch()  # training stopped; a later fit starts on a fresh batch
-        raise
-    finally:
-        bar.close()
+    start_epoch = resumed.epoch if resumed is not None else 0
+    _run_epochs(
+        loop, summary, keeper, range(start_epoch, epochs), eval_loader, on_epoch_end, progress
+    )
     keeper.write_ledger()
     if _ledger_steps(engine):
         summary.epsilon = _epsilon(engine, delta)
-    publish()
+    summary.publish(engine)
     return summary.result(engine)
+
+
+def _run_epochs(
+    loop: _EpochLoop,
+    summary: _Summary,
+    keeper: _Checkpointer,
+    epochs: range,
+    eval_loader: Iterable[Any] | None,
+    on_epoch_end: EpochCallback | None,
+    progress: bool,
+) -> None:
+    """The epochs ``epochs`` (of ``epochs.stop`` in all) until one says stop."""
+    bar = loop.progress_bar(epochs.stop, epochs.start, progress)
+    try:
+        for epoch in epochs:
+            record, budget_hit = loop.run_epoch(epoch, summary.epsilon, bar, eval_loader)
+            if not _end_epoch(epoch, record, budget_hit, summary, keeper, on_epoch_end, loop):
+                break
+    except BaseException:
+        keeper.write_ledger()  # a crash loses no accounting: the steps taken were spent
+        if loop.private is not None:
+            loop.private.discard_batch()  # training stopped; a later fit starts on a fresh batch
+        raise
+    finally:
+        bar.close()
+
+
+def _end_epoch(
+    epoch: int,
+    record: dict[str, Any],
+    budget_hit: bool,
+    summary: _Summary,
+    keeper: _Checkpointer,
+    on_epoch_end: EpochCallback | None,
+    loop: _EpochLoop,
+) -> bool:
+    """Record the epoch, checkpoint, publish the metrics and ask the callback; whether to go on
+    (not after a budget stop, nor when a rank's callback returned ``True``)."""
+    summary.epsilon = record["epsilon"]
+    summary.history.append(record)
+    if budget_hit:
+        summary.stop_reason = "budget"
+        keeper.save(epoch, "budget", summary.history)
+        summary.publish(keeper.engine)
+        if on_epoch_end is not None:
+            on_epoch_end(dict(record))
+        return False
+    summary.epochs_completed += 1
+    keeper.save(epoch + 1, None, summary.history)
+    summary.publish(keeper.engine)
+    stop = on_epoch_end is not None and bool(on_epoch_end(dict(record)))
+    if _agreed(stop, loop.parallel):  # every rank asks (a rank may have no callback)
+        summary.stop_reason = "callback"
+        return False
+    return True
 
 
 def _check_loaders_and_loss(train_loader: object, eval_loader: object, loss: object) -> None:
@@ -842,11 +863,17 @@ class _Summary:
     epsilon_budget: float | None
     checkpoint_path: Path | None
     metrics_path: Path | None
+    writer: bool
     ema: WeightEMA | None
     config: dict[str, Any]
     epsilon: float
     epochs_completed: int
     stop_reason: str = "completed"
+
+    def publish(self, engine: PrivacyEngine) -> None:
+        """Rewrite the metrics file (the writing rank's, when one is given)."""
+        if self.metrics_path is not None and self.writer:
+            write_metrics(self.result(engine), self.metrics_path)
 
     def result(self, engine: PrivacyEngine) -> FitResult:
         return FitResult(
