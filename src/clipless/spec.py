@@ -35,6 +35,7 @@ from clipless._train_options import (
 )
 
 __all__ = [
+    "LEGACY_OPTIONS",
     "RUN_CONFIG_FORMAT",
     "RUN_CONFIG_NAME",
     "RUN_OPTIONS",
@@ -45,6 +46,7 @@ __all__ = [
     "default_features",
     "default_input_norm",
     "read_run_config",
+    "show",
 ]
 
 SPEC_VERSION = 1
