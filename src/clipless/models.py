@@ -254,15 +254,7 @@ def resnet(
         raise ValueError(f"downsample must be one of {DOWNSAMPLES}; got {downsample!r}")
     if residual not in ("add", "average"):
         raise ValueError(f"residual must be 'add' or 'average'; got {residual!r}")
-    if min(h, w) < 2 ** (len(widths) - 1):
-        raise ValueError(
-            f"a {h}x{w} image is too small for {len(widths) - 1} 2x2 downsamplings; use at most "
-            f"{1 + max(0, int(math.log2(max(1, min(h, w)))))} stages"
-        )
-    for v in widths:
-        g = math.gcd(v, 4) if groups is None else int(groups)
-        if g < 1 or v % g:
-            raise ValueError(f"groups must divide every stage width {widths}; got groups={groups}")
+    _check_stages(widths, (h, w), groups)
 
     def block(ch: int) -> nn.Residual:
         g = math.gcd(ch, 4) if groups is None else int(groups)
@@ -292,6 +284,21 @@ def resnet(
         layers += [block(ch) for _ in range(depth)]
     layers += [nn.Flatten(), nn.Linear(ch * h * w, _classes(num_classes), bias=bias)]
     return nn.Sequential(*layers)
+
+
+def _check_stages(widths: tuple[int, ...], size: tuple[int, int], groups: int | None) -> None:
+    """:func:`resnet`'s stages fit the image (one 2x2 downsampling each after the first) and
+    ``groups`` divides every width."""
+    h, w = size
+    if min(h, w) < 2 ** (len(widths) - 1):
+        raise ValueError(
+            f"a {h}x{w} image is too small for {len(widths) - 1} 2x2 downsamplings; use at most "
+            f"{1 + max(0, int(math.log2(max(1, min(h, w)))))} stages"
+        )
+    for v in widths:
+        g = math.gcd(v, 4) if groups is None else int(groups)
+        if g < 1 or v % g:
+            raise ValueError(f"groups must divide every stage width {widths}; got groups={groups}")
 
 
 def gnp_convnet(
