@@ -180,7 +180,7 @@ def test_a_private_step_on_the_device_equals_the_cpu_step(kind: str, device: tor
     hidden = (16, 8) if kind == "mlp" else (4, 8)
 
     def build() -> torch.nn.Module:
-        return models.build(kind, shape, hidden, 4)
+        return models.build(models.Architecture(kind, shape, hidden, 4))
 
     data = _images(64, shape)
     on_device = _private_step(build, data, device)
@@ -209,10 +209,11 @@ def _features_run(device: torch.device, out: Path, epochs: int) -> dict[str, Any
     moment = release_channel_moment(train, WHITEN_NOISE, generator=_cpu_gen(2))
     white = whitening(moment, center, WHITEN_SHRINK, noise_multiplier=WHITEN_NOISE, num_samples=48)
     torch.manual_seed(SEED)
-    built = models.build(
+    arch = models.Architecture(
         "linear", shape, (), 3, FEATURES_INPUT_NORM, False, "l2", "sphere",
-        center, CENTER_NOISE, white, WHITEN_NOISE,
+        center_noise=CENTER_NOISE, whiten_noise=WHITEN_NOISE,
     )  # fmt: skip
+    built = models.build(arch, center=center, whiten=white)
     built.append(nn.LossGradientClip(FEATURES_LOSS_CLIP))
     plain = built.to(device)
     loss = nn.CrossEntropyLoss()
@@ -323,7 +324,7 @@ def test_clipless_train_default_feature_pipeline_on_the_device(
     features premapped by the model's released centre and whitening): the whole command, its
     ``--device`` resolved to the simulated device, saves the model the CPU run saves."""
     pytest.importorskip("kymatio")
-    from clipless import cli
+    from clipless import cli, pipeline
 
     monkeypatch.setenv("CLIPLESS_DATA", str(tmp_path / "cache"))
     calibrate, calibrated = PrivacyConfig.calibrate, {}
@@ -338,7 +339,7 @@ def test_clipless_train_default_feature_pipeline_on_the_device(
     monkeypatch.setattr(PrivacyConfig, "calibrate", once)
     runs = {}
     for where in (device, torch.device("cpu")):
-        monkeypatch.setattr(cli, "_resolve_device", lambda spec, where=where: where)
+        monkeypatch.setattr(pipeline, "_resolve_device", lambda name, where=where: where)
         out = tmp_path / where.type
         assert cli.main([*TRAIN_FEATURES, "--out", str(out)]) == 0
         metrics = json.loads((out / "metrics.json").read_text())

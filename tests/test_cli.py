@@ -760,12 +760,12 @@ def test_convnet_builder(pool: str) -> None:
 def test_linear_model() -> None:
     from clipless import models, nn
 
-    model = models.build("linear", (1, 4, 4), (), 3, input_norm=2.0, bias=True)
+    model = models.build(models.Architecture("linear", (1, 4, 4), (), 3, input_norm=2.0, bias=True))
     assert [type(m).__name__ for m in model] == ["InputNorm", "Flatten", "Linear"]
     assert model(torch.randn(5, 1, 4, 4)).shape == (5, 3)
     nn.validate(model)
     with pytest.raises(ValueError, match="no hidden layers"):
-        models.build("linear", (8,), (4,), 2)
+        models.build(models.Architecture("linear", (8,), (4,), 2))
 
 
 # ------------------------------------------------------------------------------- defaults

@@ -234,10 +234,10 @@ def test_resnet_and_gnp_shapes_twins_and_errors() -> None:
 
 
 def test_build_dispatches_the_new_kinds() -> None:
-    res = models.build("resnet", (1, 8, 8), (4, 8), 10, pool="avg")
+    res = models.build(models.Architecture("resnet", (1, 8, 8), (4, 8), 10, pool="avg"))
     assert sum(isinstance(m, cnn.Residual) for m in res.modules()) == 2
     assert any(isinstance(m, cnn.AvgPool2d) for m in res.modules())
-    gnp = models.build("gnp", (1, 8, 8), (4, 16), 10)
+    gnp = models.build(models.Architecture("gnp", (1, 8, 8), (4, 16), 10))
     assert [m.kernel_size for m in gnp.modules() if isinstance(m, cnn.Conv2d)] == [(2, 2)] * 2
     assert set(models.MODEL_KINDS) >= {"resnet", "gnp"}
 
@@ -287,7 +287,7 @@ def test_bad_shapes_and_widths_name_the_argument() -> None:
     with pytest.raises(ValueError, match="width must be a sequence"):
         models.resnet((1, 8, 8), True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="input_shape must be"):
-        models.build("mlp", (), (4,), 3)
+        models.build(models.Architecture("mlp", (), (4,), 3))
     with pytest.raises(ValueError, match="input_shape must be a sequence"):
         models.mlp(14, [4], 2)  # type: ignore[arg-type]
     assert models.mlp((4,), [np.int64(4)], 2)[-1].in_features == 4
@@ -311,10 +311,32 @@ def test_builders_refuse_what_they_used_to_coerce(kwargs: dict, error: type, mat
     """Audit finding: int() / float() turned num_classes=2.7 into 2 logits and True into 1."""
     args = {"input_shape": (4,), "hidden": (8,), "num_classes": 3, **kwargs}
     with pytest.raises(error, match=match):
-        models.build("mlp", **args)
+        models.build(models.Architecture("mlp", **args))
 
 
 def test_builders_accept_numpy_numbers() -> None:
     np = pytest.importorskip("numpy")
-    model = models.build("mlp", (4,), (8,), np.int64(3), input_norm=np.float32(2.0))
+    model = models.build(
+        models.Architecture("mlp", (4,), (8,), np.int64(3), input_norm=np.float32(2.0))
+    )
     assert model[-1].out_features == 3 and model[0].max_norm == 2.0
+
+
+def test_build_takes_an_architecture_and_the_old_form_warns() -> None:
+    """``models.build(kind, input_shape, ...)`` (12 positional arguments at its widest) still
+    builds the same model, with a DeprecationWarning; the Architecture round-trips as JSON."""
+    center, white = torch.full((4,), 0.1), torch.eye(4, dtype=torch.float64)
+    arch = models.Architecture("mlp", (4,), (8,), 3, 2.0, True, "l2", "sphere", 5.0, 6.0)
+    assert models.Architecture.from_dict(arch.to_dict()) == models.Architecture(
+        "mlp", (4,), (8,), 3, 2.0, True, "l2", "sphere", 5.0, 6.0
+    )
+    torch.manual_seed(0)
+    new = models.build(arch, center=center, whiten=white)
+    torch.manual_seed(0)
+    with pytest.warns(DeprecationWarning, match="models.Architecture"):
+        old = models.build("mlp", (4,), (8,), 3, 2.0, True, "l2", "sphere", center, 5.0, white, 6.0)
+    assert new.state_dict().keys() == old.state_dict().keys()
+    assert all(torch.equal(new.state_dict()[k], old.state_dict()[k]) for k in new.state_dict())
+    assert new[0].mode == "sphere" and new[0].release_noise == 5.0
+    with pytest.raises(TypeError, match="center= and whiten="):
+        models.build(arch, 3)  # type: ignore[call-overload]

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 
@@ -29,6 +32,7 @@ __all__ = [
     "DOWNSAMPLES",
     "MODEL_KINDS",
     "POOLS",
+    "Architecture",
     "build",
     "convnet",
     "gnp_convnet",
@@ -250,15 +254,7 @@ def resnet(
         raise ValueError(f"downsample must be one of {DOWNSAMPLES}; got {downsample!r}")
     if residual not in ("add", "average"):
         raise ValueError(f"residual must be 'add' or 'average'; got {residual!r}")
-    if min(h, w) < 2 ** (len(widths) - 1):
-        raise ValueError(
-            f"a {h}x{w} image is too small for {len(widths) - 1} 2x2 downsamplings; use at most "
-            f"{1 + max(0, int(math.log2(max(1, min(h, w)))))} stages"
-        )
-    for v in widths:
-        g = math.gcd(v, 4) if groups is None else int(groups)
-        if g < 1 or v % g:
-            raise ValueError(f"groups must divide every stage width {widths}; got groups={groups}")
+    _check_stages(widths, (h, w), groups)
 
     def block(ch: int) -> nn.Residual:
         g = math.gcd(ch, 4) if groups is None else int(groups)
@@ -288,6 +284,21 @@ def resnet(
         layers += [block(ch) for _ in range(depth)]
     layers += [nn.Flatten(), nn.Linear(ch * h * w, _classes(num_classes), bias=bias)]
     return nn.Sequential(*layers)
+
+
+def _check_stages(widths: tuple[int, ...], size: tuple[int, int], groups: int | None) -> None:
+    """:func:`resnet`'s stages fit the image (one 2x2 downsampling each after the first) and
+    ``groups`` divides every width."""
+    h, w = size
+    if min(h, w) < 2 ** (len(widths) - 1):
+        raise ValueError(
+            f"a {h}x{w} image is too small for {len(widths) - 1} 2x2 downsamplings; use at most "
+            f"{1 + max(0, int(math.log2(max(1, min(h, w)))))} stages"
+        )
+    for v in widths:
+        g = math.gcd(v, 4) if groups is None else int(groups)
+        if g < 1 or v % g:
+            raise ValueError(f"groups must divide every stage width {widths}; got groups={groups}")
 
 
 def gnp_convnet(
@@ -363,47 +374,170 @@ def _with_input_mode(
     return model
 
 
+@dataclass(frozen=True)
+class Architecture:
+    """What :func:`build` builds: the model's kind, shapes and first-layer input map.
+
+    Args:
+        kind: one of :data:`MODEL_KINDS`: ``linear`` (``hidden`` must be empty), ``mlp``,
+            ``cnn`` (:func:`convnet`, ``hidden`` = channels per convolution stage), ``resnet``
+            (:func:`resnet`, ``hidden`` = width per stage, one residual block per stage, ``pool``
+            its downsampling) or ``gnp`` (:func:`gnp_convnet`, ``hidden`` = channels per stride-2
+            convolution).
+        input_shape: one sample's shape (the model's input).
+        hidden: the widths described under ``kind``.
+        num_classes: one logit per class.
+        input_norm: the certified input norm bound of the leading
+            :class:`clipless.nn.InputNorm`.
+        bias: biases on the linear layers.
+        pool: ``cnn`` pooling / ``resnet`` downsampling, one of :data:`POOLS`.
+        input_mode: ``"ball"`` clips each sample to ``input_norm``, ``"sphere"`` normalises it
+            to that norm.
+        center_noise: the noise multiplier of a released input mean the first layer subtracts
+            (:func:`clipless.features.release_mean`; the tensor is given to :func:`build`).
+        whiten_noise: the noise multiplier of the released channel mixing it applies next
+            (:func:`clipless.features.whitening`).
+
+    The values are checked by :func:`build` (each builder names the argument it refuses).
+    """
+
+    kind: str
+    input_shape: Sequence[int]
+    hidden: Sequence[int]
+    num_classes: int
+    input_norm: float = 1.0
+    bias: bool = False
+    pool: str = "l2"
+    input_mode: str = "ball"
+    center_noise: float | None = None
+    whiten_noise: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (the ``architecture`` of a saved model; lists for the shapes)."""
+        return {
+            "kind": self.kind,
+            "input_shape": [int(s) for s in self.input_shape],
+            "hidden": [int(h) for h in self.hidden],
+            "num_classes": self.num_classes,
+            "input_norm": float(self.input_norm),
+            "bias": bool(self.bias),
+            "pool": self.pool,
+            "input_mode": self.input_mode,
+            "center_noise": self.center_noise,
+            "whiten_noise": self.whiten_noise,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Architecture:
+        """Read :meth:`to_dict`'s form; a missing ``kind`` is an MLP (the first saved format)."""
+        return cls(
+            kind=str(data.get("kind", "mlp")),
+            input_shape=tuple(data["input_shape"]),
+            hidden=tuple(data["hidden"]),
+            num_classes=data["num_classes"],
+            input_norm=data["input_norm"],
+            bias=data["bias"],
+            pool=str(data.get("pool", "l2")),
+            input_mode=str(data.get("input_mode", "ball")),
+            center_noise=data.get("center_noise") or None,
+            whiten_noise=data.get("whiten_noise") or None,
+        )
+
+
+_OLD_BUILD_ARGS = (
+    "input_shape", "hidden", "num_classes", "input_norm", "bias", "pool", "input_mode",
+    "center", "center_noise", "whiten", "whiten_noise",
+)  # fmt: skip
+
+
+@overload
 def build(
-    kind: str,
-    input_shape: Sequence[int],
-    hidden: Sequence[int],
-    num_classes: int,
-    input_norm: float = 1.0,
-    bias: bool = False,
-    pool: str = "l2",
-    input_mode: str = "ball",
+    architecture: Architecture,
+    *,
     center: torch.Tensor | None = None,
-    center_noise: float | None = None,
     whiten: torch.Tensor | None = None,
-    whiten_noise: float | None = None,
+) -> nn.Sequential: ...
+
+
+@overload
+def build(architecture: str, *args: Any, **kwargs: Any) -> nn.Sequential: ...
+
+
+def build(architecture: Architecture | str, *args: Any, **kwargs: Any) -> nn.Sequential:
+    """The model an :class:`Architecture` describes.
+
+    Args:
+        architecture: what to build.
+        center: the released input mean the first layer subtracts (with
+            ``architecture.center_noise``; a zero placeholder of the input's shape when a state
+            dict will fill it in).
+        whiten: the released ``C x C`` channel mixing it applies next (with
+            ``architecture.whiten_noise``).
+
+    Returns:
+        An :class:`clipless.nn.Sequential` starting with :class:`clipless.nn.InputNorm`.
+
+    Raises:
+        ValueError / TypeError: a value the builders refuse, naming it.
+
+    The older form ``build(kind, input_shape, hidden, num_classes, input_norm=1.0, bias=False,
+    pool="l2", input_mode="ball", center=None, center_noise=None, whiten=None,
+    whiten_noise=None)`` still works and warns (:class:`DeprecationWarning`).
+    """
+    if not isinstance(architecture, Architecture):
+        architecture, kwargs = _old_build_form(architecture, args, kwargs)
+    elif args or set(kwargs) - {"center", "whiten"}:
+        raise TypeError("build(Architecture) takes only the keywords center= and whiten=")
+    return _build(architecture, kwargs.get("center"), kwargs.get("whiten"))
+
+
+def _old_build_form(
+    kind: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Architecture, dict[str, Any]]:
+    """``build(kind, input_shape, ...)`` as an :class:`Architecture` (with a warning)."""
+    warnings.warn(
+        "models.build(kind, input_shape, hidden, num_classes, ...) is deprecated: pass "
+        "models.Architecture(kind, input_shape, hidden, num_classes, ...) (and the released "
+        "tensors as center= and whiten=)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if len(args) > len(_OLD_BUILD_ARGS):
+        raise TypeError(f"build() takes at most {len(_OLD_BUILD_ARGS) + 1} positional arguments")
+    named = dict(zip(_OLD_BUILD_ARGS, args, strict=False))
+    clash = set(named) & set(kwargs)
+    unknown = set(kwargs) - set(_OLD_BUILD_ARGS)
+    if clash or unknown:
+        raise TypeError(f"build() got unexpected or repeated arguments {sorted(clash | unknown)}")
+    named.update(kwargs)
+    missing = [k for k in _OLD_BUILD_ARGS[:3] if k not in named]
+    if missing:
+        raise TypeError(f"build() is missing {', '.join(missing)}")
+    tensors = {"center": named.pop("center", None), "whiten": named.pop("whiten", None)}
+    return Architecture(str(kind), **named), tensors
+
+
+def _build(
+    arch: Architecture, center: torch.Tensor | None, whiten: torch.Tensor | None
 ) -> nn.Sequential:
-    """``linear`` (``hidden`` must be empty), ``mlp``, ``cnn`` (:func:`convnet`, ``hidden`` =
-    channels per convolution stage), ``resnet`` (:func:`resnet`, ``hidden`` = width per stage,
-    one residual block per stage, ``pool`` its downsampling) or ``gnp`` (:func:`gnp_convnet`,
-    ``hidden`` = channels per stride-2 convolution). ``input_mode``: the first layer's
-    :class:`clipless.nn.InputNorm` mode (``"ball"`` clips each sample to ``input_norm``,
-    ``"sphere"`` normalises it to that norm); ``center`` / ``center_noise``: a released input mean
-    it subtracts first (:func:`clipless.features.release_mean`), whose release the privacy
-    engine accounts for; ``whiten`` / ``whiten_noise``: the channel mixing it applies next
-    (:func:`clipless.features.whitening` of a :func:`clipless.features.release_channel_moment`
-    release), accounted the same way."""
+    kind, shape, hidden, classes = arch.kind, arch.input_shape, arch.hidden, arch.num_classes
+    norm, bias, pool = arch.input_norm, arch.bias, arch.pool
     model: nn.Sequential
     if isinstance(hidden, (str, bytes)) or not isinstance(hidden, Iterable):
         raise ValueError(f"hidden must be a sequence of widths (may be empty); got {hidden!r}")
     if kind == "linear":
         if tuple(hidden):
             raise ValueError(f"a linear model has no hidden layers; got hidden={tuple(hidden)!r}")
-        model = linear(input_shape, num_classes, input_norm, bias)
+        model = linear(shape, classes, norm, bias)
     elif kind == "mlp":
-        model = mlp(input_shape, hidden, num_classes, input_norm, bias)
+        model = mlp(shape, hidden, classes, norm, bias)
     elif kind == "cnn":
-        model = convnet(input_shape, hidden, num_classes, input_norm, pool, bias)
+        model = convnet(shape, hidden, classes, norm, pool, bias)
     elif kind == "resnet":
-        model = resnet(
-            input_shape, hidden, 1, num_classes, input_norm=input_norm, downsample=pool, bias=bias
-        )
+        model = resnet(shape, hidden, 1, classes, input_norm=norm, downsample=pool, bias=bias)
     elif kind == "gnp":
-        model = gnp_convnet(input_shape, hidden, num_classes, input_norm, bias)
+        model = gnp_convnet(shape, hidden, classes, norm, bias)
     else:
         raise ValueError(f"model must be one of {MODEL_KINDS}; got {kind!r}")
-    return _with_input_mode(model, input_mode, center, center_noise, whiten, whiten_noise)
+    released = (center, arch.center_noise, whiten, arch.whiten_noise)
+    return _with_input_mode(model, arch.input_mode, *released)

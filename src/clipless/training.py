@@ -748,58 +748,359 @@ def fit(
     a new run over a spent ledger) is raised on every rank.
     """
     _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult, on_epoch_end)
+    _check_loaders_and_loss(train_loader, eval_loader, loss)
+    epochs, augmult, delta = int(epochs), int(augmult), float(delta)
+    keeper = _Checkpointer(checkpoint_dir, model, optimizer, engine, train_loader)
+    metrics_file = _metrics_paths(metrics_path)[0] if metrics_path is not None else None
+    _check_metrics_path(metrics_file, keeper.directory, keeper.writer)
+    resumed = keeper.restore(resume, epochs)
+    keeper.ema = ema = _weight_ema(model, ema_decay, resumed)
+    loop = _EpochLoop(
+        model, optimizer, train_loader, loss, engine, ema, augment, augmult, epsilon_budget, delta
+    )
+    config: dict[str, Any] = {"epochs": epochs, "delta": delta, "epsilon_budget": epsilon_budget}
+    config |= {"ema_decay": ema_decay, "augmult": augmult, "engine": getattr(engine, "config", {})}
+    history = resumed.history if resumed is not None else []
+    summary = _Summary(
+        history=history,
+        delta=delta,
+        epsilon_budget=epsilon_budget,
+        checkpoint_path=keeper.path,
+        metrics_path=metrics_file,
+        writer=keeper.writer,
+        ema=ema,
+        config=config,
+        epsilon=_epsilon(engine, delta) if _ledger_steps(engine) else 0.0,
+        epochs_completed=sum(1 for r in history if r.get("complete")),
+    )
+    start_epoch = resumed.epoch if resumed is not None else 0
+    _run_epochs(
+        loop, summary, keeper, range(start_epoch, epochs), eval_loader, on_epoch_end, progress
+    )
+    keeper.write_ledger()
+    if _ledger_steps(engine):
+        summary.epsilon = _epsilon(engine, delta)
+    summary.publish(engine)
+    return summary.result(engine)
+
+
+def _run_epochs(
+    loop: _EpochLoop,
+    summary: _Summary,
+    keeper: _Checkpointer,
+    epochs: range,
+    eval_loader: Iterable[Any] | None,
+    on_epoch_end: EpochCallback | None,
+    progress: bool,
+) -> None:
+    """The epochs ``epochs`` (of ``epochs.stop`` in all) until one says stop."""
+    bar = loop.progress_bar(epochs.stop, epochs.start, progress)
+    try:
+        for epoch in epochs:
+            record, budget_hit = loop.run_epoch(epoch, summary.epsilon, bar, eval_loader)
+            if not _end_epoch(epoch, record, budget_hit, summary, keeper, on_epoch_end, loop):
+                break
+    except BaseException:
+        keeper.write_ledger()  # a crash loses no accounting: the steps taken were spent
+        if loop.private is not None:
+            loop.private.discard_batch()  # training stopped; a later fit starts on a fresh batch
+        raise
+    finally:
+        bar.close()
+
+
+def _end_epoch(
+    epoch: int,
+    record: dict[str, Any],
+    budget_hit: bool,
+    summary: _Summary,
+    keeper: _Checkpointer,
+    on_epoch_end: EpochCallback | None,
+    loop: _EpochLoop,
+) -> bool:
+    """Record the epoch, checkpoint, publish the metrics and ask the callback; whether to go on
+    (not after a budget stop, nor when a rank's callback returned ``True``)."""
+    summary.epsilon = record["epsilon"]
+    summary.history.append(record)
+    if budget_hit:
+        summary.stop_reason = "budget"
+        keeper.save(epoch, "budget", summary.history)
+        summary.publish(keeper.engine)
+        if on_epoch_end is not None:
+            on_epoch_end(dict(record))
+        return False
+    summary.epochs_completed += 1
+    keeper.save(epoch + 1, None, summary.history)
+    summary.publish(keeper.engine)
+    stop = on_epoch_end is not None and bool(on_epoch_end(dict(record)))
+    if _agreed(stop, loop.parallel):  # every rank asks (a rank may have no callback)
+        summary.stop_reason = "callback"
+        return False
+    return True
+
+
+def _check_loaders_and_loss(train_loader: object, eval_loader: object, loss: object) -> None:
     if eval_loader is not None and eval_loader is train_loader:
         raise ValueError(
             "eval_loader is the private training loader: evaluating on it draws Poisson batches "
             "that no step trains on (refused by the optimizer) and scores private data; pass "
             "held-out data, or the original (non-Poisson) loader for a training-set score"
         )
-    epochs = int(epochs)
-    augmult = int(augmult)
     reduction = getattr(loss, "reduction", "sum")
     if reduction != "sum":
         raise ValueError(
             f"loss.reduction must be 'sum' (make_private sets it; the optimizer divides by the "
             f"expected batch size); got {reduction!r}"
         )
-    from tqdm.auto import tqdm
 
-    delta = float(delta)
-    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    metrics_file = _metrics_paths(metrics_path)[0] if metrics_path is not None else None
-    device = _device_of(model)
-    history: list[dict[str, Any]] = []
-    start_epoch = 0
-    stop_reason = "completed"
 
-    if ckpt_dir is not None and getattr(optimizer, "ledger_path", "") is None:
-        # Write-ahead accounting (clipless.optim): every step is on disk before its noise exists.
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        optimizer.ledger_path = ckpt_dir / LEDGER_NAME  # type: ignore[attr-defined]
-    own_ledger = getattr(optimizer, "ledger_path", None)
-    dp = getattr(optimizer, "data_parallel", None)
-    _check_metrics_path(metrics_file, ckpt_dir, dp is None or dp.writes_ledger)
-    read_resume = functools.partial(
-        _read_resume, resume, ckpt_dir, getattr(optimizer, "ledger_path", None)
-    )
-    # Under clipless.distributed rank 0's run folder is the only truth: it reads the checkpoint
-    # (and the largest ledger) and every rank loads what it read, so a rank on another machine
-    # needs no copy of the folder, and a stale copy there cannot make the replicas disagree.
-    state = read_resume() if dp is None else dp.from_rank0(read_resume)
-    saved_ema = None
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+@dataclass
+class _Summary:
+    """What :func:`fit` has to say so far (its :class:`FitResult` at any point)."""
+
+    history: list[dict[str, Any]]
+    delta: float
+    epsilon_budget: float | None
+    checkpoint_path: Path | None
+    metrics_path: Path | None
+    writer: bool
+    ema: WeightEMA | None
+    config: dict[str, Any]
+    epsilon: float
+    epochs_completed: int
+    stop_reason: str = "completed"
+
+    def publish(self, engine: PrivacyEngine) -> None:
+        """Rewrite the metrics file (the writing rank's, when one is given)."""
+        if self.metrics_path is not None and self.writer:
+            write_metrics(self.result(engine), self.metrics_path)
+
+    def result(self, engine: PrivacyEngine) -> FitResult:
+        return FitResult(
+            history=self.history,
+            stop_reason=self.stop_reason,
+            epochs_completed=self.epochs_completed,
+            steps=_ledger_steps(engine),
+            epsilon=self.epsilon,
+            delta=self.delta,
+            epsilon_budget=self.epsilon_budget,
+            checkpoint_path=self.checkpoint_path,
+            metrics_path=self.metrics_path,
+            ema_model=None if self.ema is None else self.ema.model,
+            config=self.config,
+        )
+
+
+def _weight_ema(
+    model: torch.nn.Module, ema_decay: float | None, resumed: _Resumed | None
+) -> WeightEMA | None:
+    """The EMA, from the weights training continues from (the checkpoint's, on resume)."""
+    ema = WeightEMA(model, float(ema_decay)) if ema_decay is not None else None
+    saved = None if resumed is None else resumed.ema
+    if ema is not None and saved is not None:
+        ema.load_state_dict(saved)
+    elif resumed is not None and (ema is None) != (saved is None):
+        warnings.warn(
+            "the checkpoint was written "
+            + ("without" if saved is None else "with")
+            + " an EMA of the weights and this call has ema_decay="
+            + repr(ema_decay)
+            + (
+                ": the EMA starts from the resumed weights"
+                if ema is not None
+                else ": it is dropped"
+            ),
+            stacklevel=3,  # fit's caller
+        )
+    return ema
+
+
+class _EpochLoop:
+    """One pass over the Poisson batches (a noisy step each, the budget asked before every
+    step), then the epoch's record (training statistics, epsilon, held-out scores)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: Iterable[Any],
+        loss: torch.nn.Module,
+        engine: PrivacyEngine,
+        ema: WeightEMA | None,
+        augment: Augment | None,
+        augmult: int,
+        epsilon_budget: float | None,
+        delta: float,
+    ) -> None:
+        self.model, self.optimizer, self.loader, self.loss = model, optimizer, loader, loss
+        self.engine, self.ema, self.augment, self.augmult = engine, ema, augment, augmult
+        self.epsilon_budget, self.delta = epsilon_budget, delta
+        self.device = _device_of(model)
+        self.parallel = getattr(optimizer, "data_parallel", None)
+        self.private = optimizer if isinstance(optimizer, DPOptimizer) else None
+        try:
+            self.steps_per_epoch: int | None = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            self.steps_per_epoch = None
+
+    def progress_bar(self, epochs: int, start_epoch: int, progress: bool) -> Any:
+        from tqdm.auto import tqdm
+
+        per_epoch = self.steps_per_epoch
+        return tqdm(
+            total=None if per_epoch is None else per_epoch * epochs,
+            initial=0 if per_epoch is None else per_epoch * start_epoch,
+            disable=not progress,
+            unit="step",
+            dynamic_ncols=True,
+            leave=False,
+        )
+
+    def run_epoch(
+        self, epoch: int, epsilon: float, bar: Any, eval_loader: Iterable[Any] | None
+    ) -> tuple[dict[str, Any], bool]:
+        """Train one epoch; returns its history record and whether the budget stopped it."""
+        started = time.perf_counter()
+        self.model.train()
+        totals, steps, budget_hit = self._train_batches(epsilon, bar)
+        if self.parallel is not None:  # the whole batch's training statistics, on every rank
+            summed = torch.tensor(totals, dtype=torch.float64, device=self.parallel.device)
+            self.parallel.reduce([summed])
+            totals = [float(summed[0]), float(summed[1]), float(int(summed[2]))]
+        loss_total, correct, seen = totals[0], totals[1], int(totals[2])
+        epsilon = _epsilon(self.engine, self.delta)
+        per_epoch = self.steps_per_epoch
+        record: dict[str, Any] = {
+            "epoch": epoch + 1,
+            "epoch_progress": epoch + (steps / per_epoch if per_epoch else 1.0),
+            "steps": _ledger_steps(self.engine),
+            "train_loss": loss_total / seen if seen else None,
+            "train_accuracy": correct / seen if seen else None,
+            "test_loss": None,
+            "test_accuracy": None,
+            "epsilon": epsilon,
+            "delta": self.delta,
+            "lr": float(self.optimizer.param_groups[0].get("lr", float("nan"))),
+            "time_s": time.perf_counter() - started,
+            "complete": not budget_hit,
+        }
+        if eval_loader is not None:
+            evaluated = self.ema.model if self.ema is not None else self.model
+            scores = evaluate(evaluated, eval_loader, self.loss)
+            record["test_loss"] = scores.get("loss")
+            record["test_accuracy"] = scores["accuracy"]
+        record = {k: _jsonable(v) for k, v in record.items()}
+        bar.set_postfix(
+            loss=_fmt(record["train_loss"]),
+            acc=_fmt(record["train_accuracy"], 3),
+            test=_fmt(record["test_accuracy"], 3),
+            eps=f"{epsilon:.3f}",
+        )
+        return record, budget_hit
+
+    def _over_budget(self) -> bool:
+        engine, budget = self.engine, self.epsilon_budget
+        return engine.steps_remaining == 0 or (
+            budget is not None and engine.would_exceed(budget, self.delta)
+        )
+
+    def _train_batches(self, epsilon: float, bar: Any) -> tuple[list[float], int, bool]:
+        """``([loss sum, correct, seen], steps, budget_hit)`` of one pass over the batches."""
+        seen, steps, correct, loss_total = 0, 0, 0.0, 0.0
+        for batch in self.loader:
+            if self._over_budget():  # stop before the step that would overspend
+                if self.private is not None:
+                    self.private.discard_batch()  # drawn, not trained on, and training stops
+                return [loss_total, correct, float(seen)], steps, True
+            x, y = _split_batch(batch)
+            if self.parallel is not None:  # clipless.distributed: this rank's rows of the batch
+                x, y = shard(x, y, group=self.parallel.group, loader=self.loader)
+            self.optimizer.zero_grad()
+            if x.shape[0] > 0:
+                x, y = x.to(self.device), y.to(self.device)
+                batch_loss, logits, y_in = training_loss(
+                    self.model, self.loss, x, y, augment=self.augment, augmult=self.augmult,
+                    optimizer=self.private,
+                )  # fmt: skip
+                batch_loss.backward()
+                with torch.no_grad():
+                    loss_total += float(batch_loss) / (1 if self.private is None else self.augmult)
+                    correct += _correct(logits, y_in) / self.augmult
+                    seen += int(x.shape[0])
+            self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update(self.model)
+            steps += 1
+            bar.update(1)
+            if seen:
+                bar.set_postfix(
+                    loss=f"{loss_total / seen:.4f}",
+                    acc=f"{correct / seen:.3f}",
+                    eps=f"{epsilon:.3f}",
+                    refresh=False,
+                )
+        return [loss_total, correct, float(seen)], steps, False
+
+
+@dataclass
+class _Resumed:
+    """What a checkpoint restored: the history, the epoch to continue from and the EMA state."""
+
+    history: list[dict[str, Any]]
+    epoch: int
+    ema: Mapping[str, Any] | None
+
+
+class _Checkpointer:
+    """The run folder of :func:`fit`: the write-ahead ledger's path, resuming (the checkpoint,
+    reconciled with every ledger file the run may have written since), the checkpoints and the
+    ledger writes. Under :mod:`clipless.distributed` only rank 0 writes (a checkpoint written by
+    every rank to one shared folder would be whichever rank renamed last)."""
+
+    def __init__(
+        self,
+        directory: PathLike | None,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        engine: PrivacyEngine,
+        loader: object,
+    ) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self.model, self.optimizer, self.engine, self.loader = model, optimizer, engine, loader
+        self.ema: WeightEMA | None = None
+        if self.directory is not None and getattr(optimizer, "ledger_path", "") is None:
+            # Write-ahead accounting (clipless.optim): every step is on disk before its noise.
+            self.directory.mkdir(parents=True, exist_ok=True)
+            optimizer.ledger_path = self.directory / LEDGER_NAME  # type: ignore[attr-defined]
+        self.own_ledger = getattr(optimizer, "ledger_path", None)
+        self.parallel = getattr(optimizer, "data_parallel", None)
+        self.writer = self.parallel is None or self.parallel.writes_ledger
+
+    @property
+    def path(self) -> Path | None:
+        return None if self.directory is None else self.directory / CHECKPOINT_NAME
+
+    def restore(self, resume: bool | PathLike, epochs: int) -> _Resumed | None:
+        """Load the checkpoint to resume from into the model, optimizer, generators and engine
+        (``None``: a new run, after refusing one over a spent ledger). Under
+        :mod:`clipless.distributed` rank 0 alone reads the run folder and every rank loads what
+        it read, so a rank on another machine needs no copy (and a stale copy cannot make the
+        replicas disagree)."""
+        read = functools.partial(_read_resume, resume, self.directory, self.own_ledger)
+        state = read() if self.parallel is None else self.parallel.from_rank0(read)
+        if state is None:
+            return None
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
         _set_rng_state(state["rng"])
-        _set_generator_states(train_loader, state.get("loader_generators", {}))
+        _set_generator_states(self.loader, state.get("loader_generators", {}))
         # After the loader's generators: an unseeded engine reseeds the noise and the sampler
         # here, so the saved states are never drawn from again (two runs resumed from one
         # checkpoint would draw the same noise on different gradients, and lost steps' noise
         # would be drawn again); a seeded one restores them (bit-identical resume).
-        engine.load_state_dict(state["engine"])
-        saved_ema = state.get("ema")
-        if isinstance(optimizer, DPOptimizer):
-            optimizer.discard_batch()  # e.g. drawn before an interruption: never trained on
+        self.engine.load_state_dict(state["engine"])
+        if isinstance(self.optimizer, DPOptimizer):
+            self.optimizer.discard_batch()  # e.g. drawn before an interruption: never trained on
         history = [dict(r) for r in state.get("history", [])]
         start_epoch = int(state["epoch"])
         if start_epoch > epochs:
@@ -808,212 +1109,41 @@ def fit(
                 f"epochs >= {start_epoch} to continue (epochs counts from the start of the run)"
             )
         if history and not history[-1].get("complete", True):
-            # Stopped inside an epoch (budget): that epoch is run again as a fresh pass.
-            history.pop()
-        refresh = getattr(optimizer, "refresh", None)
+            history.pop()  # stopped inside an epoch (budget): run again as a fresh pass
+        refresh = getattr(self.optimizer, "refresh", None)
         if callable(refresh):
             refresh()
-    # The EMA starts from the weights training continues from (the checkpoint's, on resume).
-    ema = WeightEMA(model, float(ema_decay)) if ema_decay is not None else None
-    if ema is not None and saved_ema is not None:
-        ema.load_state_dict(saved_ema)
-    elif state is not None and (ema is None) != (saved_ema is None):
-        warnings.warn(
-            "the checkpoint was written "
-            + ("without" if saved_ema is None else "with")
-            + " an EMA of the weights and this call has ema_decay="
-            + repr(ema_decay)
-            + (
-                ": the EMA starts from the resumed weights"
-                if ema is not None
-                else ": it is dropped"
-            ),
-            stacklevel=2,
-        )
+        return _Resumed(history, start_epoch, state.get("ema"))
 
-    try:
-        steps_per_epoch: int | None = len(train_loader)  # type: ignore[arg-type]
-    except TypeError:
-        steps_per_epoch = None
-    bar = tqdm(
-        total=None if steps_per_epoch is None else steps_per_epoch * epochs,
-        initial=0 if steps_per_epoch is None else steps_per_epoch * start_epoch,
-        disable=not progress,
-        unit="step",
-        dynamic_ncols=True,
-        leave=False,
-    )
-    config = {
-        "epochs": epochs,
-        "delta": delta,
-        "epsilon_budget": epsilon_budget,
-        "ema_decay": ema_decay,
-        "augmult": augmult,
-        "engine": getattr(engine, "config", {}),
-    }
-    epoch = start_epoch
-    epsilon = _epsilon(engine, delta) if _ledger_steps(engine) else 0.0
-    epochs_completed = sum(1 for r in history if r.get("complete"))
+    def write_ledger(self) -> None:
+        """The engine's ledger to the run folder (unless the file there records more)."""
+        if self.directory is not None and self.writer:
+            _write_ledger(self.engine, self.directory / LEDGER_NAME)
 
-    # under clipless.distributed only rank 0 writes (a checkpoint written by every rank to one
-    # shared folder would be whichever rank renamed last, its generator states included)
-    writer = dp is None or dp.writes_ledger
-
-    def checkpoint(epoch_index: int, reason: str | None) -> None:
-        if ckpt_dir is None or not writer:
+    def save(self, epoch: int, reason: str | None, history: Sequence[Mapping[str, Any]]) -> None:
+        """The ledger, then the checkpoint of ``epoch`` completed epochs."""
+        if self.directory is None or not self.writer:
             return
-        _write_ledger(engine, ckpt_dir / LEDGER_NAME)
+        self.write_ledger()
+        own = self.own_ledger
         save_checkpoint(
-            ckpt_dir / CHECKPOINT_NAME,
+            self.directory / CHECKPOINT_NAME,
             {
                 "format": _CHECKPOINT_FORMAT,
-                "epoch": epoch_index,
+                "epoch": epoch,
                 "stop_reason": reason,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "engine": engine.state_dict(),
-                "ema": ema.state_dict() if ema is not None else None,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "engine": self.engine.state_dict(),
+                "ema": self.ema.state_dict() if self.ema is not None else None,
                 "rng": _rng_state(),
-                "loader_generators": _generator_states(train_loader),
+                "loader_generators": _generator_states(self.loader),
                 "history": [_jsonable(r) for r in history],
                 # read on resume with the other ledger files: steps written there after this
                 # checkpoint (a hard kill) are never forgotten
-                "ledger_path": None
-                if own_ledger is None
-                else os.fspath(Path(own_ledger).resolve()),
+                "ledger_path": None if own is None else os.fspath(Path(own).resolve()),
             },
         )
-
-    def publish(result: FitResult) -> None:
-        if metrics_file is not None and writer:
-            write_metrics(result, metrics_file)
-
-    def make_result() -> FitResult:
-        return FitResult(
-            history=history,
-            stop_reason=stop_reason,
-            epochs_completed=epochs_completed,
-            steps=_ledger_steps(engine),
-            epsilon=epsilon,
-            delta=delta,
-            epsilon_budget=epsilon_budget,
-            checkpoint_path=None if ckpt_dir is None else ckpt_dir / CHECKPOINT_NAME,
-            metrics_path=metrics_file,
-            ema_model=None if ema is None else ema.model,
-            config=config,
-        )
-
-    parallel = getattr(optimizer, "data_parallel", None)
-    try:
-        for epoch in range(start_epoch, epochs):
-            started = time.perf_counter()
-            model.train()
-            seen, steps_in_epoch = 0, 0
-            correct, loss_total = 0.0, 0.0
-            budget_hit = False
-            for batch in train_loader:
-                if engine.steps_remaining == 0 or (
-                    epsilon_budget is not None and engine.would_exceed(epsilon_budget, delta)
-                ):
-                    budget_hit = True  # stop before the step that would overspend
-                    if isinstance(optimizer, DPOptimizer):
-                        optimizer.discard_batch()  # drawn, not trained on, and training stops
-                    break
-                x, y = _split_batch(batch)
-                if parallel is not None:  # clipless.distributed: this rank's rows of the batch
-                    x, y = shard(x, y, group=parallel.group, loader=train_loader)
-                optimizer.zero_grad()
-                if x.shape[0] > 0:
-                    x, y = x.to(device), y.to(device)
-                    batch_loss, logits, y_in = training_loss(
-                        model,
-                        loss,
-                        x,
-                        y,
-                        augment=augment,
-                        augmult=augmult,
-                        optimizer=optimizer if isinstance(optimizer, DPOptimizer) else None,
-                    )
-                    batch_loss.backward()
-                    with torch.no_grad():
-                        scale = augmult if isinstance(optimizer, DPOptimizer) else 1
-                        loss_total += float(batch_loss) / scale
-                        correct += _correct(logits, y_in) / augmult
-                        seen += int(x.shape[0])
-                optimizer.step()
-                if ema is not None:
-                    ema.update(model)
-                steps_in_epoch += 1
-                bar.update(1)
-                if seen:
-                    bar.set_postfix(
-                        loss=f"{loss_total / seen:.4f}",
-                        acc=f"{correct / seen:.3f}",
-                        eps=f"{epsilon:.3f}",
-                        refresh=False,
-                    )
-            if parallel is not None:  # the whole batch's training statistics, on every rank
-                totals = [loss_total, correct, float(seen)]
-                summed = torch.tensor(totals, dtype=torch.float64, device=parallel.device)
-                parallel.reduce([summed])
-                loss_total, correct, seen = float(summed[0]), float(summed[1]), int(summed[2])
-            epsilon = _epsilon(engine, delta)
-            record: dict[str, Any] = {
-                "epoch": epoch + 1,
-                "epoch_progress": epoch
-                + (steps_in_epoch / steps_per_epoch if steps_per_epoch else 1.0),
-                "steps": _ledger_steps(engine),
-                "train_loss": loss_total / seen if seen else None,
-                "train_accuracy": correct / seen if seen else None,
-                "test_loss": None,
-                "test_accuracy": None,
-                "epsilon": epsilon,
-                "delta": delta,
-                "lr": float(optimizer.param_groups[0].get("lr", float("nan"))),
-                "time_s": time.perf_counter() - started,
-                "complete": not budget_hit,
-            }
-            if eval_loader is not None:
-                scores = evaluate(ema.model if ema is not None else model, eval_loader, loss)
-                record["test_loss"] = scores.get("loss")
-                record["test_accuracy"] = scores["accuracy"]
-            record = {k: _jsonable(v) for k, v in record.items()}
-            history.append(record)
-            bar.set_postfix(
-                loss=_fmt(record["train_loss"]),
-                acc=_fmt(record["train_accuracy"], 3),
-                test=_fmt(record["test_accuracy"], 3),
-                eps=f"{epsilon:.3f}",
-            )
-            if budget_hit:
-                stop_reason = "budget"
-                checkpoint(epoch, "budget")
-                publish(make_result())
-                if on_epoch_end is not None:
-                    on_epoch_end(dict(record))
-                break
-            epochs_completed += 1
-            checkpoint(epoch + 1, None)
-            publish(make_result())
-            stop = on_epoch_end is not None and bool(on_epoch_end(dict(record)))
-            if _agreed(stop, parallel):  # every rank asks (a rank may have no callback)
-                stop_reason = "callback"
-                break
-    except BaseException:
-        # A crash loses no accounting: the steps taken so far were spent.
-        if ckpt_dir is not None and writer:
-            _write_ledger(engine, ckpt_dir / LEDGER_NAME)
-        if isinstance(optimizer, DPOptimizer):
-            optimizer.discard_batch()  # training stopped; a later fit starts on a fresh batch
-        raise
-    finally:
-        bar.close()
-    if ckpt_dir is not None and writer:
-        _write_ledger(engine, ckpt_dir / LEDGER_NAME)
-    epsilon = _epsilon(engine, delta) if _ledger_steps(engine) else epsilon
-    result = make_result()
-    publish(result)
-    return result
 
 
 def _agreed(stop: bool, parallel: Any) -> bool:
@@ -1111,13 +1241,13 @@ def _prefer_larger_ledger(engine_state: dict[str, Any], ledger_file: Path) -> di
                 f"{ledger_file} records {on_disk.steps} steps but does not continue the "
                 f"checkpoint's ledger ({in_ckpt.steps} steps): it is another run's ledger and "
                 "is ignored",
-                stacklevel=4,
+                stacklevel=5,
             )
             return engine_state
         warnings.warn(
             f"{ledger_file} records {on_disk.steps} steps but the checkpoint only "
             f"{in_ckpt.steps}: the steps after the checkpoint were spent and stay in the ledger",
-            stacklevel=4,  # fit's caller (_read_resume and fit are in between)
+            stacklevel=5,  # fit's caller (_read_resume, _Checkpointer.restore and fit between)
         )
         engine_state = dict(engine_state)
         engine_state["ledger"] = on_disk.to_dict()
