@@ -112,6 +112,21 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="federated_command", metavar="ACTION")
+    _add_simulate(sub)
+    _add_init(sub)
+    for name, what in (
+        ("serve", "a server"),
+        ("owner", "a data owner"),
+        ("dealer", "the dealer"),
+        ("analyst", "the analyst (prints the release)"),
+    ):
+        _add_party(sub, name, what)
+    p.set_defaults(func=_no_action(p))
+    return p
+
+
+def _add_simulate(sub: Any) -> None:
+    """``federated simulate``: every party on loopback."""
     s = sub.add_parser(
         "simulate",
         help="run owners, servers and the analyst on loopback",
@@ -145,6 +160,10 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="roc: owners hold a synthetic score and a 0/1 label; prints the ROC and its AUC",
     )
     s.set_defaults(func=_simulate)
+
+
+def _add_init(sub: Any) -> None:
+    """``federated init``: the session file and one secret file per party."""
     i = sub.add_parser(
         "init", help="write a session file and one secret file per party", formatter_class=_Defaults
     )
@@ -176,50 +195,44 @@ def add_federated_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="address of server j (repeat, in order)",
     )
     i.set_defaults(func=_init)
-    for name, what in (
-        ("serve", "a server"),
-        ("owner", "a data owner"),
-        ("dealer", "the dealer"),
-        ("analyst", "the analyst (prints the release)"),
-    ):
-        q = sub.add_parser(name, help=f"run {what} from a session file", formatter_class=_Defaults)
-        q.add_argument("session", help="public session JSON")
+
+
+def _add_party(sub: Any, name: str, what: str) -> None:
+    """``federated serve|owner|dealer|analyst``: one party from the session's files."""
+    q = sub.add_parser(name, help=f"run {what} from a session file", formatter_class=_Defaults)
+    q.add_argument("session", help="public session JSON")
+    q.add_argument("--secret", required=True, help="this party's secret JSON (TLS key, link keys)")
+    if name in ("serve", "owner"):
+        q.add_argument("--index", type=integer(0), required=True, help="party index")
+    if name == "serve":
         q.add_argument(
-            "--secret", required=True, help="this party's secret JSON (TLS key, link keys)"
+            "--host",
+            default=None,
+            help="address to listen on (default: the host of the session's servers_at for "
+            "--index, where the other parties connect; 127.0.0.1 if the session records "
+            "none; 0.0.0.0: every interface)",
         )
-        if name in ("serve", "owner"):
-            q.add_argument("--index", type=integer(0), required=True, help="party index")
-        if name == "serve":
-            q.add_argument(
-                "--host",
-                default=None,
-                help="address to listen on (default: the host of the session's servers_at for "
-                "--index, where the other parties connect; 127.0.0.1 if the session records "
-                "none; 0.0.0.0: every interface)",
-            )
-            q.add_argument(
-                "--port",
-                type=integer(0, 65535),
-                default=None,
-                help="port to listen on (default: the port of the session's servers_at for "
-                "--index; 0: any free port, printed). Another port than the recorded one is for "
-                "a port forward that reaches it from there (a note says so)",
-            )
-        if name == "serve":
-            q.add_argument(
-                "--noise-key-file",
-                default=None,
-                help="noise_sharing distributed: this server's own noise key (32 hex digits), "
-                "created (mode 0600) with a fresh key if absent, reused if present: the same "
-                "noise for later queries of the same data and grid. Default: a fresh key per "
-                "run, never written. No other party ever has it (init writes no noise key)",
-            )
-        if name == "owner":
-            q.add_argument("--values", required=True, help="comma-separated values")
-            q.add_argument("--labels", default=None, help="comma-separated 0/1 labels (roc)")
-        q.set_defaults(func=_party)
-    p.set_defaults(func=_no_action(p))
-    return p
+        q.add_argument(
+            "--port",
+            type=integer(0, 65535),
+            default=None,
+            help="port to listen on (default: the port of the session's servers_at for "
+            "--index; 0: any free port, printed). Another port than the recorded one is for "
+            "a port forward that reaches it from there (a note says so)",
+        )
+    if name == "serve":
+        q.add_argument(
+            "--noise-key-file",
+            default=None,
+            help="noise_sharing distributed: this server's own noise key (32 hex digits), "
+            "created (mode 0600) with a fresh key if absent, reused if present: the same "
+            "noise for later queries of the same data and grid. Default: a fresh key per "
+            "run, never written. No other party ever has it (init writes no noise key)",
+        )
+    if name == "owner":
+        q.add_argument("--values", required=True, help="comma-separated values")
+        q.add_argument("--labels", default=None, help="comma-separated 0/1 labels (roc)")
+    q.set_defaults(func=_party)
 
 
 def _no_action(p: argparse.ArgumentParser) -> Any:
