@@ -909,77 +909,95 @@ def simulate(
         procs: list[tuple[str, Any, Any]] = []
         try:
             if spawn == "fork":
-                ctx = multiprocessing.get_context("fork")
-
-                def launch(
-                    name: str, target: Callable[..., Counter], args: tuple[Any, ...]
-                ) -> None:
-                    parent, child = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=_child, args=(target, args, child), daemon=True)
-                    proc.start()
-                    child.close()
-                    procs.append((name, proc, parent))
-
-                for j in range(servers):
-                    # one listener at a time, closed here once forked: no other process holds it
-                    lst = socket.create_server(("127.0.0.1", 0))
-                    at = (*session.servers_at, ("127.0.0.1", lst.getsockname()[1]))
-                    session = session.with_servers_at(at)
-                    launch(
-                        f"server {j}",
-                        run_server,
-                        (session, secret[f"server {j}"], j, lst, own_keys[j]),
-                    )
-                    lst.close()
-                if kill_server is not None:
-                    procs[kill_server][1].kill()
-                    procs[kill_server][1].join()
-                if session.noise_sharing == "dealer":
-                    launch("dealer 0", run_dealer, (session, secret["dealer 0"]))
-                for i, vals in enumerate(owner_values):
-                    launch(
-                        f"owner {i}",
-                        run_owner,
-                        (
-                            session,
-                            secret[f"owner {i}"],
-                            i,
-                            list(vals),
-                            faults.get(f"owner {i}", ""),
-                            None if owner_labels is None else list(owner_labels[i]),
-                        ),
-                    )
+                session = _launch_forks(
+                    session, secret, owner_values, procs, kill_server, owner_labels, own_keys,
+                    faults,
+                )  # fmt: skip
             else:
                 session = _launch_subprocesses(
                     session, secret, owner_values, Path(tmp), procs, kill_server, owner_labels,
                     own_keys,
                 )  # fmt: skip
-            analyst_error: FederatedError | None = None
-            sent: dict[str, int] = {}
-            try:
-                out, counter = run_analyst(session, secret["analyst 0"])
-                sent.update(counter.sent)
-            except FederatedError as exc:
-                analyst_error = exc
-            party_errors: list[FederatedError] = []
-            grace = 0.5 if analyst_error is not None else float(session.timeout) + 10.0
-            for name, proc, channel in procs:
-                report = _collect(name, proc, channel, spawn, grace)
-                if report is None:
-                    continue
-                sent.update(report["sent"])
-                if report["error"] is not None:
-                    code, message, party = report["error"]
-                    party_errors.append(ERRORS.get(code, FederatedError)(message, party))
-            if analyst_error is not None:
-                raise analyst_error
-            if party_errors:
-                raise party_errors[0]
+            out, sent = _analyst_and_reports(session, secret, procs, spawn)
         finally:
             for _, proc, _ in procs:
                 _stop(proc)
     wall = time.perf_counter() - start
     return _finish(session, out, sent, wall, smoothing, consistency)
+
+
+def _launch_forks(
+    session: Session,
+    secret: dict[str, PartySecret],
+    owner_values: Sequence[Sequence[float]],
+    procs: list[tuple[str, Any, Any]],
+    kill_server: int | None,
+    owner_labels: Sequence[Sequence[int]] | None,
+    own_keys: list[bytes | None],
+    faults: dict[str, str],
+) -> Session:
+    """Fork every party but the analyst (appended to ``procs`` with its report pipe); returns
+    the session with the servers' listening addresses."""
+    ctx = multiprocessing.get_context("fork")
+
+    def launch(name: str, target: Callable[..., Counter], args: tuple[Any, ...]) -> None:
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(target, args, child), daemon=True)
+        proc.start()
+        child.close()
+        procs.append((name, proc, parent))
+
+    for j in range(session.servers):
+        # one listener at a time, closed here once forked: no other process holds it
+        lst = socket.create_server(("127.0.0.1", 0))
+        at = (*session.servers_at, ("127.0.0.1", lst.getsockname()[1]))
+        session = session.with_servers_at(at)
+        launch(f"server {j}", run_server, (session, secret[f"server {j}"], j, lst, own_keys[j]))
+        lst.close()
+    if kill_server is not None:
+        procs[kill_server][1].kill()
+        procs[kill_server][1].join()
+    if session.noise_sharing == "dealer":
+        launch("dealer 0", run_dealer, (session, secret["dealer 0"]))
+    for i, vals in enumerate(owner_values):
+        labels = None if owner_labels is None else list(owner_labels[i])
+        args = (session, secret[f"owner {i}"], i, list(vals), faults.get(f"owner {i}", ""), labels)
+        launch(f"owner {i}", run_owner, args)
+    return session
+
+
+def _analyst_and_reports(
+    session: Session,
+    secret: dict[str, PartySecret],
+    procs: list[tuple[str, Any, Any]],
+    spawn: str,
+) -> tuple[NDArray[np.int64], dict[str, int]]:
+    """Run the analyst here, then collect every party's report: ``(the analyst's output, bytes
+    sent per party)``, or raise the analyst's error, else the first party's."""
+    analyst_error: FederatedError | None = None
+    sent: dict[str, int] = {}
+    out: NDArray[np.int64] | None = None
+    try:
+        out, counter = run_analyst(session, secret["analyst 0"])
+        sent.update(counter.sent)
+    except FederatedError as exc:
+        analyst_error = exc
+    party_errors: list[FederatedError] = []
+    grace = 0.5 if analyst_error is not None else float(session.timeout) + 10.0
+    for name, proc, channel in procs:
+        report = _collect(name, proc, channel, spawn, grace)
+        if report is None:
+            continue
+        sent.update(report["sent"])
+        if report["error"] is not None:
+            code, message, party = report["error"]
+            party_errors.append(ERRORS.get(code, FederatedError)(message, party))
+    if analyst_error is not None:
+        raise analyst_error
+    if party_errors:
+        raise party_errors[0]
+    assert out is not None  # run_analyst returned
+    return out, sent
 
 
 def _finish(
