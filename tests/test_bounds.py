@@ -96,3 +96,65 @@ def test_a_conv_reused_at_two_input_sizes_is_refused() -> None:
     report = bounds.report(model, cnn.CrossEntropyLoss(), (1, 5, 5))
     assert len(report.layers) == 3
     assert torch.equal(tied.weight, conv.weight)
+
+
+def _runtime_imports(path: pathlib.Path, module: str) -> set[str]:
+    """The ``clipless`` modules ``path`` imports at run time, at any level (typing-only imports
+    under ``if TYPE_CHECKING:`` excluded), resolved against the package's files."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+        for n in ast.walk(block)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clipless"):
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("clipless"))
+    return found
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycle() -> None:
+    """The modules of ``clipless`` import one another without a cycle, function-level imports
+    included (a package's ``__init__`` re-exporting its own submodules is not an edge)."""
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            if ".".join(parts[:k]) in files:
+                return ".".join(parts[:k])
+        return None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = {resolve(n) for n in _runtime_imports(path, module)}
+        graph[module] = {t for t in targets if t and t != module and not t.startswith(module + ".")}
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        if module in done:
+            return
+        if module in visiting:
+            cycle = [*visiting[visiting.index(module) :], module]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        visiting.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)

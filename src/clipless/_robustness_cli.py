@@ -71,7 +71,7 @@ def _model_and_front(model_path: Path) -> tuple[Any, Any]:
     """``(model, front-end or None)`` of a saved run (the model takes the front-end's output)."""
     import torch
 
-    from clipless.cli import load_trained_model
+    from clipless.model_file import load_trained_model
 
     loaded = load_trained_model(model_path)
     if isinstance(loaded, torch.nn.Sequential) and len(loaded) == 2:

@@ -32,9 +32,12 @@ from clipless._train_options import FEATURES_LR as FEATURES_LR
 from clipless._train_options import IMAGE_MODELS as IMAGE_MODELS
 from clipless._train_options import LOSS_CLIP as LOSS_CLIP
 from clipless._train_options import PLD_MAX_EPSILON as PLD_MAX_EPSILON
-from clipless.pipeline import MODEL_FORMAT, git_commit, premap_inputs, whiten_placeholder
+from clipless.model_file import MODEL_FORMAT as MODEL_FORMAT
+from clipless.model_file import load_trained_model as load_trained_model
+from clipless.model_file import whiten_placeholder as whiten_placeholder
 from clipless.pipeline import RUN_FILES as RUN_FILES
 from clipless.pipeline import _resolve_device as _resolve_device
+from clipless.pipeline import git_commit, premap_inputs
 from clipless.spec import LEGACY_OPTIONS, OptionError, TrainSpec, default_input_norm
 from clipless.spec import RUN_CONFIG_FORMAT as RUN_CONFIG_FORMAT
 from clipless.spec import RUN_CONFIG_NAME as RUN_CONFIG_NAME
@@ -50,7 +53,6 @@ _premap_inputs = premap_inputs
 
 __all__ = ["build_mlp", "build_parser", "load_trained_model", "main"]
 
-_MODEL_FORMAT_V1 = "clipless-mlp-v1"
 
 _EPILOG = """\
 examples:
@@ -249,36 +251,6 @@ def build_mlp(
     from clipless import models
 
     return models.mlp(input_shape, hidden, num_classes, input_norm, bias)
-
-
-def load_trained_model(path: str | Path) -> Any:
-    """Rebuild the model saved by ``clipless train`` (``model.pt``) with its trained weights.
-
-    Reads both formats: ``clipless-model-v2`` (an MLP or a ConvNet, named by
-    ``architecture["kind"]``) and the older ``clipless-mlp-v1`` (an MLP). The model is on the CPU.
-    """
-    import torch
-
-    from clipless import models
-
-    state = torch.load(Path(path), map_location="cpu", weights_only=True)
-    fmt = state.get("format") if isinstance(state, dict) else None
-    if fmt not in (MODEL_FORMAT, _MODEL_FORMAT_V1):
-        raise ValueError(f"{path} is not a model saved by `clipless train`")
-    arch = state["architecture"]
-    # placeholders of the right shapes: load_state_dict fills in the released mean and mixing
-    center = torch.zeros(arch["input_shape"]) if arch.get("center_noise") else None
-    whiten = whiten_placeholder(arch["input_shape"]) if arch.get("whiten_noise") else None
-    model = models.build(models.Architecture.from_dict(arch), center=center, whiten=whiten)
-    model.load_state_dict(state["state_dict"])
-    features = str(arch.get("features", "none"))
-    if features != "none":  # the public front-end first: the returned model takes raw images
-        from clipless.features import build_features
-
-        front = build_features(features, arch["image_shape"])
-        assert front is not None
-        return torch.nn.Sequential(front, model).eval()
-    return model
 
 
 # --------------------------------------------------------------------------------- training

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from clipless._train_options import DEVICES
+from clipless.model_file import MODEL_FORMAT, whiten_placeholder
 from clipless.spec import (
     RUN_CONFIG_NAME,
     RUN_OPTIONS,
@@ -35,7 +36,6 @@ from clipless.spec import (
 
 __all__ = ["MODEL_FORMAT", "RUN_FILES", "train"]
 
-MODEL_FORMAT = "clipless-model-v2"  # v2: the architecture names its kind (mlp / cnn)
 # What makes a folder a run: refused as --out unless --resume or --force.
 RUN_FILES = (
     "ledger.json",
@@ -568,14 +568,6 @@ def _input_whitening(
         noise_multiplier=spec.whiten_noise,
         num_samples=len(train),
     )
-
-
-def whiten_placeholder(input_shape: Any) -> Any:
-    """A ``C x C`` zero matrix for the model's whitening buffer (filled by a state dict)."""
-    import torch
-
-    channels = int(next(iter(input_shape)))
-    return torch.zeros(channels, channels, dtype=torch.float64)
 
 
 def premap_inputs(model: Any, *datasets: Any) -> None:
