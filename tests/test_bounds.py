@@ -18,10 +18,22 @@ from clipless import bounds
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "clipless"
 
 
-def _imported_modules(path: pathlib.Path) -> set[str]:
-    """Every ``clipless`` module a file imports, at any level (module top or inside functions)."""
+def _imported_modules(path: pathlib.Path, *, typing_only: bool = True) -> set[str]:
+    """Every ``clipless`` module a file imports, at any level (module top or inside functions);
+    ``typing_only=False`` leaves out the imports under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = {
+        id(n)
+        for block in ast.walk(tree)
+        if not typing_only
+        and isinstance(block, ast.If)
+        and ast.unparse(block.test).endswith("TYPE_CHECKING")
+        for n in ast.walk(block)
+    }
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clipless"):
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
@@ -98,28 +110,6 @@ def test_a_conv_reused_at_two_input_sizes_is_refused() -> None:
     assert torch.equal(tied.weight, conv.weight)
 
 
-def _runtime_imports(path: pathlib.Path, module: str) -> set[str]:
-    """The ``clipless`` modules ``path`` imports at run time, at any level (typing-only imports
-    under ``if TYPE_CHECKING:`` excluded), resolved against the package's files."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    typing_only = {
-        id(n)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
-        for n in ast.walk(block)
-    }
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clipless"):
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("clipless"))
-    return found
-
-
 def _module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(SRC.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -139,7 +129,7 @@ def test_no_import_cycle() -> None:
 
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
-        targets = {resolve(n) for n in _runtime_imports(path, module)}
+        targets = {resolve(n) for n in _imported_modules(path, typing_only=False)}
         graph[module] = {t for t in targets if t and t != module and not t.startswith(module + ".")}
     visiting: list[str] = []
     done: set[str] = set()

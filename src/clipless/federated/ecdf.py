@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import scipy.sparse as sp
@@ -329,15 +329,64 @@ def federated_ecdf(
         )
     if branching is not None and mechanism == "binary":
         raise ValueError("branching is only for mechanism 'k-ary' or 'auto'")
-    if mechanism != "binary" and whole and consistency:
-        return _federated_kary(
-            owner_values, g, epsilon, rho, protocol, servers, noise_sharing, neighbouring, noise,
-            smoothing, noise_keys, branching,
-        )  # fmt: skip
-    return _federated_binary(
-        owner_values, g, epsilon, rho, pts, protocol, servers, noise_sharing, neighbouring,
-        noise, smoothing, consistency, noise_keys,
+    query = _Query(
+        owner_values, g, epsilon, rho, protocol, servers, noise_sharing, neighbouring, noise,
+        smoothing, noise_keys,
     )  # fmt: skip
+    if mechanism != "binary" and whole and consistency:
+        return _federated_kary(query, branching)
+    return _federated_binary(query, pts, consistency)
+
+
+@dataclass(frozen=True)
+class _Query:
+    """One federated ECDF release's data, grid and options (checked by :func:`federated_ecdf`)."""
+
+    owner_values: Sequence[ArrayLike]
+    grid: Grid
+    epsilon: float | None
+    rho: float | None
+    protocol: Protocol
+    servers: int
+    noise_sharing: NoiseSharing
+    neighbouring: Neighbouring
+    noise: NoiseKind
+    smoothing: Smoothing | None
+    noise_keys: Sequence[bytes] | None
+
+    def leaves(self) -> tuple[list[NDArray[np.int64]], int]:
+        """Each owner's grid cells and the total count (refused when 0 and public)."""
+        leaves = owner_leaves(self.owner_values, self.grid)
+        n_total = int(sum(x.size for x in leaves))
+        if n_total == 0 and self.neighbouring == "replace_one":  # under add/remove n is private
+            raise ValueError("the owners hold no values (n = 0 is public under replace_one)")
+        return leaves, n_total
+
+    def publish(
+        self,
+        leaves: list[NDArray[np.int64]],
+        points: NDArray[np.int64],
+        params: Any,
+        noise_at: tuple[NDArray[np.int64], NDArray[np.int64]],
+        matrix: sp.csr_matrix | None,
+        context: bytes,
+    ) -> tuple[NDArray[np.int64], UStat]:
+        """The servers' published noisy node counts over the owners' shares (or FSS keys), with
+        the noise bound to ``context`` (the tree: :func:`~clipless.federated.noise.tree_key`)."""
+        backend: Backend = "local" if self.protocol == "local" else "shares"
+        ustat = UStat(backend, self.servers, self.noise_sharing, self.noise_keys, tree=context)
+        levels, index = noise_at
+        if self.protocol == "fss":
+            from clipless.federated.dcf import fss_publish
+
+            out = fss_publish(
+                leaves, points, ustat, self.noise, params, levels, index, matrix,
+                domain=len(self.grid),
+            )  # fmt: skip
+        else:
+            contributions = [prefix_indicators(x, points) for x in leaves]
+            out = ustat.publish(contributions, self.noise, params, levels, index, matrix)
+        return out, ustat
 
 
 def _check_options(
@@ -360,75 +409,43 @@ def _check_options(
         raise ValueError(f"mechanism must be 'auto', 'binary' or 'k-ary', got {mechanism!r}")
 
 
-def _federated_binary(
-    owner_values: Sequence[ArrayLike],
-    g: Grid,
-    epsilon: float | None,
-    rho: float | None,
-    pts: NDArray[np.int64] | None,
-    protocol: Protocol,
-    servers: int,
-    noise_sharing: NoiseSharing,
-    neighbouring: Neighbouring,
-    noise: NoiseKind,
-    smoothing: Smoothing | None,
-    consistency: bool,
-    noise_keys: Sequence[bytes] | None,
-) -> FederatedECDF:
+def _federated_binary(q: _Query, pts: NDArray[np.int64] | None, consistency: bool) -> FederatedECDF:
     """The thesis's binary tree over the owners' shares: a pointwise query (``pts``) or the
     whole grid (``pts`` None)."""
-    N = len(g)
+    N = len(q.grid)
     L = tree_depth(N)
-    param, variance, delta = noise_parameter(L, neighbouring, noise, epsilon, rho)
+    param, variance, delta = noise_parameter(L, q.neighbouring, q.noise, q.epsilon, q.rho)
     whole = pts is None
     points = np.arange(N, dtype=np.int64) if pts is None else pts
-    leaves = owner_leaves(owner_values, g)
-    n_total = int(sum(lv.size for lv in leaves))
-    if n_total == 0 and neighbouring == "replace_one":  # under add/remove n is private
-        raise ValueError("the owners hold no values (n = 0 is public under replace_one)")
-
+    leaves, n_total = q.leaves()
     if whole:
         matrix: sp.csr_matrix | None = tree_query(N)
         lv, ix = node_ids(L)
-        noise_levels, noise_index = lv[:, None], ix[:, None]
+        noise_at = (lv[:, None], ix[:, None])
     else:
         matrix = None
-        noise_levels, noise_index = path_nodes(points, L)
-
-    backend: Backend = "local" if protocol == "local" else "shares"
-    # the noise is bound to this tree (grid and statistic): noise.tree_key
-    ustat = UStat(
-        backend, servers, noise_sharing, noise_keys, tree=tree_context(g.thresholds, "ecdf")
-    )
-    if protocol == "fss":
-        from clipless.federated.dcf import fss_publish
-
-        out = fss_publish(
-            leaves, points, ustat, noise, param, noise_levels, noise_index, matrix, domain=N
-        )
-    else:
-        contributions = [prefix_indicators(lv_, points) for lv_ in leaves]
-        out = ustat.publish(contributions, noise, param, noise_levels, noise_index, matrix)
-
+        noise_at = path_nodes(points, L)
+    context = tree_context(q.grid.thresholds, "ecdf")
+    out, ustat = q.publish(leaves, points, param, noise_at, matrix, context)
     m_noise = ustat.noise_source.copies  # servers under "distributed": each adds full noise
     counts, values, release, F = assemble(
-        out,
-        g,
-        points,
-        whole,
-        n_total,
-        noise,
-        param,
-        variance * m_noise,
-        delta,
-        epsilon,
-        rho,
-        neighbouring,
-        smoothing,
-        consistency,
-    )
+        out, q.grid, points, whole, n_total, q.noise, param, variance * m_noise, delta,
+        q.epsilon, q.rho, q.neighbouring, q.smoothing, consistency,
+    )  # fmt: skip
+    return _result(q, ustat, points, counts, values, F, release)
+
+
+def _result(
+    q: _Query,
+    ustat: UStat,
+    points: NDArray[np.int64],
+    counts: Any,
+    values: Any,
+    F: DPECDF | None,
+    release: Any,
+) -> FederatedECDF:
     return FederatedECDF(
-        protocol=protocol,
+        protocol=q.protocol,
         servers=ustat.servers,
         noise_sharing=ustat.noise_sharing,
         points=points,
@@ -442,66 +459,28 @@ def _federated_binary(
     )
 
 
-def _federated_kary(
-    owner_values: Sequence[ArrayLike],
-    g: Grid,
-    epsilon: float | None,
-    rho: float | None,
-    protocol: Protocol,
-    servers: int,
-    noise_sharing: NoiseSharing,
-    neighbouring: Neighbouring,
-    noise: NoiseKind,
-    smoothing: Smoothing | None,
-    noise_keys: Sequence[bytes] | None,
-    branching: int | None,
-) -> FederatedECDF:
+def _federated_kary(q: _Query, branching: int | None) -> FederatedECDF:
     """The whole-grid release with the central default's ``k``-ary plan: the servers map
     their shares of the prefix counts to the released node counts (:func:`kary_query`), add
     their shares of each node's noise at its level's parameter, publish; the published vector
     goes through :func:`~clipless.stats.counting.kary_estimate` and
     :func:`~clipless.stats.ecdf.from_release`, the central release's own post-processing."""
-    N = len(g)
-    budget, eps_out, rho_out = _budget(noise, epsilon, rho)
-    plan = counting_plan(N, neighbouring, noise, budget, branching)
-    params = kary_params(plan, neighbouring, noise, budget)
-    matrix = kary_query(N, plan)
-    lv, ix = kary_released_nodes(N, plan, neighbouring)
+    N = len(q.grid)
+    budget, eps_out, rho_out = _budget(q.noise, q.epsilon, q.rho)
+    plan = counting_plan(N, q.neighbouring, q.noise, budget, branching)
+    params = kary_params(plan, q.neighbouring, q.noise, budget)
+    lv, ix = kary_released_nodes(N, plan, q.neighbouring)
     points = np.arange(N, dtype=np.int64)
-    leaves = owner_leaves(owner_values, g)
-    n_total = int(sum(x.size for x in leaves))
-    if n_total == 0 and neighbouring == "replace_one":
-        raise ValueError("the owners hold no values (n = 0 is public under replace_one)")
-    backend: Backend = "local" if protocol == "local" else "shares"
-    context = tree_context(g.thresholds, "ecdf", kary_shape(plan))
-    ustat = UStat(backend, servers, noise_sharing, noise_keys, tree=context)
-    if protocol == "fss":
-        from clipless.federated.dcf import fss_publish
-
-        out = fss_publish(
-            leaves, points, ustat, noise, params, lv[:, None], ix[:, None], matrix, domain=N
-        )
-    else:
-        contributions = [prefix_indicators(x, points) for x in leaves]
-        out = ustat.publish(contributions, noise, params, lv[:, None], ix[:, None], matrix)
+    leaves, n_total = q.leaves()
+    context = tree_context(q.grid.thresholds, "ecdf", kary_shape(plan))
+    out, ustat = q.publish(
+        leaves, points, params, (lv[:, None], ix[:, None]), kary_query(N, plan), context
+    )
     assert kary_depth(N, plan.branching) >= 1
     release = kary_estimate(
-        out, N, plan, neighbouring, noise, budget, n_total, eps_out, rho_out,
+        out, N, plan, q.neighbouring, q.noise, budget, n_total, eps_out, rho_out,
         ustat.noise_source.copies,
     )  # fmt: skip
-    F = from_release(
-        release, g, n=n_total if neighbouring == "replace_one" else None, smoothing=smoothing
-    )
-    return FederatedECDF(
-        protocol=protocol,
-        servers=ustat.servers,
-        noise_sharing=ustat.noise_sharing,
-        points=points,
-        prefix_counts=release.prefix_counts,
-        values=np.asarray(F.values),
-        ecdf=F,
-        release=release,
-        traffic=ustat.traffic,
-        noise_keys=list(ustat.noise_keys),
-        noise_source=ustat.noise_source,
-    )
+    n = n_total if q.neighbouring == "replace_one" else None
+    F = from_release(release, q.grid, n=n, smoothing=q.smoothing)
+    return _result(q, ustat, points, release.prefix_counts, np.asarray(F.values), F, release)
