@@ -249,8 +249,10 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         run=True,
         legacy=None,
         default=None,
-        help="your own CSV file (header row) instead of --dataset; needs --label, --classes and "
-        "--columns. 20%% of its rows (a fixed public split) are the test set unless --test-data",
+        help="your own data instead of --dataset: a CSV file (header row; needs --label, "
+        "--classes and --columns) or an image folder (one subfolder of same-size images per "
+        "class; pixels / 255). 20%% of the records (a fixed public split) are the test set "
+        "unless --test-data",
     ),
     _opt(
         "--test-data",
@@ -258,7 +260,7 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         run=True,
         legacy=None,
         default=None,
-        help="with --data: a CSV file for the test set",
+        help="with --data: a CSV file (or an image folder) for the test set",
     ),
     _opt(
         "--label",
@@ -275,7 +277,8 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         legacy=None,
         default=None,
         type=_table_classes,
-        help="with --data: the label's values, comma-separated (public: they decide the outputs)",
+        help="with --data: the label's values, comma-separated (public: they decide the "
+        "outputs); for an image folder, the subfolders to use, in order (default: all)",
     ),
     _opt(
         "--columns",

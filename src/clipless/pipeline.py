@@ -173,7 +173,11 @@ def _load_data(spec: TrainSpec) -> tuple[TrainSpec, Any, Any, Any] | None:
 
 
 def _load_table(spec: TrainSpec) -> tuple[TrainSpec, Any, Any, Any]:
+    from clipless.data.folder import is_image_folder
     from clipless.data.table import load_table, max_norm, parse_classes, parse_columns
+
+    if is_image_folder(str(spec.data)):
+        return _load_folder(spec)
 
     columns = parse_columns(str(spec.columns))
     try:
@@ -187,6 +191,24 @@ def _load_table(spec: TrainSpec) -> tuple[TrainSpec, Any, Any, Any]:
         raise OptionError("--data", str(exc)) from None
     if spec.input_norm is None:
         spec = replace(spec, input_norm=max_norm(columns))
+    return spec, train, test, info
+
+
+def _load_folder(spec: TrainSpec) -> tuple[TrainSpec, Any, Any, Any]:
+    """``--data DIR``: an image folder (:mod:`clipless.data.folder`); ``--input-norm`` defaults
+    to ``sqrt(C H W)``, the public bound of pixels in ``[0, 1]``."""
+    from clipless.data.folder import folder_max_norm, load_image_folder
+    from clipless.data.table import parse_classes
+
+    classes = None if spec.classes is None else parse_classes(str(spec.classes))
+    try:
+        train, test, info = load_image_folder(str(spec.data), classes, spec.test_data)
+    except OSError as exc:
+        raise OptionError("--data", f"cannot read {exc.filename}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise OptionError("--data", str(exc)) from None
+    if spec.input_norm is None:
+        spec = replace(spec, input_norm=folder_max_norm(info.input_shape))
     return spec, train, test, info
 
 
