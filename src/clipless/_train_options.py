@@ -11,9 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from clipless.allocation import allocation_names
-
-__all__ = ["DATASETS", "NO_LEGACY", "TRAIN_OPTIONS", "TrainOption", "option"]
+__all__ = ["ALLOCATIONS", "DATASETS", "NO_LEGACY", "TRAIN_OPTIONS", "TrainOption", "option"]
 
 DEFAULT_HIDDEN: dict[str, tuple[int, ...]] = {
     "linear": (),
@@ -209,6 +207,22 @@ NO_LEGACY: Any = object()
 """The ``legacy`` of an option that every saved run configuration holds."""
 DATASETS: Any = object()
 """Placeholder for ``--dataset``'s choices: the registry is read when the parser is built."""
+ALLOCATIONS: Any = object()
+"""Placeholder for ``--noise``'s choices: the allocations registered when the parser is built."""
+
+
+def live_choices(choices: Any) -> Any:
+    """``choices`` with a registry placeholder (:data:`DATASETS`, :data:`ALLOCATIONS`) replaced
+    by the registry's names now, so that what is registered after import is offered."""
+    if choices is DATASETS:
+        from clipless.data import available_datasets
+
+        return list(available_datasets())
+    if choices is ALLOCATIONS:
+        from clipless.allocation import allocation_names
+
+        return list(allocation_names())
+    return choices
 
 
 @dataclass(frozen=True)
@@ -376,7 +390,7 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         "--noise",
         "privacy",
         run=True,
-        choices=allocation_names(),
+        choices=ALLOCATIONS,
         default="global",
         help="noise allocation across layers (docs/design.md 'Noise strategies')",
     ),

@@ -22,7 +22,7 @@ from typing import Any
 # the training options, defaults and run-folder names, read here by earlier code and tests
 from clipless._train_options import ADULT_LR as ADULT_LR
 from clipless._train_options import ADULT_PREPROCESSING as ADULT_PREPROCESSING
-from clipless._train_options import DATASETS, TRAIN_OPTIONS
+from clipless._train_options import DATASETS, TRAIN_OPTIONS, live_choices
 from clipless._train_options import DEFAULT_HIDDEN as DEFAULT_HIDDEN
 from clipless._train_options import DEFAULT_LR as DEFAULT_LR
 from clipless._train_options import DEVICES as DEVICES
@@ -156,6 +156,8 @@ def _add_train_parser(sub: Any) -> None:
         kwargs = dict(option.kwargs)
         if kwargs.get("choices") is DATASETS:
             kwargs["choices"] = datasets
+        elif "choices" in kwargs:
+            kwargs["choices"] = live_choices(kwargs["choices"])
         groups[option.group].add_argument(option.flag, **kwargs)
     p.set_defaults(func=_run_train)
 

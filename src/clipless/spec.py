@@ -20,7 +20,6 @@ from typing import Any, ClassVar
 from clipless._train_options import (
     ADULT_LR,
     ADULT_PREPROCESSING,
-    DATASETS,
     DEFAULT_HIDDEN,
     DEFAULT_LR,
     FEATURES_INPUT_NORM,
@@ -31,6 +30,7 @@ from clipless._train_options import (
     NO_LEGACY,
     PLD_MAX_EPSILON,
     TRAIN_OPTIONS,
+    live_choices,
     option,
 )
 
@@ -497,11 +497,7 @@ def _valid_saved(dest: str, value: Any) -> bool:
     if isinstance(value, bool | list | dict):
         return False
     kwargs = option(dest).kwargs
-    choices = kwargs.get("choices")
-    if choices is DATASETS:
-        from clipless.data import available_datasets
-
-        choices = list(available_datasets())
+    choices = live_choices(kwargs.get("choices"))
     if choices is not None and value not in choices:
         return False
     parse = kwargs.get("type")
