@@ -9,8 +9,8 @@ else to RGB, and its pixels divided by 255 (values in ``[0, 1]``), so ``sqrt(C H
 no scale), and the images must share one size: resize them beforehand (a size chosen from the
 data would be a function of it).
 
-The test set is ``test_path`` (the same layout and classes) or, without it, :data:`TEST_FRACTION`
-of the records chosen with the public :data:`SPLIT_SEED`, as for a table.
+The test set is ``test_path`` (the same layout and classes) or, without it, the public split of
+:func:`clipless.data.table.public_split`, as for a table.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from clipless.data.registry import DatasetInfo
-from clipless.data.table import SPLIT_SEED, TEST_FRACTION
+from clipless.data.table import public_split
 
 __all__ = ["EXTENSIONS", "folder_max_norm", "is_image_folder", "load_image_folder"]
 
@@ -114,14 +114,7 @@ def load_image_folder(
                 f"the training images {tuple(train.tensors[0].shape[1:])}"
             )
     else:
-        n = len(data)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
-        cut = n - max(1, round(TEST_FRACTION * n))
-        if cut < 1:
-            raise ValueError(f"{path} has {n} image(s): too few to hold out a test set")
-        x, y = data.tensors
-        train = TensorDataset(x[order[:cut]], y[order[:cut]])
-        test = TensorDataset(x[order[cut:]], y[order[cut:]])
+        train, test = public_split(data, f"{path} has {len(data)} image(s)")
     shape = tuple(int(d) for d in train.tensors[0].shape[1:])
     info = DatasetInfo(
         name=f"images:{Path(path).name}",

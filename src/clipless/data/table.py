@@ -151,6 +151,20 @@ def _read(
     return TensorDataset(torch.tensor(rows, dtype=torch.float32), torch.tensor(targets))
 
 
+def public_split(data: TensorDataset, what: str) -> tuple[TensorDataset, TensorDataset]:
+    """``(train, test)``: :data:`TEST_FRACTION` of the records held out, chosen with the public
+    :data:`SPLIT_SEED` (a function of the count only); ``what`` names the data in the error."""
+    n = len(data)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
+    cut = n - max(1, round(TEST_FRACTION * n))
+    if cut < 1:
+        raise ValueError(f"{what}: too few to hold out a test set")
+    x, y = data.tensors
+    return TensorDataset(x[order[:cut]], y[order[:cut]]), TensorDataset(
+        x[order[cut:]], y[order[cut:]]
+    )
+
+
 def load_table(
     path: str | Path,
     label: str,
@@ -166,14 +180,7 @@ def load_table(
     if test_path is not None:
         train, test = data, _read(Path(test_path), label, classes, columns)
     else:
-        n = len(data)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
-        cut = n - max(1, round(TEST_FRACTION * n))
-        if cut < 1:
-            raise ValueError(f"{path} has {n} data row(s): too few to hold out a test set")
-        x, y = data.tensors
-        train = TensorDataset(x[order[:cut]], y[order[:cut]])
-        test = TensorDataset(x[order[cut:]], y[order[cut:]])
+        train, test = public_split(data, f"{path} has {len(data)} data row(s)")
     names = tuple(
         f"{c.name}={v}" if c.categories else c.name for c in columns for v in (c.categories or [""])
     )
