@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from clipless import _validate
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import project_norm
@@ -187,7 +188,7 @@ class InputNorm(LipschitzModule):
         loaded or a data-parallel broadcast)."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
             raise ValueError("premap_ expects a floating tensor of samples [n, ...]")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if not _validate.is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
         if self.center is not None and tuple(x.shape[1:]) != tuple(self.center.shape):
             raise ValueError(

@@ -1,0 +1,182 @@
+"""Argument validation shared by the whole package (private; standard library only).
+
+Each validator takes the argument's name and value, returns the value normalised (``int``,
+``float``, ``str``, ``bool``) and otherwise raises :class:`TypeError` (wrong type) or
+:class:`ValueError` (wrong value) with one sentence naming the argument and what is accepted
+(docs/design.md "Bad input"). Bools are refused wherever a number is expected, and NaN wherever
+a range is; Python and NumPy numbers are accepted alike (``numbers.Integral``, ``numbers.Real``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Collection
+from typing import Any, NoReturn, TypeGuard, TypeVar
+
+__all__ = [
+    "choice",
+    "finite",
+    "finite_nonnegative",
+    "finite_positive",
+    "flag",
+    "integer",
+    "is_int",
+    "is_real",
+    "nonnegative_int",
+    "optional",
+    "positive_int",
+    "probability",
+    "real",
+    "real_in",
+]
+
+T = TypeVar("T")
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (Python or NumPy), a bool not counting as one."""
+    return _integral(value)
+
+
+def is_real(value: object) -> bool:
+    """Whether ``value`` is a real number (Python or NumPy int or float), a bool not counting."""
+    return _real(value)
+
+
+# TypeGuards for the validators below; the public predicates return a plain bool so that they
+# leave a caller's ``int`` annotation as it is rather than narrowing it to ``Integral``.
+def _integral(value: object) -> TypeGuard[numbers.Integral]:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value: object) -> TypeGuard[numbers.Real]:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _refuse(error: type[Exception], name: str, accepted: str, value: object) -> NoReturn:
+    got = f"{type(value).__name__} {value!r}" if error is TypeError else repr(value)
+    raise error(f"{name} must be {accepted}, got {got}")
+
+
+def integer(
+    name: str, value: object, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """``value`` as an ``int`` in ``[minimum, maximum]`` (either end may be open-ended)."""
+    if minimum is not None and maximum is not None:
+        accepted = f"an integer in [{minimum}, {maximum}]"
+    elif minimum is not None:
+        accepted = f"an integer >= {minimum}"
+    elif maximum is not None:
+        accepted = f"an integer <= {maximum}"
+    else:
+        accepted = "an integer"
+    if not _integral(value):
+        _refuse(TypeError, name, accepted, value)
+    result = int(value)
+    if (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
+        _refuse(ValueError, name, accepted, value)
+    return result
+
+
+def positive_int(name: str, value: object, *, minimum: int = 1) -> int:
+    """``value`` as an ``int >= minimum`` (1 unless told)."""
+    return integer(name, value, minimum=minimum)
+
+
+def nonnegative_int(name: str, value: object) -> int:
+    """``value`` as an ``int >= 0``."""
+    return integer(name, value, minimum=0)
+
+
+def real(name: str, value: object) -> float:
+    """``value`` as a ``float`` (NaN and infinities included)."""
+    if not _real(value):
+        _refuse(TypeError, name, "a real number", value)
+    return float(value)
+
+
+def finite(name: str, value: object) -> float:
+    """``value`` as a finite ``float``."""
+    result = real(name, value)
+    if not math.isfinite(result):
+        _refuse(ValueError, name, "a finite number", value)
+    return result
+
+
+def finite_positive(name: str, value: object) -> float:
+    """``value`` as a finite ``float > 0``."""
+    result = real(name, value)
+    if not (math.isfinite(result) and result > 0.0):
+        _refuse(ValueError, name, "a finite number > 0", value)
+    return result
+
+
+def finite_nonnegative(name: str, value: object) -> float:
+    """``value`` as a finite ``float >= 0``."""
+    result = real(name, value)
+    if not (math.isfinite(result) and result >= 0.0):
+        _refuse(ValueError, name, "a finite number >= 0", value)
+    return result
+
+
+def _interval(low: float, high: float, open_low: bool, open_high: bool) -> str:
+    def end(x: float) -> str:
+        return "inf" if x == math.inf else "-inf" if x == -math.inf else f"{x:g}"
+
+    span = f"{'(' if open_low else '['}{end(low)}, {end(high)}{')' if open_high else ']'}"
+    return f"the open interval {span}" if open_low and open_high else span
+
+
+def real_in(
+    name: str,
+    value: object,
+    low: float,
+    high: float,
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+) -> float:
+    """``value`` as a ``float`` in the interval from ``low`` to ``high`` (NaN refused).
+
+    The ends are closed unless ``open_low`` / ``open_high``; an infinite closed end accepts the
+    infinity itself (``real_in(name, v, 0, math.inf)`` is ``[0, inf]``).
+    """
+    result = real(name, value)
+    above = result > low if open_low else result >= low
+    below = result < high if open_high else result <= high
+    if not (above and below):  # NaN fails both comparisons
+        _refuse(ValueError, name, f"in {_interval(low, high, open_low, open_high)}", value)
+    return result
+
+
+def probability(
+    name: str, value: object, *, open_low: bool = False, open_high: bool = False
+) -> float:
+    """``value`` as a ``float`` in ``[0, 1]`` (either end open on request)."""
+    return real_in(name, value, 0.0, 1.0, open_low=open_low, open_high=open_high)
+
+
+def choice(name: str, value: object, choices: Collection[T]) -> T:
+    """``value`` itself when it is one of ``choices``."""
+    for option in choices:
+        same_kind = isinstance(value, type(option)) and isinstance(value, bool) == isinstance(
+            option, bool
+        )
+        if same_kind and value == option:
+            return option
+    raise ValueError(f"{name} must be one of {tuple(choices)!r}, got {value!r}")
+
+
+def flag(name: str, value: object) -> bool:
+    """``value`` when it is ``True`` or ``False`` (not an int, NumPy bool or ``None``)."""
+    if not isinstance(value, bool):
+        _refuse(TypeError, name, "True or False", value)
+    return value
+
+
+def optional(
+    check: Callable[..., T], name: str, value: object, *args: Any, **kwargs: Any
+) -> T | None:
+    """``None`` when ``value`` is ``None``, otherwise ``check(name, value, *args, **kwargs)``."""
+    return None if value is None else check(name, value, *args, **kwargs)
