@@ -34,23 +34,15 @@ __all__ = [
 T = TypeVar("T")
 
 
-def is_int(value: object) -> bool:
+# The predicates tell the type checker ``int`` and ``float``: NumPy numbers behave as those do
+# under ``int()``, ``float()``, comparison and arithmetic, which is all the callers do with them.
+def is_int(value: object) -> TypeGuard[int]:
     """Whether ``value`` is an integer (Python or NumPy), a bool not counting as one."""
-    return _integral(value)
-
-
-def is_real(value: object) -> bool:
-    """Whether ``value`` is a real number (Python or NumPy int or float), a bool not counting."""
-    return _real(value)
-
-
-# TypeGuards for the validators below; the public predicates return a plain bool so that they
-# leave a caller's ``int`` annotation as it is rather than narrowing it to ``Integral``.
-def _integral(value: object) -> TypeGuard[numbers.Integral]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _real(value: object) -> TypeGuard[numbers.Real]:
+def is_real(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is a real number (Python or NumPy int or float), a bool not counting."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -71,7 +63,7 @@ def integer(
         accepted = f"an integer <= {maximum}"
     else:
         accepted = "an integer"
-    if not _integral(value):
+    if not is_int(value):
         _refuse(TypeError, name, accepted, value)
     result = int(value)
     if (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
@@ -91,7 +83,7 @@ def nonnegative_int(name: str, value: object) -> int:
 
 def real(name: str, value: object) -> float:
     """``value`` as a ``float`` (NaN and infinities included)."""
-    if not _real(value):
+    if not is_real(value):
         _refuse(TypeError, name, "a real number", value)
     return float(value)
 

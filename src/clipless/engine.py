@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import numbers
 import os
 import secrets
 import warnings
@@ -26,7 +25,7 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader
 
-from clipless import accounting, bounds, constraints, mechanism, models, sampling
+from clipless import _validate, accounting, bounds, constraints, mechanism, models, sampling
 from clipless._io import atomic_write_with
 from clipless._records import refuse_repeated_records
 from clipless.allocation import get_allocation
@@ -1058,7 +1057,7 @@ def _warn_large_delta(delta: object, n: int, name: str) -> None:
 
     ``delta = 1 / n`` itself (the thesis's tabular protocol) does not warn.
     """
-    real = isinstance(delta, numbers.Real) and not isinstance(delta, bool)
+    real = _validate.is_real(delta)
     if real and float(delta) * n > 1.0 + 1e-9:  # type: ignore[arg-type]
         warnings.warn(
             f"{name}={delta!r} is above 1/n (n = {n} training records): an (epsilon, delta) "
@@ -1103,7 +1102,7 @@ def _sampler_generator(loader: DataLoader[Any] | None) -> torch.Generator | None
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    if not _validate.is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
     return int(value)
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 import os
 import warnings
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
+from clipless import _validate
 from clipless._certified import gamma as _gamma
 
 __all__ = [
@@ -207,7 +207,7 @@ def _release_arguments(
     batch_size: int,
 ) -> tuple[torch.Tensor, float, int]:
     """``(x, sigma, n)`` of a release, or a ``ValueError`` naming the bad argument."""
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real):
+    if not _validate.is_real(noise_multiplier):
         raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
     sigma = float(noise_multiplier)
     if not (math.isfinite(sigma) and sigma > 0.0):
@@ -229,7 +229,7 @@ def _release_arguments(
 
 
 def _is_integer(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return _validate.is_int(value)
 
 
 def _csprng_generator(device: torch.device) -> torch.Generator:

@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from clipless import accounting
+from clipless import _validate, accounting
 from clipless.accounting._checks import _check_releases
 from clipless.allocation import (
     NoiseAllocation,
@@ -172,7 +172,7 @@ def rounding_margin(dtype_name: str, batch_bound: int = 1, uses: int = 1) -> flo
             "sensitivities (measured 1.4e-3 relative in bfloat16; overflow in float16)"
         )
     for label, value in (("batch_bound", batch_bound), ("uses", uses)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        if not _validate.is_int(value) or value < 1:
             raise ValueError(f"{label} must be an integer >= 1; got {value!r}")
     base = ROUNDING_MARGIN[name]
     g64 = _gamma(2 * SUM_CHUNK_TERMS + SUM_MAX_CHUNKS + 2, 2.0**-53)
@@ -219,7 +219,7 @@ class PrivacyConfig:
     def __post_init__(self) -> None:
         # numbers.Real / Integral (NumPy scalars included) are stored as Python floats / ints
         sigma = self.noise_multiplier
-        if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
+        if not _validate.is_real(sigma):
             raise TypeError(f"noise_multiplier must be a number; got {type(sigma).__name__}")
         if not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"noise_multiplier must be a finite number > 0; got {sigma!r}")
@@ -230,7 +230,7 @@ class PrivacyConfig:
         object.__setattr__(self, "sample_rate", float(q))
         for name in ("num_samples", "num_tensors"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            if not _validate.is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
             object.__setattr__(self, name, int(value))
         get_allocation(self.noise)  # a registered allocation, or the error naming them
@@ -278,7 +278,7 @@ class PrivacyConfig:
         object.__setattr__(self, "releases", _check_releases(self.releases))
         d = self.num_mechanisms
         if d is not None:
-            if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+            if not _validate.is_int(d):
                 raise ValueError(f"num_mechanisms must be None or an integer; got {d!r}")
             if not 1 <= d <= self.num_tensors:
                 raise ValueError(

@@ -24,12 +24,13 @@ second half, independent of the choice, gives the reported bound.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy import stats as _stats
+
+from clipless import _validate
 
 __all__ = [
     "GaussianFit",
@@ -43,7 +44,7 @@ __all__ = [
 
 
 def _check_level(alpha: float) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+    if not _validate.is_real(alpha):
         raise TypeError(f"alpha must be a number in (0, 1); got {type(alpha).__name__}")
     if not 0.0 < float(alpha) < 1.0:
         raise ValueError(f"alpha must be in (0, 1); got {alpha!r}")
@@ -62,7 +63,7 @@ def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, f
     (0.0, 0.0295)
     """
     for name, value in (("successes", successes), ("trials", trials)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        if not _validate.is_int(value):
             raise TypeError(f"{name} must be an int; got {type(value).__name__}")
     k, n = int(successes), int(trials)
     if n < 1 or not 0 <= k <= n:
@@ -174,9 +175,9 @@ def epsilon_lower_bound(
     """
     a = _as_scores(scores_without, "scores_without")
     b = _as_scores(scores_with, "scores_with")
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= delta < 1:
+    if not _validate.is_real(delta) or not 0 <= delta < 1:
         raise ValueError(f"delta must be in [0, 1); got {delta!r}")
-    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real):
+    if not _validate.is_real(confidence):
         raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
     if not 0.0 < float(confidence) < 1.0:
         raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")
@@ -290,9 +291,9 @@ def gaussian_epsilon_lower_bound(
     """
     a = _as_scores(scores_without, "scores_without")
     b = _as_scores(scores_with, "scores_with")
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+    if not _validate.is_real(delta) or not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1); got {delta!r}")
-    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real):
+    if not _validate.is_real(confidence):
         raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
     alpha = _check_level(1.0 - float(confidence))
     n0, n1 = a.size, b.size

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +52,7 @@ import torch
 from scipy import stats as _stats
 from torch.utils.data import DataLoader, TensorDataset
 
+from clipless import _validate
 from clipless.audit.one_run import one_run_epsilon_lower_bound
 
 __all__ = ["GradientCanaryAudit", "audit_gradient_canaries", "planned_guesses"]
@@ -224,12 +224,12 @@ def _check(
     epsilon: float, delta: float, canaries: int, guesses: int | None, steps: int, width: int,
     confidence: float, seed: int | None,
 ) -> None:  # fmt: skip
-    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real):
+    if not _validate.is_real(epsilon):
         raise TypeError(f"epsilon must be a number; got {type(epsilon).__name__}")
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise ValueError(f"epsilon must be a finite number > 0; got {epsilon!r}")
     for name, value in (("delta", delta), ("confidence", confidence)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
+        if not _validate.is_real(value) or not 0 < value < 1:
             raise ValueError(f"{name} must be a number in (0, 1); got {value!r}")
     for name, value, low in (("canaries", canaries, 2), ("steps", steps, 1), ("width", width, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

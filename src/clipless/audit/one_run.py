@@ -47,13 +47,15 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import stats as _stats
 
+from clipless import _validate
+
 __all__ = ["OneRunAudit", "audit_one_run", "one_run_epsilon_lower_bound", "one_run_p_value"]
 
 
 def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     """Upper bound on ``P[>= v correct guesses]`` for ``(epsilon, delta)``-DP (module docstring)."""
     for name, value in (("m", m), ("r", r), ("v", v)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        if not _validate.is_int(value):
             raise TypeError(f"{name} must be an int; got {type(value).__name__}")
     if not 0 <= v <= r <= m:
         raise ValueError(f"need 0 <= v <= r <= m; got v={v}, r={r}, m={m}")
@@ -232,11 +234,11 @@ def _check_one_run_arguments(
             raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
     if guesses > canaries or guesses % 2:
         raise ValueError(f"guesses must be even and at most canaries; got {guesses}")
-    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real):
+    if not _validate.is_real(confidence):
         raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
     if not 0.0 < float(confidence) < 1.0:
         raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+    if not _validate.is_real(delta) or not 0 < delta < 1:
         raise ValueError(f"delta must be a number in (0, 1); got {delta!r}")
     if radius is not None and not (
         isinstance(radius, numbers.Real)

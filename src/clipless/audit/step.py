@@ -51,7 +51,6 @@ The canaries, the model and the mechanism's noise come from independent streams
 from __future__ import annotations
 
 import math
-import numbers
 import secrets
 import warnings
 from collections.abc import Mapping
@@ -64,6 +63,7 @@ import torch
 from numpy.typing import NDArray
 from torch.utils.data import DataLoader, TensorDataset
 
+from clipless import _validate
 from clipless.audit._modes import AUDIT_MODES
 from clipless.audit.bounds import (
     GaussianFit,
@@ -212,7 +212,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 def _check_open_unit(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < 1:
+    if not _validate.is_real(value) or not 0 < float(value) < 1:
         raise ValueError(f"{name} must be a number in (0, 1); got {value!r}")
     return float(value)
 
@@ -365,7 +365,7 @@ def _check_audit_arguments(
     _check_int("steps", steps, 1)
     _check_int("records", records, 1)
     for name, value in (("noise_multiplier", noise_multiplier), ("radius", radius)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if not _validate.is_real(value):
             raise TypeError(f"{name} must be a number; got {type(value).__name__}")
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0; got {value!r}")

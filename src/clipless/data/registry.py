@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from clipless import _validate
 from clipless.data.cache import DatasetNotFoundError, data_root
 
 __all__ = [
@@ -162,7 +163,7 @@ def stratified_split(
         or not 0.0 < test_fraction < 1.0
     ):
         raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+    if not _validate.is_int(seed) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     targets = np.asarray(targets)
     rng = np.random.default_rng(seed)

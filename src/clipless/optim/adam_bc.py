@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from clipless import _validate
 
 __all__ = ["AdamBC"]
 
 
 def _real(value: object) -> bool:
     """A real number (NumPy scalars included), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return _validate.is_real(value)
 
 
 class AdamBC(torch.optim.Optimizer):

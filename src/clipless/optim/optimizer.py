@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import os
 import secrets
 from collections import OrderedDict
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clipless import _workspace, accounting, bounds, constraints, mechanism
+from clipless import _validate, _workspace, accounting, bounds, constraints, mechanism
 from clipless._errors import PlanExhaustedError
 from clipless.mechanism import NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
@@ -95,7 +94,7 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
         self.ledger = ledger
         self.ledger_path = ledger_path
         self._ledger_file_checked: object = None  # the ledger_path read before its first write
-        bad = isinstance(certify_every, bool) or not isinstance(certify_every, numbers.Integral)
+        bad = not _validate.is_int(certify_every)
         if bad or certify_every < 1:
             raise ValueError(f"certify_every must be an integer >= 1; got {certify_every!r}")
         self.certify_every = int(certify_every)

@@ -72,6 +72,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.stats import chi2
 
+from clipless import _validate
 from clipless.stats.ecdf import DPECDF, ecdf
 from clipless.stats.grid import Grid
 from clipless.stats.noise import conservative_scale, discrete_laplace, resolve_rng, to_fraction
@@ -156,7 +157,7 @@ class HLResult:
         approximation (the released ``E`` stand in for the true ones), but unlike
         :attr:`p_value` it does not read DP noise as miscalibration.
         """
-        if isinstance(draws, bool) or not isinstance(draws, (int, np.integer)) or draws < 1:
+        if not _validate.is_int(draws) or draws < 1:
             raise ValueError(f"draws must be a positive int, got {draws!r}")
         gen = np.random.default_rng(seed)
         obs, exp_ = np.asarray(self.observed), np.asarray(self.expected)
@@ -219,7 +220,7 @@ def _probabilities_labels(
 
 
 def _check_groups(groups: int) -> int:
-    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)):
+    if not _validate.is_int(groups):
         raise TypeError(f"groups must be an int, got {type(groups).__name__}")
     if not 3 <= groups <= 2**16:
         raise ValueError(
@@ -301,9 +302,7 @@ def hosmer_lemeshow(
         raise ValueError(f"binning must be 'quantile' or 'uniform', got {binning!r}")
     if split not in ("thesis", "tight"):
         raise ValueError(f"split must be 'thesis' or 'tight', got {split!r}")
-    if isinstance(min_expected, bool) or not isinstance(
-        min_expected, (int, float, np.integer, np.floating)
-    ):
+    if not _validate.is_real(min_expected):
         raise TypeError(f"min_expected must be a real number, got {type(min_expected).__name__}")
     if not np.isfinite(min_expected) or min_expected <= 0:
         raise ValueError(f"min_expected must be finite and > 0, got {min_expected}")

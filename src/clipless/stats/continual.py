@@ -50,6 +50,7 @@ from fractions import Fraction
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless import _validate
 from clipless.stats.counting import (
     _estimator_coefficients,
     factorization_integer_coefficients,
@@ -95,11 +96,11 @@ class ContinualCounter:
         bound: int = 1,
         mechanism: str = "binary",
     ) -> None:
-        if isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)):
+        if not _validate.is_int(horizon):
             raise TypeError(f"horizon must be an int, got {type(horizon).__name__}")
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
-        if isinstance(bound, bool) or not isinstance(bound, (int, np.integer)) or bound < 1:
+        if not _validate.is_int(bound) or bound < 1:
             raise ValueError(f"bound must be a positive int, got {bound!r}")
         if neighbouring not in ("replace_one", "add_remove"):
             raise ValueError(

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
 from clipless.stats.counting import CountRelease, Mechanism, release_prefix_counts
 from clipless.stats.grid import Grid
 from clipless.stats.noise import seeded_rng, to_fraction
@@ -351,7 +352,7 @@ def ecdf(
         if n is None:
             n_pub = data.size
         else:
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            if not _validate.is_int(n):
                 raise TypeError(f"n must be an int, got {type(n).__name__}")
             if int(n) != data.size:
                 raise ValueError(

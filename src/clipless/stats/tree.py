@@ -84,6 +84,7 @@ import numpy as np
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
 from clipless.stats.grid import tree_depth
 from clipless.stats.noise import (
     conservative_scale,
@@ -130,7 +131,7 @@ def tree_sensitivity(depth: int, neighbouring: Neighbouring) -> int:
     >>> tree_sensitivity(15, "replace_one"), tree_sensitivity(15, "add_remove")
     (16, 8)
     """
-    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)):
+    if not _validate.is_int(depth):
         raise TypeError(f"depth must be an int, got {type(depth).__name__}")
     if depth < 0:
         raise ValueError(f"depth must be >= 0, got {depth}")
