@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -157,11 +156,7 @@ def stratified_split(
     ``numpy.random.default_rng(seed)``) go to the test split. Depends only on ``targets`` and
     ``seed``, not on the library versions' split helpers.
     """
-    if (
-        isinstance(test_fraction, bool)
-        or not isinstance(test_fraction, numbers.Real)
-        or not 0.0 < test_fraction < 1.0
-    ):
+    if not _validate.is_real(test_fraction) or not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
     if not _validate.is_int(seed) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")

@@ -344,8 +344,7 @@ def ecdf(
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
     if noise not in ("laplace", "gaussian"):
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
-    if not isinstance(consistency, bool):
-        raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
+    _validate.flag("consistency", consistency)
     if noise == "laplace" and epsilon is not None:
         to_fraction(epsilon, "epsilon")
     if neighbouring == "replace_one":

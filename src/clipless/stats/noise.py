@@ -106,9 +106,7 @@ def resolve_rng(rng: random.Random | None) -> random.Random:
 
 def to_fraction(value: RealLike, name: str, *, positive: bool = True) -> Fraction:
     """Exact conversion of an int, float or Fraction to a Fraction (validating it)."""
-    if isinstance(value, bool) or not isinstance(
-        value, (int, float, Fraction, np.integer, np.floating)
-    ):
+    if not _validate.is_real(value):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if isinstance(value, (float, np.floating)):
         if not math.isfinite(float(value)):

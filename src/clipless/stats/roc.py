@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
 from clipless.stats.counting import CountRelease, Mechanism, release_prefix_counts
 from clipless.stats.ecdf import DPECDF, Smoothing, from_release
 from clipless.stats.grid import Grid
@@ -278,8 +279,7 @@ def roc(
     g = _as_grid(grid)
     if smoothing not in (None, "isotonic", "l1", "l2"):
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
-    if not isinstance(consistency, bool):
-        raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
+    _validate.flag("consistency", consistency)
     if mechanism == "auto" and consistency is False:
         mechanism = "binary"  # the thesis's plain estimator exists for the binary tree only
     if mechanism != "binary" and not consistency:

@@ -418,9 +418,9 @@ def release_counts(
 
 def _noise_copies(node_noise: object) -> int:
     copies = getattr(node_noise, "copies", 1)
-    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+    if not _validate.is_int(copies) or copies < 1:
         raise ValueError(f"node_noise.copies must be an integer >= 1, got {copies!r}")
-    return copies
+    return int(copies)
 
 
 def _external_noise(
