@@ -44,11 +44,7 @@ __all__ = [
 
 
 def _check_level(alpha: float) -> float:
-    if not _validate.is_real(alpha):
-        raise TypeError(f"alpha must be a number in (0, 1); got {type(alpha).__name__}")
-    if not 0.0 < float(alpha) < 1.0:
-        raise ValueError(f"alpha must be in (0, 1); got {alpha!r}")
-    return float(alpha)
+    return _validate.probability("alpha", alpha, open_low=True, open_high=True)
 
 
 def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, float]:
@@ -62,10 +58,7 @@ def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, f
     >>> lo, round(hi, 4)
     (0.0, 0.0295)
     """
-    for name, value in (("successes", successes), ("trials", trials)):
-        if not _validate.is_int(value):
-            raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-    k, n = int(successes), int(trials)
+    k, n = _validate.integer("successes", successes), _validate.integer("trials", trials)
     if n < 1 or not 0 <= k <= n:
         raise ValueError(f"need trials >= 1 and 0 <= successes <= trials; got {k} of {n}")
     a = _check_level(alpha)
@@ -177,11 +170,8 @@ def epsilon_lower_bound(
     b = _as_scores(scores_with, "scores_with")
     if not _validate.is_real(delta) or not 0 <= delta < 1:
         raise ValueError(f"delta must be in [0, 1); got {delta!r}")
-    if not _validate.is_real(confidence):
-        raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
-    if not 0.0 < float(confidence) < 1.0:
-        raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")
-    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+    _validate.probability("confidence", confidence, open_low=True, open_high=True)
+    if not _validate.is_int(candidates) or candidates < 1:
         raise ValueError(f"candidates must be an integer >= 1; got {candidates!r}")
     alpha = 1.0 - float(confidence)
     ha, hb = a.size // 2, b.size // 2
@@ -293,9 +283,7 @@ def gaussian_epsilon_lower_bound(
     b = _as_scores(scores_with, "scores_with")
     if not _validate.is_real(delta) or not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1); got {delta!r}")
-    if not _validate.is_real(confidence):
-        raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
-    alpha = _check_level(1.0 - float(confidence))
+    alpha = _check_level(1.0 - _validate.real("confidence", confidence))
     n0, n1 = a.size, b.size
     df = n0 + n1 - 2
     d = float(b.mean() - a.mean())

@@ -206,7 +206,7 @@ class StepAudit:
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not _validate.is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
     return value
 
@@ -364,12 +364,9 @@ def _check_audit_arguments(
     _check_int("trials", trials, 20)
     _check_int("steps", steps, 1)
     _check_int("records", records, 1)
-    for name, value in (("noise_multiplier", noise_multiplier), ("radius", radius)):
-        if not _validate.is_real(value):
-            raise TypeError(f"{name} must be a number; got {type(value).__name__}")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    _validate.finite_positive("noise_multiplier", noise_multiplier)
+    _validate.finite_positive("radius", radius)
+    if seed is not None and (not _validate.is_int(seed) or seed < 0):
         raise ValueError(f"seed must be an integer >= 0 or None; got {seed!r}")
 
 
