@@ -113,7 +113,7 @@ class PrivacyEngine:
                 "cryptographically secure and its floating-point Gaussian noise is not hardened "
                 "against floating-point attacks (Mironov 2012), so it will not claim to be"
             )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and not _validate.is_int(seed):
             raise TypeError(f"seed must be an int or None; got {type(seed).__name__}")
         if seed is not None and not 0 <= seed < 2**63 - 1:
             # the noise generator takes seed, the Poisson sampler seed + 1 (torch: < 2^64)
@@ -425,7 +425,7 @@ class PrivacyEngine:
         if delta is None:
             delta = self._target_delta
         opt = self._opt()
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        if not _validate.is_int(steps) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
         config = opt.config
         base = config.steps if config.steps is not None else self.ledger.steps

@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -218,14 +217,10 @@ class PrivacyConfig:
 
     def __post_init__(self) -> None:
         # numbers.Real / Integral (NumPy scalars included) are stored as Python floats / ints
-        sigma = self.noise_multiplier
-        if not _validate.is_real(sigma):
-            raise TypeError(f"noise_multiplier must be a number; got {type(sigma).__name__}")
-        if not (math.isfinite(sigma) and sigma > 0):
-            raise ValueError(f"noise_multiplier must be a finite number > 0; got {sigma!r}")
-        object.__setattr__(self, "noise_multiplier", float(sigma))
+        sigma = _validate.finite_positive("noise_multiplier", self.noise_multiplier)
+        object.__setattr__(self, "noise_multiplier", sigma)
         q = self.sample_rate
-        if isinstance(q, bool) or not (isinstance(q, numbers.Real) and 0.0 < q <= 1.0):
+        if not (_validate.is_real(q) and 0.0 < q <= 1.0):
             raise ValueError(f"sample_rate must be in (0, 1]; got {q!r}")
         object.__setattr__(self, "sample_rate", float(q))
         for name in ("num_samples", "num_tensors"):
@@ -234,8 +229,7 @@ class PrivacyConfig:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
             object.__setattr__(self, name, int(value))
         get_allocation(self.noise)  # a registered allocation, or the error naming them
-        if self.scaling not in SCALING_MODES:
-            raise ValueError(f"scaling must be one of {SCALING_MODES}; got {self.scaling!r}")
+        _validate.choice("scaling", self.scaling, SCALING_MODES)
         if self.scaling == "batch-max" and not self.allow_unproven:
             raise ValueError(
                 "scaling='batch-max' is not differentially private (thesis Algorithm 8 line 11 "
@@ -247,27 +241,16 @@ class PrivacyConfig:
                 f"constraint must be one of {CONSTRAINTS} or None; got {self.constraint!r}"
             )
         c = self.max_norm
-        if isinstance(c, bool) or not (isinstance(c, numbers.Real) and math.isfinite(c) and c > 0):
+        if not (_validate.is_real(c) and math.isfinite(c) and c > 0):
             raise ValueError(f"max_norm must be a finite number > 0; got {c!r}")
         object.__setattr__(self, "max_norm", float(c))
-        if self.neighbouring not in NEIGHBOURING:
-            raise ValueError(
-                f"neighbouring must be one of {NEIGHBOURING}; got {self.neighbouring!r}"
-            )
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {ACCOUNTANTS}; got {self.accountant!r}")
+        _validate.choice("neighbouring", self.neighbouring, NEIGHBOURING)
+        _validate.choice("accountant", self.accountant, ACCOUNTANTS)
         if self.steps is not None:
-            if (
-                isinstance(self.steps, bool)
-                or not isinstance(self.steps, numbers.Integral)
-                or self.steps < 1
-            ):
+            if not _validate.is_int(self.steps) or self.steps < 1:
                 raise ValueError(f"steps must be an integer >= 1 or None; got {self.steps!r}")
             object.__setattr__(self, "steps", int(self.steps))
-        if not isinstance(self.allow_unproven, bool):
-            raise TypeError(
-                f"allow_unproven must be a bool; got {type(self.allow_unproven).__name__}"
-            )
+        _validate.flag("allow_unproven", self.allow_unproven)
         if self.thresholds is not None and self.scaling != "threshold":
             raise ValueError(
                 f"thresholds are used by scaling='threshold' only; got scaling={self.scaling!r} "
@@ -437,10 +420,7 @@ class MechanismSpec:
     sample_rate: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.allow_unproven, bool):
-            raise TypeError(
-                f"allow_unproven must be a bool; got {type(self.allow_unproven).__name__}"
-            )
+        _validate.flag("allow_unproven", self.allow_unproven)
         if isinstance(self.thresholds, Mapping):  # the config checks the values
             object.__setattr__(self, "thresholds", MappingProxyType(dict(self.thresholds)))
 
@@ -620,7 +600,7 @@ def plan_step(
             f"the config was planned for {config.num_tensors} noised tensors but the optimizer "
             f"holds {len(noised)}: per-layer noise would be mis-calibrated"
         )
-    if isinstance(multiplicity, bool) or not isinstance(multiplicity, int) or multiplicity < 1:
+    if not _validate.is_int(multiplicity) or multiplicity < 1:
         raise ValueError(f"multiplicity must be an integer >= 1; got {multiplicity!r}")
     noised_set = frozenset(noised)
     margin = rounding_margin(

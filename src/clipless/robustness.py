@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clipless import _validate
 from clipless import nn as cnn
 from clipless._certified import NUMERIC_MARGIN, mul
 from clipless.bounds import _leading_module, report
@@ -179,7 +180,7 @@ class RobustAccuracy:
 
 
 def _radius(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    if not _validate.is_real(value) or not value >= 0:
         raise ValueError(f"radius must be a number >= 0; got {value!r}")
     return float(value)
 
@@ -420,7 +421,7 @@ def certify(
         raise ValueError("x must be a non-empty floating tensor of samples [n, ...]")
     if not bool(torch.isfinite(x).all()):
         raise ValueError("x must be finite (the model maps a non-finite sample to zero)")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not _validate.is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
     if lipschitz is None:
         lipschitz = lipschitz_summary(model, tuple(x.shape[1:]))
@@ -511,7 +512,7 @@ def pgd_l2(
     model is used as it is (call ``model.eval()`` first if it has a training mode).
     """
     for name, value, low in (("steps", steps, 1), ("restarts", restarts, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not _validate.is_int(value) or value < low:
             raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
         raise ValueError("x must be a floating tensor of samples [n, ...]")

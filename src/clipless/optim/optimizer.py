@@ -177,7 +177,7 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
         kernels (after the cotangent clipping), so one sample's ``k`` copies together contribute at
         most the layer's sensitivity. Do not divide the loss by ``k`` yourself.
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if not _validate.is_int(k) or k < 1:
             raise ValueError(f"k must be an integer >= 1; got {k!r}")
         previous, self._multiplicity = self._multiplicity, k
         try:
