@@ -207,13 +207,11 @@ def _release_arguments(
     batch_size: int,
 ) -> tuple[torch.Tensor, float, int]:
     """``(x, sigma, n)`` of a release, or a ``ValueError`` naming the bad argument."""
-    if not _validate.is_real(noise_multiplier):
-        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
-    sigma = float(noise_multiplier)
-    if not (math.isfinite(sigma) and sigma > 0.0):
+    sigma = float(noise_multiplier) if _validate.is_real(noise_multiplier) else math.nan
+    if not (math.isfinite(sigma) and sigma > 0.0):  # a wrong type is a ValueError here too
         raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
     for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
-        if value is not None and not _is_integer(value):
+        if value is not None and not _validate.is_int(value):
             raise ValueError(f"{name} must be an integer; got {value!r}")
     x = inputs.tensors[0] if isinstance(inputs, TensorDataset) else inputs
     if not isinstance(x, torch.Tensor) or x.ndim < 2 or len(x) == 0:
@@ -226,10 +224,6 @@ def _release_arguments(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
     return x, sigma, n
-
-
-def _is_integer(value: object) -> bool:
-    return _validate.is_int(value)
 
 
 def _csprng_generator(device: torch.device) -> torch.Generator:
@@ -433,7 +427,7 @@ def apply_features(
     """``TensorDataset(features(x), y)``, computed once in batches (the map is per-sample, so the
     batching does not change the result). With ``device`` (e.g. ``"cuda"``) each batch is mapped
     there and the features come back to ``x``'s device: the dataset stays where it was."""
-    if not _is_integer(batch_size) or batch_size < 1:
+    if not _validate.is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
     x, *rest = data.tensors
     if len(x) == 0:

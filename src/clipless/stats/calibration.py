@@ -220,8 +220,7 @@ def _probabilities_labels(
 
 
 def _check_groups(groups: int) -> int:
-    if not _validate.is_int(groups):
-        raise TypeError(f"groups must be an int, got {type(groups).__name__}")
+    groups = _validate.integer("groups", groups)
     if not 3 <= groups <= 2**16:
         raise ValueError(
             f"groups must be between 3 (the test has groups - 2 degrees) and 65536, got {groups}"
@@ -302,8 +301,7 @@ def hosmer_lemeshow(
         raise ValueError(f"binning must be 'quantile' or 'uniform', got {binning!r}")
     if split not in ("thesis", "tight"):
         raise ValueError(f"split must be 'thesis' or 'tight', got {split!r}")
-    if not _validate.is_real(min_expected):
-        raise TypeError(f"min_expected must be a real number, got {type(min_expected).__name__}")
+    min_expected = _validate.real("min_expected", min_expected)
     if not np.isfinite(min_expected) or min_expected <= 0:
         raise ValueError(f"min_expected must be finite and > 0, got {min_expected}")
     if grid is None:

@@ -96,8 +96,7 @@ class ContinualCounter:
         bound: int = 1,
         mechanism: str = "binary",
     ) -> None:
-        if not _validate.is_int(horizon):
-            raise TypeError(f"horizon must be an int, got {type(horizon).__name__}")
+        horizon = _validate.integer("horizon", horizon)
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
         if not _validate.is_int(bound) or bound < 1:

@@ -351,8 +351,7 @@ def ecdf(
         if n is None:
             n_pub = data.size
         else:
-            if not _validate.is_int(n):
-                raise TypeError(f"n must be an int, got {type(n).__name__}")
+            n = _validate.integer("n", n)
             if int(n) != data.size:
                 raise ValueError(
                     f"n must equal len(values) = {data.size} under replace_one, got {n}"

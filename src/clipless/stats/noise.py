@@ -87,8 +87,7 @@ def secure_rng() -> random.Random:
 
 def seeded_rng(seed: int) -> random.Random:
     """A reproducible source for tests and examples. **Not** cryptographically secure."""
-    if not _validate.is_int(seed):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    seed = _validate.integer("seed", seed)
     return random.Random(int(seed))
 
 

@@ -131,8 +131,7 @@ def tree_sensitivity(depth: int, neighbouring: Neighbouring) -> int:
     >>> tree_sensitivity(15, "replace_one"), tree_sensitivity(15, "add_remove")
     (16, 8)
     """
-    if not _validate.is_int(depth):
-        raise TypeError(f"depth must be an int, got {type(depth).__name__}")
+    depth = _validate.integer("depth", depth)
     if depth < 0:
         raise ValueError(f"depth must be >= 0, got {depth}")
     _check_neighbouring(neighbouring)

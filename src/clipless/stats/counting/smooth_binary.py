@@ -80,8 +80,7 @@ def smooth_binary_shape(num_leaves: int) -> tuple[int, int]:
     >>> smooth_binary_shape(1000), smooth_binary_shape(4096)
     ((13, 5), (15, 6))
     """
-    if not _validate.is_int(num_leaves):
-        raise TypeError(f"num_leaves must be an int >= 1, got {type(num_leaves).__name__}")
+    num_leaves = _validate.integer("num_leaves", num_leaves)
     if not 1 <= num_leaves <= _SMOOTH_MAX_N:
         raise ValueError(f"num_leaves must be in 1..2^22, got {num_leaves}")
     need = int(num_leaves) + 1
