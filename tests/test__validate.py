@@ -81,8 +81,9 @@ def test_reals_accept_and_normalise() -> None:
         (
             lambda: v.finite_positive("x", None),
             TypeError,
-            "x must be a real number, got NoneType None",
+            "x must be a finite number > 0, got NoneType None",
         ),
+        (lambda: v.finite("x", "1"), TypeError, "x must be a finite number, got str '1'"),
         (
             lambda: v.finite_nonnegative("x", -1e-9),
             ValueError,
@@ -144,8 +145,30 @@ def test_real_in_refusals(call: Any, message: str) -> None:
 
 
 def test_real_in_refuses_bools_by_type() -> None:
-    with _raises(TypeError, "p must be a real number, got bool False"):
+    with _raises(TypeError, "p must be in [0, 1], got bool False"):
         v.probability("p", False)
+
+
+def test_wrong_type_can_stay_a_value_error() -> None:
+    """Some public functions have always raised ValueError for a wrong type; they keep it."""
+    with _raises(ValueError, "steps must be an integer >= 1, got str '2'"):
+        v.positive_int("steps", "2", wrong_type=ValueError)
+    with _raises(ValueError, "steps must be an integer >= 1, got 0"):
+        v.positive_int("steps", 0, wrong_type=ValueError)
+    with _raises(ValueError, "seed must be an integer >= 0, got bool True"):
+        v.nonnegative_int("seed", True, wrong_type=ValueError)
+    with _raises(ValueError, "c must be a finite number > 0, got NoneType None"):
+        v.finite_positive("c", None, wrong_type=ValueError)
+    with _raises(ValueError, "c must be a finite number >= 0, got str '1'"):
+        v.finite_nonnegative("c", "1", wrong_type=ValueError)
+    with _raises(ValueError, "x must be a real number, got list []"):
+        v.real("x", [], wrong_type=ValueError)
+    with _raises(ValueError, "x must be a finite number, got bool False"):
+        v.finite("x", False, wrong_type=ValueError)
+    with _raises(ValueError, "d must be in the open interval (0, 1), got str '0.1'"):
+        v.probability("d", "0.1", open_low=True, open_high=True, wrong_type=ValueError)
+    with _raises(ValueError, "n must be an integer, got float 1.5"):
+        v.integer("n", 1.5, wrong_type=ValueError)
 
 
 def test_choice() -> None:

@@ -46,15 +46,27 @@ def is_real(value: object) -> TypeGuard[float]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _refuse(error: type[Exception], name: str, accepted: str, value: object) -> NoReturn:
-    got = f"{type(value).__name__} {value!r}" if error is TypeError else repr(value)
-    raise error(f"{name} must be {accepted}, got {got}")
+def _refuse(name: str, accepted: str, value: object) -> NoReturn:
+    raise ValueError(f"{name} must be {accepted}, got {value!r}")
+
+
+def _wrong_type(error: type[Exception], name: str, accepted: str, value: object) -> NoReturn:
+    raise error(f"{name} must be {accepted}, got {type(value).__name__} {value!r}")
 
 
 def integer(
-    name: str, value: object, *, minimum: int | None = None, maximum: int | None = None
+    name: str,
+    value: object,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    wrong_type: type[Exception] = TypeError,
 ) -> int:
-    """``value`` as an ``int`` in ``[minimum, maximum]`` (either end may be open-ended)."""
+    """``value`` as an ``int`` in ``[minimum, maximum]`` (either end may be open-ended).
+
+    ``wrong_type`` is the exception for a value that is no integer: the few public functions that
+    have always raised :class:`ValueError` there keep doing so.
+    """
     if minimum is not None and maximum is not None:
         accepted = f"an integer in [{minimum}, {maximum}]"
     elif minimum is not None:
@@ -64,52 +76,68 @@ def integer(
     else:
         accepted = "an integer"
     if not is_int(value):
-        _refuse(TypeError, name, accepted, value)
+        _wrong_type(wrong_type, name, accepted, value)
     result = int(value)
     if (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
-        _refuse(ValueError, name, accepted, value)
+        _refuse(name, accepted, value)
     return result
 
 
-def positive_int(name: str, value: object, *, minimum: int = 1) -> int:
+def positive_int(
+    name: str, value: object, *, minimum: int = 1, wrong_type: type[Exception] = TypeError
+) -> int:
     """``value`` as an ``int >= minimum`` (1 unless told)."""
-    return integer(name, value, minimum=minimum)
+    return integer(name, value, minimum=minimum, wrong_type=wrong_type)
 
 
-def nonnegative_int(name: str, value: object) -> int:
+def nonnegative_int(name: str, value: object, *, wrong_type: type[Exception] = TypeError) -> int:
     """``value`` as an ``int >= 0``."""
-    return integer(name, value, minimum=0)
+    return integer(name, value, minimum=0, wrong_type=wrong_type)
 
 
-def real(name: str, value: object) -> float:
-    """``value`` as a ``float`` (NaN and infinities included)."""
+def _checked_real(
+    name: str,
+    value: object,
+    accepted: str,
+    ok: Callable[[float], bool],
+    wrong_type: type[Exception],
+) -> float:
     if not is_real(value):
-        _refuse(TypeError, name, "a real number", value)
-    return float(value)
+        _wrong_type(wrong_type, name, accepted, value)
+    result = float(value)
+    if not ok(result):
+        _refuse(name, accepted, value)
+    return result
 
 
-def finite(name: str, value: object) -> float:
+def real(name: str, value: object, *, wrong_type: type[Exception] = TypeError) -> float:
+    """``value`` as a ``float`` (NaN and infinities included)."""
+    return _checked_real(name, value, "a real number", lambda _: True, wrong_type)
+
+
+def finite(name: str, value: object, *, wrong_type: type[Exception] = TypeError) -> float:
     """``value`` as a finite ``float``."""
-    result = real(name, value)
-    if not math.isfinite(result):
-        _refuse(ValueError, name, "a finite number", value)
-    return result
+    return _checked_real(name, value, "a finite number", math.isfinite, wrong_type)
 
 
-def finite_positive(name: str, value: object) -> float:
+def finite_positive(name: str, value: object, *, wrong_type: type[Exception] = TypeError) -> float:
     """``value`` as a finite ``float > 0``."""
-    result = real(name, value)
-    if not (math.isfinite(result) and result > 0.0):
-        _refuse(ValueError, name, "a finite number > 0", value)
-    return result
+
+    def ok(x: float) -> bool:
+        return math.isfinite(x) and x > 0.0
+
+    return _checked_real(name, value, "a finite number > 0", ok, wrong_type)
 
 
-def finite_nonnegative(name: str, value: object) -> float:
+def finite_nonnegative(
+    name: str, value: object, *, wrong_type: type[Exception] = TypeError
+) -> float:
     """``value`` as a finite ``float >= 0``."""
-    result = real(name, value)
-    if not (math.isfinite(result) and result >= 0.0):
-        _refuse(ValueError, name, "a finite number >= 0", value)
-    return result
+
+    def ok(x: float) -> bool:
+        return math.isfinite(x) and x >= 0.0
+
+    return _checked_real(name, value, "a finite number >= 0", ok, wrong_type)
 
 
 def _interval(low: float, high: float, open_low: bool, open_high: bool) -> str:
@@ -128,25 +156,33 @@ def real_in(
     *,
     open_low: bool = False,
     open_high: bool = False,
+    wrong_type: type[Exception] = TypeError,
 ) -> float:
     """``value`` as a ``float`` in the interval from ``low`` to ``high`` (NaN refused).
 
     The ends are closed unless ``open_low`` / ``open_high``; an infinite closed end accepts the
     infinity itself (``real_in(name, v, 0, math.inf)`` is ``[0, inf]``).
     """
-    result = real(name, value)
-    above = result > low if open_low else result >= low
-    below = result < high if open_high else result <= high
-    if not (above and below):  # NaN fails both comparisons
-        _refuse(ValueError, name, f"in {_interval(low, high, open_low, open_high)}", value)
-    return result
+
+    def ok(x: float) -> bool:  # NaN fails both comparisons
+        return (x > low if open_low else x >= low) and (x < high if open_high else x <= high)
+
+    accepted = f"in {_interval(low, high, open_low, open_high)}"
+    return _checked_real(name, value, accepted, ok, wrong_type)
 
 
 def probability(
-    name: str, value: object, *, open_low: bool = False, open_high: bool = False
+    name: str,
+    value: object,
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+    wrong_type: type[Exception] = TypeError,
 ) -> float:
     """``value`` as a ``float`` in ``[0, 1]`` (either end open on request)."""
-    return real_in(name, value, 0.0, 1.0, open_low=open_low, open_high=open_high)
+    return real_in(
+        name, value, 0.0, 1.0, open_low=open_low, open_high=open_high, wrong_type=wrong_type
+    )
 
 
 def choice(name: str, value: object, choices: Collection[T]) -> T:
@@ -163,7 +199,7 @@ def choice(name: str, value: object, choices: Collection[T]) -> T:
 def flag(name: str, value: object) -> bool:
     """``value`` when it is ``True`` or ``False`` (not an int, NumPy bool or ``None``)."""
     if not isinstance(value, bool):
-        _refuse(TypeError, name, "True or False", value)
+        _wrong_type(TypeError, name, "True or False", value)
     return value
 
 

@@ -425,8 +425,7 @@ class PrivacyEngine:
         if delta is None:
             delta = self._target_delta
         opt = self._opt()
-        if not _validate.is_int(steps) or steps < 1:
-            raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
+        _validate.positive_int("steps", steps, wrong_type=ValueError)
         config = opt.config
         base = config.steps if config.steps is not None else self.ledger.steps
         new = config.with_steps(max(base, self.ledger.steps) + steps)

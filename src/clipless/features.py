@@ -207,12 +207,9 @@ def _release_arguments(
     batch_size: int,
 ) -> tuple[torch.Tensor, float, int]:
     """``(x, sigma, n)`` of a release, or a ``ValueError`` naming the bad argument."""
-    sigma = float(noise_multiplier) if _validate.is_real(noise_multiplier) else math.nan
-    if not (math.isfinite(sigma) and sigma > 0.0):  # a wrong type is a ValueError here too
-        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
+    sigma = _validate.finite_positive("noise_multiplier", noise_multiplier, wrong_type=ValueError)
     for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
-        if value is not None and not _validate.is_int(value):
-            raise ValueError(f"{name} must be an integer; got {value!r}")
+        _validate.optional(_validate.integer, name, value, wrong_type=ValueError)
     x = inputs.tensors[0] if isinstance(inputs, TensorDataset) else inputs
     if not isinstance(x, torch.Tensor) or x.ndim < 2 or len(x) == 0:
         raise ValueError("inputs must be a non-empty tensor (or TensorDataset) of shape [n, ...]")

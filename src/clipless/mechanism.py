@@ -170,9 +170,8 @@ def rounding_margin(dtype_name: str, batch_bound: int = 1, uses: int = 1) -> flo
             "rounding of half precision (float16, bfloat16) can exceed the certified "
             "sensitivities (measured 1.4e-3 relative in bfloat16; overflow in float16)"
         )
-    for label, value in (("batch_bound", batch_bound), ("uses", uses)):
-        if not _validate.is_int(value) or value < 1:
-            raise ValueError(f"{label} must be an integer >= 1; got {value!r}")
+    _validate.positive_int("batch_bound", batch_bound, wrong_type=ValueError)
+    _validate.positive_int("uses", uses, wrong_type=ValueError)
     base = ROUNDING_MARGIN[name]
     g64 = _gamma(2 * SUM_CHUNK_TERMS + SUM_MAX_CHUNKS + 2, 2.0**-53)
     per_example = (g64 + _gamma(int(uses) + 1, _UNIT[name])) * (1.0 + 2.0**-30)
@@ -219,15 +218,13 @@ class PrivacyConfig:
         # numbers.Real / Integral (NumPy scalars included) are stored as Python floats / ints
         sigma = _validate.finite_positive("noise_multiplier", self.noise_multiplier)
         object.__setattr__(self, "noise_multiplier", sigma)
-        q = self.sample_rate
-        if not (_validate.is_real(q) and 0.0 < q <= 1.0):
-            raise ValueError(f"sample_rate must be in (0, 1]; got {q!r}")
-        object.__setattr__(self, "sample_rate", float(q))
+        q = _validate.probability(
+            "sample_rate", self.sample_rate, open_low=True, wrong_type=ValueError
+        )
+        object.__setattr__(self, "sample_rate", q)
         for name in ("num_samples", "num_tensors"):
-            value = getattr(self, name)
-            if not _validate.is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-            object.__setattr__(self, name, int(value))
+            count = _validate.positive_int(name, getattr(self, name), wrong_type=ValueError)
+            object.__setattr__(self, name, count)
         get_allocation(self.noise)  # a registered allocation, or the error naming them
         _validate.choice("scaling", self.scaling, SCALING_MODES)
         if self.scaling == "batch-max" and not self.allow_unproven:
@@ -240,10 +237,8 @@ class PrivacyConfig:
             raise ValueError(
                 f"constraint must be one of {CONSTRAINTS} or None; got {self.constraint!r}"
             )
-        c = self.max_norm
-        if not (_validate.is_real(c) and math.isfinite(c) and c > 0):
-            raise ValueError(f"max_norm must be a finite number > 0; got {c!r}")
-        object.__setattr__(self, "max_norm", float(c))
+        c = _validate.finite_positive("max_norm", self.max_norm, wrong_type=ValueError)
+        object.__setattr__(self, "max_norm", c)
         _validate.choice("neighbouring", self.neighbouring, NEIGHBOURING)
         _validate.choice("accountant", self.accountant, ACCOUNTANTS)
         if self.steps is not None:
@@ -600,8 +595,7 @@ def plan_step(
             f"the config was planned for {config.num_tensors} noised tensors but the optimizer "
             f"holds {len(noised)}: per-layer noise would be mis-calibrated"
         )
-    if not _validate.is_int(multiplicity) or multiplicity < 1:
-        raise ValueError(f"multiplicity must be an integer >= 1; got {multiplicity!r}")
+    _validate.positive_int("multiplicity", multiplicity, wrong_type=ValueError)
     noised_set = frozenset(noised)
     margin = rounding_margin(
         dtype, batch_bound=int(config.num_samples) + 1, uses=_most_uses(report, noised_set)

@@ -421,8 +421,7 @@ def certify(
         raise ValueError("x must be a non-empty floating tensor of samples [n, ...]")
     if not bool(torch.isfinite(x).all()):
         raise ValueError("x must be finite (the model maps a non-finite sample to zero)")
-    if not _validate.is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+    _validate.positive_int("batch_size", batch_size, wrong_type=ValueError)
     if lipschitz is None:
         lipschitz = lipschitz_summary(model, tuple(x.shape[1:]))
     wide = _float64_copy(model)
@@ -511,9 +510,8 @@ def pgd_l2(
     run starts at ``x``, the others at a random point of the ball (seeded by ``seed``). The
     model is used as it is (call ``model.eval()`` first if it has a training mode).
     """
-    for name, value, low in (("steps", steps, 1), ("restarts", restarts, 1)):
-        if not _validate.is_int(value) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+    _validate.positive_int("steps", steps, wrong_type=ValueError)
+    _validate.positive_int("restarts", restarts, wrong_type=ValueError)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
         raise ValueError("x must be a floating tensor of samples [n, ...]")
     radius = torch.as_tensor(eps, dtype=x.dtype, device=x.device).reshape(-1)

@@ -168,11 +168,9 @@ def epsilon_lower_bound(
     """
     a = _as_scores(scores_without, "scores_without")
     b = _as_scores(scores_with, "scores_with")
-    if not _validate.is_real(delta) or not 0 <= delta < 1:
-        raise ValueError(f"delta must be in [0, 1); got {delta!r}")
+    _validate.probability("delta", delta, open_high=True, wrong_type=ValueError)
     _validate.probability("confidence", confidence, open_low=True, open_high=True)
-    if not _validate.is_int(candidates) or candidates < 1:
-        raise ValueError(f"candidates must be an integer >= 1; got {candidates!r}")
+    _validate.positive_int("candidates", candidates, wrong_type=ValueError)
     alpha = 1.0 - float(confidence)
     ha, hb = a.size // 2, b.size // 2
     sel_a, ev_a = a[:ha], a[ha:]
@@ -281,8 +279,7 @@ def gaussian_epsilon_lower_bound(
     """
     a = _as_scores(scores_without, "scores_without")
     b = _as_scores(scores_with, "scores_with")
-    if not _validate.is_real(delta) or not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1); got {delta!r}")
+    _validate.probability("delta", delta, open_low=True, open_high=True, wrong_type=ValueError)
     alpha = _check_level(1.0 - _validate.real("confidence", confidence))
     n0, n1 = a.size, b.size
     df = n0 + n1 - 2

@@ -226,11 +226,9 @@ def _check(
 ) -> None:  # fmt: skip
     _validate.finite_positive("epsilon", epsilon)
     for name, value in (("delta", delta), ("confidence", confidence)):
-        if not _validate.is_real(value) or not 0 < value < 1:
-            raise ValueError(f"{name} must be a number in (0, 1); got {value!r}")
+        _validate.probability(name, value, open_low=True, open_high=True, wrong_type=ValueError)
     for name, value, low in (("canaries", canaries, 2), ("steps", steps, 1), ("width", width, 2)):
-        if not _validate.is_int(value) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        _validate.positive_int(name, value, minimum=low, wrong_type=ValueError)
     if width % 2 or width * width < canaries:
         raise ValueError(
             f"width must be even with width^2 >= canaries (every noised tensor holds the "

@@ -227,20 +227,17 @@ def _check_one_run_arguments(
         raise ValueError("x must hold finite numbers")
     if not (np.issubdtype(ya.dtype, np.number) and np.all(ya == np.round(ya)) and ya.min() >= 0):
         raise ValueError("y must hold integer class labels >= 0")
-    for name, value, low in (("canaries", canaries, 2), ("guesses", guesses, 2)):
-        if not _validate.is_int(value) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    for name, value in (("canaries", canaries), ("guesses", guesses)):
+        _validate.positive_int(name, value, minimum=2, wrong_type=ValueError)
     if guesses > canaries or guesses % 2:
         raise ValueError(f"guesses must be even and at most canaries; got {guesses}")
     _validate.probability("confidence", confidence, open_low=True, open_high=True)
-    if not _validate.is_real(delta) or not 0 < delta < 1:
-        raise ValueError(f"delta must be a number in (0, 1); got {delta!r}")
+    _validate.probability("delta", delta, open_low=True, open_high=True, wrong_type=ValueError)
     if radius is not None and not (
         _validate.is_real(radius) and math.isfinite(radius) and radius > 0
     ):
         raise ValueError(f"radius must be a finite number > 0 or None; got {radius!r}")
-    if not _validate.is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0; got {seed!r}")
+    _validate.nonnegative_int("seed", seed, wrong_type=ValueError)
 
 
 def _canaries(count: int, dim: int, classes: int, radius: float, seed: int) -> tuple[Any, Any, Any]:

@@ -407,8 +407,7 @@ def audit_sampler(
 
     if kind not in ("laplace", "gaussian"):
         raise ValueError(f"kind must be 'laplace' or 'gaussian'; got {kind!r}")
-    if not _validate.is_int(samples) or samples < 100:
-        raise ValueError(f"samples must be an integer >= 100; got {samples!r}")
+    _validate.positive_int("samples", samples, minimum=100, wrong_type=ValueError)
     gen = rng if rng is not None else _noise.secure_rng()
     if sampler is None:
         if kind == "laplace":

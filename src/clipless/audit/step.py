@@ -205,18 +205,6 @@ class StepAudit:
         return out
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if not _validate.is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return value
-
-
-def _check_open_unit(name: str, value: object) -> float:
-    if not _validate.is_real(value) or not 0 < float(value) < 1:
-        raise ValueError(f"{name} must be a number in (0, 1); got {value!r}")
-    return float(value)
-
-
 def _model(radius: float) -> torch.nn.Module:
     from clipless import nn
 
@@ -301,8 +289,12 @@ def audit_step(
     _check_audit_arguments(
         mode, trials, steps, records, noise_multiplier, radius, allow_unproven, seed
     )
-    delta = _check_open_unit("delta", delta)
-    confidence = _check_open_unit("confidence", confidence)
+    delta = _validate.probability(
+        "delta", delta, open_low=True, open_high=True, wrong_type=ValueError
+    )
+    confidence = _validate.probability(
+        "confidence", confidence, open_low=True, open_high=True, wrong_type=ValueError
+    )
     engine, opt, model, loss, gen, (x0, y0) = _audit_setup(
         mode, noise, float(noise_multiplier), records, float(radius), allow_unproven, seed
     )
@@ -361,9 +353,9 @@ def _check_audit_arguments(
             "mode 'batch-max' is not differentially private; pass allow_unproven=True to audit it "
             "(the audit shows that its claimed epsilon is false)"
         )
-    _check_int("trials", trials, 20)
-    _check_int("steps", steps, 1)
-    _check_int("records", records, 1)
+    _validate.positive_int("trials", trials, minimum=20, wrong_type=ValueError)
+    _validate.positive_int("steps", steps, wrong_type=ValueError)
+    _validate.positive_int("records", records, wrong_type=ValueError)
     _validate.finite_positive("noise_multiplier", noise_multiplier)
     _validate.finite_positive("radius", radius)
     if seed is not None and (not _validate.is_int(seed) or seed < 0):

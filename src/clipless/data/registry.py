@@ -156,10 +156,10 @@ def stratified_split(
     ``numpy.random.default_rng(seed)``) go to the test split. Depends only on ``targets`` and
     ``seed``, not on the library versions' split helpers.
     """
-    if not _validate.is_real(test_fraction) or not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
-    if not _validate.is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    _validate.probability(
+        "test_fraction", test_fraction, open_low=True, open_high=True, wrong_type=ValueError
+    )
+    _validate.nonnegative_int("seed", seed, wrong_type=ValueError)
     targets = np.asarray(targets)
     rng = np.random.default_rng(seed)
     test: list[np.ndarray] = []

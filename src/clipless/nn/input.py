@@ -188,8 +188,7 @@ class InputNorm(LipschitzModule):
         loaded or a data-parallel broadcast)."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
             raise ValueError("premap_ expects a floating tensor of samples [n, ...]")
-        if not _validate.is_int(batch_size) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+        _validate.positive_int("batch_size", batch_size, wrong_type=ValueError)
         if self.center is not None and tuple(x.shape[1:]) != tuple(self.center.shape):
             raise ValueError(
                 f"InputNorm: center has shape {tuple(self.center.shape)} but the samples have "

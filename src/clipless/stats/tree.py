@@ -417,9 +417,7 @@ def release_counts(
 
 def _noise_copies(node_noise: object) -> int:
     copies = getattr(node_noise, "copies", 1)
-    if not _validate.is_int(copies) or copies < 1:
-        raise ValueError(f"node_noise.copies must be an integer >= 1, got {copies!r}")
-    return int(copies)
+    return _validate.positive_int("node_noise.copies", copies, wrong_type=ValueError)
 
 
 def _external_noise(
