@@ -86,6 +86,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from clipless import _validate, accounting
+from clipless.accounting import _checks as _accounting_checks
 from clipless.accounting._checks import _check_releases
 from clipless.allocation import (
     NoiseAllocation,
@@ -122,8 +123,8 @@ __all__ = [
 #: :func:`clipless.allocation.allocation_names`).
 NOISE_STRATEGIES: tuple[str, ...] = allocation_names()
 CONSTRAINTS: tuple[str, ...] = ("clip", "fix", "orthogonal")
-NEIGHBOURING: tuple[str, ...] = ("add_remove", "replace_one")
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+NEIGHBOURING: tuple[str, ...] = _accounting_checks.NEIGHBOURING_RELATIONS
+ACCOUNTANTS: tuple[str, ...] = _accounting_checks.ACCOUNTANTS
 #: The per-row part of the relative inflation of every sensitivity, by parameter dtype name
 #: (module docstring, (a)); :func:`rounding_margin` adds the batch sum's.
 ROUNDING_MARGIN: Mapping[str, float] = MappingProxyType({"float32": 2.0**-12, "float64": 2.0**-40})

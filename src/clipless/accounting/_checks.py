@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, get_args
 
 from dp_accounting.rdp import rdp_privacy_accountant
 
@@ -21,8 +21,8 @@ AccountantKind = Literal["pld", "rdp"]
 #: The neighbouring relation of the guarantee: add or remove one example, or replace one.
 Neighbouring = Literal["add_remove", "replace_one"]
 
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
-NEIGHBOURING_RELATIONS: tuple[str, ...] = ("add_remove", "replace_one")
+ACCOUNTANTS: tuple[AccountantKind, ...] = get_args(AccountantKind)
+NEIGHBOURING_RELATIONS: tuple[Neighbouring, ...] = get_args(Neighbouring)
 
 DEFAULT_PLD_DISCRETIZATION = 1e-4
 """Default ``value_discretization_interval`` of the PLD accountant (package docstring)."""

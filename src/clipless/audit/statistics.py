@@ -276,7 +276,7 @@ def audit_ecdf(
     """
     from clipless.stats.grid import Grid
     from clipless.stats.noise import seeded_rng
-    from clipless.stats.tree import release_counts
+    from clipless.stats.tree import _check_neighbouring, release_counts
 
     if not _validate.is_int(size) or not 1 <= size <= 6:
         raise ValueError(f"size must be an integer in [1, 6] (exhaustive audit); got {size!r}")
@@ -288,10 +288,7 @@ def audit_ecdf(
         for a in alphas:
             if not (_validate.is_real(a) and math.isfinite(a) and a > 1):
                 raise ValueError(f"alphas must be finite numbers > 1; got {a!r}")
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove'; got {neighbouring!r}"
-        )
+    _check_neighbouring(neighbouring)
     grid = Grid.from_thresholds(thresholds)
     taus = list(grid.thresholds)
     if len(taus) > 64:
@@ -404,9 +401,9 @@ def audit_sampler(
     query of sensitivity 1); for the Laplace the claim is ``1 / b``.
     """
     from clipless.stats import noise as _noise
+    from clipless.stats.tree import _check_noise
 
-    if kind not in ("laplace", "gaussian"):
-        raise ValueError(f"kind must be 'laplace' or 'gaussian'; got {kind!r}")
+    _check_noise(kind, "kind")
     _validate.positive_int("samples", samples, minimum=100, wrong_type=ValueError)
     gen = rng if rng is not None else _noise.secure_rng()
     if sampler is None:

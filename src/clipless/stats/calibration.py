@@ -76,7 +76,7 @@ from clipless import _validate
 from clipless.stats.ecdf import DPECDF, ecdf
 from clipless.stats.grid import Grid
 from clipless.stats.noise import conservative_scale, discrete_laplace, resolve_rng, to_fraction
-from clipless.stats.tree import Neighbouring, tree_sensitivity
+from clipless.stats.tree import Neighbouring, _check_neighbouring, tree_sensitivity
 
 _P_SLACK = 1e-9
 """Probabilities this far outside ``[0, 1]`` (floating-point rounding) are clipped, not refused."""
@@ -290,10 +290,7 @@ def hosmer_lemeshow(
     The plug-in :attr:`HLResult.p_value` ignores the noise; at moderate ``epsilon`` prefer
     :meth:`HLResult.noise_aware_p_value` (post-processing, no extra budget).
     """
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    _check_neighbouring(neighbouring)
     p, y = _probabilities_labels(probabilities, labels, allow_empty=neighbouring == "add_remove")
     Q = _check_groups(groups)
     eps = to_fraction(epsilon, "epsilon")

@@ -66,7 +66,7 @@ from clipless.stats.noise import (
     resolve_rng,
     to_fraction,
 )
-from clipless.stats.tree import Neighbouring, NoiseKind, tree_sensitivity
+from clipless.stats.tree import Neighbouring, NoiseKind, _check_neighbouring, tree_sensitivity
 
 __all__ = ["ContinualCounter", "HorizonExceededError"]
 
@@ -101,10 +101,7 @@ class ContinualCounter:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
         if not _validate.is_int(bound) or bound < 1:
             raise ValueError(f"bound must be a positive int, got {bound!r}")
-        if neighbouring not in ("replace_one", "add_remove"):
-            raise ValueError(
-                f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-            )
+        _check_neighbouring(neighbouring)
         if mechanism not in ("binary", "factorization"):
             raise ValueError(
                 f"mechanism must be 'binary' or 'factorization' for a stream, got {mechanism!r}"

@@ -62,6 +62,8 @@ from clipless.stats.tree import (
     Neighbouring,
     NoiseKind,
     TreeRelease,
+    _check_neighbouring,
+    _check_noise,
     consistent_prefix_sums,
     prefix_variance,
 )
@@ -334,16 +336,12 @@ def ecdf(
     >>> F.values[[0, 1, 4, 9, 10]].tolist()
     [0.0, 0.25, 0.75, 1.0, 1.0]
     """
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    _check_neighbouring(neighbouring)
     data = _as_values(values, allow_empty=neighbouring == "add_remove")
     g = _as_grid(grid)
     if smoothing not in (None, "isotonic", "l1", "l2"):
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
-    if noise not in ("laplace", "gaussian"):
-        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    _check_noise(noise)
     _validate.flag("consistency", consistency)
     if noise == "laplace" and epsilon is not None:
         to_fraction(epsilon, "epsilon")

@@ -60,6 +60,7 @@ from clipless.stats.tree import (
     Neighbouring,
     NoiseKind,
     TreeRelease,
+    _check_neighbouring,
 )
 
 if TYPE_CHECKING:
@@ -271,10 +272,7 @@ def roc(
         columns of ``L`` are non-negative (``<L e_a, L e_b> >= 0``). A class switch moves
         each class by one add/remove step, paid by the ``epsilon/2`` (``rho/2``) per class.
     """
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    _check_neighbouring(neighbouring)
     s, pos = _scores_labels(scores, labels, allow_empty=neighbouring == "add_remove")
     g = _as_grid(grid)
     if smoothing not in (None, "isotonic", "l1", "l2"):

@@ -78,7 +78,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import scipy.sparse as sp
@@ -112,13 +112,16 @@ __all__ = [
 
 Neighbouring = Literal["replace_one", "add_remove"]
 NoiseKind = Literal["laplace", "gaussian"]
+NEIGHBOURING: tuple[Neighbouring, ...] = get_args(Neighbouring)
+NOISE_KINDS: tuple[NoiseKind, ...] = get_args(NoiseKind)
 
 
 def _check_neighbouring(neighbouring: str) -> None:
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    _validate.choice("neighbouring", neighbouring, NEIGHBOURING)
+
+
+def _check_noise(noise: str, name: str = "noise") -> None:
+    _validate.choice(name, noise, NOISE_KINDS)
 
 
 def tree_sensitivity(depth: int, neighbouring: Neighbouring) -> int:
