@@ -473,8 +473,7 @@ def thresholds_for(
     0. ``"threshold"``: the given value for every parametric module path. ``"batch-max"``: the
     batch maximum (unproven).
     """
-    if mode not in SCALING_MODES:
-        raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {mode!r}")
+    _validate.choice("scaling", mode, SCALING_MODES)
     paths = list(dict.fromkeys(layer.path for layer in report.layers))
     if mode == "bound":
         out: dict[str, float | str] = {}

@@ -186,8 +186,7 @@ def _radius(value: object) -> float:
 
 
 def _norm_radii(cert: Certificate, norm: str) -> torch.Tensor:
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
+    _validate.choice("norm", norm, NORMS)
     return cert.radii if norm == "l2" else cert.linf_radii()
 
 
@@ -457,8 +456,7 @@ def certified_accuracy(
     (the L2 radius divided by ``sqrt(n)``); ``space`` is a label recorded in the result (what
     ``x`` is: ``"input"``, or ``"features"`` when ``x`` are a front-end's outputs).
     """
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
+    _validate.choice("norm", norm, NORMS)
     if isinstance(radii, (str, bytes)) or not isinstance(radii, Sequence):
         raise ValueError(f"radii must be a sequence of numbers >= 0; got {radii!r}")
     checked = tuple(_radius(r) for r in radii)

@@ -346,8 +346,7 @@ def _check_audit_arguments(
     seed: int | None,
 ) -> None:
     """:func:`audit_step`'s arguments, each refused with its name and what is accepted."""
-    if mode not in AUDIT_MODES:
-        raise ValueError(f"mode must be one of {AUDIT_MODES}; got {mode!r}")
+    _validate.choice("mode", mode, AUDIT_MODES)
     if mode == "batch-max" and not allow_unproven:
         raise ValueError(
             "mode 'batch-max' is not differentially private; pass allow_unproven=True to audit it "

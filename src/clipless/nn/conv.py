@@ -83,8 +83,7 @@ class Conv2d(ParametricLipschitzModule):
         self.kernel_size = _checks.int_pair("kernel_size", kernel_size, 1)
         self.stride = _checks.int_pair("stride", stride, 1)
         self.padding = _checks.int_pair("padding", padding, 0)
-        if padding_mode not in PADDING_MODES:
-            raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
+        _validate.choice("padding_mode", padding_mode, PADDING_MODES)
         self.padding_mode = padding_mode
         _validate.flag("bias", bias)
         self._fixed_input_size = input_size is not None

@@ -84,8 +84,7 @@ class InputNorm(LipschitzModule):
     ) -> None:
         super().__init__()
         self.max_norm = _checks.positive_float("max_norm", max_norm)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        _validate.choice("mode", mode, MODES)
         self.mode = mode
         if (center is None) != (center_noise is None):
             raise ValueError(
