@@ -392,6 +392,7 @@ def sensitivity_use(
         )
     if chunk_size is not None and (not _validate.is_int(chunk_size) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or an integer >= 1; got {chunk_size!r}")
+    chunk_size = None if chunk_size is None else int(chunk_size)  # torch.vmap takes an int only
     plan = optimizer.refresh()
     if plan.multiplicity != 1:
         raise ValueError(

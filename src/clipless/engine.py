@@ -425,7 +425,7 @@ class PrivacyEngine:
         if delta is None:
             delta = self._target_delta
         opt = self._opt()
-        _validate.positive_int("steps", steps, wrong_type=ValueError)
+        steps = _validate.positive_int("steps", steps, wrong_type=ValueError)
         config = opt.config
         base = config.steps if config.steps is not None else self.ledger.steps
         new = config.with_steps(max(base, self.ledger.steps) + steps)

@@ -595,7 +595,7 @@ def plan_step(
             f"the config was planned for {config.num_tensors} noised tensors but the optimizer "
             f"holds {len(noised)}: per-layer noise would be mis-calibrated"
         )
-    _validate.positive_int("multiplicity", multiplicity, wrong_type=ValueError)
+    multiplicity = _validate.positive_int("multiplicity", multiplicity, wrong_type=ValueError)
     noised_set = frozenset(noised)
     margin = rounding_margin(
         dtype, batch_bound=int(config.num_samples) + 1, uses=_most_uses(report, noised_set)

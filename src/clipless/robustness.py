@@ -420,7 +420,7 @@ def certify(
         raise ValueError("x must be a non-empty floating tensor of samples [n, ...]")
     if not bool(torch.isfinite(x).all()):
         raise ValueError("x must be finite (the model maps a non-finite sample to zero)")
-    _validate.positive_int("batch_size", batch_size, wrong_type=ValueError)
+    batch_size = _validate.positive_int("batch_size", batch_size, wrong_type=ValueError)
     if lipschitz is None:
         lipschitz = lipschitz_summary(model, tuple(x.shape[1:]))
     wide = _float64_copy(model)
@@ -508,8 +508,8 @@ def pgd_l2(
     run starts at ``x``, the others at a random point of the ball (seeded by ``seed``). The
     model is used as it is (call ``model.eval()`` first if it has a training mode).
     """
-    _validate.positive_int("steps", steps, wrong_type=ValueError)
-    _validate.positive_int("restarts", restarts, wrong_type=ValueError)
+    steps = _validate.positive_int("steps", steps, wrong_type=ValueError)
+    restarts = _validate.positive_int("restarts", restarts, wrong_type=ValueError)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
         raise ValueError("x must be a floating tensor of samples [n, ...]")
     radius = torch.as_tensor(eps, dtype=x.dtype, device=x.device).reshape(-1)

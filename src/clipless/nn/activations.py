@@ -268,8 +268,8 @@ class Flatten(LipschitzModule):
             raise ValueError(f"end_dim must be an int, got {end_dim!r}")
         if end_dim == 0:
             raise ValueError("end_dim must not be 0 (the batch dimension)")
-        self.start_dim = start_dim
-        self.end_dim = end_dim
+        self.start_dim = int(start_dim)
+        self.end_dim = int(end_dim)
         self.features = None if features is None else _checks.positive_int("features", features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -308,7 +308,7 @@ class Unflatten(LipschitzModule):
             raise ValueError(f"dim must be an int >= 1 (0 is the batch), got {dim!r}")
         if not sizes or not all(_validate.is_int(d) for d in sizes):
             raise ValueError(f"sizes must be a non-empty tuple of ints, got {sizes!r}")
-        self.dim = dim
+        self.dim = int(dim)
         self.sizes = tuple(int(d) for d in sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -187,7 +187,7 @@ class InputNorm(LipschitzModule):
         loaded or a data-parallel broadcast)."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
             raise ValueError("premap_ expects a floating tensor of samples [n, ...]")
-        _validate.positive_int("batch_size", batch_size, wrong_type=ValueError)
+        batch_size = _validate.positive_int("batch_size", batch_size, wrong_type=ValueError)
         if self.center is not None and tuple(x.shape[1:]) != tuple(self.center.shape):
             raise ValueError(
                 f"InputNorm: center has shape {tuple(self.center.shape)} but the samples have "

@@ -176,7 +176,7 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
         kernels (after the cotangent clipping), so one sample's ``k`` copies together contribute at
         most the layer's sensitivity. Do not divide the loss by ``k`` yourself.
         """
-        _validate.positive_int("k", k, wrong_type=ValueError)
+        k = _validate.positive_int("k", k, wrong_type=ValueError)
         previous, self._multiplicity = self._multiplicity, k
         try:
             yield
