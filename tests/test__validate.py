@@ -195,3 +195,14 @@ def test_optional() -> None:
     assert v.optional(v.real_in, "x", 0.5, 0.0, 1.0) == 0.5
     with _raises(ValueError, "seed must be an integer >= 1, got 0"):
         v.optional(v.positive_int, "seed", 0)
+
+
+def test_numpy_ints_are_stored_as_ints_where_ints_were_required() -> None:
+    """Sites that took Python ints only accept NumPy ints now, and keep them as ints."""
+    from clipless import nn as cnn
+
+    flat = cnn.Flatten(np.int64(1), np.int32(-1))  # type: ignore[arg-type]
+    assert (flat.start_dim, flat.end_dim) == (1, -1)
+    assert type(flat.start_dim) is int and type(flat.end_dim) is int
+    with pytest.raises(ValueError, match="start_dim"):
+        cnn.Flatten(True)
