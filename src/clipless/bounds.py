@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 import torch
 
+from clipless import _validate
 from clipless import nn as cnn
 from clipless._bits import same_bits
 from clipless._certified import UNIT_ROUNDOFF, add, mul, sqrt, up
@@ -439,7 +440,7 @@ def _report_arguments(
     if isinstance(input_shape, int):
         input_shape = (input_shape,)
     shape = tuple(input_shape)
-    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+    if not shape or any(not _validate.is_int(d) or d < 1 for d in shape):
         raise ValueError(
             f"input_shape must be a non-empty tuple of positive ints (one sample, no batch "
             f"dimension), got {input_shape!r}"

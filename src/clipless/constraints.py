@@ -101,14 +101,13 @@ shape/dtype/device or a convolution's geometry (stride, padding, recorded ``inpu
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from clipless import _certified, _workspace, norms
+from clipless import _certified, _validate, _workspace, norms
 from clipless import nn as cnn
 from clipless._certified import NUMERIC_MARGIN, UNIT_ROUNDOFF, inflate
 from clipless.nn import Conv2d, Linear
@@ -176,25 +175,11 @@ def projection_state(layer: torch.nn.Module) -> ProjectionState | None:
 def _check_args(
     mode: object, max_norm: object, certify_every: object, tolerance: object, bjorck_iters: object
 ) -> float:
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
-        raise TypeError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-    c = float(max_norm)
-    if not (math.isfinite(c) and c > 0.0):
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-    for name, value, low in (
-        ("certify_every", certify_every, 1),
-        ("bjorck_iters", bjorck_iters, 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
-        if value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
-        raise TypeError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
-    if not (math.isfinite(float(tolerance)) and float(tolerance) >= 0.0):
-        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    _validate.choice("mode", mode, MODES)
+    c = _validate.finite_positive("max_norm", max_norm)
+    _validate.positive_int("certify_every", certify_every)
+    _validate.nonnegative_int("bjorck_iters", bjorck_iters)
+    _validate.finite_nonnegative("tolerance", tolerance)
     return c
 
 

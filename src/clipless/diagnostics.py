@@ -38,6 +38,8 @@ from types import MappingProxyType
 import torch
 from torch.func import functional_call, grad, vjp, vmap
 
+from clipless import _validate
+
 __all__ = [
     "ClippingStats",
     "SensitivityReport",
@@ -388,10 +390,9 @@ def sensitivity_use(
         raise ValueError(
             f"y must have one row per sample of x ({x.shape[0]}); got shape {tuple(y.shape)}"
         )
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
+    if chunk_size is not None and (not _validate.is_int(chunk_size) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or an integer >= 1; got {chunk_size!r}")
+    chunk_size = None if chunk_size is None else int(chunk_size)  # torch.vmap takes an int only
     plan = optimizer.refresh()
     if plan.multiplicity != 1:
         raise ValueError(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import numbers
 import os
 import secrets
 import warnings
@@ -26,7 +25,7 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader
 
-from clipless import accounting, bounds, constraints, mechanism, models, sampling
+from clipless import _validate, accounting, bounds, constraints, mechanism, models, sampling
 from clipless._io import atomic_write_with
 from clipless._records import refuse_repeated_records
 from clipless.allocation import get_allocation
@@ -114,7 +113,7 @@ class PrivacyEngine:
                 "cryptographically secure and its floating-point Gaussian noise is not hardened "
                 "against floating-point attacks (Mironov 2012), so it will not claim to be"
             )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and not _validate.is_int(seed):
             raise TypeError(f"seed must be an int or None; got {type(seed).__name__}")
         if seed is not None and not 0 <= seed < 2**63 - 1:
             # the noise generator takes seed, the Poisson sampler seed + 1 (torch: < 2^64)
@@ -426,8 +425,7 @@ class PrivacyEngine:
         if delta is None:
             delta = self._target_delta
         opt = self._opt()
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an integer >= 1; got {steps!r}")
+        steps = _validate.positive_int("steps", steps, wrong_type=ValueError)
         config = opt.config
         base = config.steps if config.steps is not None else self.ledger.steps
         new = config.with_steps(max(base, self.ledger.steps) + steps)
@@ -1058,7 +1056,7 @@ def _warn_large_delta(delta: object, n: int, name: str) -> None:
 
     ``delta = 1 / n`` itself (the thesis's tabular protocol) does not warn.
     """
-    real = isinstance(delta, numbers.Real) and not isinstance(delta, bool)
+    real = _validate.is_real(delta)
     if real and float(delta) * n > 1.0 + 1e-9:  # type: ignore[arg-type]
         warnings.warn(
             f"{name}={delta!r} is above 1/n (n = {n} training records): an (epsilon, delta) "
@@ -1103,7 +1101,7 @@ def _sampler_generator(loader: DataLoader[Any] | None) -> torch.Generator | None
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    if not _validate.is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
     return int(value)
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 import os
 import warnings
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
+from clipless import _validate
 from clipless._certified import gamma as _gamma
 
 __all__ = [
@@ -207,14 +207,9 @@ def _release_arguments(
     batch_size: int,
 ) -> tuple[torch.Tensor, float, int]:
     """``(x, sigma, n)`` of a release, or a ``ValueError`` naming the bad argument."""
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real):
-        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
-    sigma = float(noise_multiplier)
-    if not (math.isfinite(sigma) and sigma > 0.0):
-        raise ValueError(f"noise_multiplier must be a finite number > 0; got {noise_multiplier!r}")
+    sigma = _validate.finite_positive("noise_multiplier", noise_multiplier, wrong_type=ValueError)
     for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
-        if value is not None and not _is_integer(value):
-            raise ValueError(f"{name} must be an integer; got {value!r}")
+        _validate.optional(_validate.integer, name, value, wrong_type=ValueError)
     x = inputs.tensors[0] if isinstance(inputs, TensorDataset) else inputs
     if not isinstance(x, torch.Tensor) or x.ndim < 2 or len(x) == 0:
         raise ValueError("inputs must be a non-empty tensor (or TensorDataset) of shape [n, ...]")
@@ -226,10 +221,6 @@ def _release_arguments(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size!r}")
     return x, sigma, n
-
-
-def _is_integer(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _csprng_generator(device: torch.device) -> torch.Generator:
@@ -433,7 +424,7 @@ def apply_features(
     """``TensorDataset(features(x), y)``, computed once in batches (the map is per-sample, so the
     batching does not change the result). With ``device`` (e.g. ``"cuda"``) each batch is mapped
     there and the features come back to ``x``'s device: the dataset stays where it was."""
-    if not _is_integer(batch_size) or batch_size < 1:
+    if not _validate.is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
     x, *rest = data.tensors
     if len(x) == 0:

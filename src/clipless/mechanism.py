@@ -80,13 +80,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from clipless import accounting
+from clipless import _validate, accounting
+from clipless.accounting import _checks as _accounting_checks
 from clipless.accounting._checks import _check_releases
 from clipless.allocation import (
     NoiseAllocation,
@@ -123,8 +123,8 @@ __all__ = [
 #: :func:`clipless.allocation.allocation_names`).
 NOISE_STRATEGIES: tuple[str, ...] = allocation_names()
 CONSTRAINTS: tuple[str, ...] = ("clip", "fix", "orthogonal")
-NEIGHBOURING: tuple[str, ...] = ("add_remove", "replace_one")
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+NEIGHBOURING: tuple[str, ...] = _accounting_checks.NEIGHBOURING_RELATIONS
+ACCOUNTANTS: tuple[str, ...] = _accounting_checks.ACCOUNTANTS
 #: The per-row part of the relative inflation of every sensitivity, by parameter dtype name
 #: (module docstring, (a)); :func:`rounding_margin` adds the batch sum's.
 ROUNDING_MARGIN: Mapping[str, float] = MappingProxyType({"float32": 2.0**-12, "float64": 2.0**-40})
@@ -171,9 +171,8 @@ def rounding_margin(dtype_name: str, batch_bound: int = 1, uses: int = 1) -> flo
             "rounding of half precision (float16, bfloat16) can exceed the certified "
             "sensitivities (measured 1.4e-3 relative in bfloat16; overflow in float16)"
         )
-    for label, value in (("batch_bound", batch_bound), ("uses", uses)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{label} must be an integer >= 1; got {value!r}")
+    _validate.positive_int("batch_bound", batch_bound, wrong_type=ValueError)
+    _validate.positive_int("uses", uses, wrong_type=ValueError)
     base = ROUNDING_MARGIN[name]
     g64 = _gamma(2 * SUM_CHUNK_TERMS + SUM_MAX_CHUNKS + 2, 2.0**-53)
     per_example = (g64 + _gamma(int(uses) + 1, _UNIT[name])) * (1.0 + 2.0**-30)
@@ -218,24 +217,17 @@ class PrivacyConfig:
 
     def __post_init__(self) -> None:
         # numbers.Real / Integral (NumPy scalars included) are stored as Python floats / ints
-        sigma = self.noise_multiplier
-        if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
-            raise TypeError(f"noise_multiplier must be a number; got {type(sigma).__name__}")
-        if not (math.isfinite(sigma) and sigma > 0):
-            raise ValueError(f"noise_multiplier must be a finite number > 0; got {sigma!r}")
-        object.__setattr__(self, "noise_multiplier", float(sigma))
-        q = self.sample_rate
-        if isinstance(q, bool) or not (isinstance(q, numbers.Real) and 0.0 < q <= 1.0):
-            raise ValueError(f"sample_rate must be in (0, 1]; got {q!r}")
-        object.__setattr__(self, "sample_rate", float(q))
+        sigma = _validate.finite_positive("noise_multiplier", self.noise_multiplier)
+        object.__setattr__(self, "noise_multiplier", sigma)
+        q = _validate.probability(
+            "sample_rate", self.sample_rate, open_low=True, wrong_type=ValueError
+        )
+        object.__setattr__(self, "sample_rate", q)
         for name in ("num_samples", "num_tensors"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-            object.__setattr__(self, name, int(value))
+            count = _validate.positive_int(name, getattr(self, name), wrong_type=ValueError)
+            object.__setattr__(self, name, count)
         get_allocation(self.noise)  # a registered allocation, or the error naming them
-        if self.scaling not in SCALING_MODES:
-            raise ValueError(f"scaling must be one of {SCALING_MODES}; got {self.scaling!r}")
+        _validate.choice("scaling", self.scaling, SCALING_MODES)
         if self.scaling == "batch-max" and not self.allow_unproven:
             raise ValueError(
                 "scaling='batch-max' is not differentially private (thesis Algorithm 8 line 11 "
@@ -246,28 +238,15 @@ class PrivacyConfig:
             raise ValueError(
                 f"constraint must be one of {CONSTRAINTS} or None; got {self.constraint!r}"
             )
-        c = self.max_norm
-        if isinstance(c, bool) or not (isinstance(c, numbers.Real) and math.isfinite(c) and c > 0):
-            raise ValueError(f"max_norm must be a finite number > 0; got {c!r}")
-        object.__setattr__(self, "max_norm", float(c))
-        if self.neighbouring not in NEIGHBOURING:
-            raise ValueError(
-                f"neighbouring must be one of {NEIGHBOURING}; got {self.neighbouring!r}"
-            )
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {ACCOUNTANTS}; got {self.accountant!r}")
+        c = _validate.finite_positive("max_norm", self.max_norm, wrong_type=ValueError)
+        object.__setattr__(self, "max_norm", c)
+        _validate.choice("neighbouring", self.neighbouring, NEIGHBOURING)
+        _validate.choice("accountant", self.accountant, ACCOUNTANTS)
         if self.steps is not None:
-            if (
-                isinstance(self.steps, bool)
-                or not isinstance(self.steps, numbers.Integral)
-                or self.steps < 1
-            ):
+            if not _validate.is_int(self.steps) or self.steps < 1:
                 raise ValueError(f"steps must be an integer >= 1 or None; got {self.steps!r}")
             object.__setattr__(self, "steps", int(self.steps))
-        if not isinstance(self.allow_unproven, bool):
-            raise TypeError(
-                f"allow_unproven must be a bool; got {type(self.allow_unproven).__name__}"
-            )
+        _validate.flag("allow_unproven", self.allow_unproven)
         if self.thresholds is not None and self.scaling != "threshold":
             raise ValueError(
                 f"thresholds are used by scaling='threshold' only; got scaling={self.scaling!r} "
@@ -278,7 +257,7 @@ class PrivacyConfig:
         object.__setattr__(self, "releases", _check_releases(self.releases))
         d = self.num_mechanisms
         if d is not None:
-            if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+            if not _validate.is_int(d):
                 raise ValueError(f"num_mechanisms must be None or an integer; got {d!r}")
             if not 1 <= d <= self.num_tensors:
                 raise ValueError(
@@ -437,10 +416,7 @@ class MechanismSpec:
     sample_rate: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.allow_unproven, bool):
-            raise TypeError(
-                f"allow_unproven must be a bool; got {type(self.allow_unproven).__name__}"
-            )
+        _validate.flag("allow_unproven", self.allow_unproven)
         if isinstance(self.thresholds, Mapping):  # the config checks the values
             object.__setattr__(self, "thresholds", MappingProxyType(dict(self.thresholds)))
 
@@ -497,8 +473,7 @@ def thresholds_for(
     0. ``"threshold"``: the given value for every parametric module path. ``"batch-max"``: the
     batch maximum (unproven).
     """
-    if mode not in SCALING_MODES:
-        raise ValueError(f"scaling must be one of {', '.join(SCALING_MODES)}; got {mode!r}")
+    _validate.choice("scaling", mode, SCALING_MODES)
     paths = list(dict.fromkeys(layer.path for layer in report.layers))
     if mode == "bound":
         out: dict[str, float | str] = {}
@@ -620,8 +595,7 @@ def plan_step(
             f"the config was planned for {config.num_tensors} noised tensors but the optimizer "
             f"holds {len(noised)}: per-layer noise would be mis-calibrated"
         )
-    if isinstance(multiplicity, bool) or not isinstance(multiplicity, int) or multiplicity < 1:
-        raise ValueError(f"multiplicity must be an integer >= 1; got {multiplicity!r}")
+    multiplicity = _validate.positive_int("multiplicity", multiplicity, wrong_type=ValueError)
     noised_set = frozenset(noised)
     margin = rounding_margin(
         dtype, batch_bound=int(config.num_samples) + 1, uses=_most_uses(report, noised_set)

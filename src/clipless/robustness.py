@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clipless import _validate
 from clipless import nn as cnn
 from clipless._certified import NUMERIC_MARGIN, mul
 from clipless.bounds import _leading_module, report
@@ -179,14 +180,13 @@ class RobustAccuracy:
 
 
 def _radius(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    if not _validate.is_real(value) or not value >= 0:
         raise ValueError(f"radius must be a number >= 0; got {value!r}")
     return float(value)
 
 
 def _norm_radii(cert: Certificate, norm: str) -> torch.Tensor:
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
+    _validate.choice("norm", norm, NORMS)
     return cert.radii if norm == "l2" else cert.linf_radii()
 
 
@@ -420,8 +420,7 @@ def certify(
         raise ValueError("x must be a non-empty floating tensor of samples [n, ...]")
     if not bool(torch.isfinite(x).all()):
         raise ValueError("x must be finite (the model maps a non-finite sample to zero)")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+    batch_size = _validate.positive_int("batch_size", batch_size, wrong_type=ValueError)
     if lipschitz is None:
         lipschitz = lipschitz_summary(model, tuple(x.shape[1:]))
     wide = _float64_copy(model)
@@ -457,8 +456,7 @@ def certified_accuracy(
     (the L2 radius divided by ``sqrt(n)``); ``space`` is a label recorded in the result (what
     ``x`` is: ``"input"``, or ``"features"`` when ``x`` are a front-end's outputs).
     """
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
+    _validate.choice("norm", norm, NORMS)
     if isinstance(radii, (str, bytes)) or not isinstance(radii, Sequence):
         raise ValueError(f"radii must be a sequence of numbers >= 0; got {radii!r}")
     checked = tuple(_radius(r) for r in radii)
@@ -510,9 +508,8 @@ def pgd_l2(
     run starts at ``x``, the others at a random point of the ball (seeded by ``seed``). The
     model is used as it is (call ``model.eval()`` first if it has a training mode).
     """
-    for name, value, low in (("steps", steps, 1), ("restarts", restarts, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+    steps = _validate.positive_int("steps", steps, wrong_type=ValueError)
+    restarts = _validate.positive_int("restarts", restarts, wrong_type=ValueError)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
         raise ValueError("x must be a floating tensor of samples [n, ...]")
     radius = torch.as_tensor(eps, dtype=x.dtype, device=x.device).reshape(-1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 import secrets
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -38,6 +37,8 @@ from torch.utils.data import (
     default_collate,
 )
 
+from clipless import _validate
+
 __all__ = [
     "EmptyBatchCollate",
     "PoissonDataLoader",
@@ -50,26 +51,9 @@ __all__ = [
 _FORBIDDEN_LOADER_KWARGS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 
 
-def _check_sample_rate(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"sample_rate must be a real number; got {type(value).__name__} {value!r}")
-    q = float(value)
-    if not 0.0 < q <= 1.0:
-        raise ValueError(f"sample_rate must be in (0, 1]; got {value!r}")
-    return q
-
-
-def _check_positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive integer; got {type(value).__name__} {value!r}")
-    if int(value) < 1:
-        raise ValueError(f"{name} must be a positive integer (>= 1); got {value!r}")
-    return int(value)
-
-
 def default_steps(sample_rate: float) -> int:
     """Steps in one "epoch" of Poisson sampling: ``max(1, round(1 / q))``."""
-    return max(1, round(1.0 / _check_sample_rate(sample_rate)))
+    return max(1, round(1.0 / _validate.probability("sample_rate", sample_rate, open_low=True)))
 
 
 class PoissonSampler(Sampler[list[int]]):
@@ -96,12 +80,12 @@ class PoissonSampler(Sampler[list[int]]):
         steps: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        self.num_samples = _check_positive_int(num_samples, "num_samples")
-        self.sample_rate = _check_sample_rate(sample_rate)
+        self.num_samples = _validate.positive_int("num_samples", num_samples)
+        self.sample_rate = _validate.probability("sample_rate", sample_rate, open_low=True)
         self.steps = (
             default_steps(self.sample_rate)
             if steps is None
-            else _check_positive_int(steps, "steps")
+            else _validate.positive_int("steps", steps)
         )
         if generator is None:
             generator = torch.Generator().manual_seed(secrets.randbits(63))
@@ -491,7 +475,8 @@ def poisson_loader(
             and generator is None
             and (
                 sample_rate is None
-                or _check_sample_rate(sample_rate) == dataset_or_loader.sample_rate
+                or _validate.probability("sample_rate", sample_rate, open_low=True)
+                == dataset_or_loader.sample_rate
             )
         ):
             return dataset_or_loader

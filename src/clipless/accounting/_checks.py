@@ -1,4 +1,5 @@
-"""Argument validation for :mod:`clipless.accounting`, and the settings it checks against.
+"""Argument checks of :mod:`clipless.accounting` (the generic parts are :mod:`clipless._validate`),
+and the settings they check against.
 
 Every checker returns the normalised value or raises :class:`TypeError` (wrong type) or
 :class:`ValueError` (wrong value) with a message naming the argument and the accepted range.
@@ -7,11 +8,12 @@ Every checker returns the normalised value or raises :class:`TypeError` (wrong t
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, get_args
 
 from dp_accounting.rdp import rdp_privacy_accountant
+
+from clipless import _validate
 
 #: Which ``dp_accounting`` accountant composes the events: privacy loss distributions (tight,
 #: the default) or Renyi DP (an upper bound; refuses replace-one under subsampling).
@@ -19,8 +21,8 @@ AccountantKind = Literal["pld", "rdp"]
 #: The neighbouring relation of the guarantee: add or remove one example, or replace one.
 Neighbouring = Literal["add_remove", "replace_one"]
 
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
-NEIGHBOURING_RELATIONS: tuple[str, ...] = ("add_remove", "replace_one")
+ACCOUNTANTS: tuple[AccountantKind, ...] = get_args(AccountantKind)
+NEIGHBOURING_RELATIONS: tuple[Neighbouring, ...] = get_args(Neighbouring)
 
 DEFAULT_PLD_DISCRETIZATION = 1e-4
 """Default ``value_discretization_interval`` of the PLD accountant (package docstring)."""
@@ -32,36 +34,23 @@ DEFAULT_RDP_ORDERS: tuple[float, ...] = tuple(
 
 
 def _real(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number; got {type(value).__name__} {value!r}")
-    return float(value)
+    return _validate.real(name, value)
 
 
 def _check_epsilon(value: object, name: str = "epsilon", *, allow_zero: bool = False) -> float:
-    eps = _real(value, name)
-    low_ok = eps >= 0.0 if allow_zero else eps > 0.0
-    if not (math.isfinite(eps) and low_ok):
-        bound = "[0, inf)" if allow_zero else "(0, inf)"
-        raise ValueError(f"{name} must be a finite number in {bound}; got {value!r}")
-    return eps
+    return _validate.real_in(name, value, 0.0, math.inf, open_low=not allow_zero, open_high=True)
 
 
 def _check_delta(value: object, name: str = "delta") -> float:
-    delta = _real(value, name)
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"{name} must be in the open interval (0, 1); got {value!r}")
-    return delta
+    return _validate.probability(name, value, open_low=True, open_high=True)
 
 
 def _check_sample_rate(value: object, name: str = "sample_rate") -> float:
-    q = _real(value, name)
-    if not 0.0 < q <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1]; got {value!r}")
-    return q
+    return _validate.probability(name, value, open_low=True)
 
 
 def _check_noise_multiplier(value: object, name: str = "noise_multiplier") -> float:
-    sigma = _real(value, name)
+    sigma = _validate.real(name, value)
     if math.isnan(sigma) or sigma < 0.0:
         raise ValueError(
             f"{name} must be in [0, inf] (0 means no privacy, inf releases nothing); got {value!r}"
@@ -85,36 +74,21 @@ def _check_release(value: object, name: str) -> float:
 
 
 def _check_count(value: object, name: str, *, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer; got bool {value!r}")
-    if isinstance(value, numbers.Integral):
-        count = int(value)
-    elif isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be an integer >= {minimum}; got non-integer {value!r}")
-    else:
-        raise TypeError(f"{name} must be an integer; got {type(value).__name__} {value!r}")
-    if count < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return count
+    if _validate.is_real(value) and not _validate.is_int(value):  # 2.5 steps: a wrong value
+        raise ValueError(f"{name} must be an integer >= {minimum}, got non-integer {value!r}")
+    return _validate.integer(name, value, minimum=minimum)
 
 
 def _check_kind(value: object) -> str:
-    if value not in ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {ACCOUNTANTS}; got {value!r}")
-    return str(value)
+    return _validate.choice("accountant", value, ACCOUNTANTS)
 
 
 def _check_neighbouring(value: object) -> str:
-    if value not in NEIGHBOURING_RELATIONS:
-        raise ValueError(f"neighbouring must be one of {NEIGHBOURING_RELATIONS}; got {value!r}")
-    return str(value)
+    return _validate.choice("neighbouring", value, NEIGHBOURING_RELATIONS)
 
 
 def _check_discretization(value: object) -> float:
-    vdi = _real(value, "value_discretization_interval")
-    if not (math.isfinite(vdi) and 0.0 < vdi <= 0.1):
-        raise ValueError(f"value_discretization_interval must be in (0, 0.1]; got {value!r}")
-    return vdi
+    return _validate.real_in("value_discretization_interval", value, 0.0, 0.1, open_low=True)
 
 
 def _check_orders(value: Iterable[object] | None) -> tuple[float, ...]:

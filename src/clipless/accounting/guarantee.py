@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
+from clipless import _validate
 from clipless.accounting._checks import (
     _check_count,
     _check_delta,
@@ -58,10 +59,7 @@ class PrivacyGuarantee:
         object.__setattr__(self, "steps", _check_count(self.steps, "steps", minimum=0))
         if not isinstance(self.mechanism, str):
             raise TypeError(f"mechanism must be a str; got {type(self.mechanism).__name__}")
-        if not isinstance(self.is_dp_guarantee, bool):
-            raise TypeError(
-                f"is_dp_guarantee must be a bool; got {type(self.is_dp_guarantee).__name__}"
-            )
+        _validate.flag("is_dp_guarantee", self.is_dp_guarantee)
 
     def __str__(self) -> str:
         relation = "add/remove-one" if self.neighbouring == "add_remove" else "replace-one"

@@ -24,12 +24,13 @@ second half, independent of the choice, gives the reported bound.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy import stats as _stats
+
+from clipless import _validate
 
 __all__ = [
     "GaussianFit",
@@ -43,11 +44,7 @@ __all__ = [
 
 
 def _check_level(alpha: float) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-        raise TypeError(f"alpha must be a number in (0, 1); got {type(alpha).__name__}")
-    if not 0.0 < float(alpha) < 1.0:
-        raise ValueError(f"alpha must be in (0, 1); got {alpha!r}")
-    return float(alpha)
+    return _validate.probability("alpha", alpha, open_low=True, open_high=True)
 
 
 def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, float]:
@@ -61,10 +58,7 @@ def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, f
     >>> lo, round(hi, 4)
     (0.0, 0.0295)
     """
-    for name, value in (("successes", successes), ("trials", trials)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-    k, n = int(successes), int(trials)
+    k, n = _validate.integer("successes", successes), _validate.integer("trials", trials)
     if n < 1 or not 0 <= k <= n:
         raise ValueError(f"need trials >= 1 and 0 <= successes <= trials; got {k} of {n}")
     a = _check_level(alpha)
@@ -174,14 +168,9 @@ def epsilon_lower_bound(
     """
     a = _as_scores(scores_without, "scores_without")
     b = _as_scores(scores_with, "scores_with")
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= delta < 1:
-        raise ValueError(f"delta must be in [0, 1); got {delta!r}")
-    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real):
-        raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
-    if not 0.0 < float(confidence) < 1.0:
-        raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")
-    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
-        raise ValueError(f"candidates must be an integer >= 1; got {candidates!r}")
+    _validate.probability("delta", delta, open_high=True, wrong_type=ValueError)
+    _validate.probability("confidence", confidence, open_low=True, open_high=True)
+    _validate.positive_int("candidates", candidates, wrong_type=ValueError)
     alpha = 1.0 - float(confidence)
     ha, hb = a.size // 2, b.size // 2
     sel_a, ev_a = a[:ha], a[ha:]
@@ -290,11 +279,8 @@ def gaussian_epsilon_lower_bound(
     """
     a = _as_scores(scores_without, "scores_without")
     b = _as_scores(scores_with, "scores_with")
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1); got {delta!r}")
-    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real):
-        raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
-    alpha = _check_level(1.0 - float(confidence))
+    _validate.probability("delta", delta, open_low=True, open_high=True, wrong_type=ValueError)
+    alpha = _check_level(1.0 - _validate.real("confidence", confidence))
     n0, n1 = a.size, b.size
     df = n0 + n1 - 2
     d = float(b.mean() - a.mean())

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +52,7 @@ import torch
 from scipy import stats as _stats
 from torch.utils.data import DataLoader, TensorDataset
 
+from clipless import _validate
 from clipless.audit.one_run import one_run_epsilon_lower_bound
 
 __all__ = ["GradientCanaryAudit", "audit_gradient_canaries", "planned_guesses"]
@@ -224,29 +224,23 @@ def _check(
     epsilon: float, delta: float, canaries: int, guesses: int | None, steps: int, width: int,
     confidence: float, seed: int | None,
 ) -> None:  # fmt: skip
-    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real):
-        raise TypeError(f"epsilon must be a number; got {type(epsilon).__name__}")
-    if not (math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(f"epsilon must be a finite number > 0; got {epsilon!r}")
+    _validate.finite_positive("epsilon", epsilon)
     for name, value in (("delta", delta), ("confidence", confidence)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
-            raise ValueError(f"{name} must be a number in (0, 1); got {value!r}")
+        _validate.probability(name, value, open_low=True, open_high=True, wrong_type=ValueError)
     for name, value, low in (("canaries", canaries, 2), ("steps", steps, 1), ("width", width, 2)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+        _validate.positive_int(name, value, minimum=low, wrong_type=ValueError)
     if width % 2 or width * width < canaries:
         raise ValueError(
             f"width must be even with width^2 >= canaries (every noised tensor holds the "
             f"canaries' orthogonal directions); got width={width}, canaries={canaries}"
         )
     if guesses is not None and (
-        isinstance(guesses, bool) or not isinstance(guesses, int) or guesses < 2
-        or guesses % 2 or guesses > canaries
+        not _validate.is_int(guesses) or guesses < 2 or guesses % 2 or guesses > canaries
     ):  # fmt: skip
         raise ValueError(
             f"guesses must be an even integer in [2, canaries] or None; got {guesses!r}"
         )
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    if seed is not None and (not _validate.is_int(seed) or seed < 0):
         raise ValueError(f"seed must be an integer >= 0 or None; got {seed!r}")
 
 

@@ -38,7 +38,6 @@ of the mechanism's randomness), and the caller's global torch RNG is left as it 
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -47,14 +46,15 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy import stats as _stats
 
+from clipless import _validate
+
 __all__ = ["OneRunAudit", "audit_one_run", "one_run_epsilon_lower_bound", "one_run_p_value"]
 
 
 def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     """Upper bound on ``P[>= v correct guesses]`` for ``(epsilon, delta)``-DP (module docstring)."""
     for name, value in (("m", m), ("r", r), ("v", v)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+        _validate.integer(name, value)
     if not 0 <= v <= r <= m:
         raise ValueError(f"need 0 <= v <= r <= m; got v={v}, r={r}, m={m}")
     if not (math.isfinite(epsilon) and epsilon >= 0):
@@ -227,26 +227,17 @@ def _check_one_run_arguments(
         raise ValueError("x must hold finite numbers")
     if not (np.issubdtype(ya.dtype, np.number) and np.all(ya == np.round(ya)) and ya.min() >= 0):
         raise ValueError("y must hold integer class labels >= 0")
-    for name, value, low in (("canaries", canaries, 2), ("guesses", guesses, 2)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+    for name, value in (("canaries", canaries), ("guesses", guesses)):
+        _validate.positive_int(name, value, minimum=2, wrong_type=ValueError)
     if guesses > canaries or guesses % 2:
         raise ValueError(f"guesses must be even and at most canaries; got {guesses}")
-    if isinstance(confidence, bool) or not isinstance(confidence, numbers.Real):
-        raise TypeError(f"confidence must be a number in (0, 1); got {confidence!r}")
-    if not 0.0 < float(confidence) < 1.0:
-        raise ValueError(f"confidence must be in (0, 1); got {confidence!r}")
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
-        raise ValueError(f"delta must be a number in (0, 1); got {delta!r}")
+    _validate.probability("confidence", confidence, open_low=True, open_high=True)
+    _validate.probability("delta", delta, open_low=True, open_high=True, wrong_type=ValueError)
     if radius is not None and not (
-        isinstance(radius, numbers.Real)
-        and not isinstance(radius, bool)
-        and math.isfinite(radius)
-        and radius > 0
+        _validate.is_real(radius) and math.isfinite(radius) and radius > 0
     ):
         raise ValueError(f"radius must be a finite number > 0 or None; got {radius!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0; got {seed!r}")
+    _validate.nonnegative_int("seed", seed, wrong_type=ValueError)
 
 
 def _canaries(count: int, dim: int, classes: int, radius: float, seed: int) -> tuple[Any, Any, Any]:

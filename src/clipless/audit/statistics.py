@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from numpy.typing import ArrayLike, NDArray
 from scipy import stats as _stats
 from scipy.special import logsumexp
 
+from clipless import _validate
 from clipless.audit.bounds import ThresholdTest, epsilon_lower_bound
 
 __all__ = [
@@ -192,27 +192,12 @@ def gaussian_renyi_divergence(
     b = np.asarray(neighbour_counts, dtype=np.int64)
     if a.shape != b.shape or a.ndim != 1 or a.size < 1:
         raise ValueError(f"counts must be two 1-D arrays of one length; got {a.shape}, {b.shape}")
-    if not (
-        isinstance(alpha, numbers.Real)
-        and not isinstance(alpha, bool)
-        and alpha > 1
-        and math.isfinite(alpha)
-    ):
+    if not (_validate.is_real(alpha) and alpha > 1 and math.isfinite(alpha)):
         raise ValueError(f"alpha must be a finite number > 1; got {alpha!r}")
-    s2 = _positive("sigma2", sigma2)
+    s2 = _validate.finite_positive("sigma2", sigma2)
     depth = tree_depth(int(a.size))
     d = _node_vector(a, depth) - _node_vector(b, depth)
     return math.fsum(_dgauss_renyi_shift(int(dj), s2, float(alpha)) for dj in d.tolist() if dj)
-
-
-def _positive(name: str, value: object) -> float:
-    """``value`` as a float, or an error naming ``name`` (a finite number > 0)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real | Fraction):
-        raise TypeError(f"{name} must be a finite number > 0; got {value!r}")
-    v = float(value)
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -291,26 +276,19 @@ def audit_ecdf(
     """
     from clipless.stats.grid import Grid
     from clipless.stats.noise import seeded_rng
-    from clipless.stats.tree import release_counts
+    from clipless.stats.tree import _check_neighbouring, release_counts
 
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 6:
+    if not _validate.is_int(size) or not 1 <= size <= 6:
         raise ValueError(f"size must be an integer in [1, 6] (exhaustive audit); got {size!r}")
-    _positive("scale_factor", scale_factor)
+    _validate.finite_positive("scale_factor", scale_factor)
     if rho is not None:
         alphas = tuple(alphas)
         if not alphas:
             raise ValueError("alphas must hold at least one Renyi order > 1")
         for a in alphas:
-            if (
-                isinstance(a, bool)
-                or not isinstance(a, numbers.Real)
-                or not (math.isfinite(a) and a > 1)
-            ):
+            if not (_validate.is_real(a) and math.isfinite(a) and a > 1):
                 raise ValueError(f"alphas must be finite numbers > 1; got {a!r}")
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove'; got {neighbouring!r}"
-        )
+    _check_neighbouring(neighbouring)
     grid = Grid.from_thresholds(thresholds)
     taus = list(grid.thresholds)
     if len(taus) > 64:
@@ -423,11 +401,10 @@ def audit_sampler(
     query of sensitivity 1); for the Laplace the claim is ``1 / b``.
     """
     from clipless.stats import noise as _noise
+    from clipless.stats.tree import _check_noise
 
-    if kind not in ("laplace", "gaussian"):
-        raise ValueError(f"kind must be 'laplace' or 'gaussian'; got {kind!r}")
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 100:
-        raise ValueError(f"samples must be an integer >= 100; got {samples!r}")
+    _check_noise(kind, "kind")
+    _validate.positive_int("samples", samples, minimum=100, wrong_type=ValueError)
     gen = rng if rng is not None else _noise.secure_rng()
     if sampler is None:
         if kind == "laplace":
@@ -437,7 +414,7 @@ def audit_sampler(
             def sampler(p: Any, size: int, r: random.Random) -> Any:
                 return _noise.discrete_gaussian(None, size, r, sigma2=p)
 
-    value = _positive("parameter", parameter)
+    value = _validate.finite_positive("parameter", parameter)
     x = np.asarray(sampler(parameter, samples, gen), dtype=np.int64)
     y = 1 + np.asarray(sampler(parameter, samples, gen), dtype=np.int64)
     if kind == "laplace":

@@ -51,7 +51,6 @@ The canaries, the model and the mechanism's noise come from independent streams
 from __future__ import annotations
 
 import math
-import numbers
 import secrets
 import warnings
 from collections.abc import Mapping
@@ -64,6 +63,7 @@ import torch
 from numpy.typing import NDArray
 from torch.utils.data import DataLoader, TensorDataset
 
+from clipless import _validate
 from clipless.audit._modes import AUDIT_MODES
 from clipless.audit.bounds import (
     GaussianFit,
@@ -205,18 +205,6 @@ class StepAudit:
         return out
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return value
-
-
-def _check_open_unit(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < 1:
-        raise ValueError(f"{name} must be a number in (0, 1); got {value!r}")
-    return float(value)
-
-
 def _model(radius: float) -> torch.nn.Module:
     from clipless import nn
 
@@ -301,8 +289,12 @@ def audit_step(
     _check_audit_arguments(
         mode, trials, steps, records, noise_multiplier, radius, allow_unproven, seed
     )
-    delta = _check_open_unit("delta", delta)
-    confidence = _check_open_unit("confidence", confidence)
+    delta = _validate.probability(
+        "delta", delta, open_low=True, open_high=True, wrong_type=ValueError
+    )
+    confidence = _validate.probability(
+        "confidence", confidence, open_low=True, open_high=True, wrong_type=ValueError
+    )
     engine, opt, model, loss, gen, (x0, y0) = _audit_setup(
         mode, noise, float(noise_multiplier), records, float(radius), allow_unproven, seed
     )
@@ -354,22 +346,18 @@ def _check_audit_arguments(
     seed: int | None,
 ) -> None:
     """:func:`audit_step`'s arguments, each refused with its name and what is accepted."""
-    if mode not in AUDIT_MODES:
-        raise ValueError(f"mode must be one of {AUDIT_MODES}; got {mode!r}")
+    _validate.choice("mode", mode, AUDIT_MODES)
     if mode == "batch-max" and not allow_unproven:
         raise ValueError(
             "mode 'batch-max' is not differentially private; pass allow_unproven=True to audit it "
             "(the audit shows that its claimed epsilon is false)"
         )
-    _check_int("trials", trials, 20)
-    _check_int("steps", steps, 1)
-    _check_int("records", records, 1)
-    for name, value in (("noise_multiplier", noise_multiplier), ("radius", radius)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a number; got {type(value).__name__}")
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    _validate.positive_int("trials", trials, minimum=20, wrong_type=ValueError)
+    _validate.positive_int("steps", steps, wrong_type=ValueError)
+    _validate.positive_int("records", records, wrong_type=ValueError)
+    _validate.finite_positive("noise_multiplier", noise_multiplier)
+    _validate.finite_positive("radius", radius)
+    if seed is not None and (not _validate.is_int(seed) or seed < 0):
         raise ValueError(f"seed must be an integer >= 0 or None; got {seed!r}")
 
 

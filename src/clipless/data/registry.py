@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -13,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from clipless import _validate
 from clipless.data.cache import DatasetNotFoundError, data_root
 
 __all__ = [
@@ -156,14 +156,10 @@ def stratified_split(
     ``numpy.random.default_rng(seed)``) go to the test split. Depends only on ``targets`` and
     ``seed``, not on the library versions' split helpers.
     """
-    if (
-        isinstance(test_fraction, bool)
-        or not isinstance(test_fraction, numbers.Real)
-        or not 0.0 < test_fraction < 1.0
-    ):
-        raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    _validate.probability(
+        "test_fraction", test_fraction, open_low=True, open_high=True, wrong_type=ValueError
+    )
+    _validate.nonnegative_int("seed", seed, wrong_type=ValueError)
     targets = np.asarray(targets)
     rng = np.random.default_rng(seed)
     test: list[np.ndarray] = []

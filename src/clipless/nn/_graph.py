@@ -20,6 +20,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from clipless import _validate
 from clipless.nn._base import LipschitzModule
 from clipless.nn._twins import _ViewFlatten
 from clipless.nn.activations import Flatten
@@ -108,7 +109,7 @@ def _view_features(node: torch.fx.Node) -> int | None:
     if len(shape) != 2 or shape[0] != -1:
         return None
     n = shape[1]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not _validate.is_int(n) or n < 1:
         return None
     return n
 

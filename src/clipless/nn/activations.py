@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from clipless import _certified
+from clipless import _certified, _validate
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import group_sort
@@ -262,14 +262,14 @@ class Flatten(LipschitzModule):
         self, start_dim: int = 1, end_dim: int = -1, *, features: int | None = None
     ) -> None:
         super().__init__()
-        if isinstance(start_dim, bool) or not isinstance(start_dim, int) or start_dim < 1:
+        if not _validate.is_int(start_dim) or start_dim < 1:
             raise ValueError(f"start_dim must be an int >= 1 (0 is the batch), got {start_dim!r}")
-        if isinstance(end_dim, bool) or not isinstance(end_dim, int):
+        if not _validate.is_int(end_dim):
             raise ValueError(f"end_dim must be an int, got {end_dim!r}")
         if end_dim == 0:
             raise ValueError("end_dim must not be 0 (the batch dimension)")
-        self.start_dim = start_dim
-        self.end_dim = end_dim
+        self.start_dim = int(start_dim)
+        self.end_dim = int(end_dim)
         self.features = None if features is None else _checks.positive_int("features", features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -304,11 +304,11 @@ class Unflatten(LipschitzModule):
 
     def __init__(self, dim: int, sizes: tuple[int, ...]) -> None:
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        if not _validate.is_int(dim) or dim < 1:
             raise ValueError(f"dim must be an int >= 1 (0 is the batch), got {dim!r}")
-        if not sizes or any(isinstance(d, bool) or not isinstance(d, int) for d in sizes):
+        if not sizes or not all(_validate.is_int(d) for d in sizes):
             raise ValueError(f"sizes must be a non-empty tuple of ints, got {sizes!r}")
-        self.dim = dim
+        self.dim = int(dim)
         self.sizes = tuple(int(d) for d in sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from clipless import _certified
+from clipless import _certified, _validate
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
 from clipless.nn.export import PlainResidual, vanilla_export
@@ -107,8 +107,7 @@ class Residual(LipschitzModule):
             raise TypeError(
                 f"branch must be a clipless.nn.LipschitzModule, got {type(branch).__name__}"
             )
-        if mode not in RESIDUAL_MODES:
-            raise ValueError(f"mode must be one of {RESIDUAL_MODES}, got {mode!r}")
+        _validate.choice("mode", mode, RESIDUAL_MODES)
         self.branch = branch
         self.mode = mode
         self.scale = 1.0 if mode == "add" else 0.5

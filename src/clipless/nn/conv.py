@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from clipless import _certified, norms
+from clipless import _certified, _validate, norms
 from clipless.nn import _checks, _scaled
 from clipless.nn._base import ParametricLipschitzModule
 from clipless.nn._functional import norm_upper, round_up, sample_norms_upper
@@ -83,11 +83,9 @@ class Conv2d(ParametricLipschitzModule):
         self.kernel_size = _checks.int_pair("kernel_size", kernel_size, 1)
         self.stride = _checks.int_pair("stride", stride, 1)
         self.padding = _checks.int_pair("padding", padding, 0)
-        if padding_mode not in PADDING_MODES:
-            raise ValueError(f"padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
+        _validate.choice("padding_mode", padding_mode, PADDING_MODES)
         self.padding_mode = padding_mode
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {bias!r}")
+        _validate.flag("bias", bias)
         self._fixed_input_size = input_size is not None
         self.input_size = None
         if input_size is not None:

@@ -62,6 +62,7 @@ from typing import Any, Literal
 import torch
 import torch.fx
 
+from clipless import _validate
 from clipless.nn import _checks, _twins
 from clipless.nn._base import LipschitzModule
 from clipless.nn._graph import (
@@ -482,8 +483,7 @@ def convert(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False, got {strict!r}")
+    _validate.flag("strict", strict)
     if input_norm is not None:
         input_norm = _checks.positive_float("input_norm", input_norm)
     converter = _Converter()

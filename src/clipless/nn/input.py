@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from clipless import _validate
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import project_norm
@@ -83,8 +84,7 @@ class InputNorm(LipschitzModule):
     ) -> None:
         super().__init__()
         self.max_norm = _checks.positive_float("max_norm", max_norm)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        _validate.choice("mode", mode, MODES)
         self.mode = mode
         if (center is None) != (center_noise is None):
             raise ValueError(
@@ -187,8 +187,7 @@ class InputNorm(LipschitzModule):
         loaded or a data-parallel broadcast)."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
             raise ValueError("premap_ expects a floating tensor of samples [n, ...]")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+        batch_size = _validate.positive_int("batch_size", batch_size, wrong_type=ValueError)
         if self.center is not None and tuple(x.shape[1:]) != tuple(self.center.shape):
             raise ValueError(
                 f"InputNorm: center has shape {tuple(self.center.shape)} but the samples have "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from clipless import _certified, norms
+from clipless import _certified, _validate, norms
 from clipless.nn import _checks, _scaled
 from clipless.nn._base import ParametricLipschitzModule
 from clipless.nn._functional import norm_upper, round_up, sample_norms_upper
@@ -50,8 +50,7 @@ class Linear(ParametricLipschitzModule):
         super().__init__()
         self.in_features = _checks.positive_int("in_features", in_features)
         self.out_features = _checks.positive_int("out_features", out_features)
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {bias!r}")
+        _validate.flag("bias", bias)
         dtype = _checks.parameter_dtype(dtype)
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, device=device, dtype=dtype)

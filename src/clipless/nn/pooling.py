@@ -7,7 +7,7 @@ from fractions import Fraction
 import torch
 import torch.nn.functional as F
 
-from clipless import _certified, norms
+from clipless import _certified, _validate, norms
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import l2_norm_pool2d
@@ -152,9 +152,7 @@ class MaxPool2d(LipschitzModule):
     ) -> None:
         super().__init__()
         self.kernel_size, self.stride, self.padding = _window(kernel_size, stride, padding)
-        if not isinstance(ceil_mode, bool):
-            raise TypeError(f"ceil_mode must be True or False, got {ceil_mode!r}")
-        self.ceil_mode = ceil_mode
+        self.ceil_mode = _validate.flag("ceil_mode", ceil_mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.max_pool2d(x, self.kernel_size, self.stride, self.padding, 1, self.ceil_mode)

@@ -18,7 +18,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from clipless import _certified
+from clipless import _certified, _validate
 from clipless._certified import inflate
 from clipless.norms.certificates import (
     _as_tensor,
@@ -37,15 +37,9 @@ _EXPLICIT_MAX_NUMEL = 2**22  # ... and the matrix has at most this many entries
 
 
 def _as_pair(value: int | tuple[int, ...] | list[int], name: str) -> tuple[int, int]:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
-    if isinstance(value, int):
-        return (value, value)
-    if (
-        isinstance(value, tuple | list)
-        and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
+    if _validate.is_int(value):
+        return (int(value), int(value))
+    if isinstance(value, tuple | list) and len(value) == 2 and all(map(_validate.is_int, value)):
         return (int(value[0]), int(value[1]))
     raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
-from clipless import _certified, _workspace
+from clipless import _certified, _validate, _workspace
 from clipless._certified import UNIT_ROUNDOFF, inflate
 from clipless.norms.certificates import (
     _SAFE_EXPONENT,
@@ -271,7 +271,7 @@ def dense_norm(
         raise ValueError(
             f"method must be 'auto', 'svd', 'eigh', 'gram' or 'cholesky', got {method!r}"
         )
-    if isinstance(gram_iters, bool) or not isinstance(gram_iters, int) or gram_iters < 0:
+    if not _validate.is_int(gram_iters) or gram_iters < 0:
         raise ValueError(f"gram_iters must be a non-negative int, got {gram_iters!r}")
     with torch.no_grad():
         w = weight.detach()

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from clipless import _validate
 from clipless._certified import UNIT_ROUNDOFF
 from clipless.norms.certificates import _TINY, NUMERIC_MARGIN, all_finite
 
@@ -79,7 +80,7 @@ def gram_iteration(mats: torch.Tensor, iters: int) -> torch.Tensor:
     """
     if not isinstance(mats, torch.Tensor) or mats.dim() < 2:
         raise ValueError("mats must be a tensor of shape (..., m, n)")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+    if not _validate.is_int(iters) or iters < 0:
         raise ValueError(f"iters must be a non-negative int, got {iters!r}")
     if not all_finite(mats):
         raise ValueError("mats must be finite")
@@ -204,7 +205,7 @@ def power_iteration(
     ``op`` is a matrix (``input_shape`` defaults to its column count) or a callable linear map on
     tensors of shape ``input_shape`` (the adjoint is taken by autograd, ``torch.func.vjp``).
     """
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+    if not _validate.is_int(iters) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters!r}")
     if isinstance(op, torch.Tensor):
         if op.dim() != 2:

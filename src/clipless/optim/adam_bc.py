@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from clipless import _validate
+
 __all__ = ["AdamBC"]
-
-
-def _real(value: object) -> bool:
-    """A real number (NumPy scalars included), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class AdamBC(torch.optim.Optimizer):
@@ -62,11 +58,11 @@ class AdamBC(torch.optim.Optimizer):
             ("betas[0]", betas[0], 0.0, 1.0),
             ("betas[1]", betas[1], 0.0, 1.0),
         ):
-            if not (_real(value) and lo <= value < hi):
+            if not (_validate.is_real(value) and lo <= value < hi):
                 raise ValueError(f"{name} must be a number in [{lo}, {hi}); got {value!r}")
-        if not (_real(floor) and 0.0 < floor < math.inf):
+        if not (_validate.is_real(floor) and 0.0 < floor < math.inf):
             raise ValueError(f"floor must be a positive finite number; got {floor!r}")
-        if not (_real(floor_ratio) and 0.0 <= floor_ratio < math.inf):
+        if not (_validate.is_real(floor_ratio) and 0.0 <= floor_ratio < math.inf):
             raise ValueError(f"floor_ratio must be a finite number >= 0; got {floor_ratio!r}")
         defaults = {
             "lr": float(lr),

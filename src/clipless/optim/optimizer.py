@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import os
 import secrets
 from collections import OrderedDict
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clipless import _workspace, accounting, bounds, constraints, mechanism
+from clipless import _validate, _workspace, accounting, bounds, constraints, mechanism
 from clipless._errors import PlanExhaustedError
 from clipless.mechanism import NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
@@ -95,10 +94,9 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
         self.ledger = ledger
         self.ledger_path = ledger_path
         self._ledger_file_checked: object = None  # the ledger_path read before its first write
-        bad = isinstance(certify_every, bool) or not isinstance(certify_every, numbers.Integral)
-        if bad or certify_every < 1:
-            raise ValueError(f"certify_every must be an integer >= 1; got {certify_every!r}")
-        self.certify_every = int(certify_every)
+        self.certify_every = _validate.positive_int(
+            "certify_every", certify_every, wrong_type=ValueError
+        )
         if not isinstance(ledger, accounting.PrivacyLedger):
             raise TypeError(
                 f"ledger must be a clipless.accounting.PrivacyLedger; got {type(ledger).__name__}"
@@ -178,8 +176,7 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
         kernels (after the cotangent clipping), so one sample's ``k`` copies together contribute at
         most the layer's sensitivity. Do not divide the loss by ``k`` yourself.
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be an integer >= 1; got {k!r}")
+        k = _validate.positive_int("k", k, wrong_type=ValueError)
         previous, self._multiplicity = self._multiplicity, k
         try:
             yield

@@ -72,10 +72,11 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.stats import chi2
 
+from clipless import _validate
 from clipless.stats.ecdf import DPECDF, ecdf
 from clipless.stats.grid import Grid
 from clipless.stats.noise import conservative_scale, discrete_laplace, resolve_rng, to_fraction
-from clipless.stats.tree import Neighbouring, tree_sensitivity
+from clipless.stats.tree import Neighbouring, _check_neighbouring, tree_sensitivity
 
 _P_SLACK = 1e-9
 """Probabilities this far outside ``[0, 1]`` (floating-point rounding) are clipped, not refused."""
@@ -156,7 +157,7 @@ class HLResult:
         approximation (the released ``E`` stand in for the true ones), but unlike
         :attr:`p_value` it does not read DP noise as miscalibration.
         """
-        if isinstance(draws, bool) or not isinstance(draws, (int, np.integer)) or draws < 1:
+        if not _validate.is_int(draws) or draws < 1:
             raise ValueError(f"draws must be a positive int, got {draws!r}")
         gen = np.random.default_rng(seed)
         obs, exp_ = np.asarray(self.observed), np.asarray(self.expected)
@@ -219,8 +220,7 @@ def _probabilities_labels(
 
 
 def _check_groups(groups: int) -> int:
-    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)):
-        raise TypeError(f"groups must be an int, got {type(groups).__name__}")
+    groups = _validate.integer("groups", groups)
     if not 3 <= groups <= 2**16:
         raise ValueError(
             f"groups must be between 3 (the test has groups - 2 degrees) and 65536, got {groups}"
@@ -290,10 +290,7 @@ def hosmer_lemeshow(
     The plug-in :attr:`HLResult.p_value` ignores the noise; at moderate ``epsilon`` prefer
     :meth:`HLResult.noise_aware_p_value` (post-processing, no extra budget).
     """
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    _check_neighbouring(neighbouring)
     p, y = _probabilities_labels(probabilities, labels, allow_empty=neighbouring == "add_remove")
     Q = _check_groups(groups)
     eps = to_fraction(epsilon, "epsilon")
@@ -301,10 +298,7 @@ def hosmer_lemeshow(
         raise ValueError(f"binning must be 'quantile' or 'uniform', got {binning!r}")
     if split not in ("thesis", "tight"):
         raise ValueError(f"split must be 'thesis' or 'tight', got {split!r}")
-    if isinstance(min_expected, bool) or not isinstance(
-        min_expected, (int, float, np.integer, np.floating)
-    ):
-        raise TypeError(f"min_expected must be a real number, got {type(min_expected).__name__}")
+    min_expected = _validate.real("min_expected", min_expected)
     if not np.isfinite(min_expected) or min_expected <= 0:
         raise ValueError(f"min_expected must be finite and > 0, got {min_expected}")
     if grid is None:

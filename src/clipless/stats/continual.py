@@ -50,6 +50,7 @@ from fractions import Fraction
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless import _validate
 from clipless.stats.counting import (
     _estimator_coefficients,
     factorization_integer_coefficients,
@@ -65,7 +66,7 @@ from clipless.stats.noise import (
     resolve_rng,
     to_fraction,
 )
-from clipless.stats.tree import Neighbouring, NoiseKind, tree_sensitivity
+from clipless.stats.tree import Neighbouring, NoiseKind, _check_neighbouring, tree_sensitivity
 
 __all__ = ["ContinualCounter", "HorizonExceededError"]
 
@@ -95,16 +96,12 @@ class ContinualCounter:
         bound: int = 1,
         mechanism: str = "binary",
     ) -> None:
-        if isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)):
-            raise TypeError(f"horizon must be an int, got {type(horizon).__name__}")
+        horizon = _validate.integer("horizon", horizon)
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
-        if isinstance(bound, bool) or not isinstance(bound, (int, np.integer)) or bound < 1:
+        if not _validate.is_int(bound) or bound < 1:
             raise ValueError(f"bound must be a positive int, got {bound!r}")
-        if neighbouring not in ("replace_one", "add_remove"):
-            raise ValueError(
-                f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-            )
+        _check_neighbouring(neighbouring)
         if mechanism not in ("binary", "factorization"):
             raise ValueError(
                 f"mechanism must be 'binary' or 'factorization' for a stream, got {mechanism!r}"

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
 from clipless.stats.counting import CountRelease, Mechanism, release_prefix_counts
 from clipless.stats.grid import Grid
 from clipless.stats.noise import seeded_rng, to_fraction
@@ -61,6 +62,8 @@ from clipless.stats.tree import (
     Neighbouring,
     NoiseKind,
     TreeRelease,
+    _check_neighbouring,
+    _check_noise,
     consistent_prefix_sums,
     prefix_variance,
 )
@@ -333,26 +336,20 @@ def ecdf(
     >>> F.values[[0, 1, 4, 9, 10]].tolist()
     [0.0, 0.25, 0.75, 1.0, 1.0]
     """
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    _check_neighbouring(neighbouring)
     data = _as_values(values, allow_empty=neighbouring == "add_remove")
     g = _as_grid(grid)
     if smoothing not in (None, "isotonic", "l1", "l2"):
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
-    if noise not in ("laplace", "gaussian"):
-        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
-    if not isinstance(consistency, bool):
-        raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
+    _check_noise(noise)
+    _validate.flag("consistency", consistency)
     if noise == "laplace" and epsilon is not None:
         to_fraction(epsilon, "epsilon")
     if neighbouring == "replace_one":
         if n is None:
             n_pub = data.size
         else:
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-                raise TypeError(f"n must be an int, got {type(n).__name__}")
+            n = _validate.integer("n", n)
             if int(n) != data.size:
                 raise ValueError(
                     f"n must equal len(values) = {data.size} under replace_one, got {n}"

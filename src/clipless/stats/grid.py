@@ -20,18 +20,11 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
+
 __all__ = ["Grid"]
 
 Scale = Literal["linear", "log"]
-
-
-def _finite_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    out = float(value)
-    if not math.isfinite(out):
-        raise ValueError(f"{name} must be finite, got {out}")
-    return out
 
 
 def _validate_thresholds(thresholds: NDArray[np.float64], name: str) -> None:
@@ -79,8 +72,8 @@ class Grid:
         precision: float | None = None,
         scale: Scale = "linear",
     ) -> None:
-        lo = _finite_real("lower", lower)
-        hi = _finite_real("upper", upper)
+        lo = _validate.finite("lower", lower)
+        hi = _validate.finite("upper", upper)
         if scale not in ("linear", "log"):
             raise ValueError(f"scale must be 'linear' or 'log', got {scale!r}")
         if (size is None) == (precision is None):
@@ -88,12 +81,7 @@ class Grid:
         if scale == "log" and lo <= 0:
             raise ValueError(f"lower must be > 0 for a log grid, got {lo}")
         if size is not None:
-            if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-                raise TypeError(f"size must be an int, got {type(size).__name__}")
-            if size < 1:
-                raise ValueError(f"size must be >= 1, got {size}")
-            if size > 10**8:
-                raise ValueError(f"size must be at most 10**8 thresholds, got {size}")
+            size = _validate.integer("size", size, minimum=1, maximum=10**8)
             if size == 1:
                 if hi != lo:
                     raise ValueError("size=1 needs lower == upper")
@@ -102,15 +90,11 @@ class Grid:
                 if not hi > lo:
                     raise ValueError(f"upper must be > lower, got lower={lo}, upper={hi}")
                 values = (
-                    np.linspace(lo, hi, int(size))
-                    if scale == "linear"
-                    else np.geomspace(lo, hi, int(size))
+                    np.linspace(lo, hi, size) if scale == "linear" else np.geomspace(lo, hi, size)
                 )
                 values[0], values[-1] = lo, hi
         else:
-            step = _finite_real("precision", precision)
-            if step <= 0:
-                raise ValueError(f"precision must be > 0, got {step}")
+            step = _validate.finite_positive("precision", precision)
             if hi < lo:
                 raise ValueError(f"upper must be >= lower, got lower={lo}, upper={hi}")
             log = scale == "log"

@@ -48,6 +48,8 @@ from fractions import Fraction
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless import _validate
+
 __all__ = [
     "RealLike",
     "conservative_scale",
@@ -85,8 +87,7 @@ def secure_rng() -> random.Random:
 
 def seeded_rng(seed: int) -> random.Random:
     """A reproducible source for tests and examples. **Not** cryptographically secure."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    seed = _validate.integer("seed", seed)
     return random.Random(int(seed))
 
 
@@ -104,9 +105,7 @@ def resolve_rng(rng: random.Random | None) -> random.Random:
 
 def to_fraction(value: RealLike, name: str, *, positive: bool = True) -> Fraction:
     """Exact conversion of an int, float or Fraction to a Fraction (validating it)."""
-    if isinstance(value, bool) or not isinstance(
-        value, (int, float, Fraction, np.integer, np.floating)
-    ):
+    if not _validate.is_real(value):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if isinstance(value, (float, np.floating)):
         if not math.isfinite(float(value)):
@@ -145,11 +144,9 @@ def conservative_scale(scale: Fraction, bits: int = 61) -> Fraction:
 
 
 def _size_tuple(size: int | tuple[int, ...]) -> tuple[int, ...]:
-    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+    if _validate.is_int(size):
         shape: tuple[int, ...] = (int(size),)
-    elif isinstance(size, tuple) and all(
-        isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in size
-    ):
+    elif isinstance(size, tuple) and all(_validate.is_int(s) for s in size):
         shape = tuple(int(s) for s in size)
     else:
         raise TypeError(f"size must be an int or a tuple of ints, got {size!r}")

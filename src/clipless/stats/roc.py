@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
 from clipless.stats.counting import CountRelease, Mechanism, release_prefix_counts
 from clipless.stats.ecdf import DPECDF, Smoothing, from_release
 from clipless.stats.grid import Grid
@@ -59,6 +60,7 @@ from clipless.stats.tree import (
     Neighbouring,
     NoiseKind,
     TreeRelease,
+    _check_neighbouring,
 )
 
 if TYPE_CHECKING:
@@ -270,16 +272,12 @@ def roc(
         columns of ``L`` are non-negative (``<L e_a, L e_b> >= 0``). A class switch moves
         each class by one add/remove step, paid by the ``epsilon/2`` (``rho/2``) per class.
     """
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    _check_neighbouring(neighbouring)
     s, pos = _scores_labels(scores, labels, allow_empty=neighbouring == "add_remove")
     g = _as_grid(grid)
     if smoothing not in (None, "isotonic", "l1", "l2"):
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
-    if not isinstance(consistency, bool):
-        raise TypeError(f"consistency must be a bool, got {type(consistency).__name__}")
+    _validate.flag("consistency", consistency)
     if mechanism == "auto" and consistency is False:
         mechanism = "binary"  # the thesis's plain estimator exists for the binary tree only
     if mechanism != "binary" and not consistency:

@@ -74,6 +74,8 @@ import numpy as np
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
+
 if TYPE_CHECKING:
     from clipless.stats.tree import TreeRelease
 
@@ -297,8 +299,7 @@ def smooth_counts(
     if depth is None:
         L = min_depth
     else:
-        if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)):
-            raise TypeError(f"depth must be an int, got {type(depth).__name__}")
+        depth = _validate.integer("depth", depth)
         if depth < min_depth:
             raise ValueError(f"depth must be >= ceil(log2 N) = {min_depth}, got {depth}")
         L = int(depth)
@@ -324,9 +325,7 @@ def smooth_counts(
 
 
 def _positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    out = float(value)
+    out = _validate.real(name, value)
     if not np.isfinite(out) or out <= 0:
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
     return out

@@ -78,12 +78,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
 from clipless.stats.grid import tree_depth
 from clipless.stats.noise import (
     conservative_scale,
@@ -111,13 +112,16 @@ __all__ = [
 
 Neighbouring = Literal["replace_one", "add_remove"]
 NoiseKind = Literal["laplace", "gaussian"]
+NEIGHBOURING: tuple[Neighbouring, ...] = get_args(Neighbouring)
+NOISE_KINDS: tuple[NoiseKind, ...] = get_args(NoiseKind)
 
 
 def _check_neighbouring(neighbouring: str) -> None:
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    _validate.choice("neighbouring", neighbouring, NEIGHBOURING)
+
+
+def _check_noise(noise: str, name: str = "noise") -> None:
+    _validate.choice(name, noise, NOISE_KINDS)
 
 
 def tree_sensitivity(depth: int, neighbouring: Neighbouring) -> int:
@@ -130,8 +134,7 @@ def tree_sensitivity(depth: int, neighbouring: Neighbouring) -> int:
     >>> tree_sensitivity(15, "replace_one"), tree_sensitivity(15, "add_remove")
     (16, 8)
     """
-    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)):
-        raise TypeError(f"depth must be an int, got {type(depth).__name__}")
+    depth = _validate.integer("depth", depth)
     if depth < 0:
         raise ValueError(f"depth must be >= 0, got {depth}")
     _check_neighbouring(neighbouring)
@@ -417,9 +420,7 @@ def release_counts(
 
 def _noise_copies(node_noise: object) -> int:
     copies = getattr(node_noise, "copies", 1)
-    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
-        raise ValueError(f"node_noise.copies must be an integer >= 1, got {copies!r}")
-    return copies
+    return _validate.positive_int("node_noise.copies", copies, wrong_type=ValueError)
 
 
 def _external_noise(

@@ -30,7 +30,7 @@ from clipless.stats.counting.kary import (
 )
 from clipless.stats.counting.release import Mechanism
 from clipless.stats.noise import discrete_gaussian_variance, to_fraction
-from clipless.stats.tree import Neighbouring, NoiseKind, _check_neighbouring
+from clipless.stats.tree import Neighbouring, NoiseKind, _check_neighbouring, _check_noise
 
 
 def default_mechanism(
@@ -42,8 +42,7 @@ def default_mechanism(
     with :func:`counting_plan`'s shape (which includes the flat histogram). zCDP: that plan or
     ``"factorization"``, whichever is lower (the factorisation below about ``rho = 1``, the
     flat histogram at large ``rho``). Public."""
-    if noise not in ("laplace", "gaussian"):
-        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    _check_noise(noise)
     if noise == "laplace" or num_leaves > _FACT_MAX_N:
         return "k-ary"
     tree = counting_plan(num_leaves, neighbouring, noise, budget).score
@@ -247,8 +246,7 @@ def counting_plan(
     Public: depends on ``N``, the relation, the noise kind and the budget only.
     """
     _check_neighbouring(neighbouring)
-    if noise not in ("laplace", "gaussian"):
-        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
+    _check_noise(noise)
     if num_leaves < 1:
         raise ValueError(f"num_leaves must be >= 1, got {num_leaves}")
     frac = to_fraction(budget, "budget")

@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
 from clipless.stats.counting.release import (
     CountRelease,
     NodeNoiseSource,
@@ -86,8 +87,7 @@ MAX_BRANCHING = 2**16
 
 
 def _check_branching(k: int) -> int:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise TypeError(f"branching must be an int >= 2, got {type(k).__name__}")
+    k = _validate.integer("branching", k)
     if not 2 <= k <= MAX_BRANCHING:
         raise ValueError(
             f"branching must be between 2 and {MAX_BRANCHING} (the optimum is small: "

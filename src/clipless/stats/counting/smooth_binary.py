@@ -55,6 +55,7 @@ from functools import lru_cache
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from clipless import _validate
 from clipless.stats.counting.release import (
     CountRelease,
     _condition_on_total,
@@ -79,8 +80,7 @@ def smooth_binary_shape(num_leaves: int) -> tuple[int, int]:
     >>> smooth_binary_shape(1000), smooth_binary_shape(4096)
     ((13, 5), (15, 6))
     """
-    if isinstance(num_leaves, bool) or not isinstance(num_leaves, (int, np.integer)):
-        raise TypeError(f"num_leaves must be an int >= 1, got {type(num_leaves).__name__}")
+    num_leaves = _validate.integer("num_leaves", num_leaves)
     if not 1 <= num_leaves <= _SMOOTH_MAX_N:
         raise ValueError(f"num_leaves must be in 1..2^22, got {num_leaves}")
     need = int(num_leaves) + 1
