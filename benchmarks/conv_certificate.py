@@ -33,16 +33,15 @@ KERNELS = [(152, 64, 8), (288, 144, 16), (576, 288, 8)]  # (c_out, c_in, input s
 
 
 def eigh_per_frequency(w: torch.Tensor, n: int) -> float:
-    """The previous path: einsum symbol, one ``_eigh_norm`` (Gram + eigvalsh) per frequency."""
+    """The previous path: one ``_eigh_norm`` (Gram + eigvalsh) per frequency of the symbol."""
     dims = (norms._polyphase_1d(n, 3, 1, 1, False),) * 2
-    symbol = norms._polyphase_symbol(w, dims, (1, 1))
-    flat = symbol.reshape(-1, *symbol.shape[-2:])
+    flat = norms._symbol_tensor(w, dims, (1, 1))
     return norms.inflate(max(norms._eigh_norm(m) for m in flat))
 
 
 def exact(w: torch.Tensor, n: int) -> float:
     dims = (norms._polyphase_1d(n, 3, 1, 1, False),) * 2
-    symbol = norms._polyphase_symbol(w, dims, (1, 1))
+    symbol = norms._symbol_tensor(w, dims, (1, 1))
     return float(torch.linalg.matrix_norm(symbol, ord=2).max())
 
 

@@ -256,65 +256,13 @@ def _phases(grid: int, frequencies: int, span: int, device: torch.device) -> tor
     return torch.polar(torch.ones_like(turns), turns * (-2.0 * math.pi))
 
 
-def _polyphase_kernel(
-    weight: torch.Tensor, dims: tuple[_Polyphase, _Polyphase], strides: tuple[int, int]
-) -> torch.Tensor:
-    """The polyphase kernel ``P``, shape ``(c_out, c_in sh sw, span_h, span_w)``, float64."""
-    c_out, c_in, kh, kw = (int(d) for d in weight.shape)
-    ph, pw = dims
-    sh, sw = strides
-    w = weight.detach().to(torch.float64)
-    span_h, span_w = max(ph.shift) + 1, max(pw.shift) + 1
-    poly = torch.zeros((c_out, c_in, sh, sw, span_h, span_w), dtype=torch.float64, device=w.device)
-    for jh in range(kh):
-        for jw in range(kw):
-            poly[:, :, ph.phase[jh], pw.phase[jw], ph.shift[jh], pw.shift[jw]] = w[:, :, jh, jw]
-    return poly.reshape(c_out, c_in * sh * sw, span_h, span_w)
-
-
-def _polyphase_symbol(
-    weight: torch.Tensor, dims: tuple[_Polyphase, _Polyphase], strides: tuple[int, int]
-) -> torch.Tensor:
-    """Per-frequency matrices ``K(f)``, shape ``(Nh, Nw//2+1, c_out, c_in sh sw)``, complex128.
-
-    ``K(f) = sum_a P[:, :, a] exp(-2 pi i (f_h a_h / Nh + f_w a_w / Nw))`` with ``P`` the polyphase
-    kernel: the 2-D DFT of ``P`` folded onto the ``Nh x Nw`` grid (what ``rfft2`` of the folded
-    kernel computes), evaluated directly because a kernel has few taps. Only ``f_w <= Nw // 2`` is
-    needed: ``K(-f) = conj(K(f))`` for a real kernel has the same singular values.
-    """
-    ph, pw = dims
-    poly = _polyphase_kernel(weight, dims, strides).to(torch.complex128)
-    span_h, span_w = int(poly.shape[2]), int(poly.shape[3])
-    e_h = _phases(ph.grid, ph.grid, span_h, poly.device)
-    e_w = _phases(pw.grid, pw.grid // 2 + 1, span_w, poly.device)
-    partial = torch.einsum("oiab,wb->oiaw", poly, e_w)
-    return torch.einsum("oiaw,ha->hwoi", partial, e_h).contiguous()
-
-
 def _symbol_matrices(
     weight: torch.Tensor, dims: tuple[_Polyphase, _Polyphase], strides: tuple[int, int]
 ) -> torch.Tensor:
-    """The matrices of :func:`_polyphase_symbol`, flat and tall: shape ``(F, k, n)``, ``k >= n``.
-
-    ``K(f)`` (``c_out >= c_in sh sw``) or ``K(f)^T`` (otherwise; same singular values), for the
-    ``F = Nh (Nw // 2 + 1)`` frequencies, complex128. One matrix product
-    ``phi (F x t) @ P (t x c_out c_in')`` over the ``t`` taps (about 1.5x faster than the two
-    ``einsum`` of :func:`_polyphase_symbol`). Each phase ``phi = e_h e_w`` is one complex product
-    of two phases of :func:`_phases` (error ``<= 4u`` each), so its error is ``<= 12u``, and each
-    entry of ``K(f)`` is an inner product over the ``t`` taps: see :data:`NUMERIC_MARGIN`.
-    """
-    ph, pw = dims
-    poly = _polyphase_kernel(weight, dims, strides)
-    c_out, c_in2, span_h, span_w = (int(d) for d in poly.shape)
-    taps = poly.permute(2, 3, 0, 1)  # (span_h, span_w, c_out, c_in')
-    if c_out < c_in2:
-        taps = taps.transpose(2, 3)
-    k, n = max(c_out, c_in2), min(c_out, c_in2)
-    taps = taps.reshape(span_h * span_w, k * n).to(torch.complex128)
-    e_h = _phases(ph.grid, ph.grid, span_h, poly.device)
-    e_w = _phases(pw.grid, pw.grid // 2 + 1, span_w, poly.device)
-    phi = (e_h[:, None, :, None] * e_w[None, :, None, :]).reshape(-1, span_h * span_w)
-    return (phi @ taps).reshape(-1, k, n)
+    """The matrices of :func:`_symbol_tensor`, tall: shape ``(F, k, n)``, ``k >= n``: ``K(f)``
+    (``c_out >= c_in sh sw``) or ``K(f)^T`` (otherwise; same singular values), contiguous."""
+    mats = _symbol_tensor(weight, dims, strides)
+    return mats if mats.shape[-2] >= mats.shape[-1] else mats.transpose(-2, -1).contiguous()
 
 
 def _max_spectral_norm(mats: torch.Tensor) -> float:
@@ -544,7 +492,7 @@ def _tap_phases(
     class ``c`` (its input phases), 0 elsewhere; shape ``(kh kw, sh sw, F, 2)``, float64.
 
     ``phi_f(j) = e_h(f_h, a_h(j)) e_w(f_w, a_w(j))``, one complex product of two phases of
-    :func:`_phases` (error ``<= 12u``, as in :func:`_symbol_matrices`). Public geometry only:
+    :func:`_phases` (error ``<= 12u``). Public geometry only:
     built once per layer geometry and device (a blocking host-to-device copy), then cached."""
     key = (kernel, tuple((tuple(d.phase), tuple(d.shift), d.grid) for d in dims), strides, device)
     cached = _TAP_PHASES.get(key)
@@ -568,11 +516,14 @@ def _tap_phases(
 def _symbol_tensor(
     weight: torch.Tensor, dims: tuple[_Polyphase, _Polyphase], strides: tuple[int, int]
 ) -> torch.Tensor:
-    """The per-frequency matrices of :func:`_polyphase_symbol` as ``(F, c_out, c_in sh sw)``,
-    from one real matrix product of the taps with :func:`_tap_phases` (a handful of operators
-    where the polyphase kernel's assembly runs one per tap). Each real or imaginary component is
-    a sum over the ``kh kw`` taps of a tap times a phase component (zero outside the tap's
-    class, exactly): the error analysis of :data:`NUMERIC_MARGIN` ("Symbol (DFT)") applies."""
+    """The per-frequency matrices ``K(f)``, ``(F, c_out, c_in sh sw)`` for the ``F = Nh (Nw // 2 +
+    1)`` frequencies, complex128: ``K(f) = sum_a P[:, :, a] exp(-2 pi i (f_h a_h / Nh + f_w a_w /
+    Nw))`` with ``P`` the polyphase kernel, the 2-D DFT of ``P`` folded onto the ``Nh x Nw`` grid
+    (what ``rfft2`` of the folded kernel computes), evaluated directly because a kernel has few
+    taps; ``f_w <= Nw // 2`` suffices (``K(-f) = conj(K(f))`` for a real kernel). One real matrix
+    product of the taps with :func:`_tap_phases`: each real or imaginary component is a sum over
+    the ``kh kw`` taps of a tap times a phase component (zero outside the tap's class, exactly),
+    so the error analysis of :data:`NUMERIC_MARGIN` ("Symbol (DFT)") applies."""
     c_out, c_in, kh, kw = (int(d) for d in weight.shape)
     table = _tap_phases((kh, kw), dims, strides, weight.device)
     taps = weight.detach().to(torch.float64).reshape(c_out * c_in, kh * kw)
