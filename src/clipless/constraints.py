@@ -664,7 +664,7 @@ def _project_on_device(
     results = []
     for group in groups.values():
         members = [layer for _, layer in group]
-        ub = torch.stack([layer.lipschitz_tensor() for layer in members])
+        ub = torch.stack(norms.evaluate_plans([layer.lipschitz_plan() for layer in members]))
         need = ((ub > max_norm) if mode != "fix" else (ub > 0)) | ~torch.isfinite(ub)
         weights = [layer.weight for layer in members]
         bound, scale, verified = _rescale_t(

@@ -237,7 +237,13 @@ class Conv2d(ParametricLipschitzModule):
         """:meth:`lipschitz` at the recorded input size as a 0-dim float64 tensor on the weight's
         device, not memoised (:func:`clipless.norms.norm_tensor`: no host read on an
         accelerator)."""
-        return norms.norm_tensor(
+        with torch.no_grad():
+            return norms.evaluate_plans([self.lipschitz_plan()])[0]
+
+    def lipschitz_plan(self) -> norms.NormPlan:
+        """:meth:`lipschitz_tensor` as a plan (:func:`clipless.norms.evaluate_plans` batches
+        many layers' Gram iterations)."""
+        return norms.norm_plan(
             self.weight,
             stride=self.stride,
             padding=self.padding,

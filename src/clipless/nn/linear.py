@@ -87,6 +87,11 @@ class Linear(ParametricLipschitzModule):
         not memoised (:func:`clipless.norms.norm_tensor`: no host read on an accelerator)."""
         return norms.norm_tensor(self.weight)
 
+    def lipschitz_plan(self) -> norms.NormPlan:
+        """:meth:`lipschitz_tensor` as a plan (:func:`clipless.norms.evaluate_plans` batches
+        many layers' Gram iterations)."""
+        return norms.norm_plan(self.weight)
+
     def output_bound(self, input_bound: float) -> float:
         """``||W||_2 X + ||b||_2`` (triangle inequality), rounded up."""
         x_bound = _checks.as_bound("input_bound", input_bound)

@@ -20,7 +20,8 @@ docstring:
 * :mod:`clipless.norms.iterations`: Gram iteration (upper bounds) and power iteration (lower);
 * :mod:`clipless.norms.dense`: :func:`dense_norm`;
 * :mod:`clipless.norms.convolution`: :func:`conv_multiplicity`, :func:`conv_norm`,
-  :func:`norm_tensor`, :func:`conv_power_iteration`.
+  :func:`norm_tensor` (and :func:`norm_plan` / :func:`evaluate_plans`, which batch many
+  layers' Gram iterations together), :func:`conv_power_iteration`.
 
 Every name of the submodules is also an attribute of this package, and setting one here (e.g.
 ``clipless.norms.ACCELERATOR_PATH_ON_CPU = True``, or a test's ``monkeypatch.setattr``) sets it in
@@ -44,9 +45,12 @@ from clipless.norms.certificates import NUMERIC_MARGIN, matrix_products_only
 from clipless.norms.certificates import _aminmax as _aminmax
 from clipless.norms.certificates import all_finite as all_finite
 from clipless.norms.convolution import (
+    NormPlan,
     conv_multiplicity,
     conv_norm,
     conv_power_iteration,
+    evaluate_plans,
+    norm_plan,
     norm_tensor,
 )
 from clipless.norms.dense import dense_norm
@@ -54,13 +58,16 @@ from clipless.norms.iterations import PowerIterationResult, gram_iteration, powe
 
 __all__ = [
     "NUMERIC_MARGIN",
+    "NormPlan",
     "PowerIterationResult",
     "conv_multiplicity",
     "conv_norm",
     "conv_power_iteration",
     "dense_norm",
+    "evaluate_plans",
     "gram_iteration",
     "matrix_products_only",
+    "norm_plan",
     "norm_tensor",
     "power_iteration",
 ]

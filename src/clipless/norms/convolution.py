@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -28,7 +28,13 @@ from clipless.norms.certificates import (
     matrix_products_only,
 )
 from clipless.norms.dense import _GRAM_AUTO_ITERS, dense_norm
-from clipless.norms.iterations import PowerIterationResult, _gram_bounds, power_iteration
+from clipless.norms.iterations import (
+    GramRequest,
+    PowerIterationResult,
+    _gram_bounds,
+    _gram_bounds_many,
+    power_iteration,
+)
 
 _GRAM_CONV_ITERS = 10  # per-frequency matrices (rank <= channels): within rank^(2^-11)
 
@@ -535,14 +541,32 @@ def _symbol_tensor(
     return out.reshape(freqs, c_out, c_in * classes)
 
 
-def _conv_fft_tensor(
+class NormPlan(NamedTuple):
+    """A certified bound as Gram requests and how their results combine (:func:`evaluate_plans`)."""
+
+    requests: tuple[GramRequest, ...]
+    finish: Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def evaluate_plans(plans: Sequence[NormPlan]) -> list[torch.Tensor]:
+    """Every plan's bound, the Gram requests of all plans batched together
+    (:func:`_gram_bounds_many`: one chain of products per bucket, not one per layer)."""
+    flat = _gram_bounds_many([req for plan in plans for req in plan.requests])
+    out, start = [], 0
+    for plan in plans:
+        out.append(plan.finish(flat[start : start + len(plan.requests)]))
+        start += len(plan.requests)
+    return out
+
+
+def _conv_fft_plan(
     weight: torch.Tensor,
     stride: tuple[int, int],
     padding: tuple[int, int],
     circular: bool,
     input_size: tuple[int, int],
-) -> torch.Tensor:
-    """:func:`_conv_norm_fft` on the accelerator path, as a tensor (no host read).
+) -> NormPlan:
+    """:func:`_conv_norm_fft` on the accelerator path, as a plan (no host read).
 
     The symbol of a kernel of float32 or a narrower dtype goes into the Gram iteration unscaled:
     each entry sums ``t`` taps times phases of modulus ``<= 1``, so ``|entry| <= t 2^128 (1 +
@@ -551,12 +575,61 @@ def _conv_fft_tensor(
     ``sqrt(N / 2) ||P||_F (1 - 1e-11) >= 2^-150`` for a non-zero kernel (Parseval over the half
     spectrum; a non-zero float32 tap is ``>= 2^-149``): a relative change below ``2^-300``."""
     narrow = weight.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    bounds = []
-    for dims, decimation, copies in _grids(weight, stride, padding, circular, input_size):
-        mats = _symbol_tensor(weight, dims, decimation)
-        top = _gram_bounds(mats, _GRAM_CONV_ITERS, unscaled=narrow).max()
-        bounds.append(_inflated(top * _certified.sqrt(copies)))
-    return torch.stack(bounds).min()
+    grids = list(_grids(weight, stride, padding, circular, input_size))
+    requests = tuple(
+        GramRequest(_symbol_tensor(weight, dims, decimation), _GRAM_CONV_ITERS, narrow)
+        for dims, decimation, _ in grids
+    )
+
+    def finish(results: list[torch.Tensor]) -> torch.Tensor:
+        bounds = [
+            _inflated(r.max() * _certified.sqrt(copies))
+            for r, (_, _, copies) in zip(results, grids, strict=True)
+        ]
+        return torch.stack(bounds).min()
+
+    return NormPlan(requests, finish)
+
+
+def _conv_fft_tensor(
+    weight: torch.Tensor,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    circular: bool,
+    input_size: tuple[int, int],
+) -> torch.Tensor:
+    """:func:`_conv_fft_plan` evaluated alone."""
+    return evaluate_plans([_conv_fft_plan(weight, stride, padding, circular, input_size)])[0]
+
+
+def _conv_plan(
+    weight: torch.Tensor,
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    padding_mode: str,
+    size: tuple[int, int] | None,
+) -> NormPlan:
+    """``conv_norm(..., method="auto")`` on the accelerator path, as a plan."""
+    kh, kw = (int(weight.shape[-2]), int(weight.shape[-1]))
+    k_eff = conv_multiplicity((kh, kw), stride, padding, padding_mode, size)
+    mat = weight.detach().reshape(weight.shape[0], -1)
+    # With zero padding the FFT bound (below) is the exact norm of a circulant containing the
+    # layer, at most the size-free sqrt(k_eff) ||K_mat||_2 in every case measured (equal for
+    # all-ones kernels): the size-free bound is then only a guard, in its no-iteration form.
+    iters = 0 if size is not None and padding_mode == "zeros" else _GRAM_AUTO_ITERS
+    guard = GramRequest(mat, iters)
+    root_k = _certified.sqrt(k_eff)
+    if size is None:
+        return NormPlan((guard,), lambda r: _inflated(r[0] * root_k))
+    if _small(weight, stride, padding, size):
+        matrix = _explicit_matrix(weight, stride, padding, padding_mode, size)
+        return NormPlan((GramRequest(matrix, _GRAM_AUTO_ITERS),), lambda r: r[0])
+    fft = _conv_fft_plan(weight, stride, padding, padding_mode == "circular", size)
+
+    def finish(results: list[torch.Tensor]) -> torch.Tensor:
+        return torch.minimum(fft.finish(results[1:]), _inflated(results[0] * root_k))
+
+    return NormPlan((guard, *fft.requests), finish)
 
 
 def _conv_tensor(
@@ -567,21 +640,42 @@ def _conv_tensor(
     size: tuple[int, int] | None,
 ) -> torch.Tensor:
     """``conv_norm(..., method="auto")`` on the accelerator path, as a tensor."""
-    kh, kw = (int(weight.shape[-2]), int(weight.shape[-1]))
-    k_eff = conv_multiplicity((kh, kw), stride, padding, padding_mode, size)
-    mat = weight.detach().reshape(weight.shape[0], -1)
-    # With zero padding the FFT bound (below) is the exact norm of a circulant containing the
-    # layer, at most the size-free sqrt(k_eff) ||K_mat||_2 in every case measured (equal for
-    # all-ones kernels): the size-free bound is then only a guard, in its no-iteration form.
-    iters = 0 if size is not None and padding_mode == "zeros" else _GRAM_AUTO_ITERS
-    frob = _inflated(_gram_bounds(mat, iters) * _certified.sqrt(k_eff))
-    if size is None:
-        return frob
-    if _small(weight, stride, padding, size):
-        matrix = _explicit_matrix(weight, stride, padding, padding_mode, size)
-        return _gram_bounds(matrix, _GRAM_AUTO_ITERS)
-    fft = _conv_fft_tensor(weight, stride, padding, padding_mode == "circular", size)
-    return torch.minimum(fft, frob)
+    return evaluate_plans([_conv_plan(weight, stride, padding, padding_mode, size)])[0]
+
+
+def _finite_or_inf(bound: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(bound), bound, torch.full_like(bound, math.inf))
+
+
+def norm_plan(
+    weight: torch.Tensor,
+    *,
+    stride: int | tuple[int, int] = 1,
+    padding: int | tuple[int, int] = 0,
+    padding_mode: str = "zeros",
+    input_size: int | tuple[int, int] | None = None,
+) -> NormPlan:
+    """:func:`norm_tensor` as a plan, so that many layers' bounds are computed together
+    (:func:`evaluate_plans`). Off the accelerator path the bound is computed now (the CPU's
+    certificates) and the plan holds it."""
+    with torch.no_grad():
+        w = weight.detach()
+        if w.dim() == 2:
+            if not matrix_products_only(w):
+                return _computed(_as_tensor(dense_norm(w), w))
+            return NormPlan((GramRequest(w, _GRAM_AUTO_ITERS),), lambda r: r[0])
+        st, pd = _as_pair(stride, "stride"), _as_pair(padding, "padding")
+        size = None if input_size is None else _as_pair(input_size, "input_size")
+        _check_conv_args((int(w.shape[-2]), int(w.shape[-1])), st, pd, padding_mode, size)
+        if not matrix_products_only(w) or w.numel() == 0:
+            value = conv_norm(w, stride=st, padding=pd, padding_mode=padding_mode, input_size=size)
+            return _computed(_as_tensor(value, w))
+        plan = _conv_plan(w, st, pd, padding_mode, size)
+        return NormPlan(plan.requests, lambda r: _finite_or_inf(plan.finish(r)))
+
+
+def _computed(value: torch.Tensor) -> NormPlan:
+    return NormPlan((), lambda _: value)
 
 
 def norm_tensor(
@@ -597,22 +691,14 @@ def norm_tensor(
     A 2-D ``weight``: :func:`dense_norm`; a 4-D one: :func:`conv_norm` with the geometry given.
     On an accelerator (:func:`matrix_products_only`) it is computed there without a host read
     (``inf`` for a non-finite weight), so that many layers' bounds leave the device in one
-    transfer; on the CPU it is the float the functions above return.
+    transfer; on the CPU it is the float the functions above return. :func:`norm_plan` and
+    :func:`evaluate_plans` compute several layers' bounds together.
     """
+    plan = norm_plan(
+        weight, stride=stride, padding=padding, padding_mode=padding_mode, input_size=input_size
+    )
     with torch.no_grad():
-        w = weight.detach()
-        if w.dim() == 2:
-            if not matrix_products_only(w):
-                return _as_tensor(dense_norm(w), w)
-            return _gram_bounds(w, _GRAM_AUTO_ITERS)
-        st, pd = _as_pair(stride, "stride"), _as_pair(padding, "padding")
-        size = None if input_size is None else _as_pair(input_size, "input_size")
-        _check_conv_args((int(w.shape[-2]), int(w.shape[-1])), st, pd, padding_mode, size)
-        if not matrix_products_only(w) or w.numel() == 0:
-            value = conv_norm(w, stride=st, padding=pd, padding_mode=padding_mode, input_size=size)
-            return _as_tensor(value, w)
-        bound = _conv_tensor(w, st, pd, padding_mode, size)
-        return torch.where(torch.isfinite(bound), bound, torch.full_like(bound, math.inf))
+        return evaluate_plans([plan])[0]
 
 
 def conv_power_iteration(

@@ -10,7 +10,7 @@ gives a *lower* bound, for steering projections and diagnostics only.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -118,7 +118,7 @@ def _gram_bounds(mats: torch.Tensor, iters: int, *, unscaled: bool = False) -> t
         # entries of at most float32's range square exactly in float64 with neither overflow
         # nor underflow (|x| in [2^-149, 2^128]): the first Frobenius norm needs no scaling, and
         # it is finite exactly when every entry is
-        log_scale = torch.zeros(batch, dtype=torch.float64, device=h.device)
+        log_scale: torch.Tensor | None = None
         finite = None
     else:
         h, log_scale, finite = _scaled_to_unit(h)
@@ -139,18 +139,142 @@ def _gram_bounds(mats: torch.Tensor, iters: int, *, unscaled: bool = False) -> t
     zero = (first == 0).reshape(batch)
     if finite is None:
         finite = torch.isfinite(first).reshape(batch)
-    best = torch.full_like(log_scale, math.inf)
+    # The last iterate's Hoelder / Frobenius bound (log ``last``) usually improves on its
+    # Frobenius norm, 1 after the division, but with rounding not always: the result takes the
+    # smaller of the two, ``min(last, 0)``.
+    best = torch.log(_hoelder_fro(h)) * (2.0**-iters)
     if cs:
-        weights = torch.pow(0.5, torch.arange(iters, dtype=torch.float64, device=h.device))
-        log_scale = log_scale + (torch.log(torch.cat(cs, dim=-1)) * weights).sum(-1).reshape(batch)
-        best = log_scale
-    # The last iterate's Hoelder / Frobenius bound usually improves on the last c_t, but with
-    # rounding not always: the result is the smaller of the two.
-    best = torch.minimum(best, log_scale + torch.log(_hoelder_fro(h)) * (2.0**-iters))
+        steps = torch.log(torch.cat(cs, dim=-1)) @ _halvings(iters, h.device)
+        best = steps.reshape(batch) + best.clamp_max(0.0)
+    if log_scale is not None:
+        best = best + log_scale
     bound = torch.exp(best) * factor
     # a subnormal result has lost relative precision: the smallest normal number bounds it
-    bound = torch.where(zero, torch.zeros_like(bound), bound.clamp_min(_TINY))
-    return torch.where(finite, bound, torch.full_like(bound, math.inf))
+    bound = torch.where(zero, 0.0, bound.clamp_min(_TINY))
+    return torch.where(finite, bound, math.inf)
+
+
+_HALVINGS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _halvings(iters: int, device: torch.device) -> torch.Tensor:
+    """``[2^0, 2^-1, ..., 2^-(iters - 1)]`` (float64, exact) on ``device``, built once."""
+    key = (iters, device)
+    cached = _HALVINGS.get(key)
+    if cached is None:
+        cached = _HALVINGS[key] = torch.pow(
+            0.5, torch.arange(iters, dtype=torch.float64, device=device)
+        )
+    return cached
+
+
+class GramRequest(NamedTuple):
+    """One call of :func:`_gram_bounds`: ``mats`` of shape ``(..., m, n)``, ``iters`` steps,
+    ``unscaled`` as there."""
+
+    mats: torch.Tensor
+    iters: int
+    unscaled: bool = False
+
+
+# Matrices padded into one batch may cost this factor more products than their own chains, plus
+# this many flops, which launch-bound small chains absorb.
+_PAD_WASTE = 1.5
+_PAD_FREE_FLOPS = 2.0**22
+
+
+def _gram_bounds_many(requests: Sequence[GramRequest]) -> list[torch.Tensor]:
+    """:func:`_gram_bounds` of every request, as one chain of batched products per bucket.
+
+    Requests on one device with the same kind (real / complex) and number of steps are sorted by
+    size and bucketed while zero-padding them to the bucket's largest shape wastes at most
+    :data:`_PAD_WASTE` of the products (and :data:`_PAD_FREE_FLOPS`): one chain of kernels per
+    bucket instead of one per request. A bucket of one request is :func:`_gram_bounds` itself.
+
+    Claim: each result bounds its request's spectral norms as :func:`_gram_bounds` does. Proof:
+    a ``k x n`` matrix ``W`` (oriented ``k >= n``) placed in the corner of a ``K x N`` zero matrix
+    ``P`` has the same non-zero singular values, so ``||P||_2 = ||W||_2``; :func:`_gram_bounds`
+    certifies ``||P||_2`` with the rounding factor of the padded shape (larger ``K`` and ``N``
+    only enlarge it), and its per-matrix scaling (``amax``) is unchanged by the zeros.
+    """
+    results: dict[int, torch.Tensor] = {}
+    groups: dict[tuple[torch.device, bool, int], list[int]] = {}
+    for i, req in enumerate(requests):
+        rows, cols = req.mats.shape[-2], req.mats.shape[-1]
+        iters = 0 if min(rows, cols) == 1 else req.iters
+        groups.setdefault((req.mats.device, req.mats.is_complex(), iters), []).append(i)
+    for (_, _, iters), members in groups.items():
+        for bucket in _buckets([requests[i] for i in members], members, iters):
+            bounds = _bucket_bounds([requests[i] for i in bucket], iters)
+            results.update(zip(bucket, bounds, strict=True))
+    return [results[i] for i in range(len(requests))]
+
+
+def _bucket_bounds(reqs: list[GramRequest], iters: int) -> list[torch.Tensor]:
+    """The bounds of one bucket's requests, from one chain."""
+    if len(reqs) == 1:
+        return [_gram_bounds(reqs[0].mats, reqs[0].iters, unscaled=reqs[0].unscaled)]
+    padded, unscaled = _padded(reqs)
+    flat = _gram_bounds(padded, iters, unscaled=unscaled)
+    out, start = [], 0
+    for req in reqs:
+        batch = req.mats.shape[:-2]
+        count = math.prod(batch)
+        out.append(flat[start : start + count].reshape(batch))
+        start += count
+    return out
+
+
+def _oriented(shape: torch.Size) -> tuple[int, int, int]:
+    """``(matrices, larger dimension, smaller dimension)`` of a ``(..., m, n)`` shape."""
+    rows, cols = int(shape[-2]), int(shape[-1])
+    return math.prod(shape[:-2]), max(rows, cols), min(rows, cols)
+
+
+def _chain_flops(count: int, big: int, small: int, iters: int) -> float:
+    """Multiply-adds of :func:`_gram_bounds` on ``count`` matrices of ``big x small``."""
+    if iters == 0:
+        return float(count * big * small)
+    return float(count) * (big * small * small + (iters - 1) * small**3)
+
+
+def _buckets(reqs: list[GramRequest], ids: list[int], iters: int) -> list[list[int]]:
+    """Greedy buckets of request ids (largest first) within the padding allowance."""
+    order = sorted(range(len(reqs)), key=lambda j: _oriented(reqs[j].mats.shape)[1:], reverse=True)
+    buckets: list[list[int]] = []
+    count = big = small = 0
+    own = 0.0
+    for j in order:
+        c, b, s = _oriented(reqs[j].mats.shape)
+        mine = _chain_flops(c, b, s, iters)
+        if buckets:
+            padded = _chain_flops(count + c, max(big, b), max(small, s), iters)
+            if padded <= _PAD_WASTE * (own + mine) + _PAD_FREE_FLOPS:
+                buckets[-1].append(ids[j])
+                count, big, small, own = count + c, max(big, b), max(small, s), own + mine
+                continue
+        buckets.append([ids[j]])
+        count, big, small, own = c, b, s, mine
+    return buckets
+
+
+def _padded(reqs: list[GramRequest]) -> tuple[torch.Tensor, bool]:
+    """The requests' matrices oriented ``big x small`` and zero-padded into one batch
+    (float64 or complex128), and whether every request may skip the scaling."""
+    shapes = [_oriented(r.mats.shape) for r in reqs]
+    big, small = max(s[1] for s in shapes), max(s[2] for s in shapes)
+    first = reqs[0].mats
+    dtype = torch.complex128 if first.is_complex() else torch.float64
+    out = torch.zeros((sum(s[0] for s in shapes), big, small), dtype=dtype, device=first.device)
+    start = 0
+    for req, (count, b, s) in zip(reqs, shapes, strict=True):
+        mats = req.mats.detach().reshape(count, *req.mats.shape[-2:])
+        if mats.shape[-2] < mats.shape[-1]:
+            mats = mats.mH
+        out[start : start + count, :b, :s] = mats
+        start += count
+    unscaled = all(r.unscaled or r.mats.dtype in _NARROW for r in reqs)
+    return out, unscaled
 
 
 def _gram_product(h: torch.Tensor) -> torch.Tensor:
