@@ -69,10 +69,13 @@ def test_batching_merges_chains() -> None:
     ]
     buckets = _buckets(real12, list(range(len(real12))), 12)
     assert len(buckets) < len(real12)
-    big = [GramRequest(torch.zeros(1024, 784), 12), GramRequest(torch.zeros(1024, 1024), 12)]
+    big = [GramRequest(torch.zeros(1024, 900), 12), GramRequest(torch.zeros(1024, 1024), 12)]
     tiny = [GramRequest(torch.zeros(10, 1024), 12)]
     reqs2 = big + tiny
     assert sorted(map(sorted, _buckets(reqs2, [0, 1, 2], 12))) == [[0, 1], [2]]
+    # 784 padded to 1024 would cost 1.37x the products: two chains
+    wide = [GramRequest(torch.zeros(1024, 784), 12), GramRequest(torch.zeros(1024, 1024), 12)]
+    assert len(_buckets(wide, [0, 1], 12)) == 2
 
 
 def test_non_finite_matrices_give_inf_and_leave_the_others_alone() -> None:
