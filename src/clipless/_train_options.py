@@ -263,9 +263,9 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         run=True,
         legacy=None,
         default=None,
-        help="your own data instead of --dataset: a CSV file (header row; needs --label, "
-        "--classes and --columns) or an image folder (one subfolder of same-size images per "
-        "class; pixels / 255). 20%% of the records (a fixed public split) are the test set "
+        help="your own data instead of --dataset: a CSV or Parquet file (header row; needs "
+        "--label, --classes and --columns) or an image folder (one subfolder of same-size images "
+        "per class; pixels / 255). 20%% of the records (a fixed public split) are the test set "
         "unless --test-data",
     ),
     _opt(
@@ -274,7 +274,7 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         run=True,
         legacy=None,
         default=None,
-        help="with --data: a CSV file (or an image folder) for the test set",
+        help="with --data: a CSV or Parquet file (or an image folder) for the test set",
     ),
     _opt(
         "--label",

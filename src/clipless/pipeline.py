@@ -187,7 +187,7 @@ def _load_table(spec: TrainSpec) -> tuple[TrainSpec, Any, Any, Any]:
         )  # fmt: skip
     except OSError as exc:
         raise OptionError("--data", f"cannot read {exc.filename}: {exc.strerror}") from None
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:  # ImportError: a Parquet file without pyarrow
         raise OptionError("--data", str(exc)) from None
     if spec.input_norm is None:
         spec = replace(spec, input_norm=max_norm(columns))
