@@ -332,6 +332,16 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         help="output folder (the run folder)",
     ),
     _opt(
+        "--tensorboard",
+        "",
+        default=None,
+        metavar="DIR",
+        help="also write each epoch's train loss and accuracy, test loss and accuracy, epsilon "
+        "spent and learning rate, and at the end the certified robust accuracy, as TensorBoard "
+        "scalars in DIR (clipless.callbacks.TensorBoardLogger; needs pip install "
+        "'clipless[tensorboard]')",
+    ),
+    _opt(
         "--resume",
         "again",
         action="store_true",

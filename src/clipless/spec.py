@@ -112,6 +112,7 @@ class TrainSpec:
     # where and how the run runs
     data_root: str | None = None
     out: str = "runs/demo"
+    tensorboard: str | None = None
     resume: bool = False
     force: bool = False
     device: str = "cpu"
