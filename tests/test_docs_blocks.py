@@ -8,6 +8,10 @@
   ```text is a listing) in docs/*.md and README.md parses with the real parser, and every
   ``--option`` of an inline ```clipless SUBCOMMAND ...``` span in the prose is one that
   subcommand has: an option renamed in the code but not in the docs fails here.
+* The shell commands that need no download, no second process and no minutes of CPU run as
+  written, in page order, on made-up input files (:data:`NOT_RUN_COMMANDS` says why the others
+  do not); the session and secret files the skipped federated commands read are where
+  ``federated init`` put them.
 * The ``make_private`` listing of docs/opacus-migration.md (every argument at its default) is
   checked against the real signature.
 """
@@ -57,8 +61,7 @@ def blocks(path: Path) -> list[Block]:
 
 
 # ------------------------------------------------------------------------- the python blocks
-def _tiny_private_setup() -> str:
-    return """
+PRIVATE_SETUP = """
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 import clipless
@@ -73,6 +76,7 @@ train_loader = DataLoader(TensorDataset(_x, (_x[:, 0] > 0).long()), batch_size=1
 criterion = cnn.CrossEntropyLoss()
 engine = PrivacyEngine()
 """
+"""A tiny model, optimizer, loader, loss and engine (the names docs/opacus-migration.md uses)."""
 
 
 SETUP: dict[str, str] = {
@@ -89,7 +93,7 @@ x = torch.randn(40, 6)
 y = model(x).argmax(dim=1)
 """,
     # engine, model, optimizer, train_loader, criterion (and clipless) as in the page's table
-    "opacus-migration.md": _tiny_private_setup(),
+    "opacus-migration.md": PRIVATE_SETUP,
 }
 
 
@@ -193,7 +197,12 @@ def test_make_private_listing_is_the_real_signature() -> None:
 # ------------------------------------------------------------------------ the shell commands
 def _commands(path: Path) -> list[tuple[int, list[str]]]:
     """``(line, argv after 'clipless')`` of every clipless line in the page's shell blocks."""
-    found = []
+    return [(line, argv) for line, argv, _ in _command_lines(path)]
+
+
+def _command_lines(path: Path) -> list[tuple[int, list[str], bool]]:
+    """:func:`_commands` with whether another program launches clipless (``torchrun ... -m``)."""
+    found: list[tuple[int, list[str], bool]] = []
     for block in blocks(path):
         if block.lang not in SHELL:
             continue
@@ -210,7 +219,7 @@ def _commands(path: Path) -> list[tuple[int, list[str]]]:
                 continue
             where = tokens.index("clipless")
             if where == 0 or tokens[where - 1] == "-m":  # clipless ..., torchrun ... -m clipless
-                found.append((block.line + 1 + offset, tokens[where + 1 :]))
+                found.append((block.line + 1 + offset, tokens[where + 1 :], where > 0))
     return found
 
 
@@ -288,3 +297,108 @@ def test_inline_commands_name_real_options(path: Path) -> None:
     root = _parser()
     for span in _inline_spans(path):
         _check_options(root, [t.strip("[]") for t in span.split()[1:]], f"{path.name}: `{span}`")
+
+
+# ------------------------------------------------------------- the shell commands, run
+NOT_RUN_COMMANDS: tuple[tuple[str, str], ...] = (
+    ("federated simulate", "several processes (servers and owners) on this machine"),
+    ("federated serve", "a server waiting for the owners over the network"),
+    ("federated owner", "a party talking to servers over the network"),
+    ("federated dealer", "a party talking to servers over the network"),
+    ("federated analyst", "a party talking to servers over the network"),
+    ("data fetch", "a download"),
+    ("--nproc", "several processes"),
+    ("photos/", "an image folder of your own"),
+    ("--model cnn", "minutes of CPU (a ConvNet for 30 epochs)"),
+)
+"""Commands of the pages that are parsed (above) but not run: a word of the line, and why."""
+
+
+def _why_not_run(argv: list[str], launcher: bool) -> str | None:
+    if launcher:
+        return "under torchrun: several processes"
+    line = f" {shlex.join(argv)} "
+    return next((why for word, why in NOT_RUN_COMMANDS if f" {word} " in line), None)
+
+
+def _inputs(folder: Path) -> None:
+    """The files the pages' commands read, made up (each page names them as placeholders)."""
+    import csv
+
+    g = torch.Generator().manual_seed(0)
+    age = torch.randint(17, 91, (400,), generator=g)
+    hours = torch.randint(0, 100, (400,), generator=g)
+    score = torch.randn(400, generator=g, dtype=torch.float64)
+    label = (score + (age - 50) / 20 > 0).long()
+    pairs = list(zip(score.tolist(), label.tolist(), strict=True))
+    rows = {
+        "data.csv": (["age"], [[int(a)] for a in age]),
+        "scores.csv": (["s", "p", "y"], [[s, s, y] for s, y in pairs]),
+        "preds.csv": (["p", "y"], [[1 / (1 + math.exp(-s)), y] for s, y in pairs]),
+        "people.csv": (
+            ["age", "hours", "sex", "income"],
+            [[int(a), int(h), ("Male", "Female")[i % 2], ("<=50K", ">50K")[int(y)]]
+             for i, (a, h, y) in enumerate(zip(age, hours, label, strict=True))],
+        ),
+    }  # fmt: skip
+    for name, (header, body) in rows.items():
+        with (folder / name).open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(header)
+            writer.writerows(body)
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    sex = [("Male", "Female")[i % 2] for i in range(len(age))]
+    income = [("no", "yes")[int(y)] for y in label]
+    table = pa.table({"age": age.tolist(), "sex": sex, "income": income})
+    pq.write_table(table, folder / "people.parquet")
+
+
+WRITTEN = (
+    "runs/demo/metrics.json",
+    "runs/demo/model.pt",
+    "runs/demo/robustness.png",
+    "runs/people/model.pt",
+    "runs/table/model.pt",
+    "out/ecdf.csv",
+    "out/quantiles.csv",
+    "out/ecdf.png",
+    "out/roc.csv",
+    "out/roc.png",
+    "q/quantiles.csv",
+    "hl/hl.csv",
+)
+"""Files the pages say those commands write (docs/cli.md)."""
+
+
+def test_shell_commands_run_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The commands that need no download, no second process and no minutes of CPU run, in one
+    folder, in page order (README.md first), each line once, with made-up input files."""
+    from clipless.cli import main
+
+    _inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    ran: list[str] = []
+    skipped: dict[str, str] = {}
+    for path in [ROOT / "README.md", *DOCS]:
+        for line, argv, launched in _command_lines(path):
+            text = shlex.join(argv)
+            why = _why_not_run(argv, launched)
+            if why is not None:
+                skipped[text] = why
+                # the files it reads (a session, a secret) are where the commands before put them
+                for name in (a for a in argv if a.endswith(".json")):
+                    assert (tmp_path / name).is_file(), f"{path.name}:{line}: no {name}"
+                continue
+            if text in ran:
+                continue
+            status = main(argv)
+            assert status == 0, f"{path.name}:{line}: clipless {text}: {capsys.readouterr().err}"
+            ran.append(text)
+    capsys.readouterr()
+    assert len(ran) >= 16 and len(skipped) >= 12, (ran, skipped)
+    # what the pages say these commands write
+    for written in WRITTEN:
+        assert (tmp_path / written).is_file(), written
