@@ -667,23 +667,7 @@ def _train_and_save(
     if not lead:  # another rank: the same steps, nothing evaluated or written
         _fit(spec, fitted, out, resume=out if saved is not None else False)
         return 0
-    board = _tensorboard(spec)
-    try:
-        result = _fit(
-            spec, fitted, out, resume=saved is not None, data=data, run_config=run_config,
-            board=board,
-        )  # fmt: skip
-        _save_run(spec, data, fitted, result, run_config, out)
-        from clipless._robustness_cli import train_robustness
-
-        robust = train_robustness(
-            out, raw_test_x, data.test.tensors[1], str(spec.features), spec.quiet
-        )
-        if board is not None and result.history:
-            board.robustness(robust, int(result.history[-1]["epoch"]))
-    finally:
-        if board is not None:
-            board.close()
+    result = _fit_save_certify(spec, data, fitted, saved is not None, run_config, out, raw_test_x)
     elapsed = time.perf_counter() - started
     print(
         f"final: test_acc {_pct(result.final.get('test_accuracy'))}  epsilon "
@@ -695,13 +679,38 @@ def _train_and_save(
     return 0
 
 
-def _tensorboard(spec: TrainSpec) -> Any:
-    """The ``--tensorboard`` logger (``clipless.callbacks.TensorBoardLogger``), or ``None``."""
-    if spec.tensorboard is None:
-        return None
-    from clipless.callbacks import TensorBoardLogger
+def _fit_save_certify(
+    spec: TrainSpec,
+    data: _Data,
+    fitted: tuple[Any, Any, Any, Any, Any],
+    resumed: bool,
+    run_config: Mapping[str, Any],
+    out: Path,
+    raw_test_x: Any,
+) -> Any:
+    """Rank 0's training, ``model.pt`` and the certified robust accuracy, each epoch's record
+    and the certificate also to the ``--tensorboard`` logger; the fit's result."""
+    from clipless._robustness_cli import train_robustness
 
-    return TensorBoardLogger(spec.tensorboard)
+    board = None
+    if spec.tensorboard is not None:
+        from clipless.callbacks import TensorBoardLogger
+
+        board = TensorBoardLogger(spec.tensorboard)
+    try:
+        result = _fit(
+            spec, fitted, out, resume=resumed, data=data, run_config=run_config, board=board
+        )
+        _save_run(spec, data, fitted, result, run_config, out)
+        robust = train_robustness(
+            out, raw_test_x, data.test.tensors[1], str(spec.features), spec.quiet
+        )
+        if board is not None and result.history:
+            board.robustness(robust, int(result.history[-1]["epoch"]))
+    finally:
+        if board is not None:
+            board.close()
+    return result
 
 
 def _run_config(
