@@ -18,7 +18,8 @@ they decide the model's outputs; a record whose label is not one of them is refu
 A Parquet file gives the same tensors as the same table written as CSV, with the same errors: a
 null is a missing value, an integer or floating column is read as numbers, and every other value
 is read as its text (``str``), as a CSV file would hold it: a numeric column of strings is parsed
-as in a CSV file, and a boolean or date column there is refused as not a number.
+as in a CSV file, and a boolean or date column there is refused as not a number. (A float32
+column is widened exactly; a CSV writer may have printed it with fewer digits, a nearby double.)
 """
 
 from __future__ import annotations
