@@ -482,26 +482,3 @@ def test_empirical_accuracy_rejects_bad_arguments() -> None:
         empirical_accuracy(model, x, y[:3], [0.1])
     with pytest.raises(ValueError, match="x must be a non-empty floating tensor"):
         empirical_accuracy(model, x.long(), y, [0.1])
-
-
-def test_the_docs_python_block_runs_as_written() -> None:
-    """docs/robustness.md's Python block runs on a small model and data (the names it leaves to
-    the reader, ``model``, ``x``, ``y``, given), and its certified accuracy is at most the
-    clean one and at most the PGD one at each radius."""
-    import re
-    from pathlib import Path
-
-    doc = Path(__file__).resolve().parents[1] / "docs" / "robustness.md"
-    (block,) = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.DOTALL)
-    torch.manual_seed(0)
-    model = models.mlp((6,), (8,), 3, 2.0, False)
-    project(model, mode="clip", max_norm=1.0)
-    x = torch.randn(40, 6)
-    y = model(x).argmax(dim=1)
-    space: dict[str, object] = {"model": model, "x": x, "y": y}
-    exec(compile(block, str(doc), "exec"), space)
-    acc = space["acc"]
-    empirical = space["empirical_accuracy"](model, x, y, [0.1, 0.25, 0.5])  # type: ignore[operator]
-    assert acc.accuracy == 1.0  # type: ignore[attr-defined]
-    for c, e in zip(acc.certified, empirical, strict=True):  # type: ignore[attr-defined]
-        assert c <= e <= 1.0

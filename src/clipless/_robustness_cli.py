@@ -150,10 +150,12 @@ def _plot(cert: Any, y: Any, norm: str, space: str, path: Path) -> None:
     atomic_write_with(path, lambda handle: fig.savefig(handle, format="png"), mode=0o600)
 
 
-def train_robustness(out: Path, test_x: Any, test_y: Any, features: str, quiet: bool) -> None:
+def train_robustness(
+    out: Path, test_x: Any, test_y: Any, features: str, quiet: bool
+) -> dict[str, Any]:
     """After ``clipless train``: certify ``out/model.pt`` on the test set (``test_x`` as the model
     takes it: raw inputs, or the features *before* any premapping), add ``robustness`` to
-    ``out/metrics.json``, write ``out/robustness.png`` and print one line."""
+    ``out/metrics.json``, write ``out/robustness.png``, print one line and return the entry."""
     from clipless.training import write_metrics
 
     model, _ = _model_and_front(out / "model.pt")
@@ -167,6 +169,7 @@ def train_robustness(out: Path, test_x: Any, test_y: Any, features: str, quiet: 
     write_metrics(data, path)
     if not quiet:
         print(_summary(result), flush=True)
+    return result
 
 
 def _summary(result: dict[str, Any]) -> str:

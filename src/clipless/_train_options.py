@@ -263,9 +263,9 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         run=True,
         legacy=None,
         default=None,
-        help="your own data instead of --dataset: a CSV file (header row; needs --label, "
-        "--classes and --columns) or an image folder (one subfolder of same-size images per "
-        "class; pixels / 255). 20%% of the records (a fixed public split) are the test set "
+        help="your own data instead of --dataset: a CSV or Parquet file (header row; needs "
+        "--label, --classes and --columns) or an image folder (one subfolder of same-size images "
+        "per class; pixels / 255). 20%% of the records (a fixed public split) are the test set "
         "unless --test-data",
     ),
     _opt(
@@ -274,7 +274,7 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         run=True,
         legacy=None,
         default=None,
-        help="with --data: a CSV file (or an image folder) for the test set",
+        help="with --data: a CSV or Parquet file (or an image folder) for the test set",
     ),
     _opt(
         "--label",
@@ -330,6 +330,16 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         "",
         default="runs/demo",
         help="output folder (the run folder)",
+    ),
+    _opt(
+        "--tensorboard",
+        "",
+        default=None,
+        metavar="DIR",
+        help="also write each epoch's train loss and accuracy, test loss and accuracy, epsilon "
+        "spent and learning rate, and at the end the certified robust accuracy, as TensorBoard "
+        "scalars in DIR (clipless.callbacks.TensorBoardLogger; needs pip install "
+        "'clipless[tensorboard]')",
     ),
     _opt(
         "--resume",

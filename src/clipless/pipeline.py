@@ -73,6 +73,7 @@ def train(spec: TrainSpec) -> int:
     out = Path(spec.out)
     if lead:  # refuse before anything is read or written
         _check_out_folder(out, spec)
+        _check_tensorboard(spec)
     saved: dict[str, Any] | None = None
     if spec.resume:
         saved = read_run_config(out)
@@ -110,6 +111,7 @@ def _launch(spec: TrainSpec) -> int | None:
         return None
     out = Path(spec.out)
     _check_out_folder(out, spec)
+    _check_tensorboard(spec)
     if spec.resume:  # the same for a resumed run whose saved options conflict
         _check_resumable(out)
         spec.adopt(read_run_config(out), out)
@@ -187,7 +189,7 @@ def _load_table(spec: TrainSpec) -> tuple[TrainSpec, Any, Any, Any]:
         )  # fmt: skip
     except OSError as exc:
         raise OptionError("--data", f"cannot read {exc.filename}: {exc.strerror}") from None
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:  # ImportError: a Parquet file without pyarrow
         raise OptionError("--data", str(exc)) from None
     if spec.input_norm is None:
         spec = replace(spec, input_norm=max_norm(columns))
@@ -308,6 +310,21 @@ def _check_out_folder(out: Path, spec: TrainSpec) -> None:
         raise OptionError(
             "--out", f"cannot create or write {out}: {parent} is not a writable folder"
         )
+
+
+def _check_tensorboard(spec: TrainSpec) -> None:
+    """``--tensorboard DIR``: the package is installed and DIR is a folder or can be one."""
+    if spec.tensorboard is None:
+        return
+    from clipless.callbacks import summary_writer_class
+
+    try:
+        summary_writer_class()
+    except ImportError as exc:
+        raise OptionError("--tensorboard", str(exc)) from None
+    folder = Path(spec.tensorboard)
+    if not str(spec.tensorboard).strip() or (folder.exists() and not folder.is_dir()):
+        raise OptionError("--tensorboard", f"expected a folder, got {spec.tensorboard!r}")
 
 
 def _check_resume_folder(out: Path, found: list[str]) -> None:
@@ -650,11 +667,7 @@ def _train_and_save(
     if not lead:  # another rank: the same steps, nothing evaluated or written
         _fit(spec, fitted, out, resume=out if saved is not None else False)
         return 0
-    result = _fit(spec, fitted, out, resume=saved is not None, data=data, run_config=run_config)
-    _save_run(spec, data, fitted, result, run_config, out)
-    from clipless._robustness_cli import train_robustness
-
-    train_robustness(out, raw_test_x, data.test.tensors[1], str(spec.features), spec.quiet)
+    result = _fit_save_certify(spec, data, fitted, saved is not None, run_config, out, raw_test_x)
     elapsed = time.perf_counter() - started
     print(
         f"final: test_acc {_pct(result.final.get('test_accuracy'))}  epsilon "
@@ -664,6 +677,40 @@ def _train_and_save(
         flush=True,
     )
     return 0
+
+
+def _fit_save_certify(
+    spec: TrainSpec,
+    data: _Data,
+    fitted: tuple[Any, Any, Any, Any, Any],
+    resumed: bool,
+    run_config: Mapping[str, Any],
+    out: Path,
+    raw_test_x: Any,
+) -> Any:
+    """Rank 0's training, ``model.pt`` and the certified robust accuracy, each epoch's record
+    and the certificate also to the ``--tensorboard`` logger; the fit's result."""
+    from clipless._robustness_cli import train_robustness
+
+    board = None
+    if spec.tensorboard is not None:
+        from clipless.callbacks import TensorBoardLogger
+
+        board = TensorBoardLogger(spec.tensorboard)
+    try:
+        result = _fit(
+            spec, fitted, out, resume=resumed, data=data, run_config=run_config, board=board
+        )
+        _save_run(spec, data, fitted, result, run_config, out)
+        robust = train_robustness(
+            out, raw_test_x, data.test.tensors[1], str(spec.features), spec.quiet
+        )
+        if board is not None and result.history:
+            board.robustness(robust, int(result.history[-1]["epoch"]))
+    finally:
+        if board is not None:
+            board.close()
+    return result
 
 
 def _run_config(
@@ -708,9 +755,10 @@ def _fit(
     resume: bool | Path,
     data: _Data | None = None,
     run_config: Mapping[str, Any] | None = None,
+    board: Any = None,
 ) -> Any:
     """:func:`clipless.training.fit` of the run; without ``data`` (a rank other than 0) no
-    evaluation, checkpoint, metrics or progress."""
+    evaluation, checkpoint, metrics or progress; ``board``: the ``--tensorboard`` logger."""
     from torch.utils.data import DataLoader
 
     from clipless.training import fit
@@ -723,6 +771,8 @@ def _fit(
 
     def on_epoch_end(record: dict[str, Any]) -> None:
         _merge_config(out / "metrics.json", run_config)  # fit has just written it
+        if board is not None:
+            board(record)
         if not spec.quiet:
             _print_epoch(record, spec.epochs)
 

@@ -112,6 +112,7 @@ class TrainSpec:
     # where and how the run runs
     data_root: str | None = None
     out: str = "runs/demo"
+    tensorboard: str | None = None
     resume: bool = False
     force: bool = False
     device: str = "cpu"
@@ -188,12 +189,15 @@ class TrainSpec:
         return spec
 
     def _with_table_source(self) -> TrainSpec:
-        """With ``--data``: no ``--dataset``; a CSV file needs ``--label``, ``--classes`` and
-        ``--columns``, an image folder none of them (``--classes`` selects its subfolders)."""
+        """With ``--data``: no ``--dataset``; a table (CSV or Parquet) needs ``--label``,
+        ``--classes`` and ``--columns``, an image folder none of them (``--classes`` selects its
+        subfolders)."""
         if self.data is None:
             for dest in ("test_data", "label", "classes", "columns"):
                 if getattr(self, dest) is not None:
-                    raise OptionError(RUN_OPTIONS[dest], "is for --data (your own CSV file) only")
+                    raise OptionError(
+                        RUN_OPTIONS[dest], "is for --data (your own table or images) only"
+                    )
             return self
         if "dataset" in self.given_options and self.dataset is not None:
             raise OptionError("--data", "give --dataset or --data, not both")
@@ -202,7 +206,9 @@ class TrainSpec:
         if is_image_folder(self.data):  # one subfolder per class: no columns, classes optional
             for dest in ("label", "columns"):
                 if getattr(self, dest) is not None:
-                    raise OptionError(RUN_OPTIONS[dest], "is for a CSV --data, not an image folder")
+                    raise OptionError(
+                        RUN_OPTIONS[dest], "is for a table --data, not an image folder"
+                    )
             return replace(self, dataset=None)
         for dest in ("label", "classes", "columns"):
             if getattr(self, dest) is None:

@@ -1,6 +1,7 @@
-"""Your own table (CSV) with a label column, under public per-column transforms.
+"""Your own table (CSV or Parquet) with a label column, under public per-column transforms.
 
-``clipless train --data FILE.csv --label COL --classes A,B --columns SPEC`` trains on it. Every
+``clipless train --data FILE.csv --label COL --classes A,B --columns SPEC`` trains on it (or on
+``FILE.parquet``, read with ``pyarrow``: ``pip install 'clipless[parquet]'``). Every
 transform is declared, never fitted on the data (a mean, a range or a category list read from
 the private records would be a release of them):
 
@@ -13,6 +14,12 @@ Columns are separated by ``;``. Columns of the file that are not declared are no
 declared column contributes at most 1 to a record's squared norm, so ``sqrt(#columns)`` is a
 certified input bound (:func:`max_norm`). The label's values are declared too (``--classes``):
 they decide the model's outputs; a record whose label is not one of them is refused, with its row.
+
+A Parquet file gives the same tensors as the same table written as CSV, with the same errors: a
+null is a missing value, an integer or floating column is read as numbers, and every other value
+is read as its text (``str``), as a CSV file would hold it: a numeric column of strings is parsed
+as in a CSV file, and a boolean or date column there is refused as not a number. (A float32
+column is widened exactly; a CSV writer may have printed it with fewer digits, a nearby double.)
 """
 
 from __future__ import annotations
@@ -21,15 +28,20 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
 from clipless.data.registry import DatasetInfo
 
-__all__ = ["Column", "load_table", "max_norm", "parse_classes", "parse_columns"]
+__all__ = ["Column", "is_parquet", "load_table", "max_norm", "parse_classes", "parse_columns"]
 
 _MISSING = {"", "na", "nan", "null", "none", "?"}
+#: File names read as Parquet (a file that starts with Parquet's magic bytes is too).
+PARQUET_SUFFIXES = (".parquet", ".pq")
+_PARQUET_MAGIC = b"PAR1"
 #: Share of the records held out for the test accuracy when no ``--test-data`` is given.
 TEST_FRACTION = 0.2
 #: Seed of that split: public and fixed, so a resumed run gets the same split.
@@ -115,40 +127,150 @@ def max_norm(columns: tuple[Column, ...]) -> float:
     return math.sqrt(len(columns))
 
 
+def is_parquet(path: Path) -> bool:
+    """Whether ``path`` is read as Parquet: its suffix, or its first bytes (``OSError`` if it
+    cannot be opened)."""
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        return True
+    with path.open("rb") as handle:
+        return handle.read(len(_PARQUET_MAGIC)) == _PARQUET_MAGIC
+
+
 def _read(
+    path: Path, label: str, classes: tuple[str, ...], columns: tuple[Column, ...]
+) -> TensorDataset:
+    if is_parquet(path):
+        return _read_parquet(path, label, classes, columns)
+    return _read_csv(path, label, classes, columns)
+
+
+def _missing_columns(
+    path: Path, header: list[str], label: str, columns: tuple[Column, ...]
+) -> None:
+    absent = [c.name for c in columns if c.name not in header]
+    if label not in header:
+        absent.insert(0, label)
+    if absent:
+        raise ValueError(f"{path} has no column {', '.join(map(repr, absent))}")
+
+
+def _label_error(path: Path, number: int, value: str, classes: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"{path}, data row {number}: label {value!r} is not one of --classes {','.join(classes)}"
+    )
+
+
+def _number_error(path: Path, number: int, column: Column, value: object) -> ValueError:
+    return ValueError(
+        f"{path}, data row {number}: column {column.name!r} holds {value!r}, not a number"
+    )
+
+
+def _read_csv(
     path: Path, label: str, classes: tuple[str, ...], columns: tuple[Column, ...]
 ) -> TensorDataset:
     rows: list[list[float]] = []
     targets: list[int] = []
     with path.open(newline="", encoding="utf-8-sig") as handle:  # a BOM (Excel) is skipped
         reader = csv.DictReader(handle)
-        header = reader.fieldnames or []
-        absent = [c.name for c in columns if c.name not in header]
-        if label not in header:
-            absent.insert(0, label)
-        if absent:
-            raise ValueError(f"{path} has no column {', '.join(map(repr, absent))}")
+        _missing_columns(path, list(reader.fieldnames or []), label, columns)
         for number, record in enumerate(reader, start=1):
             value = (record.get(label) or "").strip()
             if value not in classes:
-                raise ValueError(
-                    f"{path}, data row {number}: label {value!r} is not one of --classes "
-                    f"{','.join(classes)}"
-                )
+                raise _label_error(path, number, value, classes)
             features: list[float] = []
             for column in columns:
                 try:
                     features += column.encode(record.get(column.name) or "")
                 except ValueError:
-                    raise ValueError(
-                        f"{path}, data row {number}: column {column.name!r} holds "
-                        f"{record.get(column.name)!r}, not a number"
-                    ) from None
+                    raise _number_error(path, number, column, record.get(column.name)) from None
             rows.append(features)
             targets.append(classes.index(value))
     if not rows:
         raise ValueError(f"{path} holds no data row")
     return TensorDataset(torch.tensor(rows, dtype=torch.float32), torch.tensor(targets))
+
+
+def _pyarrow_parquet() -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            "reading a Parquet file needs pyarrow: pip install 'clipless[parquet]'"
+        ) from None
+    return pq
+
+
+def _read_parquet(
+    path: Path, label: str, classes: tuple[str, ...], columns: tuple[Column, ...]
+) -> TensorDataset:
+    """:func:`_read_csv` for a Parquet file, column by column; the error is the one the CSV
+    reader raises first (the earliest row; in a row, the label, then the columns in order)."""
+    pq = _pyarrow_parquet()
+    try:
+        names = list(pq.read_schema(path).names)
+    except ValueError as exc:  # pyarrow.ArrowInvalid: not a Parquet file
+        raise ValueError(f"{path} is not a readable Parquet file ({exc})") from None
+    _missing_columns(path, names, label, columns)
+    table = pq.read_table(path, columns=[label, *(c.name for c in columns)])
+    if table.num_rows == 0:
+        raise ValueError(f"{path} holds no data row")
+    failures: list[tuple[int, int, ValueError]] = []
+    texts = [_text(v) for v in table.column(label).to_pylist()]
+    index = {c: i for i, c in enumerate(classes)}
+    bad = next((i for i, t in enumerate(texts) if t not in index), None)
+    if bad is not None:
+        failures.append((bad, 0, _label_error(path, bad + 1, texts[bad], classes)))
+    blocks: list[np.ndarray] = []
+    for position, column in enumerate(columns, start=1):
+        block, failed = _encode_parquet(table.column(column.name), column)
+        if failed is not None:
+            row, value = failed
+            failures.append((row, position, _number_error(path, row + 1, column, value)))
+        blocks.append(block)
+    if failures:
+        raise min(failures, key=lambda f: f[:2])[2]
+    targets = np.array([index[t] for t in texts], dtype=np.int64)
+    features = torch.from_numpy(np.concatenate(blocks, axis=1)).to(torch.float32)
+    return TensorDataset(features, torch.from_numpy(targets))
+
+
+def _text(value: object) -> str:
+    """A Parquet value as the CSV reader sees its field (``None``: an empty field)."""
+    return "" if value is None else (value if isinstance(value, str) else str(value)).strip()
+
+
+def _encode_parquet(values: Any, column: Column) -> tuple[np.ndarray, tuple[int, object] | None]:
+    """``(block, failure)``: the column's ``(rows, width)`` float64 features as
+    :meth:`Column.encode` computes them, and the first row that holds no number (with its
+    value), if any."""
+    import pyarrow as pa
+
+    if column.categories:
+        texts = np.array([_text(v) for v in values.to_pylist()], dtype=object)
+        return np.stack([texts == c for c in column.categories], axis=1).astype(np.float64), None
+    kind = values.type
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_null(kind):
+        numbers = values.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+    else:  # text (or decimal, boolean, ...): parsed as the CSV reader parses its field
+        raw = values.to_pylist()
+        numbers = np.empty(len(raw), dtype=np.float64)
+        for row, value in enumerate(raw):
+            text = _text(value)
+            try:
+                numbers[row] = math.nan if text.lower() in _MISSING else float(text)
+            except ValueError:
+                return numbers[:, None], (row, value)
+    return _scale(numbers, column)[:, None], None
+
+
+def _scale(numbers: np.ndarray, column: Column) -> np.ndarray:
+    """:meth:`Column.encode` of numbers (NaN: missing), in the same float64 operations."""
+    assert column.low is not None and column.high is not None
+    scaled = 2.0 * (numbers - column.low) / (column.high - column.low) - 1.0
+    scaled = np.minimum(1.0, np.maximum(-1.0, scaled))
+    scaled[np.isnan(numbers)] = 0.0
+    return scaled
 
 
 def public_split(data: TensorDataset, what: str) -> tuple[TensorDataset, TensorDataset]:
@@ -172,8 +294,10 @@ def load_table(
     columns: tuple[Column, ...],
     test_path: str | Path | None = None,
 ) -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
-    """``(train, test, info)`` from a CSV file (``test_path``: a second file for the test set;
-    otherwise :data:`TEST_FRACTION` of the records, chosen with the public :data:`SPLIT_SEED`)."""
+    """``(train, test, info)`` from a CSV or Parquet file (:func:`is_parquet`; ``test_path``: a
+    second file, of either kind, for the test set; otherwise :data:`TEST_FRACTION` of the records,
+    chosen with the public :data:`SPLIT_SEED`). A Parquet file needs ``pyarrow``
+    (``ImportError`` naming the extra without it)."""
     if label in {c.name for c in columns}:
         raise ValueError(f"the label {label!r} is also declared as a feature column")
     data = _read(Path(path), label, classes, columns)
