@@ -167,3 +167,35 @@ def test_vmap_refuses_batch_max_with_a_clear_error() -> None:
     x = torch.randn(4, 3, dtype=DT)
     with pytest.raises(ValueError, match=r"batch-max.*not defined"):
         _per_sample_grads(layer, x, torch.ones(4, 2, dtype=DT), scaled=True)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Linear(6, 4, bias=True),
+        lambda: nn.Conv2d(2, 3, 3, padding=1, bias=True),
+        lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="circular", stride=2),
+    ],
+)
+@pytest.mark.parametrize("threshold", [0.0, BATCH_MAX])
+def test_no_grad_forward_skips_the_divisors_with_the_same_output(
+    make, threshold, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without autograd no gradient exists to scale: the forward is the plain layer's, bit for
+    bit the scaled forward's output, and computes no per-sample norm (nor batch-max's host
+    read)."""
+    torch.manual_seed(0)
+    layer = make().double()
+    layer.scaling_threshold = threshold
+    x = _input_for(layer, 5)
+    scaled = layer(x)
+    monkeypatch.setattr(
+        "clipless.nn._scaled._divisors", lambda *a: pytest.fail("divisors under no_grad")
+    )
+    with torch.no_grad():
+        plain = layer(x)
+    with torch.inference_mode():
+        inferred = layer(x)
+    assert torch.equal(plain, scaled.detach()) and torch.equal(inferred, scaled.detach())
+    layer.scaling_threshold = None
+    assert torch.equal(plain, layer(x).detach())

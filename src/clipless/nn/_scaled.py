@@ -252,7 +252,13 @@ def scaled_linear(
     threshold: float | str,
     layer: ParametricLipschitzModule,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` whose parameter gradient is scaled per sample (module doc)."""
+    """``F.linear(x, weight, bias)`` whose parameter gradient is scaled per sample (module doc).
+
+    Without autograd (``torch.no_grad``, inference mode: evaluation, the bound report's traced
+    forward) no gradient exists to scale: the plain product, the same output, without the
+    per-sample norms."""
+    if not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
     return _ScaledLinear.apply(x, weight, bias, _divisors(layer, x, threshold))
 
 
@@ -266,15 +272,19 @@ def scaled_conv2d(
     """The layer's 2-D convolution with per-sample scaled parameter gradients (module doc).
 
     ``layer`` supplies ``stride``, ``padding`` and ``padding_mode``; circular padding is applied
-    with :func:`torch.nn.functional.pad` before a padding-free convolution.
+    with :func:`torch.nn.functional.pad` before a padding-free convolution. Without autograd, the
+    plain convolution (as :func:`scaled_linear`).
     """
-    inv = _divisors(layer, x, threshold)
+    grad = torch.is_grad_enabled()
+    inv = _divisors(layer, x, threshold) if grad else None
     stride = _pair(getattr(layer, "stride", 1))
     padding = _pair(getattr(layer, "padding", 0))
     if getattr(layer, "padding_mode", "zeros") == "circular" and any(padding):
         ph, pw = padding
         x = F.pad(x, (pw, pw, ph, ph), mode="circular")
         padding = (0, 0)
+    if inv is None:
+        return F.conv2d(x, weight, bias, stride=stride, padding=padding)
     return _ScaledConv2d.apply(x, weight, bias, inv, stride, padding)
 
 
