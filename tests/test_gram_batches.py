@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from clipless import norms
+from clipless.norms import iterations
 from clipless.norms.iterations import GramRequest, _buckets, _gram_bounds, _gram_bounds_many
 
 
@@ -97,13 +98,17 @@ def test_evaluate_plans_of_a_network_matches_each_layer(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Dense and convolutional layers' bounds computed together equal each layer's own bound
-    (up to 1e-9 relative) and are >= the exact norm of each layer's explicit Jacobian."""
+    (up to 1e-9 relative) and are >= the exact norm of each layer's explicit Jacobian: small
+    layers (their explicit matrix), FFT symbols under circular and zero padding, strided, and
+    the size-free bound."""
     monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
     gen = torch.Generator().manual_seed(4)
     convs = [
         (torch.randn(8, 3, 3, 3, generator=gen, dtype=dtype), 1, 1, "zeros", (9, 9)),
         (torch.randn(16, 8, 3, 3, generator=gen, dtype=dtype), 2, 1, "zeros", (9, 9)),
         (torch.randn(16, 16, 3, 3, generator=gen, dtype=dtype), 1, 1, "circular", (10, 10)),
+        (torch.randn(12, 16, 3, 3, generator=gen, dtype=dtype), 1, 1, "zeros", (12, 12)),
+        (torch.randn(12, 16, 3, 3, generator=gen, dtype=dtype), 2, 1, "zeros", (12, 12)),
         (torch.randn(12, 16, 3, 3, generator=gen, dtype=dtype), 1, 0, "zeros", None),
     ]
     dense = [torch.randn(30, 50, generator=gen, dtype=dtype), torch.randn(50, 60, generator=gen)]
@@ -111,7 +116,18 @@ def test_evaluate_plans_of_a_network_matches_each_layer(
         norms.norm_plan(w, stride=s, padding=p, padding_mode=m, input_size=size)
         for w, s, p, m, size in convs
     ] + [norms.norm_plan(w) for w in dense]
+    chains = []
+    original = iterations._gram_bounds
+
+    def counted(mats: torch.Tensor, iters: int, *, unscaled: bool = False) -> torch.Tensor:
+        chains.append(mats.shape)
+        return original(mats, iters, unscaled=unscaled)
+
+    monkeypatch.setattr(iterations, "_gram_bounds", counted)
     together = norms.evaluate_plans(plans)
+    requests = sum(len(plan.requests) for plan in plans)
+    assert len(chains) < requests, (len(chains), requests)
+    monkeypatch.setattr(iterations, "_gram_bounds", original)
     for (w, s, p, m, size), got in zip(convs, together, strict=False):
         alone = norms.norm_tensor(w, stride=s, padding=p, padding_mode=m, input_size=size)
         assert float(got) == pytest.approx(float(alone), rel=1e-9)
