@@ -167,9 +167,8 @@ def rounding_margin(dtype_name: str, batch_bound: int = 1, uses: int = 1) -> flo
     name = str(dtype_name).removeprefix("torch.")
     if name not in ROUNDING_MARGIN:
         raise ValueError(
-            f"parameters must be float32 or float64 for private training; got {name}: the "
-            "rounding of half precision (float16, bfloat16) can exceed the certified "
-            "sensitivities (measured 1.4e-3 relative in bfloat16; overflow in float16)"
+            f"parameters must be float32 or float64 for private training, got {name} (half "
+            "precision's rounding exceeds the certified sensitivities)"
         )
     _validate.positive_int("batch_bound", batch_bound, wrong_type=ValueError)
     _validate.positive_int("uses", uses, wrong_type=ValueError)
@@ -230,9 +229,8 @@ class PrivacyConfig:
         _validate.choice("scaling", self.scaling, SCALING_MODES)
         if self.scaling == "batch-max" and not self.allow_unproven:
             raise ValueError(
-                "scaling='batch-max' is not differentially private (thesis Algorithm 8 line 11 "
-                "rescales every sample by the batch maximum, so one sample changes every other "
-                "sample's contribution); pass allow_unproven=True to use it for reproduction only"
+                "scaling='batch-max' is not differentially private (docs/design.md, 'Gradient "
+                "scaling'); pass allow_unproven=True to use it for reproduction only"
             )
         if self.constraint is not None and self.constraint not in CONSTRAINTS:
             raise ValueError(
@@ -487,10 +485,8 @@ def thresholds_for(
     if mode == "batch-max":
         if not allow_unproven:
             raise ValueError(
-                "scaling='batch-max' (thesis Algorithm 8, line 11) is not differentially private: "
-                "one sample with a large activation rescales every other sample's contribution, "
-                "so the sensitivity is unbounded. Pass allow_unproven=True to use it for "
-                "reproduction only; its epsilon is never reported as a DP guarantee."
+                "scaling='batch-max' is not differentially private (docs/design.md, 'Gradient "
+                "scaling'); pass allow_unproven=True to use it for reproduction only"
             )
         return dict.fromkeys(paths, BATCH_MAX)
     if thresholds is None:
@@ -611,9 +607,8 @@ def plan_step(
         if not math.isfinite(g):
             raise ValueError(
                 f"layer {lb.path!r}: its certified sensitivity is {g!r} (input bound "
-                f"{lb.input_bound!r}, cotangent bound {lb.cotangent_bound!r}), so no finite "
-                "noise covers it; a layer above it has no finite Lipschitz constant (e.g. an "
-                "InputNorm in sphere mode after the first layer)"
+                f"{lb.input_bound!r}, cotangent bound {lb.cotangent_bound!r}): a layer above it "
+                "has no finite Lipschitz constant (e.g. a sphere-mode InputNorm after the first)"
             )
         uses.append((lb.path, g, touched))
         for name in touched:

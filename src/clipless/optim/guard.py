@@ -99,6 +99,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ContractGuard"]
 
+# Where each refusal of the guard is explained at length.
+_SEE = "(docs/privacy.md, 'Training')"
+
 
 @dataclasses.dataclass(eq=False)
 class _Pass:
@@ -417,12 +420,9 @@ class ContractGuard:
             setting = reduced_float32_precision(devices, convolutions)
             if setting is not None:
                 raise PrivacyContractError(
-                    f"{setting}: float32 convolutions or matrix products then round their "
-                    "operands to TF32 or bfloat16 (a 10- or 7-bit mantissa), beyond the rounding "
-                    "margin the noise covers (float32's); call "
-                    "clipless.optim.full_float32_precision() before training (it sets every "
-                    "backend's float32 precision to IEEE; clipless train does this on CUDA), or "
-                    "train in float64"
+                    f"{setting}: float32 products would round to TF32 or bfloat16, beyond the "
+                    "margin the noise covers; call clipless.optim.full_float32_precision() "
+                    f"before training, or train in float64 {_SEE}"
                 )
 
     # ------------------------------------------------------------------ hooks
@@ -465,10 +465,8 @@ class ContractGuard:
         self._check_modes("training forward")
         if _input_releases(self.module) != self._releases:
             raise PrivacyContractError(
-                "the model's input releases changed after make_private (an InputNorm carrying a "
-                "released mean or second moment was added, replaced or removed): the accounting "
-                "composes the releases the model had then; build the model with its releases "
-                "before make_private"
+                "the model's input releases changed after make_private (an InputNorm with a "
+                f"released mean or moment added, replaced or removed) {_SEE}"
             )
         k = self._multiplicity
         if k > 1 and x.shape[0] % k:
@@ -546,10 +544,8 @@ class ContractGuard:
         )
         raise PrivacyContractError(
             f"the training forward has {rows} rows but the last batch drawn from the Poisson "
-            f"loader has {drawn} examples{of}{copies}: an example in several rows contributes "
-            "more than the noise covers. Train on the batch the loader yielded; for K augmented "
-            "copies of each example (from the loop or from a collate_fn) use "
-            "optimizer.sample_multiplicity(K)"
+            f"loader has {drawn} examples{of}{copies}: train on the batch the loader yielded, "
+            f"declaring K augmented copies with optimizer.sample_multiplicity(K) {_SEE}"
         )
 
     def _check_shard(self, x: torch.Tensor) -> None:
@@ -560,10 +556,8 @@ class ContractGuard:
         why = _shards.check(x)
         if why is not None:
             raise PrivacyContractError(
-                f"{why}: under clipless.distributed each rank must train on exactly its rows "
-                "rank::world of the batch, from clipless.distributed.shard (other rows count "
-                "some examples on several ranks); augment them with clipless.training."
-                "training_loss(augment=...)"
+                f"{why}: under clipless.distributed each rank trains on exactly the rows "
+                f"clipless.distributed.shard gave it {_SEE}"
             )
 
     def _check_batch_drawn(self) -> None:
@@ -584,19 +578,12 @@ class ContractGuard:
         if new == 0:
             raise PrivacyContractError(
                 "no batch was drawn from the Poisson loader make_private returned since the last "
-                "step: the accounting assumes that every step trains on a fresh Poisson sample of "
-                "rate q from that loader (a batch from another loader, or one batch stepped on "
-                "twice, is not covered); iterate the returned loader, one step per batch"
+                f"step: iterate that loader, one step per batch {_SEE}"
             )
         raise PrivacyContractError(
-            f"{new} batches were drawn from the Poisson loader since the last step: the "
-            "accounting assumes one step per Poisson batch. Skipping a batch because of what it "
-            "holds is not covered (an empty one too: take the step, it adds noise and counts), "
-            "nor is training on several at once. Draw other data (shapes, evaluation) from the "
-            "original loader or dataset, do not prefetch ahead of the loader (its num_workers "
-            "and prefetch_factor are counted correctly), and after stopping for a reason that "
-            "does not depend on the batch (a break, a time limit) call "
-            "optimizer.discard_batch() before going on"
+            f"{new} batches were drawn from the Poisson loader since the last step: take one "
+            "step per batch, empty ones included, and call optimizer.discard_batch() after "
+            f"stopping for a reason that does not depend on the batch {_SEE}"
         )
 
     def discard_batch(self) -> None:
@@ -624,24 +611,21 @@ class ContractGuard:
             if getattr(_module_hooks, f"_global_{kind}_hooks", None):
                 raise PrivacyContractError(
                     f"a global module {kind.replace('_', '-')} hook is registered (torch.nn."
-                    f"modules.module.register_module_{kind}_hook): it runs inside the private "
-                    "model's guarded pass and can change one example's gradient beyond what the "
-                    "noise covers; remove it while training privately"
+                    f"modules.module.register_module_{kind}_hook): remove it while training "
+                    f"privately {_SEE}"
                 )
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         if top is not None and top(False) is not None:
             raise PrivacyContractError(
                 "saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks or "
-                "save_on_cpu around the model): their unpack step feeds the backward pass and can "
-                "change one example's gradient beyond what the noise covers"
+                f"save_on_cpu around the model): remove them while training privately {_SEE}"
             )
         for name, sub in self.module.named_modules():
             hooks = foreign_hooks(sub)
             if hooks:
                 raise PrivacyContractError(
-                    f"module {name or '<root>'!r} has {hooks[0]} that clipless did not place: it "
-                    "runs inside the guarded pass and can change one example's gradient beyond "
-                    "what the noise covers; remove it (or register it on a copy of the model)"
+                    f"module {name or '<root>'!r} has {hooks[0]} that clipless did not place: "
+                    f"remove it, or register it on a copy of the model {_SEE}"
                 )
         for p in self._names:
             self._check_param_hooks(p)
@@ -733,12 +717,8 @@ class ContractGuard:
         if foreign:
             raise PrivacyContractError(
                 f"parameters {foreign} of the private model are replaced in this forward by "
-                "tensors that require a gradient, or moved to another place in the model "
-                "(torch.func.functional_call, a torch.func transform over a parameter, "
-                "parameters swapped between layers): a gradient through them reaches the "
-                "trained parameters outside the planned sensitivity, or gets another "
-                "parameter's noise. Pass detached tensors for a reference computation "
-                "(clipless.diagnostics does), or train the model as make_private saw it"
+                "tensors that require a gradient, or moved to another place in the model: pass "
+                f"detached tensors for a reference computation {_SEE}"
             )
 
     def _check_transformed(self, module: torch.nn.Module) -> None:
@@ -752,12 +732,9 @@ class ContractGuard:
             return  # e.g. a Jacobian under torch.no_grad(): no gradient can reach the parameters
         if any(_outermost(p).requires_grad for p in module.parameters()):
             raise PrivacyContractError(
-                "a forward of the private model (or of one of its layers) ran inside a "
-                "torch.func transform (grad, vjp, vmap, jacrev) on parameters that require a "
-                "gradient: that pass has no output clip, so a gradient through it is not "
-                "covered by the noise. For a reference computation pass detached parameters "
-                "through torch.func.functional_call (clipless.diagnostics does), or run it "
-                "under torch.no_grad(); a penalty on input gradients is not supported"
+                "a forward of the private model ran inside a torch.func transform (grad, vjp, "
+                "vmap, jacrev) on parameters that require a gradient: pass detached parameters "
+                f"through torch.func.functional_call, or run it under torch.no_grad() {_SEE}"
             )
 
     def _check_modes(self, where: str) -> None:
@@ -920,10 +897,8 @@ class ContractGuard:
         pending = self._pending
         if len(pending) > 1:
             raise PrivacyContractError(
-                f"{len(pending)} backward passes through the model since the last step: "
-                "accumulating gradients over several backward passes (or backpropagating one "
-                "batch twice) lets one sample contribute more than the noise covers; take one "
-                "step per backward pass"
+                f"{len(pending)} backward passes through the model since the last step: take "
+                f"one step per backward pass (no gradient accumulation) {_SEE}"
             )
         if pending:
             for p, name in self._names.items():

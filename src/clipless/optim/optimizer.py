@@ -311,9 +311,7 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
         if remaining is not None and remaining <= 0:
             raise PlanExhaustedError(
                 f"the privacy budget was planned for {self.config.steps} steps and all were "
-                "taken; a further step would spend more than the target epsilon. To train "
-                "longer, call engine.extend(steps=...) (it re-accounts and reports the new "
-                "epsilon)"
+                "taken: call engine.extend(steps=...) to train longer at a new epsilon"
             )
         self._check_batch_drawn()
         return plan
