@@ -109,28 +109,20 @@ def _as_grid(grid: Grid | ArrayLike) -> Grid:
 class DPECDF:
     """A released DP empirical CDF: the values at the thresholds of a public grid.
 
-    Attributes
-    ----------
-    grid:
-        The public thresholds ``tau_1 < ... < tau_N``.
-    values:
-        Released ``F(tau_i)``, float64 (not necessarily monotone or within [0, 1] unless
-        smoothed).
-    counts:
-        Released noisy prefix counts before normalisation (the plain or consistent estimate).
-    epsilon, rho:
-        The guarantee: ``epsilon``-DP (Laplace noise) or ``rho``-zCDP (Gaussian noise).
-    neighbouring:
-        ``"replace_one"`` or ``"add_remove"``.
-    n:
-        The normaliser: the public size (replace-one) or the private released total.
-    n_private:
-        Whether :attr:`n` is a released (noisy) quantity.
-    variance:
-        Exact per-threshold variance of :attr:`counts` (the noise is public knowledge).
-    release:
-        The underlying :class:`~clipless.stats.tree.TreeRelease` (``mechanism="binary"``) or
-        :class:`~clipless.stats.counting.CountRelease` (``"k-ary"``, ``"factorization"``).
+    Attributes:
+        grid: the public thresholds ``tau_1 < ... < tau_N``.
+        values: released ``F(tau_i)``, float64 (not necessarily monotone or within [0, 1] unless
+            smoothed).
+        counts: released noisy prefix counts before normalisation (the plain or consistent
+            estimate).
+        epsilon, rho: the guarantee: ``epsilon``-DP (Laplace noise) or ``rho``-zCDP (Gaussian
+            noise).
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+        n: the normaliser: the public size (replace-one) or the private released total.
+        n_private: whether :attr:`n` is a released (noisy) quantity.
+        variance: exact per-threshold variance of :attr:`counts` (the noise is public knowledge).
+        release: the underlying :class:`~clipless.stats.tree.TreeRelease` (``mechanism="binary"``)
+            or :class:`~clipless.stats.counting.CountRelease` (``"k-ary"``, ``"factorization"``).
     """
 
     grid: Grid
@@ -278,58 +270,45 @@ def ecdf(
     Laplace or Gaussian noise (CKS 2020), least-squares consistency (Hay et al. 2010), smoothing
     (section 6.3.2). The whole output is ``epsilon``-DP (or ``rho``-zCDP).
 
-    Parameters
-    ----------
-    values:
-        The private data, finite reals; clamped to ``[tau_1, tau_N]``.
-    grid:
-        A :class:`~clipless.stats.grid.Grid` (or explicit thresholds), chosen without the data.
-    epsilon:
-        ``> 0``, for Laplace noise; ``None`` with ``noise="gaussian"`` and ``rho``.
-    neighbouring:
-        ``"replace_one"`` (``n`` public) or ``"add_remove"`` (``n`` private, estimated by the
-        released total, see the module docstring).
-    smoothing:
-        ``"isotonic"`` (the default: pool-adjacent-violators on the values, weighted by the
-        inverse variances); ``"l1"``/``"l2"``: the thesis's problem 6.3.6 over tree corrections;
-        ``None``: the raw (consistent) values, which the noise can make non-monotone and push
-        outside [0, 1]. Smoothed values are non-decreasing within [0, 1]. The default is
-        ``"isotonic"`` because a released CDF should be monotone, and smoothing is
-        post-processing of the noisy release: it costs no privacy. ``clipless ecdf`` and
-        :func:`clipless.stats.roc` use the same default.
-    noise:
-        ``"laplace"`` (pure DP) or ``"gaussian"`` (zCDP, needs ``rho``).
-    consistency:
-        Use the least-squares prefix counts (about half the variance of the thesis's plain
-        release; the default). ``False`` reproduces the thesis's estimator. Combines with every
-        smoothing (``"l1"``/``"l2"`` then solve problem 6.3.6 on the consistent counts).
-    n:
-        Under ``replace_one``, the public size; must equal ``len(values)`` (defaults to it).
-        Not allowed under ``add_remove``, where the size is private.
-    rng:
-        :class:`random.Random`; default a cryptographically secure source.
-    rho:
-        zCDP budget for Gaussian noise.
-    mechanism:
-        The counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default): the one with
-        the smallest exact error at this grid size, relation and budget
-        (:func:`~clipless.stats.counting.default_mechanism`; under pure DP the ``k``-ary tree of
-        :func:`~clipless.stats.counting.counting_plan`, the flat histogram included). ``"binary"``:
-        the thesis's tree (reproduces the thesis; with ``consistency=False`` its plain estimator).
-        ``"k-ary"``: consistent ``k``-ary tree with optimised level budgets. ``"factorization"``:
-        square-root factorisation (Gaussian only). ``"smooth-binary"``: the smooth binary mechanism
-        (Andersson & Pagh 2023), the same variance at every threshold. All use exact discrete noise.
-        ``docs/statistics.md`` says which to choose.
-    branching:
-        ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size and budget).
-    node_noise:
-        Optional keyed node-noise source replacing ``rng`` (:class:`clipless.federated.
-        NodeNoise` or ``SummedNoise``; :func:`~clipless.stats.counting.release_prefix_counts`).
-        The federated releases compute the ``"binary"`` or the ``"k-ary"`` tree, so with
-        ``node_noise`` ``"auto"`` resolves to ``"k-ary"`` with the plan of
-        :func:`~clipless.stats.counting.counting_plan` (under zCDP also where the central
-        default is the factorisation; with ``consistency=False`` to ``"binary"``); other
-        mechanisms are refused.
+    Args:
+        values: the private data, finite reals; clamped to ``[tau_1, tau_N]``.
+        grid: a :class:`~clipless.stats.grid.Grid` (or explicit thresholds), chosen without the
+            data.
+        epsilon: ``> 0``, for Laplace noise; ``None`` with ``noise="gaussian"`` and ``rho``.
+        neighbouring: ``"replace_one"`` (``n`` public) or ``"add_remove"`` (``n`` private, estimated
+            by the released total, see the module docstring).
+        smoothing: ``"isotonic"`` (the default: pool-adjacent-violators on the values, weighted by
+            the inverse variances); ``"l1"``/``"l2"``: the thesis's problem 6.3.6 over tree
+            corrections; ``None``: the raw (consistent) values, which the noise can make
+            non-monotone and push outside [0, 1]. Smoothed values are non-decreasing within [0, 1].
+            The default is ``"isotonic"`` because a released CDF should be monotone, and smoothing
+            is post-processing of the noisy release: it costs no privacy. ``clipless ecdf`` and
+            :func:`clipless.stats.roc` use the same default.
+        noise: ``"laplace"`` (pure DP) or ``"gaussian"`` (zCDP, needs ``rho``).
+        consistency: use the least-squares prefix counts (about half the variance of the thesis's
+            plain release; the default). ``False`` reproduces the thesis's estimator. Combines with
+            every smoothing (``"l1"``/``"l2"`` then solve problem 6.3.6 on the consistent counts).
+        n: under ``replace_one``, the public size; must equal ``len(values)`` (defaults to it). Not
+            allowed under ``add_remove``, where the size is private.
+        rng: :class:`random.Random`; default a cryptographically secure source.
+        rho: zCDP budget for Gaussian noise.
+        mechanism: the counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default):
+            the one with the smallest exact error at this grid size, relation and budget
+            (:func:`~clipless.stats.counting.default_mechanism`; under pure DP the ``k``-ary tree of
+            :func:`~clipless.stats.counting.counting_plan`, the flat histogram included).
+            ``"binary"``: the thesis's tree (reproduces the thesis; with ``consistency=False`` its
+            plain estimator). ``"k-ary"``: consistent ``k``-ary tree with optimised level budgets.
+            ``"factorization"``: square-root factorisation (Gaussian only). ``"smooth-binary"``: the
+            smooth binary mechanism (Andersson & Pagh 2023), the same variance at every threshold.
+            All use exact discrete noise. ``docs/statistics.md`` says which to choose.
+        branching: ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size and budget).
+        node_noise: optional keyed node-noise source replacing ``rng`` (:class:`clipless.federated.
+            NodeNoise` or ``SummedNoise``; :func:`~clipless.stats.counting.release_prefix_counts`).
+            The federated releases compute the ``"binary"`` or the ``"k-ary"`` tree, so with
+            ``node_noise`` ``"auto"`` resolves to ``"k-ary"`` with the plan of
+            :func:`~clipless.stats.counting.counting_plan` (under zCDP also where the central
+            default is the factorisation; with ``consistency=False`` to ``"binary"``); other
+            mechanisms are refused.
 
     >>> from clipless.stats import Grid, seeded_rng
     >>> F = ecdf([0.1, 0.4, 0.4, 0.9], Grid(0, 1, size=11), epsilon=1e9, rng=seeded_rng(0))
@@ -414,9 +393,17 @@ def from_release(
 ) -> DPECDF:
     """Post-process a tree release into a :class:`DPECDF` (no privacy cost).
 
-    ``n`` is the public size (replace-one); ``None`` normalises by the released total
-    ``max(P_N, 1)`` (add/remove, where the size is private). Used by :func:`ecdf` and by
-    :func:`clipless.stats.roc` for each class.
+    Used by :func:`ecdf` and by :func:`clipless.stats.roc` for each class.
+
+    Args:
+        release: the noisy prefix counts (:func:`~clipless.stats.counting.release_prefix_counts`).
+        grid: the grid the release counted on.
+        n: the public size (replace-one); ``None`` normalises by the released total
+            ``max(P_N, 1)`` (add/remove, where the size is private).
+        smoothing: ``"isotonic"``, ``"l1"``, ``"l2"`` or ``None`` (as in :func:`ecdf`; the
+            default here is none).
+        consistency: use the least-squares prefix counts of a :class:`TreeRelease` (a
+            :class:`CountRelease`'s are least squares already).
     """
     if isinstance(release, CountRelease):
         counts = np.array(release.prefix_counts, dtype=np.float64)
@@ -498,10 +485,19 @@ def release_accuracy(
 ) -> dict[str, float]:
     """Measured mean squared error of ``F`` at the thresholds, for each release variant.
 
-    Returns ``{"plain": ..., "consistent": ..., "plain+isotonic": ..., ...}``: the average over
-    ``repeats`` releases (seeded, reproducible) of ``mean_i (F_hat(tau_i) - F(tau_i))^2``,
-    plus ``"plain_exact"``/``"consistent_exact"``: the exact noise-only values for
-    ``replace_one`` (``mean_i Var_i / n^2``). Non-private evaluation tool (it reads the data).
+    Non-private evaluation tool (it reads the data).
+
+    Args:
+        values, grid, epsilon, neighbouring: as in :func:`ecdf`.
+        repeats: how many releases are averaged.
+        seed: seeds the releases' noise (reproducible).
+        smoothing: the smoothings compared, each with and without consistency.
+
+    Returns:
+        ``{"plain": ..., "consistent": ..., "plain+isotonic": ..., ...}``: the average over the
+        releases of ``mean_i (F_hat(tau_i) - F(tau_i))^2``, plus ``"plain_exact"`` /
+        ``"consistent_exact"``: the exact noise-only values for ``replace_one``
+        (``mean_i Var_i / n^2``).
     """
     data = _as_values(values)
     g = _as_grid(grid)

@@ -390,14 +390,10 @@ def discrete_laplace(
     CKS 2020 Algorithm 2. Adding ``discrete_laplace(Delta / epsilon)`` to an integer query of
     L1 sensitivity ``Delta`` is ``epsilon``-DP (CKS 2020, section 2.2 / Ghosh et al. 2009).
 
-    Parameters
-    ----------
-    scale:
-        ``> 0``; an int, a :class:`~fractions.Fraction`, or a float (converted exactly).
-    size:
-        Output shape.
-    rng:
-        A :class:`random.Random`; ``None`` uses :func:`secure_rng`.
+    Args:
+        scale: ``> 0``; an int, a :class:`~fractions.Fraction`, or a float (converted exactly).
+        size: output shape.
+        rng: a :class:`random.Random`; ``None`` uses :func:`secure_rng`.
 
     >>> discrete_laplace(2, 5, seeded_rng(0)).dtype
     dtype('int64')
@@ -428,6 +424,16 @@ def discrete_gaussian(
     an integer vector query of L2 sensitivity ``Delta_2`` is ``Delta_2^2/(2 sigma^2)``-zCDP
     (CKS 2020, Theorem 14 / Corollary 9). The variance is at most ``sigma^2``
     (:func:`discrete_gaussian_variance`).
+
+    Args:
+        sigma: ``> 0``; an int, a :class:`~fractions.Fraction`, or a float (converted exactly);
+            ``None`` when ``sigma2`` is given.
+        size: output shape.
+        rng: a :class:`random.Random`; ``None`` uses :func:`secure_rng`.
+        sigma2: the exact variance parameter ``sigma^2`` instead of ``sigma``.
+
+    Raises:
+        ValueError: both or neither of ``sigma`` and ``sigma2``, or one that is not ``> 0``.
     """
     if (sigma is None) == (sigma2 is None):
         raise ValueError("give exactly one of sigma and sigma2")

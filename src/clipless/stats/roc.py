@@ -73,21 +73,16 @@ __all__ = ["DPROC", "nonprivate_roc", "roc"]
 class DPROC:
     """A released DP ROC curve (thesis section 6.5.1).
 
-    Attributes
-    ----------
-    thresholds:
-        The public grid thresholds ``tau_1 < ... < tau_N``.
-    fpr, tpr:
-        ``1 - F_0(tau_i)`` and ``1 - F_1(tau_i)``: the rates of "score > tau_i" among the
-        negatives and the positives. Non-increasing in ``i`` and within [0, 1] when smoothed.
-    negatives, positives:
-        The two class-conditional releases (:class:`~clipless.stats.ecdf.DPECDF`; each with its
-        own component guarantee, see the module docstring).
-    epsilon, rho:
-        The guarantee of the whole release: ``epsilon``-DP (Laplace) or ``rho``-zCDP (Gaussian)
-        under ``neighbouring``.
-    neighbouring, smoothing:
-        As passed to :func:`roc`.
+    Attributes:
+        thresholds: the public grid thresholds ``tau_1 < ... < tau_N``.
+        fpr, tpr: ``1 - F_0(tau_i)`` and ``1 - F_1(tau_i)``: the rates of "score > tau_i" among the
+            negatives and the positives. Non-increasing in ``i`` and within [0, 1] when smoothed.
+        negatives, positives: the two class-conditional releases
+            (:class:`~clipless.stats.ecdf.DPECDF`; each with its own component guarantee, see the
+            module docstring).
+        epsilon, rho: the guarantee of the whole release: ``epsilon``-DP (Laplace) or ``rho``-zCDP
+            (Gaussian) under ``neighbouring``.
+        neighbouring, smoothing: as passed to :func:`roc`.
     """
 
     thresholds: NDArray[np.float64] = field(repr=False)
@@ -239,38 +234,28 @@ def roc(
     docstring: under ``add_remove`` each class gets the full ``epsilon``, under ``replace_one``
     each gets ``epsilon/2`` with the add/remove calibration (a class switch changes both).
 
-    Parameters
-    ----------
-    scores:
-        Classifier scores (higher = more likely positive), not NaN; clamped to the grid.
-    labels:
-        0/1 (or booleans), same length.
-    grid:
-        Public thresholds (a :class:`~clipless.stats.grid.Grid` or an increasing list), chosen
-        without looking at the scores.
-    epsilon:
-        Total budget (``> 0``) for Laplace noise; ``None`` with ``noise="gaussian"``.
-    neighbouring:
-        ``"replace_one"`` or ``"add_remove"``.
-    smoothing:
-        ``"isotonic"`` (default: a monotone curve), ``"l1"``/``"l2"`` (thesis eq. 6.3.6) or
-        ``None`` (raw; the curve may fold back).
-    rng:
-        :class:`random.Random`; default a cryptographically secure source.
-    noise, rho:
-        ``"laplace"`` (pure ``epsilon``-DP) or ``"gaussian"`` with a total ``rho`` (zCDP).
-    consistency:
-        Least-squares consistent prefix counts per class (about half the variance; the
-        default, as in :func:`~clipless.stats.ecdf.ecdf`; combines with every smoothing).
-    mechanism, branching:
-        The counting mechanism per class (:mod:`clipless.stats.counting`), as in
-        :func:`~clipless.stats.ecdf.ecdf`. Each class is released under its add/remove
-        calibration. The derivation above carries over because, for every mechanism, a
-        within-class replacement moves that class's noisy vector by at most twice the
-        add/remove sensitivity: ``k``-ary, at most ``2h`` nodes by 1 against ``h + 1``
-        (L1 and squared L2); factorisation, ``||L e_b - L e_a||^2 <= 2 S(N)`` because the
-        columns of ``L`` are non-negative (``<L e_a, L e_b> >= 0``). A class switch moves
-        each class by one add/remove step, paid by the ``epsilon/2`` (``rho/2``) per class.
+    Args:
+        scores: classifier scores (higher = more likely positive), not NaN; clamped to the grid.
+        labels: 0/1 (or booleans), same length.
+        grid: public thresholds (a :class:`~clipless.stats.grid.Grid` or an increasing list), chosen
+            without looking at the scores.
+        epsilon: total budget (``> 0``) for Laplace noise; ``None`` with ``noise="gaussian"``.
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+        smoothing: ``"isotonic"`` (default: a monotone curve), ``"l1"``/``"l2"`` (thesis eq. 6.3.6)
+            or ``None`` (raw; the curve may fold back).
+        rng: :class:`random.Random`; default a cryptographically secure source.
+        noise, rho: ``"laplace"`` (pure ``epsilon``-DP) or ``"gaussian"`` with a total ``rho``
+            (zCDP).
+        consistency: least-squares consistent prefix counts per class (about half the variance; the
+            default, as in :func:`~clipless.stats.ecdf.ecdf`; combines with every smoothing).
+        mechanism, branching: the counting mechanism per class (:mod:`clipless.stats.counting`), as
+            in :func:`~clipless.stats.ecdf.ecdf`. Each class is released under its add/remove
+            calibration. The derivation above carries over because, for every mechanism, a
+            within-class replacement moves that class's noisy vector by at most twice the add/remove
+            sensitivity: ``k``-ary, at most ``2h`` nodes by 1 against ``h + 1`` (L1 and squared L2);
+            factorisation, ``||L e_b - L e_a||^2 <= 2 S(N)`` because the columns of ``L`` are
+            non-negative (``<L e_a, L e_b> >= 0``). A class switch moves each class by one
+            add/remove step, paid by the ``epsilon/2`` (``rho/2``) per class.
     """
     _check_neighbouring(neighbouring)
     s, pos = _scores_labels(scores, labels, allow_empty=neighbouring == "add_remove")
@@ -341,6 +326,12 @@ def nonprivate_roc(
 
     **Not private** (it reads the data): for tests, benchmarks and the ``true_curve`` of
     :meth:`DPROC.plot`. Empty classes give rates of 0.
+
+    Args:
+        scores, labels, grid: as in :func:`roc`.
+
+    Returns:
+        ``(fpr, tpr)``, each of ``len(grid) + 2`` values from 1 down to 0.
     """
     s, pos = _scores_labels(scores, labels)
     g = _as_grid(grid)
