@@ -75,7 +75,16 @@ def tree_context(thresholds: object, statistic: str, shape: str = "") -> bytes:
     """The identity of one released tree: the statistic, a SHA-256 of the grid's thresholds
     (float64, little-endian) and the tree's ``shape`` (``""``: the binary tree; the ``k``-ary
     tree names its ``k`` and level shares, so that two shapes on one grid never share noise).
-    :func:`tree_key` binds a noise key to it."""
+    :func:`tree_key` binds a noise key to it.
+
+    Args:
+        thresholds: the grid's thresholds.
+        statistic: ``"ecdf"`` or ``"roc"``.
+        shape: the tree's shape (``""``: the binary tree).
+
+    Raises:
+        ValueError: another statistic.
+    """
     import hashlib
 
     if statistic not in ("ecdf", "roc"):
@@ -94,6 +103,13 @@ def tree_key(key: bytes, context: bytes) -> bytes:
     federated releases therefore derive the key of each tree from the caller's key and the
     tree's :func:`tree_context`: the same key gives the same noise for more thresholds of the
     same tree (free repeated queries) and independent noise for any other tree.
+
+    Args:
+        key: the caller's 16-byte noise key.
+        context: the tree's :func:`tree_context`.
+
+    Returns:
+        The tree's 16-byte node-noise key.
     """
     key = _check_key(key, "key")
     info = b"clipless.federated.tree/" + bytes(context)
@@ -102,7 +118,15 @@ def tree_key(key: bytes, context: bytes) -> bytes:
 
 def server_keys(key: bytes, servers: int) -> list[bytes]:
     """``servers`` distinct 16-byte keys derived from ``key`` (HKDF-SHA256, one ``info`` per
-    server): the keys of the ``"distributed"`` option from one secret, for reproducible runs."""
+    server): the keys of the ``"distributed"`` option from one secret, for reproducible runs.
+
+    Args:
+        key: the 16-byte secret.
+        servers: how many keys, an int ``>= 1``.
+
+    Raises:
+        ValueError: a key that is not 16 bytes, or ``servers`` below 1.
+    """
     key = _check_key(key, "key")
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
         raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
@@ -127,6 +151,9 @@ class NodeNoise:
     noise kind and parameter and the node only, so a release on another grid (or a ROC curve
     next to an ECDF) with the same key and parameter carries the same noise, and the difference
     of the two releases is exact counts. Reuse a key only for more thresholds of the same tree.
+
+    Args:
+        key: the secret 16-byte key.
     """
 
     copies = 1
@@ -155,6 +182,11 @@ class NodeNoise:
         ``param`` is one exact parameter, or one per tree level (the ``k``-ary release's level
         budgets): node ``(l, j)`` then gets ``param[l mod 2^32]`` (the tag bits of
         :class:`TaggedNoise` stripped), exactly as if asked for with that one parameter.
+
+        Args:
+            kind: ``"laplace"`` or ``"gaussian"``.
+            param: the exact discrete Laplace scale or Gaussian ``sigma^2``, or one per level.
+            levels, index: the nodes' levels (0 = leaves) and indices within their level.
         """
         lev = np.asarray(levels, dtype=np.int64).ravel()
         idx = np.asarray(index, dtype=np.int64).ravel()

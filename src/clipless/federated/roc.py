@@ -108,9 +108,22 @@ def federated_roc(
     Laplace noise, or ``rho``-zCDP with ``noise="gaussian"`` (``epsilon=None``), split between
     the classes as :func:`clipless.stats.roc` does.
 
-    Returns a :class:`FederatedROC`: the :class:`~clipless.stats.DPROC` (``.roc``) and the
-    :class:`UStat` (``.ustat``, its ``traffic`` and ``noise_keys``); it still unpacks as the
-    pair ``(roc, ustat)``.
+    Args:
+        owner_scores, owner_labels: owner ``k``'s scores (finite) and 0/1 labels, one label per
+            score; the same number of owners (at least one) in both.
+        grid, epsilon, neighbouring, smoothing, consistency, noise, rho: as in
+            :func:`clipless.stats.roc`.
+        protocol, servers, noise_sharing, noise_keys: as in
+            :func:`~clipless.federated.federated_ecdf`.
+
+    Returns:
+        A :class:`FederatedROC`: the :class:`~clipless.stats.DPROC` (``.roc``) and the
+        :class:`UStat` (``.ustat``, its ``traffic`` and ``noise_keys``); it still unpacks as
+        the pair ``(roc, ustat)``.
+
+    Raises:
+        ValueError: an option outside the accepted values, owners that do not match, or
+            non-finite scores.
     """
     if protocol not in ("local", "shares", "fss"):
         raise ValueError(f"protocol must be 'local', 'shares' or 'fss', got {protocol!r}")

@@ -280,9 +280,22 @@ class Traffic:
 class UStat:
     """The thesis's ``UStat`` operation with a ``"local"`` or ``"shares"`` backend.
 
-    ``noise_keys``: one 16-byte key (``"local"``, or ``"shares"`` with ``"dealer"``) or ``m``
-    keys (``"distributed"``); fresh random keys when ``None``. The backend and the noise
-    option decide which coalitions the DP guarantee survives (module docstring).
+    The backend and the noise option decide which coalitions the DP guarantee survives (module
+    docstring).
+
+    Args:
+        backend: ``"local"`` (trusted curator) or ``"shares"`` (additive secret sharing).
+        servers: the number of servers, ``>= 2`` for ``"shares"`` (1 for ``"local"``).
+        noise_sharing: ``"dealer"`` (one noise key) or ``"distributed"`` (one per server, the
+            noise summed); ``"local"`` always uses a dealer.
+        noise_keys: one 16-byte key (``"local"``, or ``"shares"`` with ``"dealer"``) or
+            ``servers`` distinct keys (``"distributed"``); fresh random keys when ``None``.
+        tree: the released tree's :func:`~clipless.federated.noise.tree_context`, which the
+            keys are bound to (``None``: the keys are used as given).
+
+    Raises:
+        ValueError, TypeError: an unknown backend or noise option, too few servers, or keys of
+            the wrong number, length or type, or repeated.
     """
 
     def __init__(
@@ -350,9 +363,13 @@ class UStat:
     ) -> NDArray[np.int64]:
         """``M sum_i u_i + (sum of the noise of the nodes named in each row)``, int64.
 
-        ``contributions``: one integer vector ``u_i`` per owner (same length ``d``);
-        ``noise_levels``/``noise_index``: shape ``(d_out, k)``; ``matrix``: public integer
-        ``d_out x d`` map (``None`` = identity).
+        Args:
+            contributions: one integer vector ``u_i`` per owner (same length ``d``).
+            kind: ``"laplace"`` or ``"gaussian"``.
+            param: the exact noise parameter, or one per tree level.
+            noise_levels, noise_index: the nodes whose noise each output row sums, shape
+                ``(d_out, k)``.
+            matrix: the public integer ``d_out x d`` map ``M`` (``None``: the identity).
         """
         if len(contributions) == 0:
             raise ValueError("contributions must hold at least one owner's vector")
