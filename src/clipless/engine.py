@@ -117,10 +117,9 @@ class PrivacyEngine:
             raise ValueError(f"accountant must be 'pld' or 'rdp'; got {accountant!r}{hint}")
         if secure_mode:
             raise ValueError(
-                "secure_mode=True is not supported: clipless seeds its batch sampler and noise "
-                "generators from the OS CSPRNG, but the generators themselves are not "
-                "cryptographically secure and its floating-point Gaussian noise is not hardened "
-                "against floating-point attacks (Mironov 2012), so it will not claim to be"
+                "secure_mode=True is not supported (the generators are seeded from the OS CSPRNG "
+                "but are not cryptographically secure, nor is the floating-point noise hardened "
+                "against Mironov 2012)"
             )
         if seed is not None and not _validate.is_int(seed):
             raise TypeError(f"seed must be an int or None; got {type(seed).__name__}")
@@ -677,8 +676,8 @@ class PrivacyEngine:
             if not same or not on_disk.extends(ledger):
                 raise CheckpointMismatchError(
                     f"ledger_path {os.fspath(path)!r} records more than the checkpoint but does "
-                    "not continue its ledger (other steps, releases, accountant or neighbouring "
-                    "relation): it is not this run's ledger. Pass this run's own ledger_path"
+                    "not continue its ledger, so it is another run's; pass this run's own "
+                    "ledger_path"
                 )
             if opt.data_parallel is not None:
                 raise ValueError(
@@ -913,9 +912,8 @@ def _loss_argument(loss: torch.nn.Module | None, options: dict[str, Any]) -> tor
         raise TypeError("give loss= or Opacus's criterion=, not both (they are the same argument)")
     if loss is None and criterion is None:
         raise TypeError(
-            "make_private needs loss= a clipless.nn loss (Opacus's criterion=): its certified "
-            "Lipschitz constant enters the noise, and make_private switches it to "
-            "reduction='sum'; backpropagate that instance in the training loop"
+            "make_private needs loss= a clipless.nn loss (Opacus's criterion=), whose certified "
+            "Lipschitz constant enters the noise; backpropagate that instance"
         )
     chosen = loss if loss is not None else criterion
     assert chosen is not None

@@ -639,9 +639,8 @@ def per_sample(augment: Augment, x: torch.Tensor) -> torch.Tensor:
         out = torch.func.vmap(one, randomness="different")(x)
     except RuntimeError as exc:
         raise ValueError(
-            "augment must be a per-sample transform that torch.func.vmap can run (it is applied "
-            "to every example alone, so that it cannot mix examples; use tensor operations, e.g. "
-            f"torch.where on a random draw instead of a Python branch): {exc}"
+            "augment must be a per-sample transform that torch.func.vmap can run (tensor "
+            f"operations, e.g. torch.where on a random draw instead of a Python branch): {exc}"
         ) from exc
     if not isinstance(out, torch.Tensor) or out.ndim < 1 or out.shape[1:2] != (1,):
         got = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -809,7 +808,8 @@ def fit(
             resumed run trains the epochs left).
         delta: the delta at which epsilon is reported, in ``(0, 1)``.
         eval_loader: public or held-out data scored after every epoch (``None``: not
-            evaluated); never the private training loader.
+            evaluated); never the private training loader, whose Poisson batches no step would
+            train on (the optimizer refuses them) and whose score is of private data.
         epsilon_budget: stop before the first step that would push epsilon at ``delta`` above
             it (``stop_reason="budget"``); ``None``: no budget stop besides the engine's plan.
         checkpoint_dir: the folder of ``checkpoint.pt`` (written every epoch) and
@@ -932,9 +932,8 @@ def _end_epoch(
 def _check_loaders_and_loss(train_loader: object, eval_loader: object, loss: object) -> None:
     if eval_loader is not None and eval_loader is train_loader:
         raise ValueError(
-            "eval_loader is the private training loader: evaluating on it draws Poisson batches "
-            "that no step trains on (refused by the optimizer) and scores private data; pass "
-            "held-out data, or the original (non-Poisson) loader for a training-set score"
+            "eval_loader is the private training loader; pass held-out data, or the original "
+            "(non-Poisson) loader for a training-set score"
         )
     reduction = getattr(loss, "reduction", "sum")
     if reduction != "sum":
