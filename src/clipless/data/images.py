@@ -258,10 +258,6 @@ def load_fashion_mnist(
     )
 
 
-def _fetch_fashion(root: Path, source: Path | None) -> list[Path]:
-    return fetch_fashion_mnist(root, source)
-
-
 register_dataset(
     "digits",
     _digits_loader,
@@ -272,5 +268,5 @@ register_dataset(
     "fashion-mnist",
     load_fashion_mnist,
     summary="Fashion-MNIST, 60,000 + 10,000 x 1x28x28, 10 classes (Debian dataset-fashion-mnist)",
-    fetch=_fetch_fashion,
+    fetch=fetch_fashion_mnist,
 )

