@@ -73,7 +73,7 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.stats import chi2
 
 from clipless import _validate
-from clipless.stats.ecdf import DPECDF, ecdf
+from clipless.stats.ecdf import DPECDF, _binary_labels, _record_vector, ecdf
 from clipless.stats.grid import Grid
 from clipless.stats.noise import conservative_scale, discrete_laplace, resolve_rng, to_fraction
 from clipless.stats.tree import Neighbouring, _check_neighbouring, tree_sensitivity
@@ -184,33 +184,12 @@ class HLResult:
 def _probabilities_labels(
     probabilities: ArrayLike, labels: ArrayLike, allow_empty: bool = False
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
-    try:
-        p = np.asarray(probabilities, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"probabilities must be an array of real numbers: {exc}") from None
-    if p.ndim != 1:
-        raise ValueError(f"probabilities must be one-dimensional, got shape {p.shape}")
-    if p.size == 0 and not allow_empty:  # add/remove: released like any other dataset
-        raise ValueError(
-            "probabilities must be non-empty under replace_one (n = 0 is public there)"
-        )
+    p = _record_vector("probabilities", probabilities, allow_empty)
     if not np.all(np.isfinite(p)) or np.any((p < -_P_SLACK) | (p > 1 + _P_SLACK)):
         raise ValueError("probabilities must be finite and within [0, 1]")
     # a sigmoid's rounding (1 + 2^-52) is not an error in the data: clip it
     p = np.clip(p, 0.0, 1.0)
-    y = np.asarray(labels)
-    if y.ndim != 1 or y.size != p.size:
-        raise ValueError(
-            f"labels must be one-dimensional with the length of probabilities ({p.size}), "
-            f"got shape {y.shape}"
-        )
-    if y.dtype != bool and not (
-        np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)
-    ):
-        raise TypeError(f"labels must be 0/1 or booleans, got dtype {y.dtype}")
-    if not np.all((y == 0) | (y == 1)):
-        raise ValueError("labels must be 0 or 1 (negative/positive)")
-    return p, (y == 1).astype(np.int64)
+    return p, _binary_labels(labels, p.size, "probabilities").astype(np.int64)
 
 
 def _check_groups(groups: int) -> int:

@@ -76,27 +76,52 @@ __all__ = ["DPECDF", "Smoothing", "ecdf", "from_release", "release_accuracy"]
 Smoothing = Literal["isotonic", "l1", "l2"]
 
 
-def _as_values(values: ArrayLike, allow_empty: bool = False) -> NDArray[np.float64]:
-    """One record per entry. ``allow_empty``: under add/remove the size is private, so an empty
-    dataset must be released like any other (an error would tell it from a one-record one)."""
+def _record_vector(name: str, values: ArrayLike, allow_empty: bool) -> NDArray[np.float64]:
+    """``values`` as float64, one record per entry. ``allow_empty``: under add/remove the size is
+    private, so an empty dataset must be released like any other (an error would tell it from a
+    one-record one)."""
     try:
         arr = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"values must be an array of real numbers: {exc}") from None
+        raise TypeError(f"{name} must be an array of real numbers: {exc}") from None
     if arr.ndim != 1:
         # flattening would count a d-column row as d records: d times the declared epsilon
         raise ValueError(
-            f"values must be one-dimensional (one value per record), got shape {arr.shape}"
+            f"{name} must be one-dimensional (one value per record), got shape {arr.shape}"
         )
     if arr.size == 0 and not allow_empty:
         raise ValueError(
-            "values must be non-empty under replace_one (n = 0 is public there; under "
+            f"{name} must be non-empty under replace_one (n = 0 is public there; under "
             "add_remove an empty dataset is released)"
         )
-    if np.any(np.isnan(arr)):
-        # +-inf are clamped to the grid's ends like every value outside it; NaN has no place
-        raise ValueError("values must be numbers (no NaN; +-inf are clamped to the grid)")
     return arr
+
+
+def _as_values(
+    values: ArrayLike, allow_empty: bool = False, name: str = "values"
+) -> NDArray[np.float64]:
+    """:func:`_record_vector` without NaN (``+-inf`` are clamped to the grid's ends like every
+    value outside it)."""
+    arr = _record_vector(name, values, allow_empty)
+    if np.any(np.isnan(arr)):
+        raise ValueError(f"{name} must be numbers (no NaN; +-inf are clamped to the grid)")
+    return arr
+
+
+def _binary_labels(labels: ArrayLike, n: int, of: str) -> NDArray[np.bool_]:
+    """``labels`` (0/1 or booleans, one per entry of ``of``, of length ``n``) as ``label == 1``."""
+    y = np.asarray(labels)
+    if y.ndim != 1 or y.size != n:
+        raise ValueError(
+            f"labels must be one-dimensional with the length of {of} ({n}), got shape {y.shape}"
+        )
+    if y.dtype != bool and not (
+        np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)
+    ):
+        raise TypeError(f"labels must be 0/1 or booleans, got dtype {y.dtype}")
+    if not np.all((y == 0) | (y == 1)):
+        raise ValueError("labels must be 0 or 1 (negative/positive)")
+    return np.asarray(y == 1, dtype=np.bool_)
 
 
 def _as_grid(grid: Grid | ArrayLike) -> Grid:

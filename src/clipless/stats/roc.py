@@ -53,7 +53,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from clipless import _validate
 from clipless.stats.counting import CountRelease, Mechanism, release_prefix_counts
-from clipless.stats.ecdf import DPECDF, Smoothing, from_release
+from clipless.stats.ecdf import DPECDF, Smoothing, _as_values, _binary_labels, from_release
 from clipless.stats.grid import Grid
 from clipless.stats.noise import resolve_rng, to_fraction
 from clipless.stats.tree import (
@@ -171,30 +171,8 @@ class DPROC:
 def _scores_labels(
     scores: ArrayLike, labels: ArrayLike, allow_empty: bool = False
 ) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
-    try:
-        s = np.asarray(scores, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"scores must be an array of real numbers: {exc}") from None
-    if s.ndim != 1:
-        raise ValueError(f"scores must be one-dimensional, got shape {s.shape}")
-    if s.size == 0 and not allow_empty:  # add/remove: released like any other dataset
-        raise ValueError("scores must be non-empty under replace_one (n = 0 is public there)")
-    if np.any(np.isnan(s)):
-        # +-inf are clamped to the grid's ends like every score outside it; NaN has no place
-        raise ValueError("scores must be numbers (no NaN; +-inf are clamped to the grid)")
-    y = np.asarray(labels)
-    if y.ndim != 1 or y.size != s.size:
-        raise ValueError(
-            f"labels must be one-dimensional with the length of scores ({s.size}), "
-            f"got shape {y.shape}"
-        )
-    if y.dtype == bool:
-        return s, y
-    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
-        raise TypeError(f"labels must be 0/1 or booleans, got dtype {y.dtype}")
-    if not np.all((y == 0) | (y == 1)):
-        raise ValueError("labels must be 0 or 1 (negative/positive)")
-    return s, y == 1
+    s = _as_values(scores, allow_empty, name="scores")
+    return s, _binary_labels(labels, s.size, "scores")
 
 
 def _as_grid(grid: Grid | ArrayLike) -> Grid:
