@@ -167,7 +167,11 @@ class DPECDF:
     def evaluate(self, t: ArrayLike) -> Any:
         """The released step function: ``F`` at the largest threshold ``<= t``; 0 below ``tau_1``.
 
-        Scalar in, float out; array in, array out.
+        Args:
+            t: a point or an array of points (not NaN).
+
+        Returns:
+            A float for a scalar ``t``, an array for an array.
         """
         arr = np.asarray(t, dtype=np.float64)
         if np.any(np.isnan(arr)):
@@ -188,6 +192,12 @@ class DPECDF:
         up-crossing of ``p``; the running maximum makes the answer the *first* one, a
         deterministic choice (exactly Algorithm 9 applied to the monotone envelope). If ``p`` is
         never reached, ``tau_N`` is returned (the bisection's upper end). Post-processing.
+
+        Args:
+            p: a level or an array of levels, each in ``[0, 1]``.
+
+        Returns:
+            A threshold (float) for a scalar ``p``, an array for an array.
         """
         arr = np.asarray(p, dtype=np.float64)
         if np.any(~np.isfinite(arr)) or np.any((arr < 0) | (arr > 1)):
@@ -224,6 +234,12 @@ class DPECDF:
         noise-only band: it ignores the smoothing (the unweighted isotonic projection of the
         ``k``-ary tree cannot increase the error) and, under add/remove, the noise in the
         released normaliser.
+
+        Args:
+            z: the band's half-width in standard deviations, finite and ``>= 0``.
+
+        Returns:
+            ``(lower, upper)``, one value per threshold.
         """
         if not math.isfinite(z) or z < 0:
             raise ValueError(f"z must be a finite number >= 0, got {z!r}")
@@ -239,10 +255,15 @@ class DPECDF:
     ) -> Axes:
         """Step plot of the released function; returns the Axes.
 
-        ``band``: shade :meth:`band` (``+-1.96`` sd of the noise, a noise-only band).
-        ``true_values``: raw (non-private!) data whose exact ECDF at the same thresholds is drawn
-        for comparison, e.g. in benchmarks. Uses the object-oriented matplotlib API (no pyplot
-        state), so it works with the Agg backend.
+        Uses the object-oriented matplotlib API (no pyplot state), so it works with the Agg
+        backend.
+
+        Args:
+            ax: the Axes to draw on (``None``: a new figure's).
+            true_values: raw (non-private!) data whose exact ECDF at the same thresholds is
+                drawn for comparison, e.g. in benchmarks (``None``: not drawn).
+            band: shade :meth:`band` (``+-1.96`` sd of the noise, a noise-only band).
+            kwargs: passed to the step plot of the released function.
         """
         if ax is None:
             from matplotlib.figure import Figure

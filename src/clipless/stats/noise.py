@@ -86,7 +86,11 @@ def secure_rng() -> random.Random:
 
 
 def seeded_rng(seed: int) -> random.Random:
-    """A reproducible source for tests and examples. **Not** cryptographically secure."""
+    """A reproducible source for tests and examples. **Not** cryptographically secure.
+
+    Args:
+        seed: an int.
+    """
     seed = _validate.integer("seed", seed)
     return random.Random(int(seed))
 
@@ -104,7 +108,17 @@ def resolve_rng(rng: random.Random | None) -> random.Random:
 
 
 def to_fraction(value: RealLike, name: str, *, positive: bool = True) -> Fraction:
-    """Exact conversion of an int, float or Fraction to a Fraction (validating it)."""
+    """Exact conversion of an int, float or Fraction to a Fraction (validating it).
+
+    Args:
+        value: an int, a finite float or a :class:`~fractions.Fraction` (NumPy scalars too).
+        name: the argument's name, for the error.
+        positive: refuse a value ``<= 0``.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: not finite, or ``<= 0`` with ``positive``.
+    """
     if not _validate.is_real(value):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if isinstance(value, (float, np.floating)):
@@ -489,7 +503,12 @@ def discrete_laplace_variance(scale: RealLike) -> float:
 
 
 def discrete_laplace_pmf(k: NDArray[np.int64] | int, scale: RealLike) -> NDArray[np.float64]:
-    """``P(Z = k) = (1 - q) / (1 + q) q^|k|``, ``q = exp(-1/scale)``."""
+    """``P(Z = k) = (1 - q) / (1 + q) q^|k|``, ``q = exp(-1/scale)``.
+
+    Args:
+        k: the integer(s) whose probability is returned.
+        scale: the discrete Laplace scale, ``> 0``.
+    """
     x = 1.0 / float(to_fraction(scale, "scale"))
     kk = np.abs(np.asarray(k, dtype=np.float64))
     return np.asarray(-math.expm1(-x) / (1.0 + math.exp(-x)) * np.exp(-x * kk))
@@ -501,7 +520,12 @@ def _gaussian_support(s2: float) -> NDArray[np.float64]:
 
 
 def discrete_gaussian_pmf(k: NDArray[np.int64] | int, sigma2: RealLike) -> NDArray[np.float64]:
-    """``P(Z = k)`` for the discrete Gaussian with variance parameter ``sigma2``."""
+    """``P(Z = k)`` for the discrete Gaussian with variance parameter ``sigma2``.
+
+    Args:
+        k: the integer(s) whose probability is returned.
+        sigma2: the variance parameter ``sigma^2``, ``> 0``.
+    """
     s2 = float(to_fraction(sigma2, "sigma2"))
     support = _gaussian_support(s2)
     norm = float(np.exp(-(support**2) / (2 * s2)).sum())

@@ -115,8 +115,14 @@ class DPROC:
     def band(self, z: float = 1.96) -> dict[str, NDArray[np.float64]]:
         """Half-widths ``z sd`` of the noise in :attr:`fpr` and :attr:`tpr` at each threshold.
 
-        ``{"fpr": ..., "tpr": ...}``, from the public variances of the two class-conditional
-        releases (:meth:`~clipless.stats.ecdf.DPECDF.band`): a noise-only band.
+        From the public variances of the two class-conditional releases
+        (:meth:`~clipless.stats.ecdf.DPECDF.band`): a noise-only band.
+
+        Args:
+            z: the half-width in standard deviations, finite and ``>= 0``.
+
+        Returns:
+            ``{"fpr": ..., "tpr": ...}``, one half-width per threshold.
         """
         lo_neg, hi_neg = self.negatives.band(z)
         lo_pos, hi_pos = self.positives.band(z)
@@ -131,10 +137,15 @@ class DPROC:
     ) -> Axes:
         """Plot the released curve (and the chance diagonal); returns the Axes.
 
-        ``band``: shade ``tpr -+ 1.96`` sd (vertical) and ``fpr -+ 1.96`` sd (horizontal) at
-        the grid thresholds (:meth:`band`, noise-only). ``true_curve``: an ``(fpr, tpr)`` pair
-        drawn for comparison, e.g. the non-private curve from :func:`nonprivate_roc` in a
-        benchmark. Object-oriented matplotlib (no pyplot).
+        Object-oriented matplotlib (no pyplot).
+
+        Args:
+            ax: the Axes to draw on (``None``: a new figure's).
+            true_curve: an ``(fpr, tpr)`` pair drawn for comparison, e.g. the non-private curve
+                from :func:`nonprivate_roc` in a benchmark (``None``: not drawn).
+            band: shade ``tpr -+ 1.96`` sd (vertical) and ``fpr -+ 1.96`` sd (horizontal) at
+                the grid thresholds (:meth:`band`, noise-only).
+            kwargs: passed to the plot of the released curve.
         """
         if ax is None:
             from matplotlib.figure import Figure

@@ -103,8 +103,10 @@ def isotonic(values: ArrayLike, weights: ArrayLike | None = None) -> NDArray[np.
     mean is clipped independently, and clipping preserves order). ``O(N)``: every element is
     pushed once and merged at most once. Post-processing (thesis section 6.3.2): no privacy cost.
 
-    ``weights`` (positive, finite; default all 1) are typically inverse variances, e.g. of the
-    least-squares consistent release.
+    Args:
+        values: the values to fit, finite.
+        weights: positive, finite weights, one per value (``None``: all 1); typically inverse
+            variances, e.g. of the least-squares consistent release.
 
     >>> isotonic([0.1, 0.3, 0.2, 1.2]).tolist()
     [0.1, 0.25, 0.25, 1.0]
