@@ -346,7 +346,23 @@ def run_owner(
     labels: Sequence[int] | None = None,
 ) -> Counter:
     """Owner ``index``: send its share (or DCF key) of ``values`` to every server (for a ROC
-    session, of both classes' counts, so that the labels stay hidden)."""
+    session, of both classes' counts, so that the labels stay hidden).
+
+    Args:
+        session: the public session (:func:`make_session`, ``session.json``).
+        secret: this owner's secret (its link keys and TLS credentials).
+        index: this owner's index, from 0.
+        values: its finite values (one, unless the session has a public ``n_values``).
+        fault: a test hook (``"sleep"``, ``"tamper"``, ...); ``""``: none.
+        labels: with a ROC session, one 0/1 label per value.
+
+    Returns:
+        The bytes this owner sent and received.
+
+    Raises:
+        ValueError: values that are not finite numbers, or more than one value where the
+            session's public ``n`` counts one per owner.
+    """
     from clipless.federated.ustat import owner_messages
 
     me: Party = ("owner", index)
@@ -404,7 +420,15 @@ def run_owner(
 
 
 def run_dealer(session: Session, secret: PartySecret) -> Counter:
-    """The noise dealer: node-noise shares for every node of the tree, to every server."""
+    """The noise dealer: node-noise shares for every node of the tree, to every server.
+
+    Args:
+        session: the public session.
+        secret: the dealer's secret (its link keys, TLS credentials and noise key).
+
+    Returns:
+        The bytes the dealer sent and received.
+    """
     from clipless.federated.ustat import NoiseDealer
 
     me: Party = ("dealer", 0)
@@ -448,7 +472,18 @@ def run_server(
 
     Only authenticated input can end the run early (a well-signed malformed message, or two
     different messages from one party); an unauthenticated connection is dropped without
-    effect (:class:`_Inbox`), and a byte-identical replay of an accepted frame is ignored."""
+    effect (:class:`_Inbox`), and a byte-identical replay of an accepted frame is ignored.
+
+    Args:
+        session: the public session.
+        secret: this server's secret (its link keys and TLS credentials).
+        index: this server's index, from 0.
+        listener: the bound, listening socket at this server's address.
+        noise_key: with ``"distributed"``, this server's own 16-byte key (``None``: fresh).
+
+    Returns:
+        The bytes this server sent and received.
+    """
     me: Party = ("server", index)
     keys = dict(secret.links)
     sid = bytes.fromhex(session.session_id)
@@ -603,7 +638,15 @@ def _server_output(
 
 
 def run_analyst(session: Session, secret: PartySecret) -> tuple[NDArray[np.int64], Counter]:
-    """Ask every server for its share; sum them (or raise the error a server reports)."""
+    """Ask every server for its share; sum them (or raise the error a server reports).
+
+    Args:
+        session: the public session.
+        secret: the analyst's secret (its link keys and TLS credentials).
+
+    Returns:
+        ``(output, traffic)``: the released integer vector and the bytes sent and received.
+    """
     from clipless.federated.ustat import combine
 
     me: Party = ("analyst", 0)
