@@ -357,7 +357,7 @@ def run_owner(
         labels: with a ROC session, one 0/1 label per value.
 
     Returns:
-        The bytes this owner sent and received.
+        The bytes sent on each of its links (a :class:`~clipless.federated.transport.Counter`).
 
     Raises:
         ValueError: values that are not finite numbers, or more than one value where the
@@ -427,7 +427,7 @@ def run_dealer(session: Session, secret: PartySecret) -> Counter:
         secret: the dealer's secret (its link keys, TLS credentials and noise key).
 
     Returns:
-        The bytes the dealer sent and received.
+        The bytes sent on each of its links.
     """
     from clipless.federated.ustat import NoiseDealer
 
@@ -482,7 +482,7 @@ def run_server(
         noise_key: with ``"distributed"``, this server's own 16-byte key (``None``: fresh).
 
     Returns:
-        The bytes this server sent and received.
+        The bytes sent on each of its links.
     """
     me: Party = ("server", index)
     keys = dict(secret.links)
@@ -645,7 +645,7 @@ def run_analyst(session: Session, secret: PartySecret) -> tuple[NDArray[np.int64
         secret: the analyst's secret (its link keys and TLS credentials).
 
     Returns:
-        ``(output, traffic)``: the released integer vector and the bytes sent and received.
+        ``(output, traffic)``: the released integer vector and the bytes sent on its links.
     """
     from clipless.federated.ustat import combine
 
