@@ -185,7 +185,11 @@ class WeightEMA:
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
-        """Fold the current weights of ``model`` into the average."""
+        """Fold the current weights of ``model`` into the average.
+
+        Args:
+            model: the trained model (of :attr:`model`'s architecture), after a step.
+        """
         self.updates += 1
         d = min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
         for avg, p in zip(self.model.parameters(), model.parameters(), strict=True):
@@ -387,7 +391,11 @@ def plot_training(
 
 
 def training_figure(metrics: FitResult | Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Any:
-    """The :func:`plot_training` figure (a matplotlib ``Figure``): loss, accuracy, epsilon."""
+    """The :func:`plot_training` figure (a matplotlib ``Figure``): loss, accuracy, epsilon.
+
+    Args:
+        metrics: a :class:`FitResult`, a ``metrics.json`` dictionary, or a history list.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

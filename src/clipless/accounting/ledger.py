@@ -106,7 +106,15 @@ class LedgerEntry:
         label: str | None = None,
         proven: bool = True,
     ) -> LedgerEntry:
-        """Steps of :func:`gaussian_step_event` ``(noise_multiplier, sample_rate)``."""
+        """Steps of :func:`gaussian_step_event` ``(noise_multiplier, sample_rate)``.
+
+        Args:
+            noise_multiplier: every step's ``std / G``.
+            sample_rate: the Poisson sampling probability ``q``.
+            count: how many consecutive steps.
+            start_step: the index of the first.
+            label, proven: as in :meth:`PrivacyLedger.record`.
+        """
         sigma, q = float(noise_multiplier), float(sample_rate)
         event = gaussian_step_event(sigma, q)
         return cls(event, count, start_step, label, proven, (sigma, q))
@@ -471,7 +479,11 @@ class PrivacyLedger:
         return self._epsilon_of(self._groups(), _check_delta(delta))
 
     def get_epsilon(self, delta: float) -> float:
-        """Opacus's name for :meth:`epsilon` (``engine.accountant.get_epsilon(delta)``)."""
+        """Opacus's name for :meth:`epsilon` (``engine.accountant.get_epsilon(delta)``).
+
+        Args:
+            delta: in ``(0, 1)``.
+        """
         return self.epsilon(delta)
 
     def delta(self, epsilon: float) -> float:
@@ -677,7 +689,14 @@ class PrivacyLedger:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrivacyLedger:
-        """Rebuild a ledger from :meth:`to_dict` output; ``ValueError`` on a malformed one."""
+        """Rebuild a ledger from :meth:`to_dict` output.
+
+        Args:
+            data: a dictionary written by :meth:`to_dict` (a ledger file's JSON object).
+
+        Raises:
+            ValueError: a malformed ledger, another format, or an unsupported version.
+        """
         if not isinstance(data, Mapping):
             raise ValueError(f"privacy ledger must be a JSON object; got {type(data).__name__}")
         if data.get("format") != LEDGER_FORMAT:
@@ -812,8 +831,15 @@ class PrivacyLedger:
 
     @classmethod
     def from_json_if_exists(cls, path: str | os.PathLike[str]) -> PrivacyLedger | None:
-        """:meth:`from_json`, or ``None`` when there is no file at ``path``. An unreadable file
-        is refused (``ValueError`` naming ``ledger_path``): it may record privacy already spent."""
+        """:meth:`from_json`, or ``None`` when there is no file at ``path``.
+
+        Args:
+            path: the ledger file.
+
+        Raises:
+            ValueError: an unreadable or malformed file (naming ``ledger_path``): it may record
+                privacy already spent.
+        """
         if not os.path.isfile(path):
             return None
         try:
@@ -838,6 +864,9 @@ class PrivacyLedger:
         the ledger of a new run started where a moved run's folder used to be. When both carry a
         ``metadata["run_id"]`` (``make_private`` sets one), they must be equal, which also tells
         apart two runs of one configuration.
+
+        Args:
+            other: the earlier ledger (a checkpoint's).
         """
         if (self.accountant, self.neighbouring) != (other.accountant, other.neighbouring):
             return False
