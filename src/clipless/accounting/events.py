@@ -158,6 +158,14 @@ def event_to_dict(event: dp_event.DpEvent) -> dict[str, Any]:
 
     Any ``dp_accounting.dp_event`` class round-trips through :func:`event_from_dict`.
 
+    Args:
+        event: an event of a ``dp_accounting.dp_event`` class.
+
+    Raises:
+        TypeError: not a ``DpEvent``.
+        ValueError: a ``DpEvent`` subclass defined elsewhere (the file could not name it), or a
+            field that is NaN or of a type JSON cannot hold.
+
     >>> event_to_dict(gaussian_step_event(1.0, 0.01))["event"]
     {'type': 'GaussianDpEvent', 'noise_multiplier': 1.0}
     """
@@ -189,7 +197,14 @@ def _encode(value: object, name: str) -> Any:
 
 
 def event_from_dict(data: Mapping[str, Any]) -> dp_event.DpEvent:
-    """The event :func:`event_to_dict` wrote; :class:`ValueError` naming what is malformed."""
+    """The event :func:`event_to_dict` wrote.
+
+    Args:
+        data: a dictionary written by :func:`event_to_dict`.
+
+    Raises:
+        ValueError: an unknown event type or malformed fields (named).
+    """
     if not isinstance(data, Mapping) or not isinstance(data.get("type"), str):
         raise ValueError(f"an event must be an object with a 'type'; got {data!r}")
     cls = getattr(dp_event, data["type"], None)

@@ -37,7 +37,11 @@ def is_image_folder(path: str | Path) -> bool:
 
 
 def folder_max_norm(input_shape: Sequence[int]) -> float:
-    """``sqrt(C H W)``: every pixel is in ``[0, 1]``."""
+    """``sqrt(C H W)``: every pixel is in ``[0, 1]``.
+
+    Args:
+        input_shape: one image's ``(channels, height, width)``.
+    """
     return math.sqrt(math.prod(int(d) for d in input_shape))
 
 

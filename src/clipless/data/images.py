@@ -97,6 +97,15 @@ def read_idx(data: bytes) -> np.ndarray:
 
     Header: two zero bytes, a type code, the number of dimensions ``d``, then ``d`` big-endian
     int32 sizes; then the values in C order.
+
+    Args:
+        data: the file's bytes.
+
+    Returns:
+        The array, of the file's shape and type.
+
+    Raises:
+        ValueError: not an idx file, an unknown type code, or a truncated file.
     """
     if data[:2] == b"\x1f\x8b":
         data = gzip.decompress(data)

@@ -70,7 +70,16 @@ class Column:
 
 
 def parse_columns(spec: str) -> tuple[Column, ...]:
-    """``"age=17..90;sex=Male|Female"`` -> the declared columns (``ValueError`` if malformed)."""
+    """``"age=17..90;sex=Male|Female"`` -> the declared columns.
+
+    Args:
+        spec: ``;``-separated ``NAME=LO..HI`` (a numeric column scaled from ``[LO, HI]`` to
+            ``[-1, 1]``, finite ``LO < HI``) or ``NAME=A|B|...`` (a one-hot column of distinct
+            categories), each name once.
+
+    Raises:
+        ValueError: a malformed declaration, a name declared twice, or no column.
+    """
     columns: list[Column] = []
     for part in (p.strip() for p in spec.split(";")):
         if not part:
@@ -103,7 +112,15 @@ def _column(name: str, rule: str) -> Column:
 
 
 def parse_classes(text: str) -> tuple[str, ...]:
-    """``"no,yes"`` -> ``("no", "yes")``: at least two distinct, non-empty values."""
+    """``"no,yes"`` -> ``("no", "yes")``.
+
+    Args:
+        text: comma-separated label values, in class order: at least two, distinct and
+            non-empty.
+
+    Raises:
+        ValueError: fewer than two values, an empty one, or a repeated one.
+    """
     classes = tuple(c.strip() for c in text.split(","))
     if len(classes) < 2 or any(not c for c in classes) or len(set(classes)) != len(classes):
         raise ValueError(f"must be at least two distinct comma-separated values, got {text!r}")
@@ -111,7 +128,11 @@ def parse_classes(text: str) -> tuple[str, ...]:
 
 
 def max_norm(columns: tuple[Column, ...]) -> float:
-    """``sqrt(#columns)``: every column is in ``[-1, 1]`` or has at most one 1."""
+    """``sqrt(#columns)``: every column is in ``[-1, 1]`` or has at most one 1.
+
+    Args:
+        columns: the declared columns (:func:`parse_columns`).
+    """
     return math.sqrt(len(columns))
 
 

@@ -347,6 +347,12 @@ def adult_max_norm(preprocessing: str = "public-ranges") -> float:
     (``"public-bins"`` and ``"public-bins-fine"``), 4 + 8 = 12 (``"public-bins-only"``), each
     attained by a record with no
     missing value at the top of every numeric range.
+
+    Args:
+        preprocessing: one of :func:`load_adult`'s four.
+
+    Raises:
+        ValueError: another preprocessing.
     """
     _check_adult_preprocessing(preprocessing)
     columns = len(_ADULT_CATEGORIES)

@@ -424,7 +424,13 @@ def ecdf(
 
 def poisson_dataset(lam: float, size: int = 1 << 15, seed: int = 0) -> NDArray[np.float64]:
     """The thesis's ``X_pois(lambda)`` (section 6.6.2): for each ``i in 1..size``,
-    ``Pois(lambda)`` instances with value ``i``. Grid: ``Grid(1, size, size=size)``."""
+    ``Pois(lambda)`` instances with value ``i``. Grid: ``Grid(1, size, size=size)``.
+
+    Args:
+        lam: the Poisson mean ``lambda`` of every value's count.
+        size: the number of distinct values ``1..size``.
+        seed: seeds NumPy's generator (public synthetic data).
+    """
     reps = np.random.default_rng(seed).poisson(lam, size)
     return np.repeat(np.arange(1, size + 1, dtype=np.float64), reps)
 

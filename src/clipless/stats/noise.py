@@ -143,6 +143,13 @@ def conservative_scale(scale: Fraction, bits: int = 61) -> Fraction:
     ``b' >= Delta/epsilon`` gives privacy loss ``Delta/b' <= epsilon``, so the guarantee is kept
     (the release records the scale actually used). E.g. ``epsilon = 0.01`` as a float is
     ``5764607523034235 / 2**59``, and ``16 / epsilon`` has a 64-bit numerator.
+
+    Args:
+        scale: the exact scale (a Laplace ``b`` or a Gaussian ``sigma^2``), ``> 0``.
+        bits: the largest numerator and denominator size the sampler takes.
+
+    Raises:
+        ValueError: a scale too large for the exact sampler (a budget too small).
     """
     limit = 1 << bits
     if scale.numerator < limit and scale.denominator < limit:

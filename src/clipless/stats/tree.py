@@ -131,6 +131,10 @@ def tree_sensitivity(depth: int, neighbouring: Neighbouring) -> int:
     (Lemma 6.3.1, Theorem 6.3.2). This is both the L1 sensitivity and the squared L2
     sensitivity of the node vector (proof in the module docstring).
 
+    Args:
+        depth: the tree's depth ``L``, an int ``>= 0``.
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+
     >>> tree_sensitivity(15, "replace_one"), tree_sensitivity(15, "add_remove")
     (16, 8)
     """
@@ -479,6 +483,9 @@ def consistent_prefix_sums(release: TreeRelease) -> NDArray[np.float64]:
     the path sums over the data-carrying nodes only, plus a rank-``r`` projection when ``N`` is
     not a power of two. Post-processing: no privacy cost. Unbiased; per-leaf variances in
     :func:`prefix_variance` (about half of the plain release's ``(L+1) Var(eta)``).
+
+    Args:
+        release: a binary tree release (:func:`release_counts`).
     """
     L, N = release.depth, release.num_leaves
     used, q = _consistency_plan(L, N)
@@ -492,8 +499,13 @@ def consistent_prefix_sums(release: TreeRelease) -> NDArray[np.float64]:
 
 
 def prefix_variance(release: TreeRelease, consistent: bool = False) -> NDArray[np.float64]:
-    """Exact per-leaf variance of :attr:`TreeRelease.prefix_counts` (``consistent=False``) or
-    of :func:`consistent_prefix_sums` (``consistent=True``)."""
+    """Exact per-leaf variance of a release's prefix counts.
+
+    Args:
+        release: a binary tree release (:func:`release_counts`).
+        consistent: the variance of :func:`consistent_prefix_sums` (``True``) or of the plain
+            :attr:`TreeRelease.prefix_counts` (``False``, default).
+    """
     L, N = release.depth, release.num_leaves
     if not consistent:
         return np.full(N, release.prefix_variance)
