@@ -137,7 +137,30 @@ def server_keys(key: bytes, servers: int) -> list[bytes]:
     return out
 
 
-class NodeNoise:
+class _TreeNoise:
+    """A node-noise source: :meth:`nodes` gives chosen nodes' noise, a call the whole tree's
+    (``source(kind, param, depth)``: all ``2^(L+1) - 1`` nodes in level order, the form
+    :func:`clipless.stats.tree.release_counts` takes)."""
+
+    copies = 1
+    """Independent draws summed into each node's noise (its variance is ``copies`` times one
+    draw's): 1 for a :class:`NodeNoise`, ``m`` for :class:`SummedNoise` of ``m`` keys."""
+
+    def nodes(
+        self,
+        kind: NoiseKind,
+        param: Fraction | tuple[Fraction | None, ...],
+        levels: NDArray[np.int64],
+        index: NDArray[np.int64],
+    ) -> NDArray[np.int64]:
+        raise NotImplementedError
+
+    def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
+        levels, index = node_ids(depth)
+        return self.nodes(kind, param, levels, index)
+
+
+class NodeNoise(_TreeNoise):
     """Exact discrete Laplace / Gaussian noise for each tree node, derived from a 16-byte key.
 
     ``noise(kind, param, depth)`` returns the int64 noise of all ``2^(L+1) - 1`` nodes in level
@@ -155,10 +178,6 @@ class NodeNoise:
     Args:
         key: the secret 16-byte key.
     """
-
-    copies = 1
-    """Independent draws summed into each node's noise (its variance is ``copies`` times one
-    draw's): 1 here, ``m`` for :class:`SummedNoise` of ``m`` keys."""
 
     def __init__(self, key: bytes) -> None:
         self._key = _check_key(key, "key")
@@ -221,16 +240,15 @@ class NodeNoise:
                 out[k] = discrete_gaussian(None, 1, rng, sigma2=param)[0]
         return out
 
-    def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
-        levels, index = node_ids(depth)
-        return self.nodes(kind, param, levels, index)
 
-
-class SummedNoise:
+class SummedNoise(_TreeNoise):
     """The sum of several independent node-noise sources (the ``"distributed"`` option).
 
     Each source draws the full-scale noise, so a node's noise variance is :attr:`copies` (the
     number of sources) times one draw's; :func:`clipless.stats.tree.release_counts` reads it.
+
+    Args:
+        sources: the node-noise sources (one key each), at least one.
     """
 
     def __init__(self, sources: Sequence[NodeNoise]) -> None:
@@ -252,15 +270,16 @@ class SummedNoise:
             total = total + src.nodes(kind, param, levels, index)
         return total
 
-    def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
-        levels, index = node_ids(depth)
-        return self.nodes(kind, param, levels, index)
 
-
-class TaggedNoise:
+class TaggedNoise(_TreeNoise):
     """The noise of tree number ``tag`` of a source: node ``(l, j)`` is the source's node
     ``(l + tag * 2^32, j)``. Several trees released together (the two classes of a ROC curve)
-    thus get independent noise from one key (domain separation in the PRF input)."""
+    thus get independent noise from one key (domain separation in the PRF input).
+
+    Args:
+        source: the noise source of every tree.
+        tag: this tree's number, in ``[0, 2^31)``.
+    """
 
     def __init__(self, source: NodeNoise | SummedNoise, tag: int) -> None:
         if not 0 <= tag < (1 << 31):
@@ -279,7 +298,3 @@ class TaggedNoise:
         """The noise of this tree's nodes ``(levels[k], index[k])``, int64."""
         lev = np.asarray(levels, dtype=np.int64) + (self.tag << TAG_SHIFT)
         return self.source.nodes(kind, param, lev, index)
-
-    def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
-        levels, index = node_ids(depth)
-        return self.nodes(kind, param, levels, index)
