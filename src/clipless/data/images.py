@@ -192,11 +192,11 @@ def fetch_fashion_mnist(
         allow_network: try the network sources (``False``: local sources only).
 
     Returns:
-        The cached files' paths.
+        The paths of the four ``.gz`` files in the cache.
 
     Raises:
         ValueError: a file whose SHA-256 is not the pinned one.
-        DatasetNotFoundError: no source had the files.
+        DatasetNotFoundError: no source had the four files.
     """
     target = root / "fashion-mnist"
     folders = [source] if source is not None else [target, *FASHION_MNIST_SYSTEM_DIRS]

