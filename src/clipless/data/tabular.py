@@ -37,6 +37,7 @@ from clipless.data.registry import (
     DatasetInfo,
     make_tensor_dataset,
     register_dataset,
+    split_datasets,
     stratified_split,
 )
 
@@ -175,9 +176,7 @@ def load_breast_cancer(
         feature_names=tuple(str(f) for f in bunch.feature_names),
         notes=notes,
     )
-    train = make_tensor_dataset(features[train_idx], y[train_idx])
-    test = make_tensor_dataset(features[test_idx], y[test_idx])
-    return train, test, info
+    return (*split_datasets(features, y, train_idx, test_idx), info)
 
 
 def _breast_cancer_loader(
