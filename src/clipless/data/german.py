@@ -269,8 +269,8 @@ def load_german_credit(
         download: fetch the files from the network when they are found nowhere else.
 
     Raises:
-        DatasetNotFoundError: the files are missing and ``download`` is ``False`` (the message
-            says how to get them).
+        DatasetNotFoundError: ``german.data`` is found nowhere and ``download`` is ``False``
+            (the message says how to get it).
     """
     path = root / "german-credit" / "german.data"
     if not path.is_file():

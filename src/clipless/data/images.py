@@ -240,8 +240,8 @@ def load_fashion_mnist(
         download: fetch the files from the network when they are found nowhere else.
 
     Raises:
-        DatasetNotFoundError: the files are missing and ``download`` is ``False`` (the message
-            says how to get them).
+        DatasetNotFoundError: the four ``.gz`` files are found nowhere and ``download`` is
+            ``False`` (the message names the Debian package).
     """
     files = _fashion_locate(root)
     if files is None:

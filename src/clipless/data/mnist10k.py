@@ -223,8 +223,8 @@ def load_mnist_10k(
         download: fetch the files from the network when they are found nowhere else.
 
     Raises:
-        DatasetNotFoundError: the files are missing and ``download`` is ``False`` (the message
-            says how to get them).
+        DatasetNotFoundError: the ten json files are not cached and ``download`` is ``False``
+            (the message says how to get them).
     """
     target = root / "mnist-10k"
     paths = [target / name for name in MNIST10K_FILES]
