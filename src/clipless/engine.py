@@ -378,7 +378,7 @@ class PrivacyEngine:
             target_epsilon, target_delta: the budget the smallest noise multiplier is
                 calibrated to meet over the planned steps.
             epochs, steps: the plan's length, ``epochs`` passes over the data
-                (``epochs * round(1 / q)`` steps) or ``steps`` steps; one of them is required.
+                (``epochs * max(1, round(1 / q))`` steps) or ``steps`` steps; one is required.
 
         Returns:
             As :meth:`make_private`.

@@ -363,7 +363,7 @@ class PrivacyLedger:
         Args:
             noise_multiplier: every step's ``std / G``, in ``[0, inf]``.
             sample_rate: the Poisson sampling probability ``q``, in ``(0, 1]``.
-            count: how many steps, an int ``>= 0``.
+            count: how many steps, an int ``>= 1``.
             label: stored with the entry (steps with another label start a new entry).
             proven: ``False`` for steps of a mode without a DP proof (:attr:`is_dp_guarantee`
                 is then ``False``).
