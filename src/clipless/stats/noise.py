@@ -89,7 +89,7 @@ def seeded_rng(seed: int) -> random.Random:
     """A reproducible source for tests and examples. **Not** cryptographically secure.
 
     Args:
-        seed: an int.
+        seed: the seed of the :class:`random.Random` (anyone who knows it knows the draws).
     """
     seed = _validate.integer("seed", seed)
     return random.Random(int(seed))
