@@ -6,36 +6,40 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+
+def parsed(
+    convert: Callable[[str], _T], ok: Callable[[_T], bool], expected: str, invalid: str = ""
+) -> Callable[[str], _T]:
+    """``convert(text)`` where ``ok`` holds; otherwise the error ``expected {expected}`` (or
+    ``expected {invalid}`` for a value that converts but is out of range, when given)."""
+
+    def parse(text: str) -> _T:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {invalid or expected}, got {text!r}")
+        return value
+
+    return parse
 
 
 def number(kind: str, low: float, high: float, *, open_low: bool = True) -> Callable[[str], float]:
     """A finite number in ``(low, high)`` (``[low, high)`` with ``open_low=False``); the error
     says ``expected {kind}``."""
 
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
-        ok = math.isfinite(value) and (value > low if open_low else value >= low) and value < high
-        if not ok:
-            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}")
-        return value
+    def ok(value: float) -> bool:
+        return math.isfinite(value) and (value > low if open_low else value >= low) and value < high
 
-    return parse
+    return parsed(float, ok, kind)
 
 
 def integer(low: int, high: int | None = None) -> Callable[[str], int]:
     """An integer in ``[low, high]`` (``high=None``: no upper end)."""
-
-    def parse(text: str) -> int:
-        try:
-            value: int | None = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low or (high is not None and value > high):
-            span = f"[{low}, {high}]" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {text!r}")
-        return value
-
-    return parse
+    span = f"[{low}, {high}]" if high is not None else f">= {low}"
+    return parsed(int, lambda v: v >= low and (high is None or v <= high), f"an integer {span}")

@@ -6,7 +6,9 @@ contributes up to ``m`` times the sensitivity (measured: 2.0x for two copies, 3.
 and is sampled ``m`` times as often: oversampling by repeated indices (``Subset(ds, [0, 0, 0,
 1, ...])``, the usual class balancing, or ``ConcatDataset([ds, ds])``) breaks record-level DP.
 Refusing it is simpler and safer than accounting a multiplicity (group privacy of size ``m``
-costs far more than the balancing gains).
+costs far more than the balancing gains). To balance classes, weight the loss by a public
+constant per class (within the certified loss: e.g. a smaller bound for the frequent classes) or
+rebalance by dropping records, never by repeating them.
 
 The check follows the dataset's structure: ``Subset`` (nested, negative indices included) and
 ``ConcatDataset`` down to their leaves; a leaf is identified by its object, and a
@@ -45,11 +47,8 @@ def refuse_repeated_records(dataset: Any, argument: str = "data_loader.dataset")
             times = int(counts.max())
             raise ValueError(
                 f"{argument} holds a record {times} times ({len(positions) - len(unique)} repeated "
-                f"indices into {_describe(key)}): a repeated record contributes that many times "
-                "the sensitivity and is sampled as often, which the accounting does not cover. "
-                "Give every record once; to balance classes, weight the loss by a public constant "
-                "per class (within the certified loss: e.g. a smaller bound for the frequent "
-                "classes) or rebalance by dropping records, never by repeating them"
+                f"indices into {_describe(key)}), which the accounting does not cover; give every "
+                "record once (to balance classes, weight the loss by a public constant per class)"
             )
 
 

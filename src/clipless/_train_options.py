@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from clipless._argtypes import number, parsed
+
 __all__ = ["ALLOCATIONS", "DATASETS", "NO_LEGACY", "TRAIN_OPTIONS", "TrainOption", "option"]
 
 DEFAULT_HIDDEN: dict[str, tuple[int, ...]] = {
@@ -52,24 +54,16 @@ PLD_MAX_EPSILON = 50.0
 
 
 # ------------------------------------------------------------------------------ value parsers
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+_positive_float = parsed(
+    float, lambda v: math.isfinite(v) and v > 0, "a number > 0", "a finite number > 0"
+)
+_nonnegative_float = parsed(
+    float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0", "a finite number >= 0"
+)
+_probability = number("a number in (0, 1)", 0.0, 1.0)
+_unit_interval = number("a number in [0, 1)", 0.0, 1.0, open_low=False)
+_positive_int = parsed(int, lambda v: v >= 1, "a positive integer")
+_nonnegative_int = parsed(int, lambda v: v >= 0, "an integer >= 0")
 
 
 def _release_noise(text: str) -> float:
@@ -102,36 +96,6 @@ def _temperature(text: str) -> float:
     return value
 
 
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
 def _bounded(parse: Any, high: float, why: str) -> Any:
     """``parse`` with an upper end ``high`` (named in the error with ``why``)."""
 
@@ -143,16 +107,6 @@ def _bounded(parse: Any, high: float, why: str) -> Any:
         return value
 
     return check
-
-
-def _unit_interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
 
 
 def _hidden(text: str) -> tuple[int, ...]:

@@ -301,16 +301,15 @@ def _check_structure(
             continue
         raise ValueError(
             f"module {where(key)} ({type(m).__name__}) overrides the forward of clipless "
-            f"{kind}: the bounds follow the container's children in order, so its forward must be "
-            "the container's own (write the composition as nested Sequential / Residual)"
+            f"{kind}, whose children the bounds follow in order; write the composition as nested "
+            "Sequential / Residual"
         )
     for module_id, visits in walker.visits.items():
         if calls.get(module_id, 0) != visits:
             raise ValueError(
                 f"module {where(module_id)} ran {calls.get(module_id, 0)} time(s) in a forward "
-                f"pass but the bound computation follows the containers' children and visits it "
-                f"{visits} time(s) (a custom layer calling a layer of the model again, or a "
-                "loop over a block): write the composition as nested Sequential / Residual"
+                f"pass but the bound computation visits it {visits} time(s); write the "
+                "composition as nested Sequential / Residual"
             )
     for module_id, layer in modules.items():
         if (
@@ -320,17 +319,15 @@ def _check_structure(
         ):
             raise ValueError(
                 f"parametric layer {where(module_id)} ({type(layer).__name__}) sits inside a "
-                "custom module that the bound computation treats as one leaf: its parameters' "
-                "uses there are not counted. Put parametric layers in clipless Sequential / "
-                "Residual containers"
+                "custom module that the bounds treat as one leaf, so its uses are not counted; "
+                "put it in clipless Sequential / Residual containers"
             )
     for module_id, n in rows.items():  # the modules that received other than _ROWS rows
         if module_id in walker.visits:
             raise ValueError(
                 f"module {where(module_id)} ({type(modules[module_id]).__name__}) received "
-                f"{n} row(s) for a batch of {_ROWS} samples: every module of the walk must keep "
-                "one row per sample (the bounds and the gradient scaling are per row); do not "
-                "fold positions into the batch dimension"
+                f"{n} row(s) for a batch of {_ROWS} samples; every module must keep one row per "
+                "sample (do not fold positions into the batch dimension)"
             )
     if output_rows != _ROWS:
         raise ValueError(
@@ -370,10 +367,8 @@ def _check_structure(
         if foreign:
             raise ValueError(
                 f"custom module {where(key)} ({type(m).__name__}) uses {len(foreign)} "
-                "parameter(s) in its forward that are not its own: the bound computation treats "
-                "it as one leaf certified by its lipschitz(), so those uses of the parameters "
-                "are not counted in any gradient bound (share weights through clipless layers "
-                "in the containers instead)"
+                "parameter(s) in its forward that are not its own (no gradient bound counts "
+                "those uses); share weights through clipless layers in the containers instead"
             )
 
 
@@ -486,8 +481,10 @@ def _trace_forward(
 ) -> _Trace:
     """Run the model once on a zero input under no grad, recording every module's input shape
     and uses (forward pre-hooks), and refuse what the bounds cannot cover: buffers written by
-    the forward, a size-dependent module used at two sizes, the leading ``InputNorm`` reused,
-    an output that is not ``[batch, ...]``."""
+    the forward (running statistics: private data released without noise), a size-dependent
+    module used at two sizes (its certified bounds hold for one; ``Conv2d`` layers may share a
+    weight instead), the leading ``InputNorm`` reused (only its first use is the certified input
+    projection, later uses are not 1-Lipschitz), an output that is not ``[batch, ...]``."""
     trace = _Trace()
     handles = [m.register_forward_pre_hook(trace.hook) for m in model.modules()]
     buffers = _buffer_state(model)
@@ -500,9 +497,8 @@ def _trace_forward(
     changed = _buffers_changed(buffers, model)
     if changed:
         raise ValueError(
-            f"the training forward changes the model's buffer(s) {changed}: a buffer updated "
-            "from the batch (running statistics) is private data released without noise; use "
-            "modules whose training forward leaves their buffers alone"
+            f"the training forward changes the model's buffer(s) {changed} (private data "
+            "released without noise); use modules whose training forward leaves them alone"
         )
     if trace.reused:
         paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
@@ -510,15 +506,13 @@ def _trace_forward(
         kind = type(next(m for m in model.modules() if id(m) == key)).__name__
         raise ValueError(
             f"{kind} {paths.get(key, '?')!r} is applied to inputs of {len(sizes)} shapes "
-            f"{sorted(sizes)}: its certified bounds depend on the input size, and one module is "
-            f"certified for one size; use one {kind} per size (Conv2d layers may share their "
-            "weight: tied weights add their bounds)"
+            f"{sorted(sizes)} but is certified for one input size; use one {kind} per size "
+            "(tied weights add their bounds)"
         )
     if trace.calls.get(id(first), 0) > 1:
         raise ValueError(
-            "the model's leading InputNorm is applied more than once: only its first use is "
-            "certified as the input projection (its later uses are not 1-Lipschitz); use "
-            "another InputNorm instance where the model normalises again"
+            "the model's leading InputNorm is applied more than once but only its first use is "
+            "certified; use another InputNorm instance where the model normalises again"
         )
     if not isinstance(trace.output, torch.Tensor) or trace.output.dim() < 1:
         raise ValueError("the model must return a tensor of shape [batch, ...]")

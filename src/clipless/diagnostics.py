@@ -65,16 +65,26 @@ def per_sample_gradients(
 ) -> dict[str, torch.Tensor]:
     """Exact per-sample gradients ``{name: [n, *param.shape]}`` of ``loss_fn(model(x_i), y_i)``.
 
-    ``loss_fn(output, target)`` is called on a batch of one sample (leading dimension 1) and must
-    return a scalar, e.g. ``torch.nn.CrossEntropyLoss(reduction="sum")``. Only parameters with
-    ``requires_grad`` are differentiated; buffers are used as they are (call ``model.eval()``
-    first for a deterministic model). ``chunk_size`` bounds how many samples ``vmap`` processes at
-    once (memory), without changing the result.
+    Only parameters with ``requires_grad`` are differentiated; buffers are used as they are (call
+    ``model.eval()`` first for a deterministic model).
 
     On a model made private, the clipless layers keep the scaling thresholds of the last step, so
     the gradients of their parameters are the *scaled* per-sample gradients (divided by
     ``max(n_i, T_k)``, :mod:`clipless.nn._scaled`), without the optimizer's clip of the output
     cotangent; :func:`sensitivity_use` computes exactly what a step sums.
+
+    Args:
+        model: any model.
+        loss_fn: ``loss_fn(output, target)``, called on a batch of one sample (leading dimension
+            1); it must return a scalar, e.g. ``torch.nn.CrossEntropyLoss(reduction="sum")``.
+        x, y: the samples and targets, with the same leading dimension ``n >= 1``; ``x`` finite.
+        chunk_size: how many samples ``vmap`` processes at once (memory; ``None``: all), without
+            changing the result.
+
+    Raises:
+        TypeError: ``x`` or ``y`` not a tensor.
+        ValueError: mismatched or empty samples, a non-finite input, a model without trainable
+            parameters, or a ``loss_fn`` that does not return a scalar.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         raise TypeError("x and y must be torch.Tensor of shape [n, ...]")
@@ -162,7 +172,13 @@ def mean_gradient(
     chunk_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The (weighted) mean per-sample gradient ``sum_i w_i g_i / sum_i w_i``: the noiseless update
-    of clipless (thesis 5.3.4, ``g^{LIP-DP-SGD}``). See :func:`per_sample_gradients`."""
+    of clipless (thesis 5.3.4, ``g^{LIP-DP-SGD}``).
+
+    Args:
+        model, loss_fn, x, y, chunk_size: as in :func:`per_sample_gradients`.
+        sample_weight: non-negative weights of shape ``[n]`` with a positive sum (``None``:
+            uniform).
+    """
     grads = per_sample_gradients(model, loss_fn, x, y, chunk_size=chunk_size)
     w = _weights(sample_weight, x.shape[0], next(iter(grads.values())))
     return _weighted_mean(grads, w)
@@ -182,8 +198,14 @@ def clipped_mean_gradient(
 
     ``sum_i w_i g_i min(1, C / ||g_i||) / sum_i w_i`` with ``||g_i||`` the norm over all
     parameters together: the noiseless DP-SGD update (thesis 5.3.4, ``g^{DP-SGD}``; the averaged
-    clipped gradient ``g~`` of section 5.2.4). ``sample_weight`` (shape ``[n]``, non-negative)
-    turns a quadrature grid into an exact discretisation of a population expectation.
+    clipped gradient ``g~`` of section 5.2.4).
+
+    Args:
+        model, loss_fn, x, y, chunk_size: as in :func:`per_sample_gradients`.
+        max_grad_norm: the clipping threshold ``C``, finite and ``> 0``.
+        sample_weight: non-negative weights of shape ``[n]`` with a positive sum, which turn a
+            quadrature grid into an exact discretisation of a population expectation (``None``:
+            uniform).
     """
     return _both(model, loss_fn, x, y, max_grad_norm, sample_weight, chunk_size)[1]
 
@@ -202,7 +224,11 @@ def clipping_bias(
     makes in the noiseless update (thesis Figure 5.3.3, blue curve).
 
     Zero when no sample is clipped; clipless's update (no parameter-gradient clipping) has no
-    such error. Arguments as in :func:`clipped_mean_gradient`.
+    such error.
+
+    Args:
+        model, loss_fn, x, y, max_grad_norm, sample_weight, chunk_size: as in
+            :func:`clipped_mean_gradient`.
     """
     plain, clipped = _both(model, loss_fn, x, y, max_grad_norm, sample_weight, chunk_size)
     sq = sum(float((plain[k] - clipped[k]).pow(2).sum()) for k in plain)
@@ -247,7 +273,11 @@ def clipping_profile(
     DP-SGD's noiseless update at threshold ``C`` is ``c = mean_i g_i min(1, C / ||g_i||)``
     (Abadi et al. 2016, flat clipping); clipless's is ``g = mean_i g_i`` (thesis 5.3.4). The
     thesis (section 5.2.4) argues that the difference biases DP-SGD's fixed point; this measures it
-    on any model and data. Arguments as in :func:`clipped_mean_gradient`.
+    on any model and data.
+
+    Args:
+        model, loss_fn, x, y, sample_weight, chunk_size: as in :func:`clipped_mean_gradient`.
+        thresholds: the clipping thresholds ``C``, each finite and ``> 0`` (at least one).
     """
     try:
         values = [float(t) for t in thresholds]
@@ -366,8 +396,21 @@ def sensitivity_use(
     ``torch.func.functional_call`` with detached parameters): no training pass, no noise, no
     accounting. The call sets the layers' scaling thresholds for the current weights
     (:meth:`~clipless.optim.DPOptimizer.refresh`), as the next training forward would.
-    ``chunk_size`` bounds how many samples ``vmap`` processes at once (memory). The
-    ``"batch-max"`` scaling mode has no per-sample contribution and is refused.
+
+    Args:
+        optimizer: the :class:`clipless.optim.DPOptimizer` returned by ``make_private``.
+        x: samples, one row each, of the input shape the model was made private for.
+        y: their targets.
+        chunk_size: how many samples ``vmap`` processes at once (memory; ``None``: all).
+
+    Returns:
+        A :class:`SensitivityReport`: per noised tensor (and the output cotangent) the norms of
+        the samples' contributions against the calibrated sensitivity.
+
+    Raises:
+        TypeError: another optimizer.
+        ValueError: the ``"batch-max"`` scaling mode (no per-sample contribution), or samples
+            of the wrong shape.
     """
     from clipless.nn._scaled import BATCH_MAX
     from clipless.optim import DPOptimizer

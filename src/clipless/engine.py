@@ -90,11 +90,20 @@ class PrivacyEngine:
     ...     target_epsilon=1.0, target_delta=1e-5, epochs=10)
     >>> engine.get_epsilon(1e-5)                           # doctest: +SKIP
 
-    ``accountant`` is ``"pld"`` (default) or ``"rdp"``. ``secure_mode`` exists for Opacus
-    compatibility: the Poisson batch choice and the noise come from torch generators seeded from
-    the OS CSPRNG (unless ``seed`` is given: reproducible experiments only, never for a release);
-    ``secure_mode=True`` (a cryptographically secure generator and floating-point noise hardened
-    against Mironov 2012) is not implemented and refused.
+    Args:
+        accountant: ``"pld"`` (privacy loss distributions, the default) or ``"rdp"`` (Renyi DP,
+            cheaper and looser); :mod:`clipless.accounting`.
+        seed: seeds the noise generator (``seed``) and the Poisson sampler (``seed + 1``), an
+            int in ``[0, 2**63 - 1)``, for reproducible experiments only (warns: whoever knows
+            it can remove the noise). ``None`` (default): both seeded from the OS CSPRNG.
+        secure_mode: Opacus's flag; only ``False`` is accepted (a cryptographically secure
+            generator with hardened floating-point noise is not implemented).
+
+    Raises:
+        ValueError: an unknown accountant (Opacus's ``"prv"`` / ``"gdp"`` with the nearest
+            choice), ``secure_mode=True`` or a seed out of range.
+        TypeError: a seed that is not an int.
+
     After ``make_private``, :attr:`accountant` is the :class:`clipless.accounting.PrivacyLedger`
     (``engine.accountant.get_epsilon(delta)`` works as in Opacus) and :attr:`config` the frozen
     :class:`clipless.mechanism.PrivacyConfig`.
@@ -108,10 +117,9 @@ class PrivacyEngine:
             raise ValueError(f"accountant must be 'pld' or 'rdp'; got {accountant!r}{hint}")
         if secure_mode:
             raise ValueError(
-                "secure_mode=True is not supported: clipless seeds its batch sampler and noise "
-                "generators from the OS CSPRNG, but the generators themselves are not "
-                "cryptographically secure and its floating-point Gaussian noise is not hardened "
-                "against floating-point attacks (Mironov 2012), so it will not claim to be"
+                "secure_mode=True is not supported (the generators are seeded from the OS CSPRNG "
+                "but are not cryptographically secure, nor is the floating-point noise hardened "
+                "against Mironov 2012)"
             )
         if seed is not None and not _validate.is_int(seed):
             raise TypeError(f"seed must be an int or None; got {type(seed).__name__}")
@@ -363,7 +371,22 @@ class PrivacyEngine:
         options: RunOptions | None = None,
         **opacus_options: Any,
     ) -> tuple[torch.nn.Module, DPOptimizer, DataLoader[Any]]:
-        """Opacus's name for :meth:`make_private` with a target ``(epsilon, delta)``."""
+        """Opacus's name for :meth:`make_private` with a target ``(epsilon, delta)``.
+
+        Args:
+            module, optimizer, data_loader, loss, mechanism, options: as in :meth:`make_private`.
+            target_epsilon, target_delta: the budget the smallest noise multiplier is
+                calibrated to meet over the planned steps.
+            epochs, steps: the plan's length, ``epochs`` passes over the data
+                (``epochs * max(1, round(1 / q))`` steps) or ``steps`` steps; one is required.
+
+        Returns:
+            As :meth:`make_private`.
+
+        Raises:
+            ValueError: a ``noise_multiplier`` (this method calibrates it), or what
+                :meth:`make_private` refuses.
+        """
         if opacus_options.get("noise_multiplier") is not None:
             raise ValueError(
                 "make_private_with_epsilon calibrates the noise: drop noise_multiplier"
@@ -391,7 +414,15 @@ class PrivacyEngine:
         return self.optimizer
 
     def get_epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at ``delta`` (recomputed from the ledger)."""
+        """Epsilon spent so far at ``delta`` (recomputed from the ledger).
+
+        Args:
+            delta: the guarantee's delta, in ``(0, 1)``; above ``1 / n`` warns.
+
+        Returns:
+            The smallest epsilon the accountant certifies for the steps and releases recorded.
+            A run that used an unproven mode warns that the number is not a DP guarantee.
+        """
         if self._config is not None:
             _warn_large_delta(delta, self._config.num_samples, "delta")
         if not self.ledger.is_dp_guarantee or self.unproven:
@@ -403,7 +434,16 @@ class PrivacyEngine:
         return self.ledger.epsilon(delta)
 
     def would_exceed(self, epsilon_budget: float, delta: float, count: int = 1) -> bool:
-        """True if ``count`` more steps would push epsilon above ``epsilon_budget``."""
+        """True if ``count`` more steps would push epsilon above ``epsilon_budget``.
+
+        Args:
+            epsilon_budget: the epsilon not to exceed.
+            delta: the delta at which epsilon is read.
+            count: how many more steps of this run's mechanism (default one).
+
+        Raises:
+            RuntimeError: before :meth:`make_private`.
+        """
         opt = self._opt()
         return self.ledger.would_exceed(
             epsilon_budget, delta, count=count, event=opt.config.step_event()
@@ -417,10 +457,20 @@ class PrivacyEngine:
     def extend(self, *, steps: int, delta: float | None = None) -> float | None:
         """Plan ``steps`` more steps at the same noise (an explicit decision to spend more).
 
-        Returns the epsilon at ``delta`` that the run will have spent at the end of the new plan:
-        it exceeds the original target, which is the point. ``delta`` defaults to
-        ``make_private``'s ``target_delta``; with neither (a run given ``noise_multiplier``)
-        the result is ``None``.
+        Args:
+            steps: how many steps to add to the plan (a positive int), counted from the plan's
+                end or from the steps already taken, whichever is later.
+            delta: the delta of the returned epsilon; ``None`` (default): ``make_private``'s
+                ``target_delta``.
+
+        Returns:
+            The epsilon at ``delta`` that the run will have spent at the end of the new plan (it
+            exceeds the original target, which is the point), or ``None`` when there is no
+            delta (a run given ``noise_multiplier`` and no ``delta`` here).
+
+        Raises:
+            ValueError: ``steps`` not a positive int.
+            RuntimeError: before :meth:`make_private`.
         """
         if delta is None:
             delta = self._target_delta
@@ -440,6 +490,16 @@ class PrivacyEngine:
 
         The ledger records each step's ``proven`` flag, so a run that ever used an unproven mode
         reports ``is_dp_guarantee=False`` here, in the saved ledger and in ``ledger.guarantee``.
+
+        Args:
+            delta: the guarantee's delta, in ``(0, 1)``; above ``1 / n`` warns.
+
+        Returns:
+            The :class:`clipless.accounting.PrivacyGuarantee` (epsilon, delta, steps, accountant,
+            neighbouring relation and the mechanism in words).
+
+        Raises:
+            RuntimeError: before :meth:`make_private`.
         """
         config = self._opt().config
         _warn_large_delta(delta, config.num_samples, "delta")
@@ -507,6 +567,16 @@ class PrivacyEngine:
         The file is written atomically and readable by its owner only (``0o600``): it holds the
         noise and sampling generators' states (:meth:`state_dict`: keep it as secret as the
         data). Opacus's scheduler arguments have no counterpart (the noise is planned once).
+
+        Args:
+            path: the file to write (replaced atomically).
+            module: the model whose ``state_dict`` is saved.
+            optimizer: its optimizer, whose ``state_dict`` is saved too (``None``: not saved).
+            checkpoint_dict: extra entries stored alongside (epoch counters, schedulers, ...).
+
+        Raises:
+            TypeError: an Opacus scheduler or ``torch.save`` keyword (no counterpart here).
+            RuntimeError: before :meth:`make_private`.
         """
         _refuse_checkpoint_options(opacus_options)
         state: dict[str, Any] = dict(checkpoint_dict or {})
@@ -531,6 +601,20 @@ class PrivacyEngine:
         Read with ``torch.load(weights_only=True)``. The engine is restored by
         :meth:`load_state_dict` (the ledger never goes backwards; another run's checkpoint
         raises :class:`CheckpointMismatchError`).
+
+        Args:
+            path: a file written by :meth:`save_checkpoint`.
+            module: the model to load the saved weights into.
+            optimizer: the optimizer to load the saved state into, if saved (``None``: skipped).
+
+        Returns:
+            The whole checkpoint dictionary (with ``checkpoint_dict``'s extra entries).
+
+        Raises:
+            ValueError: a file that is not a checkpoint of :meth:`save_checkpoint`.
+            TypeError: an Opacus scheduler or ``torch.load`` keyword.
+            CheckpointMismatchError: another run's checkpoint (:meth:`load_state_dict`).
+            RuntimeError: before :meth:`make_private`.
         """
         _refuse_checkpoint_options(opacus_options)
         self._opt()
@@ -560,6 +644,16 @@ class PrivacyEngine:
         experiments).
         The mechanism must be the same (a checkpoint of another configuration is refused, naming
         the difference); a longer plan saved by :meth:`extend` is kept.
+
+        Args:
+            state: a dictionary returned by :meth:`state_dict` (a checkpoint's
+                ``"privacy_engine_state_dict"``).
+
+        Raises:
+            CheckpointMismatchError: another accountant, neighbouring relation or
+                configuration, a ledger file of another run, or a checkpoint older than the
+                steps already recorded.
+            RuntimeError: before :meth:`make_private`.
         """
         opt = self._opt()
         ledger = accounting.PrivacyLedger.from_dict(state["ledger"])
@@ -582,8 +676,8 @@ class PrivacyEngine:
             if not same or not on_disk.extends(ledger):
                 raise CheckpointMismatchError(
                     f"ledger_path {os.fspath(path)!r} records more than the checkpoint but does "
-                    "not continue its ledger (other steps, releases, accountant or neighbouring "
-                    "relation): it is not this run's ledger. Pass this run's own ledger_path"
+                    "not continue its ledger, so it is another run's; pass this run's own "
+                    "ledger_path"
                 )
             if opt.data_parallel is not None:
                 raise ValueError(
@@ -818,9 +912,8 @@ def _loss_argument(loss: torch.nn.Module | None, options: dict[str, Any]) -> tor
         raise TypeError("give loss= or Opacus's criterion=, not both (they are the same argument)")
     if loss is None and criterion is None:
         raise TypeError(
-            "make_private needs loss= a clipless.nn loss (Opacus's criterion=): its certified "
-            "Lipschitz constant enters the noise, and make_private switches it to "
-            "reduction='sum'; backpropagate that instance in the training loop"
+            "make_private needs loss= a clipless.nn loss (Opacus's criterion=), whose certified "
+            "Lipschitz constant enters the noise; backpropagate that instance"
         )
     chosen = loss if loss is not None else criterion
     assert chosen is not None

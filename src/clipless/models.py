@@ -68,8 +68,21 @@ def mlp(
 ) -> nn.Sequential:
     """``InputNorm(input_norm) [-> Flatten] -> (Linear -> GroupSort(2)) x len(hidden) -> Linear``.
 
-    One logit per class. ``Flatten`` is inserted when a sample has more than one dimension (images).
-    ``bias=False`` by default: each bias is one more noised tensor.
+    ``Flatten`` is inserted when a sample has more than one dimension (images).
+
+    Args:
+        input_shape: one sample's shape.
+        hidden: the hidden layers' widths, each even (GroupSort pairs).
+        num_classes: one logit per class.
+        input_norm: the radius ``> 0`` of the leading :class:`clipless.nn.InputNorm`, the
+            certified bound on every input's L2 norm.
+        bias: biases on the linear layers (``False`` by default: each bias is one more noised
+            tensor).
+        input_mode: ``"ball"`` clips each sample to ``input_norm``, ``"sphere"`` normalises it
+            to that norm.
+
+    Raises:
+        ValueError: a shape, width or setting out of range, named.
     """
     input_shape = _shape(input_shape)
     hidden = _widths("hidden", hidden)
@@ -96,8 +109,20 @@ def linear(
     With one layer and per-sample gradient scaling no weight constraint is needed for privacy:
     the layer's sensitivity is the loss constant (or the :class:`clipless.nn.LossGradientClip`
     norm) whatever its weights. On Adult at epsilon 0.414 it matches the MLP
-    (``benchmarks/RESULTS.md``, Adult lever table). ``bias=True`` by default: the bias and the
-    weight share one sensitivity (their joint per-sample gradient is scaled together).
+    (``benchmarks/RESULTS.md``, Adult lever table).
+
+    Args:
+        input_shape: one sample's shape.
+        num_classes: one logit per class.
+        input_norm: the radius ``> 0`` of the leading :class:`clipless.nn.InputNorm`, the
+            certified bound on every input's L2 norm.
+        bias: a bias (``True`` by default: the bias and the weight share one sensitivity, their
+            joint per-sample gradient is scaled together).
+        input_mode: ``"ball"`` clips each sample to ``input_norm``, ``"sphere"`` normalises it
+            to that norm.
+
+    Raises:
+        ValueError: a shape, width or setting out of range, named.
     """
     input_shape = _shape(input_shape)
     layers: list[torch.nn.Module] = [nn.InputNorm(_radius(input_norm), input_mode)]
@@ -120,23 +145,29 @@ def convnet(
     """A small Lipschitz ConvNet for ``C x H x W`` images (default: Fashion-MNIST, 1 x 28 x 28).
 
     ``InputNorm(input_norm) -> (Conv2d 3x3 same-padding, no bias -> GroupSort(2) -> pool 2x2) x
-    len(channels) -> Flatten -> Linear``. ``pool`` is ``"l2"`` (:class:`clipless.nn.L2NormPool2d`,
-    Lipschitz 1, the replacement for max pooling) or ``"avg"`` (:class:`clipless.nn.AvgPool2d`,
-    Lipschitz 1/2). Each pooling halves the image (floor), so the image must be at least
-    ``2 ** len(channels)`` pixels on each side. ``bias`` applies to the final ``Linear`` only; the
-    convolutions are bias-free. With the defaults this is the CNN of
+    len(channels) -> Flatten -> Linear``. With the defaults this is the CNN of
     ``benchmarks/fashion_mnist.py``.
+
+    Args:
+        input_shape: one image's ``(channels, height, width)``; each side at least
+            ``2 ** len(channels)`` pixels (every pooling halves it, floor).
+        channels: every stage's output channels, each even (GroupSort pairs).
+        num_classes: one logit per class.
+        input_norm: the radius ``> 0`` of the leading :class:`clipless.nn.InputNorm`, the
+            certified bound on every input's L2 norm.
+        pool: ``"l2"`` (:class:`clipless.nn.L2NormPool2d`, Lipschitz 1, the replacement for max
+            pooling) or ``"avg"`` (:class:`clipless.nn.AvgPool2d`, Lipschitz 1/2).
+        bias: a bias on the final ``Linear`` (the convolutions are bias-free).
+        input_mode: ``"ball"`` clips each sample to ``input_norm``, ``"sphere"`` normalises it
+            to that norm.
+
+    Raises:
+        ValueError: a shape, width or setting out of range, named.
     """
-    input_shape = _shape(input_shape)
-    if len(input_shape) != 3:
-        raise ValueError(
-            f"convnet needs images of shape (channels, height, width); got input shape "
-            f"{tuple(input_shape)}"
-        )
+    c, h, w = _image_shape("convnet", input_shape)
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}; got {pool!r}")
     channels = _widths("channels", channels)
-    c, h, w = (int(s) for s in input_shape)
     if min(h, w) < 2 ** len(channels):
         raise ValueError(
             f"a {h}x{w} image is too small for {len(channels)} 2x2 poolings; use at most "
@@ -212,10 +243,8 @@ def resnet(
         stage s > 1: downsample(w_{s-1} -> w_s), then depth x Residual(...) at width w_s
         Flatten -> Linear(w_last * h * w, num_classes)
 
-    ``width`` is the first stage's channel count, doubled at every later stage (WRN's
-    ``16k, 32k, 64k``) over ``stages`` stages, or an explicit sequence of per-stage widths
-    (then ``stages`` is ignored). ``depth`` residual blocks per stage. Each of the ``stages - 1``
-    transitions halves the image (floor) and changes the width, with ``downsample``:
+    Each of the ``stages - 1`` transitions halves the image (floor) and changes the width, with
+    ``downsample``:
 
     * ``"l2"`` (default): :class:`clipless.nn.L2NormPool2d` (2x2, Lipschitz 1) then a bias-free
       1x1 :class:`clipless.nn.Conv2d` when the width changes;
@@ -242,6 +271,26 @@ def resnet(
     whatever ``W``), and the per-sample gradient with respect to the raw ``W`` is the standardised
     one times up to ``1 / min std``, unbounded as a row's spread shrinks. A certified version
     needs its own layer, bound and projection; it is left out.
+
+    Args:
+        input_shape: one image's ``(channels, height, width)``; each side at least
+            ``2 ** (stages - 1)`` pixels.
+        width: the first stage's channel count, doubled at every later stage (WRN's ``16k, 32k,
+            64k``), or an explicit sequence of per-stage widths (then ``stages`` is ignored);
+            every width even.
+        depth: residual blocks per stage, ``>= 0``.
+        num_classes: one logit per class.
+        stages: the number of stages, ``>= 1``.
+        input_norm: the radius ``> 0`` of the leading :class:`clipless.nn.InputNorm`, the
+            certified bound on every input's L2 norm.
+        groups: GroupNorm's groups, dividing every width (``None``: ``gcd(width, 4)``).
+        alpha: GroupNorm's floor on the standard deviation (Lipschitz ``1 / alpha``).
+        downsample: ``"l2"``, ``"avg"`` or ``"conv"`` (above).
+        residual: ``"average"`` (1-Lipschitz blocks) or ``"add"``.
+        bias: a bias on the final ``Linear``.
+
+    Raises:
+        ValueError: a shape, width or setting out of range, named.
     """
     c, h, w = _image_shape("resnet", input_shape)
     stages_i = _checks_positive("stages", stages)
@@ -336,6 +385,18 @@ def gnp_convnet(
     3x3 convolutions of :func:`convnet` and :func:`resnet` are only approximately orthogonal
     after Björck on ``K_mat`` (their operator norm lies between ``||K_mat||_2`` and
     ``3 ||K_mat||_2``), hence 1-Lipschitz but not GNP.
+
+    Args:
+        input_shape: one image's ``(channels, height, width)``; each side at least
+            ``2 ** len(channels)`` pixels.
+        channels: every stride-2 convolution's output channels, each even.
+        num_classes: one logit per class.
+        input_norm: the radius ``> 0`` of the leading :class:`clipless.nn.InputNorm`, the
+            certified bound on every input's L2 norm.
+        bias: a bias on the final ``Linear``.
+
+    Raises:
+        ValueError: a shape, width or setting out of range, named.
     """
     c, h, w = _image_shape("gnp_convnet", input_shape)
     channels = _widths("channels", channels)

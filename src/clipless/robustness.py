@@ -138,7 +138,13 @@ class Certificate:
         return self.radii / (math.sqrt(self.input_dim) * _UP)
 
     def robust(self, labels: torch.Tensor, radius: float, norm: str = "l2") -> torch.Tensor:
-        """Boolean mask: correctly predicted and certified beyond ``radius`` (strictly)."""
+        """Boolean mask: correctly predicted and certified beyond ``radius`` (strictly).
+
+        Args:
+            labels: the true labels, one per sample.
+            radius: the radius, ``>= 0``.
+            norm: ``"l2"`` or ``"linf"`` (:meth:`linf_radii`).
+        """
         radii = _norm_radii(self, norm)
         return (self.predictions == labels.reshape(-1).to(self.predictions.device)) & (
             radii > _radius(radius)
@@ -200,10 +206,9 @@ def _input_norm(model: torch.nn.Module) -> cnn.InputNorm:
         and isinstance(_leading_module(model[1]), cnn.InputNorm)
     ):
         raise ValueError(
-            f"model starts with a {type(model[0]).__name__} front-end before its InputNorm (as "
-            "clipless.cli.load_trained_model returns a --features run): the front-end is not "
-            "certified; certify model[1] on model[0](x), whose radii are in feature space "
-            "(docs/robustness.md)"
+            f"model starts with a {type(model[0]).__name__} front-end, which is not certified, "
+            "before its InputNorm; certify model[1] on model[0](x) (radii in feature space, "
+            "docs/robustness.md)"
         )
     if not isinstance(first, cnn.InputNorm):
         raise ValueError(
@@ -244,9 +249,17 @@ def _pairwise(model: torch.nn.Module, input_shape: tuple[int, ...]) -> torch.Ten
 def lipschitz_summary(model: torch.nn.Module, input_shape: Sequence[int]) -> LipschitzSummary:
     """The certified constants :func:`certify` uses (class :class:`LipschitzSummary`).
 
-    ``input_shape`` is one sample's shape (no batch dimension). The constants come from
-    :func:`clipless.bounds.report` (which also checks that the model's forward is the composition
-    it certifies) and :func:`clipless.norms.dense_norm`.
+    The constants come from :func:`clipless.bounds.report` (which also checks that the model's
+    forward is the composition it certifies) and :func:`clipless.norms.dense_norm`.
+
+    Args:
+        model: a clipless model starting with an :class:`~clipless.nn.InputNorm` that maps raw
+            inputs.
+        input_shape: one sample's shape (no batch dimension).
+
+    Raises:
+        ValueError: a model without a leading ``InputNorm`` (or with a front-end before it), or
+            one whose forward is not the composition the bounds certify.
     """
     first = _input_norm(model)
     shape = tuple(int(d) for d in input_shape)
@@ -409,11 +422,22 @@ def certify(
 ) -> Certificate:
     """Certified L2 radius of the prediction of ``model`` on every sample of ``x``.
 
-    ``model`` is a clipless model (it starts with an ``InputNorm`` mapping raw inputs); ``x`` a
-    floating tensor ``[n, ...]`` of inputs as the model takes them. The model is copied to
-    float64 (the original is untouched) and evaluated ``batch_size`` samples at a time on the
-    device of its parameters. ``lipschitz`` may pass a :func:`lipschitz_summary` of the same
-    model (computed once for several calls). Returns a :class:`Certificate`.
+    The model is copied to float64 (the original is untouched) and evaluated on the device of its
+    parameters.
+
+    Args:
+        model: a clipless model (it starts with an ``InputNorm`` mapping raw inputs).
+        x: a non-empty, finite floating tensor ``[n, ...]`` of inputs as the model takes them.
+        batch_size: how many samples are evaluated at a time.
+        lipschitz: a :func:`lipschitz_summary` of the same model, computed once for several
+            calls (``None``: computed here).
+
+    Returns:
+        A :class:`Certificate`: every sample's prediction and certified L2 radius.
+
+    Raises:
+        ValueError: a model :func:`lipschitz_summary` refuses, or ``x`` empty, non-finite or
+            not floating.
     """
     _input_norm(model)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2 or len(x) == 0:
@@ -452,9 +476,18 @@ def certified_accuracy(
 ) -> RobustAccuracy:
     """Clean accuracy and certified robust accuracy at each of ``radii`` (:class:`RobustAccuracy`).
 
-    ``y`` holds integer labels (one per sample of ``x``); ``norm`` is ``"l2"`` or ``"linf"``
-    (the L2 radius divided by ``sqrt(n)``); ``space`` is a label recorded in the result (what
-    ``x`` is: ``"input"``, or ``"features"`` when ``x`` are a front-end's outputs).
+    Args:
+        model, x, batch_size: as in :func:`certify`.
+        y: integer labels, one per sample of ``x``.
+        radii: the radii, each ``>= 0``, in ``norm``.
+        norm: ``"l2"`` or ``"linf"`` (the L2 radius divided by ``sqrt(n)``, ``n`` the input
+            dimension).
+        space: a label recorded in the result, what ``x`` is: ``"input"``, or ``"features"``
+            when ``x`` are a front-end's outputs.
+
+    Raises:
+        ValueError: an unknown norm, negative radii, labels that do not match ``x``, or what
+            :func:`certify` refuses.
     """
     _validate.choice("norm", norm, NORMS)
     if isinstance(radii, (str, bytes)) or not isinstance(radii, Sequence):
@@ -505,8 +538,21 @@ def pgd_l2(
     too). ``eps`` is a number or a tensor of one radius per sample (``inf``: 10 times ``||x||``
     plus 10). Each of ``restarts`` runs takes ``steps`` steps of ``2.5 eps / steps`` along the
     normalised gradient of the margin, each followed by the projection onto the ball; the first
-    run starts at ``x``, the others at a random point of the ball (seeded by ``seed``). The
-    model is used as it is (call ``model.eval()`` first if it has a training mode).
+    run starts at ``x``, the others at a random point of the ball. The model is used as it is
+    (call ``model.eval()`` first if it has a training mode).
+
+    Args:
+        model: any model returning logits.
+        x: a floating tensor ``[n, ...]`` of inputs.
+        labels: the labels the margin is taken towards, one per sample.
+        eps: the L2 radius, ``>= 0``: one number or one per sample (``inf``: 10 times ``||x||``
+            plus 10).
+        steps: gradient steps per run, ``>= 1``.
+        restarts: runs, ``>= 1`` (the first from ``x``).
+        seed: seeds the random starts.
+
+    Returns:
+        The smallest margin found for every sample (``< 0``: the attack succeeded).
     """
     steps = _validate.positive_int("steps", steps, wrong_type=ValueError)
     restarts = _validate.positive_int("restarts", restarts, wrong_type=ValueError)
@@ -560,6 +606,16 @@ def empirical_accuracy(
     attack may miss an adversarial point), where :func:`certified_accuracy` gives a lower bound;
     it needs no certificate, so it measures any model returning logits (an Opacus-trained twin
     too). The model is used as it is: call ``model.eval()`` first if it has a training mode.
+
+    Args:
+        model: any model returning logits.
+        x: a non-empty floating tensor ``[n, ...]`` of inputs.
+        y: integer labels, one per sample.
+        radii: L2 radii in the inputs' space, each ``>= 0``.
+        steps, restarts, seed: the attack's settings (:func:`pgd_l2`).
+
+    Returns:
+        The empirical robust accuracy at each radius.
     """
     if isinstance(radii, (str, bytes)) or not isinstance(radii, Sequence):
         raise ValueError(f"radii must be a sequence of numbers >= 0; got {radii!r}")

@@ -424,26 +424,26 @@ def _refuse_custom_sampler(loader: DataLoader[Any]) -> None:
     dataset) only order the records, so replacing them changes nothing else; a
     ``SubsetRandomSampler``, a ``WeightedRandomSampler`` or a custom ``batch_sampler`` choose
     which records are trained on, and silently dropping them would train on records the caller
-    meant to leave out.
+    meant to leave out. To train on part of a dataset, pass ``torch.utils.data.Subset(dataset,
+    indices)`` as the dataset (each index once); weighted sampling and oversampling by repeated
+    indices are not supported. Under :mod:`clipless.distributed` every rank passes the plain
+    ``DataLoader``: the ranks draw the same Poisson batch and
+    :func:`~clipless.distributed.shard` gives each its rows.
     """
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         raise ValueError(
             f"data_loader has a custom batch_sampler ({type(batch_sampler).__name__}), which "
-            "Poisson sampling would drop: clipless draws every record of loader.dataset with "
-            "probability sample_rate. Pass a DataLoader with a batch_size (and no batch_sampler)"
+            "Poisson sampling would drop; pass a DataLoader with a batch_size and no batch_sampler"
         )
     sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
     if type(sampler) not in (SequentialSampler, RandomSampler):
         raise ValueError(
             f"data_loader has the sampler {type(sampler).__name__}, which Poisson sampling would "
-            "drop: clipless draws every record of loader.dataset with the same probability "
-            "sample_rate (what the accounting assumes). To train on part of a dataset, pass "
-            "torch.utils.data.Subset(dataset, indices) as the dataset (each index once); "
-            "weighted sampling and oversampling by repeated indices are not supported"
+            "drop; to train on part of a dataset, pass torch.utils.data.Subset(dataset, indices) "
+            "as the dataset"
             + (
-                "; under clipless.distributed every rank passes the plain DataLoader (the ranks "
-                "draw the same Poisson batch and shard() gives each its rows)"
+                " (under clipless.distributed every rank passes the plain DataLoader)"
                 if type(sampler).__name__ == "DistributedSampler"
                 else ""
             )

@@ -29,41 +29,29 @@ before every step is cheap.)
 
 Augmentation multiplicity
 -------------------------
-With ``augmult=K``, every sample of the Poisson batch is augmented ``K`` times (``augment`` is
-applied to the batch of ``B*K`` repeated inputs) and the optimizer's scaled kernels divide every
-copy's parameter-gradient contribution by ``K``
-(:meth:`clipless.optim.DPOptimizer.sample_multiplicity`), *after* the cotangent of each copy has
-been clipped (at the model output and at any ``LossGradientClip``), so sample ``i``'s
-contribution to any layer's gradient is the *mean* of ``K`` scaled per-copy contributions. Each
-of those has norm at most the layer's sensitivity ``G_k``, so by the triangle inequality the mean
-has norm at most ``G_k``. (Weighting each copy's *loss* by ``1/K`` instead, as before, is wrong
-with a clipping layer: the clip then caps each copy's already-weighted cotangent, and ``K``
-copies contribute up to ``K c``.) The sensitivity, hence the noise and the accounting, are
-unchanged (De et al. 2022, "Unlocking high-accuracy differentially private image classification
-through scale", section 3.2). This requires that the model treats the ``B*K`` rows
-independently (true for every clipless layer: there is no batch normalisation), and that each
-augmented row depends on its own example only: ``augment`` is applied to every row alone, under
-:func:`torch.func.vmap` (:func:`per_sample`), so batch-mixing augmentations (mixup, CutMix),
-which would make one record reach several rows, cannot run in the private loop.
+With ``augmult=K``, every sample of the Poisson batch is augmented ``K`` times and the
+optimizer's scaled kernels divide every copy's parameter-gradient contribution by ``K``
+(:meth:`clipless.optim.DPOptimizer.sample_multiplicity`) *after* each copy's cotangent has been
+clipped, so sample ``i``'s contribution to a layer's gradient is the mean of ``K`` contributions
+of norm at most the layer's sensitivity ``G_k``, hence at most ``G_k`` (triangle inequality):
+the noise and the accounting are unchanged (De et al. 2022, section 3.2). This needs the model
+to treat rows independently (every clipless layer does) and each augmented row to depend on its
+own example only: ``augment`` runs on every row alone (:func:`per_sample`), so batch-mixing
+augmentations (mixup, CutMix) cannot run in the private loop.
 
 Checkpoints and resume
 ----------------------
 Each epoch (and at a budget stop) ``checkpoint_dir/checkpoint.pt`` is written atomically with the
-model, optimizer, engine (ledger and noise-generator state), EMA, the torch / Python / NumPy global
-RNG states, the states of the generators found on the data loader (Poisson sampling), the epoch and
-the metrics. The optimizer writes its ledger *before* every step's noise is drawn (write-ahead
-accounting): to ``checkpoint_dir/ledger.json``, or to the ``ledger_path`` given to
-``make_private``, whose path the checkpoint records; so even a hard kill loses no accounting.
-``resume=True`` (or a path) continues from the checkpoint, keeping the largest of the ledgers
-(the checkpoint's, ``checkpoint_dir``'s, the recorded and the current ``ledger_path``): steps
+model, optimizer, engine (ledger and generator states), EMA, the global RNG states, the data
+loader's generators, the epoch and the metrics; it is read with ``torch.load(weights_only=True)``.
+The ledger is written *before* every step's noise is drawn (write-ahead accounting), to
+``checkpoint_dir/ledger.json`` or to ``make_private``'s ``ledger_path``, so even a hard kill loses
+no accounting. ``resume`` keeps the largest of the ledgers that continue the checkpoint's: steps
 taken after the last checkpoint were spent, even though their weights are lost. A seeded engine
-resumes step for step as the run that was never interrupted (same ledger, same epsilon, same
-weights). An unseeded one (the default) reseeds its noise and sampling generators from the OS
-CSPRNG on every resume: the saved states would draw a lost step's noise again, and two runs
-resumed from one checkpoint would draw the same noise on different gradients (subtracting their
-releases would cancel it). The EMA continues from the checkpoint's (or starts from the resumed
-weights); ``epochs`` counts from the start of the run.
-Checkpoints are read with ``torch.load(weights_only=True)``.
+resumes step for step as the run that was never interrupted; an unseeded one (the default)
+reseeds its noise and sampling generators from the OS CSPRNG on every resume (the saved states
+would draw a lost step's noise again, and two runs resumed from one checkpoint would draw the
+same noise on different gradients). ``epochs`` counts from the start of the run.
 """
 
 from __future__ import annotations
@@ -176,6 +164,14 @@ class WeightEMA:
     private iterates (post-processing). With the ``clip`` / ``fix`` constraints every iterate
     satisfies ``||W|| <= C`` per layer, and so does any convex combination of them (a norm is
     convex), so the EMA model keeps the Lipschitz constraint.
+
+    Args:
+        model: the model whose parameters are averaged (deep-copied; the copy is
+            :attr:`model`).
+        decay: the decay ``d``, in ``(0, 1)``.
+
+    Raises:
+        ValueError: ``decay`` outside ``(0, 1)``.
     """
 
     def __init__(self, model: torch.nn.Module, decay: float) -> None:
@@ -189,7 +185,11 @@ class WeightEMA:
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
-        """Fold the current weights of ``model`` into the average."""
+        """Fold the current weights of ``model`` into the average.
+
+        Args:
+            model: the trained model (of :attr:`model`'s architecture), after a step.
+        """
         self.updates += 1
         d = min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
         for avg, p in zip(self.model.parameters(), model.parameters(), strict=True):
@@ -211,12 +211,29 @@ def save_checkpoint(path: PathLike, state: Mapping[str, Any]) -> Path:
 
     The file is created readable by its owner only (``0o600``): a training checkpoint holds the
     state of the noise generator, and whoever knows it can recompute the noise of later steps.
+
+    Args:
+        path: the file to write (replaced atomically).
+        state: the tensors and plain values to save.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
     """
     return atomic_write_with(path, lambda handle: torch.save(dict(state), handle), mode=0o600)
 
 
 def load_checkpoint(path: PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`fit` (``weights_only=True``: no arbitrary pickles)."""
+    """Read a checkpoint written by :func:`fit` (``weights_only=True``: no arbitrary pickles).
+
+    Args:
+        path: the checkpoint file (``checkpoint_dir/checkpoint.pt``).
+
+    Returns:
+        The checkpoint's dictionary.
+
+    Raises:
+        ValueError: a file that is not a clipless training checkpoint.
+    """
     state = torch.load(Path(path), map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a clipless training checkpoint")
@@ -326,9 +343,16 @@ def _jsonable(value: Any) -> Any:
 def write_metrics(result: FitResult | Mapping[str, Any], path: PathLike) -> tuple[Path, Path]:
     """Write ``metrics.json`` (everything) and ``metrics.csv`` (the history) next to each other.
 
-    ``path`` names the JSON file; the CSV gets the same stem with ``.csv``. Both atomically and
-    readable by their owner only (``0o600``): the per-epoch training loss and accuracy are
-    statistics of the private data that no noise covers (not DP releases).
+    Both are written atomically and readable by their owner only (``0o600``): the per-epoch
+    training loss and accuracy are statistics of the private data that no noise covers (not DP
+    releases).
+
+    Args:
+        result: a :class:`FitResult` or its :meth:`FitResult.to_dict`.
+        path: the JSON file; the CSV gets the same stem with ``.csv``.
+
+    Returns:
+        ``(json_path, csv_path)``.
     """
     data = result.to_dict() if isinstance(result, FitResult) else _jsonable(dict(result))
     json_path, csv_path = _metrics_paths(path)
@@ -351,8 +375,13 @@ def plot_training(
 ) -> Path:
     """PNG with the loss and accuracy (train, test) and epsilon against epochs (Agg canvas).
 
-    ``metrics`` is a :class:`FitResult`, a ``metrics.json`` dictionary, or a history list.
-    Written owner-only (``0o600``) like every file of a run (``docs/cli.md``).
+    Args:
+        metrics: a :class:`FitResult`, a ``metrics.json`` dictionary, or a history list.
+        path: the PNG file, written atomically and owner-only (``0o600``) like every file of a
+            run (``docs/cli.md``); its folder is created.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
     """
     fig = training_figure(metrics)
     target = Path(path)
@@ -362,7 +391,11 @@ def plot_training(
 
 
 def training_figure(metrics: FitResult | Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Any:
-    """The :func:`plot_training` figure (a matplotlib ``Figure``): loss, accuracy, epsilon."""
+    """The :func:`plot_training` figure (a matplotlib ``Figure``): loss, accuracy, epsilon.
+
+    Args:
+        metrics: a :class:`FitResult`, a ``metrics.json`` dictionary, or a history list.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -465,7 +498,16 @@ def _loss_sum(loss: torch.nn.Module, logits: torch.Tensor, y: torch.Tensor) -> t
 def evaluate(
     model: torch.nn.Module, loader: Iterable[Any], loss: torch.nn.Module | None = None
 ) -> dict[str, float]:
-    """Mean loss (if ``loss``) and accuracy of ``model`` over ``loader`` (eval mode, no grad)."""
+    """Mean loss (if ``loss``) and accuracy of ``model`` over ``loader`` (eval mode, no grad).
+
+    Args:
+        model: the classifier (one logit per class, or one logit for a binary target).
+        loader: batches of ``(inputs, targets)``; empty batches are skipped.
+        loss: its ``"sum"``-reduced value is averaged over the samples (``None``: no loss).
+
+    Returns:
+        ``{"accuracy": ...}``, with ``"loss"`` when ``loss`` is given (NaN over no sample).
+    """
     device = _device_of(model)
     was_training = model.training
     model.eval()
@@ -517,7 +559,21 @@ def training_loss(
     ``augment`` runs on every row alone (:func:`per_sample`), so an augmentation that mixes the
     examples of a batch cannot run here.
 
-    Returns ``(loss, logits, targets)`` (``logits``/``targets`` of the ``B*K`` rows).
+    Args:
+        model: the private model.
+        loss: the ``"sum"``-reduced loss.
+        x, y: one batch's inputs and targets.
+        augment: the per-sample transform (``None``: none, and ``augmult`` is ignored).
+        augmult: ``K``, the augmented copies of every sample.
+        optimizer: the :class:`clipless.optim.DPOptimizer` the backward feeds (``None``: see
+            above).
+
+    Returns:
+        ``(loss, logits, targets)`` (``logits``/``targets`` of the ``B*K`` rows).
+
+    Raises:
+        ValueError: ``augmult > 1`` without ``optimizer`` in a model with a
+            ``LossGradientClip``, or an ``augment`` :func:`per_sample` refuses.
     """
     if augment is not None:
         if optimizer is not None and getattr(optimizer, "data_parallel", None) is not None:
@@ -569,6 +625,17 @@ def per_sample(augment: Augment, x: torch.Tensor) -> torch.Tensor:
     and is not supported by the private loop. A transform ``vmap`` cannot run (``.item()``,
     Python branches on tensor values, NumPy or PIL code) is refused with a :class:`ValueError`:
     write it with tensor operations (``torch.where`` on a random draw instead of ``if``).
+
+    Args:
+        augment: a transform of a batch ``[1, *shape]`` to a batch ``[1, *shape']``.
+        x: the rows to augment, ``[B, *shape]``.
+
+    Returns:
+        The ``[B, *shape']`` augmented rows.
+
+    Raises:
+        TypeError: ``augment`` not callable.
+        ValueError: a transform ``vmap`` cannot run, or one that does not return one row.
     """
     if not callable(augment):
         raise TypeError(f"augment must be callable (a batch of inputs -> a batch); got {augment!r}")
@@ -580,9 +647,8 @@ def per_sample(augment: Augment, x: torch.Tensor) -> torch.Tensor:
         out = torch.func.vmap(one, randomness="different")(x)
     except RuntimeError as exc:
         raise ValueError(
-            "augment must be a per-sample transform that torch.func.vmap can run (it is applied "
-            "to every example alone, so that it cannot mix examples; use tensor operations, e.g. "
-            f"torch.where on a random draw instead of a Python branch): {exc}"
+            "augment must be a per-sample transform that torch.func.vmap can run (tensor "
+            f"operations, e.g. torch.where on a random draw instead of a Python branch): {exc}"
         ) from exc
     if not isinstance(out, torch.Tensor) or out.ndim < 1 or out.shape[1:2] != (1,):
         got = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -728,24 +794,56 @@ def fit(
 ) -> FitResult:
     """Train ``model`` privately for ``epochs`` passes over ``train_loader`` (module docstring).
 
-    ``model``, ``optimizer`` and ``train_loader`` are what ``engine.make_private`` returned and
-    ``loss`` the loss given to it (reduction ``"sum"``: the optimizer divides the noisy sum by the
-    expected batch size). Every epoch: the Poisson batches are trained on (an empty batch still
-    takes a noisy step), then ``eval_loader`` (public or held-out data) is evaluated with the EMA
-    weights if ``ema_decay`` is given, a history record is appended (``epoch``, ``steps``,
-    ``train_loss``, ``train_accuracy``, ``test_loss``, ``test_accuracy``, ``epsilon``, ``delta``,
-    ``lr``, ``time_s``, ``complete``), a checkpoint is written to ``checkpoint_dir`` and
-    ``on_epoch_end(record)`` is called (return ``True`` to stop). ``resume=True`` continues from
-    ``checkpoint_dir/checkpoint.pt`` if present (a path: from that checkpoint); with no checkpoint
-    it starts a new run, unless ``checkpoint_dir/ledger.json`` records steps already taken: then, as
-    for ``resume=False`` over such a ledger, :class:`FileExistsError` (a new run would forget
-    privacy already spent). ``metrics_path``
-    (``.json``; a ``.csv`` of the history is written beside it) is rewritten every epoch.
+    Every epoch: the Poisson batches are trained on (an empty batch still takes a noisy step),
+    ``eval_loader`` is evaluated (with the EMA weights if ``ema_decay`` is given), a history
+    record is appended (``epoch``, ``steps``, ``train_loss``, ``train_accuracy``, ``test_loss``,
+    ``test_accuracy``, ``epsilon``, ``delta``, ``lr``, ``time_s``, ``complete``), a checkpoint
+    is written and ``on_epoch_end(record)`` is called.
+
     Under :mod:`clipless.distributed` only rank 0 writes the checkpoint, its ledger and the
     metrics; every rank may pass the same ``checkpoint_dir``. On ``resume`` rank 0 alone reads
     the checkpoint (and the largest ledger that continues the checkpoint's) and every rank
     loads what it read, so the folder need only exist on rank 0's machine; an error there (e.g.
     a new run over a spent ledger) is raised on every rank.
+
+    Args:
+        model, optimizer, train_loader: what ``engine.make_private`` returned.
+        loss: the loss given to ``make_private`` (reduction ``"sum"``: the optimizer divides
+            the noisy sum by the expected batch size).
+        engine: the :class:`clipless.PrivacyEngine` that made them private (its ledger gives
+            epsilon and the budget stop).
+        epochs: the run's length in passes over the data, counted from the run's start (a
+            resumed run trains the epochs left).
+        delta: the delta at which epsilon is reported, in ``(0, 1)``.
+        eval_loader: public or held-out data scored after every epoch (``None``: not
+            evaluated); never the private training loader, whose Poisson batches no step would
+            train on (the optimizer refuses them) and whose score is of private data.
+        epsilon_budget: stop before the first step that would push epsilon at ``delta`` above
+            it (``stop_reason="budget"``); ``None``: no budget stop besides the engine's plan.
+        checkpoint_dir: the folder of ``checkpoint.pt`` (written every epoch) and
+            ``ledger.json`` (written before every step's noise); ``None``: neither is written.
+        resume: ``True`` continues from ``checkpoint_dir/checkpoint.pt`` if present, a path
+            from that checkpoint; ``False`` (default) starts a new run.
+        ema_decay: the decay ``d`` in ``(0, 1)`` of a :class:`WeightEMA` of the weights, which
+            is then the evaluated model; ``None``: no EMA.
+        augment: a per-sample transform of a ``[1, *shape]`` batch, run on every row alone
+            (:func:`per_sample`); ``None``: no augmentation.
+        augmult: ``K``, the augmented copies of every sample (needs ``augment`` when above 1;
+            the sensitivity is unchanged).
+        metrics_path: a ``.json`` file rewritten every epoch, with a ``.csv`` of the history
+            beside it (:func:`write_metrics`); ``None``: not written.
+        progress: show a tqdm progress bar.
+        on_epoch_end: called with every epoch's record; returning ``True`` stops the run
+            (``stop_reason="callback"``).
+
+    Returns:
+        The :class:`FitResult`: history, stop reason, steps and epsilon spent at ``delta``.
+
+    Raises:
+        ValueError, TypeError: an argument out of range or of the wrong kind, named.
+        FileExistsError: no checkpoint to resume but ``checkpoint_dir/ledger.json`` records
+            steps already taken (a new run would forget privacy already spent).
+        FileNotFoundError: ``resume`` names a checkpoint that does not exist.
     """
     _validate(epochs, delta, epsilon_budget, ema_decay, augment, augmult, on_epoch_end)
     _check_loaders_and_loss(train_loader, eval_loader, loss)
@@ -842,9 +940,8 @@ def _end_epoch(
 def _check_loaders_and_loss(train_loader: object, eval_loader: object, loss: object) -> None:
     if eval_loader is not None and eval_loader is train_loader:
         raise ValueError(
-            "eval_loader is the private training loader: evaluating on it draws Poisson batches "
-            "that no step trains on (refused by the optimizer) and scores private data; pass "
-            "held-out data, or the original (non-Poisson) loader for a training-set score"
+            "eval_loader is the private training loader; pass held-out data, or the original "
+            "(non-Poisson) loader for a training-set score"
         )
     reduction = getattr(loss, "reduction", "sum")
     if reduction != "sum":

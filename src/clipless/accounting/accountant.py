@@ -88,13 +88,21 @@ class _StepCachedPLDAccountant(pld_privacy_accountant.PLDAccountant):
 class Accountant:
     """A privacy accountant: compose ``dp_accounting`` events, then ask for epsilon or delta.
 
-    ``kind="pld"`` (default) wraps ``dp_accounting``'s ``PLDAccountant`` (Doroshenko et al.
-    2022; pessimistic discretisation ``value_discretization_interval``, default
-    :data:`DEFAULT_PLD_DISCRETIZATION`), reusing each Poisson-subsampled Gaussian step's PLD
-    across evaluations (:class:`_StepCachedPLDAccountant`: the same numbers, bit for bit);
-    ``kind="rdp"`` wraps ``RdpAccountant`` with ``orders`` (default :data:`DEFAULT_RDP_ORDERS`).
-    ``neighbouring`` is ``"add_remove"`` (default) or ``"replace_one"``; the treatment of
-    replace-one is documented in the package docstring.
+    The PLD accountant reuses each Poisson-subsampled Gaussian step's PLD across evaluations
+    (:class:`_StepCachedPLDAccountant`: the same numbers, bit for bit).
+
+    Args:
+        kind: ``"pld"`` (default), ``dp_accounting``'s ``PLDAccountant`` (Doroshenko et al.
+            2022), or ``"rdp"``, its ``RdpAccountant``.
+        neighbouring: ``"add_remove"`` (default) or ``"replace_one"`` (package docstring,
+            "Neighbouring relations").
+        value_discretization_interval: the PLD's pessimistic discretisation interval, in
+            ``(0, 0.1]`` (default :data:`DEFAULT_PLD_DISCRETIZATION`); unused by RDP.
+        orders: the RDP orders, finite numbers above 1 (``None``:
+            :data:`DEFAULT_RDP_ORDERS`); unused by PLD.
+
+    Raises:
+        ValueError, TypeError: a setting out of range or not among the choices.
 
     >>> from clipless.accounting import gaussian_step_event
     >>> acc = Accountant("pld")
@@ -165,6 +173,14 @@ class Accountant:
         """Raise ``ValueError`` (with the reason) unless :meth:`compose` accepts ``event``.
 
         Cheap: walks the event without composing it.
+
+        Args:
+            event: a ``dp_accounting`` event.
+
+        Raises:
+            TypeError: ``event`` not a ``DpEvent``.
+            ValueError: an event this accountant and neighbouring relation cannot compose
+                (e.g. Poisson subsampling under replace-one with RDP).
         """
         if not isinstance(event, dp_event.DpEvent):
             raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
@@ -183,7 +199,16 @@ class Accountant:
         return True
 
     def compose(self, event: dp_event.DpEvent, count: int = 1) -> Accountant:
-        """Account for ``count`` applications of ``event``; returns ``self``."""
+        """Account for ``count`` applications of ``event``; returns ``self``.
+
+        Args:
+            event: a ``dp_accounting`` event (e.g. :func:`gaussian_step_event`).
+            count: how many times it is composed, an int ``>= 0`` (0 checks it only).
+
+        Raises:
+            TypeError: ``event`` not a ``DpEvent``.
+            ValueError: an unsupported event (:meth:`check_supported`) or a negative count.
+        """
         if not isinstance(event, dp_event.DpEvent):
             raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
         n = _check_count(count, "count", minimum=0)
@@ -202,14 +227,19 @@ class Accountant:
         return self
 
     def epsilon(self, delta: float) -> float:
-        """Smallest epsilon such that everything composed so far is ``(epsilon, delta)``-DP."""
+        """Smallest epsilon such that everything composed so far is ``(epsilon, delta)``-DP.
+
+        Args:
+            delta: in ``(0, 1)``.
+        """
         d = _check_delta(delta)
         return float(self._inner.get_epsilon(d))
 
     def delta(self, epsilon: float) -> float:
         """Smallest delta such that everything composed so far is ``(epsilon, delta)``-DP.
 
-        ``epsilon`` may be 0 here (the delta of a pure-DP-style query); it must be finite.
+        Args:
+            epsilon: finite and ``>= 0`` (0: the delta of a pure-DP-style query).
         """
         e = _check_epsilon(epsilon, allow_zero=True)
         return float(self._inner.get_delta(e))
@@ -226,7 +256,23 @@ def event_epsilon(
     releases: Sequence[float] = (),
 ) -> float:
     """Epsilon of ``event`` (e.g. ``repeated(step_event, steps)``) at ``delta``, composed with
-    one-shot Gaussian ``releases`` (noise multipliers ``std / G`` of whole-dataset releases).
+    one-shot Gaussian ``releases``.
+
+    Args:
+        event: the ``dp_accounting`` event of the whole run.
+        delta: in ``(0, 1)``.
+        accountant: ``"pld"`` (default) or ``"rdp"`` (:class:`Accountant`).
+        neighbouring: ``"add_remove"`` (default) or ``"replace_one"``.
+        value_discretization_interval, orders: the accountant's settings (:class:`Accountant`).
+        releases: noise multipliers ``std / G``, each in ``(0, inf]``, of one-shot Gaussian
+            releases of the whole dataset (``q = 1``) composed with ``event``.
+
+    Returns:
+        The smallest epsilon the accountant certifies at ``delta``.
+
+    Raises:
+        ValueError, TypeError: an argument out of range, or an event the accountant cannot
+            compose (:meth:`Accountant.check_supported`).
 
     >>> from clipless.accounting import gaussian_step_event, repeated
     >>> round(event_epsilon(repeated(gaussian_step_event(1.0, 0.01), 1000), 1e-5), 4)
@@ -261,8 +307,22 @@ def epsilon(
     """Epsilon of ``steps`` Poisson-subsampled Gaussian steps at ``delta``
     (:func:`event_epsilon` of :func:`~clipless.accounting.events.dpsgd_event`).
 
-    ``releases``: noise multipliers (``std / G``) of one-shot Gaussian releases of the whole
-    dataset (``q = 1``, e.g. a private mean of the inputs) composed with the steps.
+    Args:
+        noise_multiplier: every step's ``sigma = std / G``, in ``[0, inf]`` (0: no privacy).
+        sample_rate: the Poisson sampling probability ``q``, in ``(0, 1]``.
+        steps: the number of steps, an int ``>= 0``.
+        delta: in ``(0, 1)``.
+        accountant, neighbouring, value_discretization_interval, orders: as in
+            :func:`event_epsilon`.
+        releases: noise multipliers ``std / G``, each in ``(0, inf]``, of one-shot Gaussian
+            releases of the whole dataset (``q = 1``, e.g. a private mean of the inputs)
+            composed with the steps.
+
+    Returns:
+        The smallest epsilon the accountant certifies at ``delta``.
+
+    Raises:
+        ValueError, TypeError: an argument out of range or not a number, named.
 
     >>> round(epsilon(1.0, 0.01, 1000, 1e-5), 4)
     1.8282

@@ -115,14 +115,6 @@ def calibrate_noise(
     that end is returned, so ``epsilon(result, ...) <= target_epsilon`` holds exactly for the
     same accountant settings, and ``result / (1 + tolerance)`` misses the target.
 
-    ``steps`` must be at least 1. Raises ``ValueError`` if even ``max_noise_multiplier`` misses,
-    and for a PLD target above :data:`PLD_MAX_EPSILON` (50; use ``accountant="rdp"``).
-
-    ``releases``: noise multipliers of one-shot Gaussian releases composed with the steps (e.g. a
-    private input mean, :func:`clipless.features.release_mean`); the steps get what they leave of
-    the budget, jointly accounted (PLD or RDP composition, not a split of epsilon). ``ValueError``
-    if the releases alone already exceed the target.
-
     Why not ``dp_accounting.calibrate_dp_mechanism`` (with ``LowerEndpointAndGuess`` or
     ``ExplicitBracketInterval``): it runs Brent's method on ``epsilon(sigma)`` itself with an
     *absolute* tolerance in sigma, while the multipliers here span ``0.02..1e6`` and need a
@@ -131,6 +123,36 @@ def calibrate_noise(
     changes the calibrated noise of existing runs and the epsilons pinned in the tests. The
     search here works on ``log sigma`` against ``log epsilon`` (close to linear) from the cheap
     RDP calibration, so most PLD calibrations need only a few PLD evaluations.
+
+    Args:
+        target_epsilon: the epsilon not to exceed, ``> 0`` (at most :data:`PLD_MAX_EPSILON`
+            with PLD).
+        target_delta: in ``(0, 1)``.
+        sample_rate: the Poisson sampling probability ``q``, in ``(0, 1]`` (with
+            ``make_event``: only where the search starts).
+        steps: the number of steps, an int ``>= 1`` (likewise).
+        accountant: ``"pld"`` (default) or ``"rdp"``.
+        neighbouring: ``"add_remove"`` (default) or ``"replace_one"``.
+        tolerance: the relative precision on sigma, in ``(0, 1)``.
+        value_discretization_interval, orders: the accountant's settings
+            (:class:`~clipless.accounting.Accountant`).
+        max_noise_multiplier: the largest multiplier tried (finite, ``> 0``).
+        releases: noise multipliers of one-shot Gaussian releases composed with the steps (e.g.
+            a private input mean, :func:`clipless.features.release_mean`); the steps get what
+            they leave of the budget, jointly accounted (not a split of epsilon).
+        make_event: ``sigma -> DpEvent`` of the whole run (``None``: :func:`dpsgd_event` of
+            ``sample_rate`` and ``steps``, which are then required).
+
+    Returns:
+        The multiplier: ``epsilon(result) <= target_epsilon`` and ``result / (1 + tolerance)``
+        misses the target.
+
+    Raises:
+        ReleasesExceedTargetError: the releases alone already spend the target.
+        ValueError: even ``max_noise_multiplier`` misses the target, a PLD target above
+            :data:`PLD_MAX_EPSILON` (use ``accountant="rdp"``), an event the accountant cannot
+            compose, or an argument out of range.
+        TypeError: an argument of the wrong type.
     """
     eps_target = _check_epsilon(target_epsilon, "target_epsilon")
     delta = _check_delta(target_delta, "target_delta")

@@ -39,6 +39,15 @@ def effective_noise_multiplier(sigmas: Sequence[float] | Iterable[float]) -> flo
     A layer with ``sigma_k = inf`` adds nothing; any ``sigma_k = 0`` makes the step non-private
     (result 0).
 
+    Args:
+        sigmas: every layer's noise multiplier ``sigma_k``, each in ``[0, inf]``.
+
+    Returns:
+        ``(sum_k sigma_k^-2)^(-1/2)``: 0 if any is 0, ``inf`` if all are.
+
+    Raises:
+        ValueError: no multiplier, or one negative or NaN.
+
     >>> effective_noise_multiplier([2.0, 2.0, 2.0, 2.0])
     1.0
     """
@@ -58,7 +67,15 @@ def gaussian_step_event(noise_multiplier: float, sample_rate: float = 1.0) -> dp
 
     ``q == 1`` gives the plain ``GaussianDpEvent(sigma)``; ``sigma == 0`` gives
     ``NonPrivateDpEvent`` and ``sigma == inf`` gives ``NoOpDpEvent`` (package docstring).
-    ``noise_multiplier`` is ``std / G`` with ``G`` the bound on one example's contribution.
+
+    Args:
+        noise_multiplier: ``sigma = std / G`` with ``G`` the bound on one example's
+            contribution, in ``[0, inf]``.
+        sample_rate: the Poisson sampling probability ``q``, in ``(0, 1]`` (default 1: no
+            subsampling).
+
+    Raises:
+        ValueError, TypeError: a multiplier or rate out of range, or not a number.
 
     >>> gaussian_step_event(1.0, 0.01)
     PoissonSampledDpEvent(sampling_probability=0.01, event=GaussianDpEvent(noise_multiplier=1.0))
@@ -76,7 +93,16 @@ def gaussian_step_event(noise_multiplier: float, sample_rate: float = 1.0) -> dp
 
 
 def repeated(event: dp_event.DpEvent, steps: int) -> dp_event.DpEvent:
-    """``steps`` compositions of one step's ``event`` (``SelfComposedDpEvent``; 0: no-op)."""
+    """``steps`` compositions of one step's ``event`` (``SelfComposedDpEvent``; 0: no-op).
+
+    Args:
+        event: one step's ``dp_accounting`` event.
+        steps: how many times it is composed, an int ``>= 0``.
+
+    Raises:
+        TypeError: ``event`` not a ``DpEvent``.
+        ValueError: ``steps`` negative or not a whole number.
+    """
     if not isinstance(event, dp_event.DpEvent):
         raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
     count = _check_count(steps, "steps", minimum=0)
@@ -86,7 +112,13 @@ def repeated(event: dp_event.DpEvent, steps: int) -> dp_event.DpEvent:
 
 
 def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_event.DpEvent:
-    """``steps`` compositions of :func:`gaussian_step_event` (``SelfComposedDpEvent``)."""
+    """``steps`` compositions of :func:`gaussian_step_event` (``SelfComposedDpEvent``).
+
+    Args:
+        noise_multiplier: the step's ``sigma = std / G``, in ``[0, inf]``.
+        sample_rate: the Poisson sampling probability ``q``, in ``(0, 1]``.
+        steps: the number of steps, an int ``>= 0``.
+    """
     count = _check_count(steps, "steps", minimum=0)
     return repeated(gaussian_step_event(noise_multiplier, sample_rate), count)
 
@@ -126,6 +158,14 @@ def event_to_dict(event: dp_event.DpEvent) -> dict[str, Any]:
 
     Any ``dp_accounting.dp_event`` class round-trips through :func:`event_from_dict`.
 
+    Args:
+        event: an event of a ``dp_accounting.dp_event`` class.
+
+    Raises:
+        TypeError: not a ``DpEvent``.
+        ValueError: a ``DpEvent`` subclass defined elsewhere (the file could not name it), or a
+            field that is NaN or of a type JSON cannot hold.
+
     >>> event_to_dict(gaussian_step_event(1.0, 0.01))["event"]
     {'type': 'GaussianDpEvent', 'noise_multiplier': 1.0}
     """
@@ -157,7 +197,14 @@ def _encode(value: object, name: str) -> Any:
 
 
 def event_from_dict(data: Mapping[str, Any]) -> dp_event.DpEvent:
-    """The event :func:`event_to_dict` wrote; :class:`ValueError` naming what is malformed."""
+    """The event :func:`event_to_dict` wrote.
+
+    Args:
+        data: a dictionary written by :func:`event_to_dict`.
+
+    Raises:
+        ValueError: an unknown event type or malformed fields (named).
+    """
     if not isinstance(data, Mapping) or not isinstance(data.get("type"), str):
         raise ValueError(f"an event must be an object with a 'type'; got {data!r}")
     cls = getattr(dp_event, data["type"], None)

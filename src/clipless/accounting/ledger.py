@@ -106,7 +106,15 @@ class LedgerEntry:
         label: str | None = None,
         proven: bool = True,
     ) -> LedgerEntry:
-        """Steps of :func:`gaussian_step_event` ``(noise_multiplier, sample_rate)``."""
+        """Steps of :func:`gaussian_step_event` ``(noise_multiplier, sample_rate)``.
+
+        Args:
+            noise_multiplier: every step's ``std / G``.
+            sample_rate: the Poisson sampling probability ``q``.
+            count: how many consecutive steps.
+            start_step: the index of the first.
+            label, proven: as in :meth:`PrivacyLedger.record`.
+        """
         sigma, q = float(noise_multiplier), float(sample_rate)
         event = gaussian_step_event(sigma, q)
         return cls(event, count, start_step, label, proven, (sigma, q))
@@ -232,12 +240,19 @@ class PrivacyLedger:
     answers the training loop's "may I take one more step?" so that it stops *before* the budget
     is exceeded.
 
-    ``metadata`` is any JSON-serialisable mapping stored with the ledger (dataset size, run id...).
-
     :meth:`record_release` adds a one-shot Gaussian release of the whole dataset (a
     :class:`LedgerRelease`, e.g. a private input mean), composed with the steps in every epsilon,
-    delta and look-ahead; it is saved under ``"releases"`` (the key is written only when there is
-    one, so a ledger without releases reads the same as before).
+    delta and look-ahead; it is saved under ``"releases"`` (written only when there is one).
+
+    Args:
+        accountant: ``"pld"`` (default) or ``"rdp"`` (:class:`~clipless.accounting.Accountant`).
+        neighbouring: ``"add_remove"`` (default) or ``"replace_one"``.
+        value_discretization_interval, orders: the accountant's settings.
+        metadata: any JSON-serialisable mapping stored with the ledger (dataset size, run
+            id...); ``None``: empty.
+
+    Raises:
+        ValueError, TypeError: a setting out of range or not among the choices.
     """
 
     def __init__(
@@ -318,7 +333,16 @@ class PrivacyLedger:
         return tuple(self._releases)
 
     def record_release(self, noise_multiplier: float, *, label: str | None = None) -> None:
-        """Record one Gaussian release of a statistic of the whole dataset (``q = 1``)."""
+        """Record one Gaussian release of a statistic of the whole dataset (``q = 1``).
+
+        Args:
+            noise_multiplier: the release's ``std / G``, in ``(0, inf]``.
+            label: what was released, stored with it (``None``: unlabelled).
+
+        Raises:
+            ValueError, TypeError: a multiplier of 0, negative or not a number; a label that is
+                not a str.
+        """
         sigma = _check_release(noise_multiplier, "noise_multiplier")
         if label is not None and not isinstance(label, str):
             raise TypeError(f"label must be a str or None; got {type(label).__name__}")
@@ -334,7 +358,16 @@ class PrivacyLedger:
         label: str | None = None,
         proven: bool = True,
     ) -> None:
-        """Append ``count`` Poisson-subsampled Gaussian steps (:func:`gaussian_step_event`)."""
+        """Append ``count`` Poisson-subsampled Gaussian steps (:func:`gaussian_step_event`).
+
+        Args:
+            noise_multiplier: every step's ``std / G``, in ``[0, inf]``.
+            sample_rate: the Poisson sampling probability ``q``, in ``(0, 1]``.
+            count: how many steps, an int ``>= 1``.
+            label: stored with the entry (steps with another label start a new entry).
+            proven: ``False`` for steps of a mode without a DP proof (:attr:`is_dp_guarantee`
+                is then ``False``).
+        """
         sigma = _check_noise_multiplier(noise_multiplier)
         q = _check_sample_rate(sample_rate)
         self._append(gaussian_step_event(sigma, q), count, label, proven, (sigma, q))
@@ -347,7 +380,16 @@ class PrivacyLedger:
         label: str | None = None,
         proven: bool = True,
     ) -> None:
-        """Append ``count`` steps of ``event`` (one step's ``dp_accounting`` event)."""
+        """Append ``count`` steps of ``event`` (one step's ``dp_accounting`` event).
+
+        Args:
+            event: one step's event (e.g. :meth:`clipless.mechanism.NoisePlan.dp_event`).
+            count, label, proven: as in :meth:`record`.
+
+        Raises:
+            TypeError: ``event`` not a ``DpEvent``.
+            ValueError: an event the ledger file cannot hold or the accountant cannot compose.
+        """
         if not isinstance(event, dp_event.DpEvent):
             raise TypeError(f"event must be a dp_accounting DpEvent; got {type(event).__name__}")
         event_to_dict(event)  # refuses what the file could not hold, before it is recorded
@@ -429,15 +471,27 @@ class PrivacyLedger:
         )
 
     def epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at ``delta``."""
+        """Epsilon spent so far at ``delta``.
+
+        Args:
+            delta: in ``(0, 1)``.
+        """
         return self._epsilon_of(self._groups(), _check_delta(delta))
 
     def get_epsilon(self, delta: float) -> float:
-        """Opacus's name for :meth:`epsilon` (``engine.accountant.get_epsilon(delta)``)."""
+        """Opacus's name for :meth:`epsilon` (``engine.accountant.get_epsilon(delta)``).
+
+        Args:
+            delta: in ``(0, 1)``.
+        """
         return self.epsilon(delta)
 
     def delta(self, epsilon: float) -> float:
-        """Delta spent so far at ``epsilon`` (1, a sound bound, where dp_accounting overflows)."""
+        """Delta spent so far at ``epsilon`` (1, a sound bound, where dp_accounting overflows).
+
+        Args:
+            epsilon: finite and ``>= 0``.
+        """
         acc = self._make_accountant()
         try:
             self._compose(acc, self._groups())
@@ -446,7 +500,12 @@ class PrivacyLedger:
             return 1.0
 
     def guarantee(self, delta: float, mechanism: str | None = None) -> PrivacyGuarantee:
-        """A frozen :class:`PrivacyGuarantee` for everything recorded so far."""
+        """A frozen :class:`PrivacyGuarantee` for everything recorded so far.
+
+        Args:
+            delta: the guarantee's delta, in ``(0, 1)``.
+            mechanism: the mechanism in words (``None``: described from the recorded events).
+        """
         groups = self._groups()
         params = {_gaussian_parameters(self._events[k]) for k in groups}
         sigmas = {p[0] for p in params if p is not None}
@@ -499,6 +558,17 @@ class PrivacyLedger:
         never decreases with more steps, and the computed epsilon is an upper bound on it, so
         "computed epsilon(m) <= budget" implies "true epsilon(n) <= budget" for every
         ``n <= m``.
+
+        Args:
+            epsilon_budget: the epsilon not to exceed, ``> 0``.
+            delta: in ``(0, 1)``.
+            noise_multiplier, sample_rate: the Gaussian step, when ``event`` is not given.
+            count: how many more steps, an int ``>= 1``.
+            event: the step's ``dp_accounting`` event (instead of the Gaussian's two numbers).
+
+        Raises:
+            TypeError: neither ``event`` nor both Gaussian numbers.
+            ValueError: an argument out of range or an event the accountant cannot compose.
         """
         budget = _check_epsilon(epsilon_budget, "epsilon_budget")
         d = _check_delta(delta)
@@ -619,7 +689,14 @@ class PrivacyLedger:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrivacyLedger:
-        """Rebuild a ledger from :meth:`to_dict` output; ``ValueError`` on a malformed one."""
+        """Rebuild a ledger from :meth:`to_dict` output.
+
+        Args:
+            data: a dictionary written by :meth:`to_dict` (a ledger file's JSON object).
+
+        Raises:
+            ValueError: a malformed ledger, another format, or an unsupported version.
+        """
         if not isinstance(data, Mapping):
             raise ValueError(f"privacy ledger must be a JSON object; got {type(data).__name__}")
         if data.get("format") != LEDGER_FORMAT:
@@ -717,9 +794,13 @@ class PrivacyLedger:
     def to_json(self, path: str | os.PathLike[str], *, mode: int | None = None) -> None:
         """Write the ledger to ``path`` atomically (temp file in the same directory, fsync,
         ``os.replace``): a crash leaves either the old file or the new one, never a torn one.
-        ``mode``: the file's permissions (default: those of the file it replaces, else what
-        ``open`` gives under the umask; ``clipless train`` and ``fit`` pass ``0o600``, like
-        every file of a run, and the optimizer's per-step writes then keep it)."""
+
+        Args:
+            path: the JSON file.
+            mode: the file's permissions (``None``: those of the file it replaces, else what
+                ``open`` gives under the umask; ``clipless train`` and ``fit`` pass ``0o600``,
+                and the optimizer's per-step writes then keep it).
+        """
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
         if mode is None:
             with contextlib.suppress(OSError):
@@ -728,7 +809,15 @@ class PrivacyLedger:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> PrivacyLedger:
-        """Read a ledger written by :meth:`to_json`; ``ValueError`` naming the file if malformed."""
+        """Read a ledger written by :meth:`to_json`.
+
+        Args:
+            path: the JSON file.
+
+        Raises:
+            ValueError: a malformed file (named).
+            OSError: a file that cannot be opened.
+        """
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
         try:
@@ -742,8 +831,15 @@ class PrivacyLedger:
 
     @classmethod
     def from_json_if_exists(cls, path: str | os.PathLike[str]) -> PrivacyLedger | None:
-        """:meth:`from_json`, or ``None`` when there is no file at ``path``. An unreadable file
-        is refused (``ValueError`` naming ``ledger_path``): it may record privacy already spent."""
+        """:meth:`from_json`, or ``None`` when there is no file at ``path``.
+
+        Args:
+            path: the ledger file.
+
+        Raises:
+            ValueError: an unreadable or malformed file (naming ``ledger_path``): it may record
+                privacy already spent.
+        """
         if not os.path.isfile(path):
             return None
         try:
@@ -768,6 +864,9 @@ class PrivacyLedger:
         the ledger of a new run started where a moved run's folder used to be. When both carry a
         ``metadata["run_id"]`` (``make_private`` sets one), they must be equal, which also tells
         apart two runs of one configuration.
+
+        Args:
+            other: the earlier ledger (a checkpoint's).
         """
         if (self.accountant, self.neighbouring) != (other.accountant, other.neighbouring):
             return False
@@ -792,9 +891,16 @@ class PrivacyLedger:
         The ledger file is the record of the privacy spent on the data. Overwriting it with a
         smaller ledger (a fresh run given an old run's ``ledger_path``, or a hand-written resume
         from a checkpoint older than the file) would forget spent steps; ``FileExistsError``.
-        ``engine.load_state_dict`` adopts such a file when it restores a checkpoint, and
-        :func:`clipless.training.fit` does the same. A check, not a lock: two runs must not
-        share one path.
+        ``engine.load_state_dict`` adopts such a file when it restores a checkpoint (the larger
+        ledger is kept), and :func:`clipless.training.fit` does the same; otherwise move the file
+        aside. A check, not a lock: two runs must not share one path.
+
+        Args:
+            path: the ledger file about to be written.
+
+        Raises:
+            FileExistsError: the file records more steps or releases than this ledger.
+            ValueError: an unreadable file there (it may record privacy already spent).
         """
         on_disk = PrivacyLedger.from_json_if_exists(path)
         if on_disk is None or not on_disk.records_more_than(self):
@@ -802,10 +908,8 @@ class PrivacyLedger:
         raise FileExistsError(
             f"ledger_path {os.fspath(path)!r} records {on_disk.steps} private steps and "
             f"{len(on_disk.releases)} release(s), more than this run's ledger ({self.steps} "
-            f"steps, {len(self.releases)} release(s)): writing it would forget privacy already "
-            "spent. To continue that run, restore its checkpoint with engine.load_state_dict "
-            "(the larger ledger is kept); otherwise move the file aside or pass another "
-            "ledger_path"
+            f"steps, {len(self.releases)} release(s)); restore that run's checkpoint to "
+            "continue it, or pass another ledger_path"
         )
 
     def __repr__(self) -> str:

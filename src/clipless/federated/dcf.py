@@ -367,21 +367,7 @@ def fss_publish(
     if any(lv.size and (int(lv.min()) < 0 or int(lv.max()) >= size) for lv in leaves):
         raise ValueError(f"leaf indices must lie in [0, {size}) (the public domain)")
     n_bits = domain_bits(size)
-    servers = [
-        ShareServer(
-            j,
-            2,
-            points.size,
-            noise_key=ustat.working_keys[j] if ustat.noise_sharing == "distributed" else None,
-        )
-        for j in range(2)
-    ]
-    if ustat.noise_sharing == "dealer":
-        flat_l, flat_i = _unique_nodes(noise_levels, noise_index)
-        dealer = NoiseDealer(ustat.working_keys[0], 2)
-        for srv, msg in zip(servers, dealer.messages(kind, param, flat_l, flat_i), strict=True):
-            ustat.traffic.dealer += len(msg)
-            srv.receive_noise(msg, flat_l, flat_i)
+    servers = fss_servers(ustat, points.size, kind, param, noise_levels, noise_index)
     # every owner generates its own keys; in one process the generation is batched (one
     # vectorised call: the keys are independent, so this is the same distribution) and the
     # bytes are still counted per owner and server
@@ -399,6 +385,47 @@ def fss_publish(
     for j, srv in enumerate(servers):
         keys = DcfKeys.from_bytes(b"".join(received[j]), j, n_bits)
         srv.add_plain(server_prefix_shares(keys, points))
+    return fss_combine(servers, ustat, kind, param, noise_levels, noise_index, matrix)
+
+
+def fss_servers(
+    ustat: UStat,
+    dim: int,
+    kind: NoiseKind,
+    param: NoiseParam,
+    noise_levels: NDArray[np.int64],
+    noise_index: NDArray[np.int64],
+) -> list[ShareServer]:
+    """The two servers of an in-process FSS release, for ``dim`` shares each, holding their
+    node-noise shares (``ustat``'s noise option; the dealer's bytes counted in its traffic)."""
+    servers = [
+        ShareServer(
+            j,
+            2,
+            dim,
+            noise_key=ustat.working_keys[j] if ustat.noise_sharing == "distributed" else None,
+        )
+        for j in range(2)
+    ]
+    if ustat.noise_sharing == "dealer":
+        flat_l, flat_i = _unique_nodes(noise_levels, noise_index)
+        dealer = NoiseDealer(ustat.working_keys[0], 2)
+        for srv, msg in zip(servers, dealer.messages(kind, param, flat_l, flat_i), strict=True):
+            ustat.traffic.dealer += len(msg)
+            srv.receive_noise(msg, flat_l, flat_i)
+    return servers
+
+
+def fss_combine(
+    servers: list[ShareServer],
+    ustat: UStat,
+    kind: NoiseKind,
+    param: NoiseParam,
+    noise_levels: NDArray[np.int64],
+    noise_index: NDArray[np.int64],
+    matrix: sp.spmatrix | None,
+) -> NDArray[np.int64]:
+    """The servers' published outputs (counted in ``ustat``'s traffic), combined."""
     outs = [srv.output(kind, param, noise_levels, noise_index, matrix) for srv in servers]
     ustat.traffic.servers += sum(8 * o.size for o in outs)
     return combine(outs)

@@ -89,7 +89,17 @@ def noise_parameter(
     """``(exact parameter, node variance, sensitivity)`` exactly as
     :func:`clipless.stats.tree.release_counts` computes them (Laplace scale
     ``Delta/epsilon`` rounded up by :func:`~clipless.stats.noise.conservative_scale`, or Gaussian
-    ``sigma^2 = Delta / (2 rho)``)."""
+    ``sigma^2 = Delta / (2 rho)``).
+
+    Args:
+        depth: the binary tree's depth ``L``.
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+        noise: ``"laplace"`` (needs ``epsilon``) or ``"gaussian"`` (needs ``rho``).
+        epsilon, rho: the budget of the chosen noise; the other is ``None``.
+
+    Raises:
+        ValueError: an unknown noise, or a budget that does not fit it.
+    """
     delta = tree_sensitivity(depth, neighbouring)
     if noise == "laplace":
         if rho is not None:
@@ -308,13 +318,36 @@ def federated_ecdf(
     where the central default may be the factorisation, ``"auto"`` is the ``k``-ary plan (the
     factorisation's dense integer map is not computed over shares).
 
-    ``owner_values[k]``: owner ``k``'s values. ``protocol``: ``"local"``, ``"shares"``
-    (``servers >= 2``) or ``"fss"`` (two servers). ``noise_sharing``: ``"dealer"`` or
-    ``"distributed"`` (:mod:`clipless.federated.ustat`). ``noise_keys``: the node-noise key(s)
-    (fresh when ``None``; give them to reproduce a release or to compare with the central one).
     The guarantee is that of :func:`clipless.stats.ecdf` with the same arguments against the
     coalitions listed for the chosen backend and noise option; with ``"distributed"`` the noise
     variance is ``servers`` times larger (and :attr:`DPECDF.variance` says so).
+
+    Args:
+        owner_values: ``owner_values[k]`` is owner ``k``'s values (finite reals; at least one
+            owner).
+        grid, epsilon, neighbouring, noise, rho, smoothing, consistency: as in
+            :func:`clipless.stats.ecdf`.
+        protocol: ``"local"`` (trusted curator), ``"shares"`` (additive secret sharing,
+            ``servers >= 2``) or ``"fss"`` (two servers, distributed comparison functions;
+            replace-one only).
+        servers: the number of non-colluding servers.
+        noise_sharing: ``"dealer"`` or ``"distributed"`` (:mod:`clipless.federated.ustat`
+            lists the coalitions each survives).
+        thresholds: strictly increasing grid indices for a pointwise query (binary tree);
+            ``None`` (default): the whole grid.
+        noise_keys: the node-noise key(s) (``None``: fresh; give them to reproduce a release
+            or to compare with the central one).
+        mechanism: ``"auto"``, ``"binary"`` or ``"k-ary"`` (above).
+        branching: ``k`` of the ``k``-ary tree (``None``: the plan's).
+
+    Returns:
+        A :class:`FederatedECDF`: the released counts and values, the whole-grid
+        :class:`~clipless.stats.DPECDF`, the traffic per role and the noise keys.
+
+    Raises:
+        ValueError: an option outside the accepted values, or options that do not go together
+            (``"fss"`` with other than 2 servers or with add/remove, ``"k-ary"`` with
+            ``thresholds``).
     """
     _check_options(protocol, servers, neighbouring, smoothing, mechanism)
     g = _as_grid(grid)

@@ -75,7 +75,16 @@ def tree_context(thresholds: object, statistic: str, shape: str = "") -> bytes:
     """The identity of one released tree: the statistic, a SHA-256 of the grid's thresholds
     (float64, little-endian) and the tree's ``shape`` (``""``: the binary tree; the ``k``-ary
     tree names its ``k`` and level shares, so that two shapes on one grid never share noise).
-    :func:`tree_key` binds a noise key to it."""
+    :func:`tree_key` binds a noise key to it.
+
+    Args:
+        thresholds: the grid's thresholds.
+        statistic: ``"ecdf"`` or ``"roc"``.
+        shape: the tree's shape (``""``: the binary tree).
+
+    Raises:
+        ValueError: another statistic.
+    """
     import hashlib
 
     if statistic not in ("ecdf", "roc"):
@@ -94,6 +103,13 @@ def tree_key(key: bytes, context: bytes) -> bytes:
     federated releases therefore derive the key of each tree from the caller's key and the
     tree's :func:`tree_context`: the same key gives the same noise for more thresholds of the
     same tree (free repeated queries) and independent noise for any other tree.
+
+    Args:
+        key: the caller's 16-byte noise key.
+        context: the tree's :func:`tree_context`.
+
+    Returns:
+        The tree's 16-byte node-noise key.
     """
     key = _check_key(key, "key")
     info = b"clipless.federated.tree/" + bytes(context)
@@ -102,7 +118,15 @@ def tree_key(key: bytes, context: bytes) -> bytes:
 
 def server_keys(key: bytes, servers: int) -> list[bytes]:
     """``servers`` distinct 16-byte keys derived from ``key`` (HKDF-SHA256, one ``info`` per
-    server): the keys of the ``"distributed"`` option from one secret, for reproducible runs."""
+    server): the keys of the ``"distributed"`` option from one secret, for reproducible runs.
+
+    Args:
+        key: the 16-byte secret.
+        servers: how many keys, an int ``>= 1``.
+
+    Raises:
+        ValueError: a key that is not 16 bytes, or ``servers`` below 1.
+    """
     key = _check_key(key, "key")
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
         raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
@@ -113,7 +137,30 @@ def server_keys(key: bytes, servers: int) -> list[bytes]:
     return out
 
 
-class NodeNoise:
+class _TreeNoise:
+    """A node-noise source: :meth:`nodes` gives chosen nodes' noise, a call the whole tree's
+    (``source(kind, param, depth)``: all ``2^(L+1) - 1`` nodes in level order, the form
+    :func:`clipless.stats.tree.release_counts` takes)."""
+
+    copies = 1
+    """Independent draws summed into each node's noise (its variance is ``copies`` times one
+    draw's): 1 for a :class:`NodeNoise`, ``m`` for :class:`SummedNoise` of ``m`` keys."""
+
+    def nodes(
+        self,
+        kind: NoiseKind,
+        param: Fraction | tuple[Fraction | None, ...],
+        levels: NDArray[np.int64],
+        index: NDArray[np.int64],
+    ) -> NDArray[np.int64]:
+        raise NotImplementedError
+
+    def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
+        levels, index = node_ids(depth)
+        return self.nodes(kind, param, levels, index)
+
+
+class NodeNoise(_TreeNoise):
     """Exact discrete Laplace / Gaussian noise for each tree node, derived from a 16-byte key.
 
     ``noise(kind, param, depth)`` returns the int64 noise of all ``2^(L+1) - 1`` nodes in level
@@ -127,11 +174,10 @@ class NodeNoise:
     noise kind and parameter and the node only, so a release on another grid (or a ROC curve
     next to an ECDF) with the same key and parameter carries the same noise, and the difference
     of the two releases is exact counts. Reuse a key only for more thresholds of the same tree.
-    """
 
-    copies = 1
-    """Independent draws summed into each node's noise (its variance is ``copies`` times one
-    draw's): 1 here, ``m`` for :class:`SummedNoise` of ``m`` keys."""
+    Args:
+        key: the secret 16-byte key.
+    """
 
     def __init__(self, key: bytes) -> None:
         self._key = _check_key(key, "key")
@@ -155,6 +201,11 @@ class NodeNoise:
         ``param`` is one exact parameter, or one per tree level (the ``k``-ary release's level
         budgets): node ``(l, j)`` then gets ``param[l mod 2^32]`` (the tag bits of
         :class:`TaggedNoise` stripped), exactly as if asked for with that one parameter.
+
+        Args:
+            kind: ``"laplace"`` or ``"gaussian"``.
+            param: the exact discrete Laplace scale or Gaussian ``sigma^2``, or one per level.
+            levels, index: the nodes' levels (0 = leaves) and indices within their level.
         """
         lev = np.asarray(levels, dtype=np.int64).ravel()
         idx = np.asarray(index, dtype=np.int64).ravel()
@@ -189,16 +240,15 @@ class NodeNoise:
                 out[k] = discrete_gaussian(None, 1, rng, sigma2=param)[0]
         return out
 
-    def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
-        levels, index = node_ids(depth)
-        return self.nodes(kind, param, levels, index)
 
-
-class SummedNoise:
+class SummedNoise(_TreeNoise):
     """The sum of several independent node-noise sources (the ``"distributed"`` option).
 
     Each source draws the full-scale noise, so a node's noise variance is :attr:`copies` (the
     number of sources) times one draw's; :func:`clipless.stats.tree.release_counts` reads it.
+
+    Args:
+        sources: the node-noise sources (one key each), at least one.
     """
 
     def __init__(self, sources: Sequence[NodeNoise]) -> None:
@@ -220,15 +270,16 @@ class SummedNoise:
             total = total + src.nodes(kind, param, levels, index)
         return total
 
-    def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
-        levels, index = node_ids(depth)
-        return self.nodes(kind, param, levels, index)
 
-
-class TaggedNoise:
+class TaggedNoise(_TreeNoise):
     """The noise of tree number ``tag`` of a source: node ``(l, j)`` is the source's node
     ``(l + tag * 2^32, j)``. Several trees released together (the two classes of a ROC curve)
-    thus get independent noise from one key (domain separation in the PRF input)."""
+    thus get independent noise from one key (domain separation in the PRF input).
+
+    Args:
+        source: the noise source of every tree.
+        tag: this tree's number, in ``[0, 2^31)``.
+    """
 
     def __init__(self, source: NodeNoise | SummedNoise, tag: int) -> None:
         if not 0 <= tag < (1 << 31):
@@ -247,7 +298,3 @@ class TaggedNoise:
         """The noise of this tree's nodes ``(levels[k], index[k])``, int64."""
         lev = np.asarray(levels, dtype=np.int64) + (self.tag << TAG_SHIFT)
         return self.source.nodes(kind, param, lev, index)
-
-    def __call__(self, kind: NoiseKind, param: Fraction, depth: int) -> NDArray[np.int64]:
-        levels, index = node_ids(depth)
-        return self.nodes(kind, param, levels, index)

@@ -55,7 +55,13 @@ def prg_bytes(seed: bytes, nbytes: int, nonce: int = 0) -> bytes:
 
 
 def prg_words(seed: bytes, n: int, nonce: int = 0) -> NDArray[np.uint64]:
-    """``n`` pseudorandom uniform words of ``Z_2^64`` (little-endian) from AES-128-CTR(seed)."""
+    """``n`` pseudorandom uniform words of ``Z_2^64`` (little-endian) from AES-128-CTR(seed).
+
+    Args:
+        seed: a 16-byte key.
+        n: how many words, ``>= 0``.
+        nonce: the counter block the keystream starts at.
+    """
     return np.frombuffer(prg_bytes(seed, 8 * n, nonce), dtype="<u8").astype(np.uint64)
 
 
@@ -75,6 +81,13 @@ def prf_words(key: bytes, inputs: NDArray[np.uint64]) -> NDArray[np.uint64]:
 
     ``inputs`` has shape ``(k, 2)`` (two 64-bit words = one 128-bit block) or ``(k,)`` (high
     word zero). Used for node-indexed noise shares: share of node ``x`` = ``F_seed(x)``.
+
+    Args:
+        key: a 16-byte key.
+        inputs: the blocks, shape ``(k, 2)`` or ``(k,)``.
+
+    Raises:
+        ValueError: ``inputs`` of another shape, or a key that is not 16 bytes.
     """
     arr = np.asarray(inputs, dtype=np.uint64)
     if arr.ndim == 1:
@@ -93,6 +106,10 @@ class AesCtrRandom(random.Random):
     randomness when ``key`` is uniform and secret. ``getrandbits(k)`` consumes ``ceil(k / 8)``
     bytes (little-endian, excess high bits dropped); ``randrange`` and ``randbytes`` are built on
     it, so :mod:`clipless.stats.noise`'s exact samplers run unchanged on top of it.
+
+    Args:
+        key: a 16-byte key (uniform and secret for the indistinguishability).
+        nonce: the counter block the keystream starts at.
     """
 
     _BUFFER = 4096

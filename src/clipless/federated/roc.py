@@ -43,7 +43,7 @@ from clipless.federated.ecdf import (
     tree_query,
 )
 from clipless.federated.noise import TAG_SHIFT, node_ids, tree_context
-from clipless.federated.ustat import NoiseSharing, Traffic, UStat, _unique_nodes, combine
+from clipless.federated.ustat import NoiseSharing, Traffic, UStat
 from clipless.stats.ecdf import Smoothing, _as_grid
 from clipless.stats.grid import Grid, tree_depth
 from clipless.stats.noise import to_fraction
@@ -108,9 +108,22 @@ def federated_roc(
     Laplace noise, or ``rho``-zCDP with ``noise="gaussian"`` (``epsilon=None``), split between
     the classes as :func:`clipless.stats.roc` does.
 
-    Returns a :class:`FederatedROC`: the :class:`~clipless.stats.DPROC` (``.roc``) and the
-    :class:`UStat` (``.ustat``, its ``traffic`` and ``noise_keys``); it still unpacks as the
-    pair ``(roc, ustat)``.
+    Args:
+        owner_scores, owner_labels: owner ``k``'s scores (finite) and 0/1 labels, one label per
+            score; the same number of owners (at least one) in both.
+        grid, epsilon, neighbouring, smoothing, consistency, noise, rho: as in
+            :func:`clipless.stats.roc`.
+        protocol, servers, noise_sharing, noise_keys: as in
+            :func:`~clipless.federated.federated_ecdf`.
+
+    Returns:
+        A :class:`FederatedROC`: the :class:`~clipless.stats.DPROC` (``.roc``) and the
+        :class:`UStat` (``.ustat``, its ``traffic`` and ``noise_keys``); it still unpacks as
+        the pair ``(roc, ustat)``.
+
+    Raises:
+        ValueError: an option outside the accepted values, owners that do not match, or
+            non-finite scores.
     """
     if protocol not in ("local", "shares", "fss"):
         raise ValueError(f"protocol must be 'local', 'shares' or 'fss', got {protocol!r}")
@@ -207,26 +220,11 @@ def _fss_roc(
 ) -> NDArray[np.int64]:
     from fractions import Fraction
 
-    from clipless.federated.dcf import domain_bits
-    from clipless.federated.ustat import NoiseDealer, ShareServer
+    from clipless.federated.dcf import domain_bits, fss_combine, fss_servers
 
     assert isinstance(param, Fraction)
     n_bits = domain_bits(points.size)
-    servers = [
-        ShareServer(
-            j,
-            2,
-            2 * points.size,
-            noise_key=ustat.working_keys[j] if ustat.noise_sharing == "distributed" else None,
-        )
-        for j in range(2)
-    ]
-    if ustat.noise_sharing == "dealer":
-        flat_l, flat_i = _unique_nodes(noise_levels, noise_index)
-        dealer = NoiseDealer(ustat.working_keys[0], 2)
-        for srv, msg in zip(servers, dealer.messages(noise, param, flat_l, flat_i), strict=True):
-            ustat.traffic.dealer += len(msg)
-            srv.receive_noise(msg, flat_l, flat_i)
+    servers = fss_servers(ustat, 2 * points.size, noise, param, noise_levels, noise_index)
     received: list[list[list[bytes]]] = [[[], []], [[], []]]  # [server][class]
     for lf, y in zip(leaves, labels, strict=True):
         for c in (0, 1):  # one key per value and class; beta hides the label
@@ -242,6 +240,4 @@ def _fss_roc(
             for c in (0, 1)
         ]
         srv.add_plain(np.concatenate(shares))
-    outs = [srv.output(noise, param, noise_levels, noise_index, matrix) for srv in servers]
-    ustat.traffic.servers += sum(8 * o.size for o in outs)
-    return combine(outs)
+    return fss_combine(servers, ustat, noise, param, noise_levels, noise_index, matrix)

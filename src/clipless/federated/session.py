@@ -346,7 +346,23 @@ def run_owner(
     labels: Sequence[int] | None = None,
 ) -> Counter:
     """Owner ``index``: send its share (or DCF key) of ``values`` to every server (for a ROC
-    session, of both classes' counts, so that the labels stay hidden)."""
+    session, of both classes' counts, so that the labels stay hidden).
+
+    Args:
+        session: the public session (:func:`make_session`, ``session.json``).
+        secret: this owner's secret (its link keys and TLS credentials).
+        index: this owner's index, from 0.
+        values: its finite values (one, unless the session has a public ``n_values``).
+        fault: a test hook (``"sleep"``, ``"tamper"``, ...); ``""``: none.
+        labels: with a ROC session, one 0/1 label per value.
+
+    Returns:
+        The bytes sent on each of its links (a :class:`~clipless.federated.transport.Counter`).
+
+    Raises:
+        ValueError: values that are not finite numbers, or more than one value where the
+            session's public ``n`` counts one per owner.
+    """
     from clipless.federated.ustat import owner_messages
 
     me: Party = ("owner", index)
@@ -404,7 +420,15 @@ def run_owner(
 
 
 def run_dealer(session: Session, secret: PartySecret) -> Counter:
-    """The noise dealer: node-noise shares for every node of the tree, to every server."""
+    """The noise dealer: node-noise shares for every node of the tree, to every server.
+
+    Args:
+        session: the public session.
+        secret: the dealer's secret (its link keys, TLS credentials and noise key).
+
+    Returns:
+        The bytes sent on each of its links.
+    """
     from clipless.federated.ustat import NoiseDealer
 
     me: Party = ("dealer", 0)
@@ -448,7 +472,18 @@ def run_server(
 
     Only authenticated input can end the run early (a well-signed malformed message, or two
     different messages from one party); an unauthenticated connection is dropped without
-    effect (:class:`_Inbox`), and a byte-identical replay of an accepted frame is ignored."""
+    effect (:class:`_Inbox`), and a byte-identical replay of an accepted frame is ignored.
+
+    Args:
+        session: the public session.
+        secret: this server's secret (its link keys and TLS credentials).
+        index: this server's index, from 0.
+        listener: the bound, listening socket at this server's address.
+        noise_key: with ``"distributed"``, this server's own 16-byte key (``None``: fresh).
+
+    Returns:
+        The bytes sent on each of its links.
+    """
     me: Party = ("server", index)
     keys = dict(secret.links)
     sid = bytes.fromhex(session.session_id)
@@ -603,7 +638,15 @@ def _server_output(
 
 
 def run_analyst(session: Session, secret: PartySecret) -> tuple[NDArray[np.int64], Counter]:
-    """Ask every server for its share; sum them (or raise the error a server reports)."""
+    """Ask every server for its share; sum them (or raise the error a server reports).
+
+    Args:
+        session: the public session.
+        secret: the analyst's secret (its link keys and TLS credentials).
+
+    Returns:
+        ``(output, traffic)``: the released integer vector and the bytes sent on its links.
+    """
     from clipless.federated.ustat import combine
 
     me: Party = ("analyst", 0)
@@ -693,11 +736,34 @@ def make_session(
     nothing of the noise; ``noise_keys`` is then refused (reproducible server keys are given to
     the servers themselves: :func:`simulate`'s ``noise_keys``, ``serve --noise-key-file``).
 
-    ``statistic``: ``"ecdf"`` or ``"roc"`` (owners hold scores and 0/1 labels; whole grid).
-    ``mechanism``: ``"auto"`` (default) releases a whole-grid ECDF with the central default's
-    ``k``-ary plan (:func:`~clipless.stats.counting.counting_plan`, fixed here and written into
-    the public session as ``"kary"``); ``"binary"``, a ROC curve or ``points`` use the binary
-    tree."""
+    Args:
+        protocol: ``"shares"`` (``servers >= 2``) or ``"fss"`` (two servers, replace-one).
+        owners: the number of data owners, ``>= 1``.
+        servers: the number of servers.
+        size: the number of grid thresholds, evenly spaced on ``[lower, upper]``.
+        epsilon: the budget for Laplace noise (``None`` with ``noise="gaussian"``).
+        noise_sharing: ``"dealer"`` or ``"distributed"`` (above).
+        lower, upper: the grid's ends (public, chosen without the data).
+        points: grid indices of a pointwise query (binary tree); ``None``: the whole grid.
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+        noise: ``"laplace"`` or ``"gaussian"``.
+        rho: the zCDP budget for Gaussian noise.
+        timeout: seconds each party waits for a message, in ``(0, MAX_TIMEOUT]``.
+        noise_keys: the dealer's key ``[K]`` (``None``: fresh); refused with ``"distributed"``.
+        n_values: the public total number of values under replace-one (``None``: one value per
+            owner); must be ``None`` under add/remove, where it is private.
+        statistic: ``"ecdf"`` or ``"roc"`` (owners hold scores and 0/1 labels; whole grid).
+        mechanism: ``"auto"`` (default) releases a whole-grid ECDF with the central default's
+            ``k``-ary plan (:func:`~clipless.stats.counting.counting_plan`, fixed here and
+            written into the public session as ``"kary"``); ``"binary"``, a ROC curve or
+            ``points`` use the binary tree.
+
+    Returns:
+        ``(session, secrets)``: the public session and each party's secret, by party name.
+
+    Raises:
+        ValueError: an option outside the accepted values, or options that do not go together.
+    """
     if mechanism not in ("auto", "binary", "k-ary"):
         raise ValueError(f"mechanism must be 'auto', 'binary' or 'k-ary', got {mechanism!r}")
     if statistic not in ("ecdf", "roc"):
@@ -799,9 +865,8 @@ def _check_release(
         raise ValueError(f"n_values must be an integer >= 1 or None; got {n_values!r}")
     if n_values is not None and neighbouring == "add_remove":
         raise ValueError(
-            "n_values must be None under neighbouring='add_remove': add/remove neighbours differ "
-            "in the number of values, so it is private (the release is normalised by its noisy "
-            "total instead); a public n is for 'replace_one'"
+            "n_values must be None under neighbouring='add_remove', where the number of values "
+            "is private (the release is normalised by its noisy total)"
         )
     if isinstance(timeout, bool) or not (
         isinstance(timeout, int | float) and 0 < timeout <= MAX_TIMEOUT
@@ -820,10 +885,9 @@ def _check_release(
 def _check_noise_sharing(noise_sharing: str, noise_keys: Sequence[bytes] | None) -> None:
     if noise_sharing == "distributed" and noise_keys is not None:
         raise ValueError(
-            "noise_keys must be None with noise_sharing='distributed': each server draws "
-            "its own noise key when it serves, so that no single party (the one running "
-            "init included) knows the noise; give reproducible keys to the servers "
-            "themselves (simulate(noise_keys=...) or serve --noise-key-file)"
+            "noise_keys must be None with noise_sharing='distributed', where each server draws "
+            "its own key (give reproducible keys to simulate(noise_keys=...) or serve "
+            "--noise-key-file)"
         )
     if noise_sharing == "dealer":
         _check_noise_keys(noise_keys, 1)
@@ -876,17 +940,31 @@ def simulate(
 ) -> SimulationResult:
     """Run one release with every party a separate process on 127.0.0.1.
 
-    ``owner_labels`` (0/1, one per value) with ``statistic="roc"``: the ROC release of
-    :func:`clipless.federated.federated_roc` over TCP (result in :attr:`SimulationResult.roc`).
+    Args:
+        protocol: ``"shares"`` or ``"fss"`` (:func:`~clipless.federated.federated_ecdf`).
+        owner_values: ``owner_values[k]`` is owner ``k``'s values.
+        servers: the number of server processes.
+        size: the number of grid thresholds on ``[lower, upper]`` (:func:`make_session`).
+        epsilon: the budget for Laplace noise (``None`` with ``noise="gaussian"`` and ``rho``).
+        spawn: ``"fork"`` or ``"subprocess"`` (each party a ``clipless federated`` command).
+        faults: for tests, ``{"owner 2": "die" | "sleep" | "tamper" | "short" | "stranger"}``.
+        kill_server: for tests, SIGKILL that server once every process has started.
+        smoothing, consistency: the post-processing, as in :func:`clipless.stats.ecdf`.
+        owner_labels: with ``statistic="roc"``, owner ``k``'s 0/1 labels, one per value: the
+            ROC release of :func:`clipless.federated.federated_roc` over TCP (result in
+            :attr:`SimulationResult.roc`).
+        session_kwargs: :func:`make_session`'s options. ``noise_keys`` (reproducible runs):
+            ``[K]`` for the dealer, or with ``noise_sharing="distributed"`` one distinct key
+            per server, handed to that server only (:func:`server_noise_key`), never written
+            into a session's secrets.
 
-    ``noise_keys`` (in ``session_kwargs``, for reproducible runs): ``[K]`` for the dealer, or
-    with ``noise_sharing="distributed"`` one distinct key per server, handed to that server
-    only (as its own key, :func:`server_noise_key`), never written into a session's secrets.
+    Returns:
+        The :class:`SimulationResult`: the release, the bytes each role sent and the wall time.
 
-    ``faults`` (tests): ``{"owner 2": "die" | "sleep" | "tamper" | "short" | "stranger"}``;
-    ``kill_server``: SIGKILL that server once every process has started. Raises the
-    :class:`FederatedError` subclass naming the failing party (the analyst's, which carries
-    what the servers saw).
+    Raises:
+        FederatedError: the subclass naming the failing party (the analyst's carries what the
+            servers saw).
+        ValueError: an option outside the accepted values.
     """
     if spawn not in ("fork", "subprocess"):
         raise ValueError(f"spawn must be 'fork' or 'subprocess', got {spawn!r}")

@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 Protocol = Literal["shares", "fss"]
 Statistic = Literal["ecdf", "roc"]
@@ -45,6 +45,7 @@ SECRET_FORMAT = "clipless-federated-secret/2"
 #: The largest per-phase timeout (30 days): every deadline (at most now + 2 timeout + 5 s) stays
 #: far inside what socket timeouts and ``select`` can represent (1e12 s overflowed).
 MAX_TIMEOUT = 30 * 86400
+_T = TypeVar("_T")
 
 _CHOICES = {
     "protocol": ("shares", "fss"),
@@ -260,30 +261,27 @@ def _versioned(doc: object, fmt: str, what: str) -> dict[str, Any]:
     raise ValueError(f"{what}: format {found!r} is not {fmt!r} (not a {what} file, or newer?)")
 
 
-def _read(path: str | Path, flag: str) -> object:
+def _load(path: str | Path, flag: str, parse: Callable[[object], _T]) -> _T:
+    """``parse`` of the JSON file at ``path``; a ``ValueError`` names the file (``flag``)."""
     try:
-        return json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ValueError(f"{flag} {str(path)!r}: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{flag} {str(path)!r} is not a JSON file ({exc})") from None
+    try:
+        return parse(data)
+    except ValueError as exc:
+        if str(exc).startswith(flag):
+            raise
+        raise ValueError(f"{flag} {str(path)!r}: {exc}") from None
 
 
 def load_session(path: str | Path, flag: str = "session") -> Session:
     """The session in a file ``init`` wrote; ``ValueError`` names the file and the problem."""
-    try:
-        return Session.from_json(_read(path, flag))
-    except ValueError as exc:
-        if str(exc).startswith(flag):
-            raise
-        raise ValueError(f"{flag} {str(path)!r}: {exc}") from None
+    return _load(path, flag, Session.from_json)
 
 
 def load_secret(path: str | Path, flag: str = "--secret") -> PartySecret:
     """A party's secret from a file ``init`` wrote; ``ValueError`` names the file."""
-    try:
-        return PartySecret.from_json(_read(path, flag))
-    except ValueError as exc:
-        if str(exc).startswith(flag):
-            raise
-        raise ValueError(f"{flag} {str(path)!r}: {exc}") from None
+    return _load(path, flag, PartySecret.from_json)

@@ -94,7 +94,11 @@ def _as_ring(values: ArrayLike, name: str) -> NDArray[np.uint64]:
 
 
 def combine(shares: Sequence[NDArray[np.uint64]]) -> NDArray[np.int64]:
-    """Sum of shares modulo ``2^64``, read as signed int64."""
+    """Sum of shares modulo ``2^64``, read as signed int64.
+
+    Args:
+        shares: every server's output share (equal lengths, at least one).
+    """
     total = np.zeros_like(np.asarray(shares[0], dtype=np.uint64))
     for s in shares:
         total = total + np.asarray(s, dtype=np.uint64)
@@ -118,7 +122,16 @@ def owner_messages(
     contribution: ArrayLike, servers: int, seeds: Sequence[bytes] | None = None
 ) -> list[bytes]:
     """The ``m`` messages of one owner: ``m - 1`` seeds (16 bytes each) and the explicit last
-    share (``8 d`` bytes, little-endian ``uint64``)."""
+    share (``8 d`` bytes, little-endian ``uint64``).
+
+    Args:
+        contribution: the owner's integer vector ``u`` (length ``d``), read in ``Z_2^64``.
+        servers: ``m >= 2``.
+        seeds: the ``m - 1`` 16-byte seeds (``None``: fresh).
+
+    Raises:
+        ValueError: fewer than 2 servers or a wrong number of seeds.
+    """
     u = _as_ring(np.ravel(contribution), "contribution")
     if servers < 2:
         raise ValueError(f"servers must be >= 2 for secret sharing, got {servers}")
@@ -136,7 +149,13 @@ def _node_blocks(levels: NDArray[np.int64], index: NDArray[np.int64]) -> NDArray
 
 
 class NoiseDealer:
-    """The ``"dealer"`` option: holds the node-noise key, hands out noise shares once."""
+    """The ``"dealer"`` option: holds the node-noise key, hands out noise shares once.
+
+    Args:
+        key: the 16-byte node-noise key (:class:`~clipless.federated.NodeNoise`).
+        servers: ``m``, the number of servers.
+        seeds: the ``m - 1`` 16-byte seeds of servers ``0..m-2`` (``None``: fresh).
+    """
 
     def __init__(self, key: bytes, servers: int, seeds: Sequence[bytes] | None = None) -> None:
         self.noise = NodeNoise(key)
@@ -163,8 +182,16 @@ class NoiseDealer:
 class ShareServer:
     """Server ``index`` of ``servers``: sums owner shares, holds its share of the node noise.
 
-    ``noise_key`` (``"distributed"``): this server's own node-noise key. Otherwise call
-    :meth:`receive_noise` with the dealer's message for the nodes it will need.
+    Args:
+        index: this server's index, in ``[0, servers)``.
+        servers: ``m``, the number of servers.
+        dim: the length ``d`` of the owners' vectors.
+        noise_key: with ``"distributed"``, this server's own node-noise key; otherwise
+            ``None``, and :meth:`receive_noise` is given the dealer's message for the nodes it
+            will need.
+
+    Raises:
+        ValueError: an index outside ``[0, servers)``.
     """
 
     index: int
@@ -280,9 +307,22 @@ class Traffic:
 class UStat:
     """The thesis's ``UStat`` operation with a ``"local"`` or ``"shares"`` backend.
 
-    ``noise_keys``: one 16-byte key (``"local"``, or ``"shares"`` with ``"dealer"``) or ``m``
-    keys (``"distributed"``); fresh random keys when ``None``. The backend and the noise
-    option decide which coalitions the DP guarantee survives (module docstring).
+    The backend and the noise option decide which coalitions the DP guarantee survives (module
+    docstring).
+
+    Args:
+        backend: ``"local"`` (trusted curator) or ``"shares"`` (additive secret sharing).
+        servers: the number of servers, ``>= 2`` for ``"shares"`` (1 for ``"local"``).
+        noise_sharing: ``"dealer"`` (one noise key) or ``"distributed"`` (one per server, the
+            noise summed); ``"local"`` always uses a dealer.
+        noise_keys: one 16-byte key (``"local"``, or ``"shares"`` with ``"dealer"``) or
+            ``servers`` distinct keys (``"distributed"``); fresh random keys when ``None``.
+        tree: the released tree's :func:`~clipless.federated.noise.tree_context`, which the
+            keys are bound to (``None``: the keys are used as given).
+
+    Raises:
+        ValueError, TypeError: an unknown backend or noise option, too few servers, or keys of
+            the wrong number, length or type, or repeated.
     """
 
     def __init__(
@@ -350,9 +390,13 @@ class UStat:
     ) -> NDArray[np.int64]:
         """``M sum_i u_i + (sum of the noise of the nodes named in each row)``, int64.
 
-        ``contributions``: one integer vector ``u_i`` per owner (same length ``d``);
-        ``noise_levels``/``noise_index``: shape ``(d_out, k)``; ``matrix``: public integer
-        ``d_out x d`` map (``None`` = identity).
+        Args:
+            contributions: one integer vector ``u_i`` per owner (same length ``d``).
+            kind: ``"laplace"`` or ``"gaussian"``.
+            param: the exact noise parameter, or one per tree level.
+            noise_levels, noise_index: the nodes whose noise each output row sums, shape
+                ``(d_out, k)``.
+            matrix: the public integer ``d_out x d`` map ``M`` (``None``: the identity).
         """
         if len(contributions) == 0:
             raise ValueError("contributions must hold at least one owner's vector")

@@ -469,9 +469,12 @@ def convert(
     Args:
         model: any :class:`torch.nn.Module`.
         input_norm: ``max_norm`` of the leading ``InputNorm`` to insert (the certified input bound
-            ``X_0``: every sample is projected onto the L2 ball of that radius). Required when the
-            model does not already start with an ``InputNorm``; when it does, it must be ``None``
-            or equal to that ``max_norm``.
+            ``X_0``: every sample is projected onto the L2 ball of that radius, which makes
+            ``X_0`` the bound :mod:`clipless.bounds` propagates). Choose it from public knowledge
+            of the data (e.g. ``sqrt(#features)`` for features scaled to ``[-1, 1]``); a radius
+            below the data's norms shrinks those samples. Required when the model does not
+            already start with an ``InputNorm``; when it does, it must be ``None`` or equal to
+            that ``max_norm``.
         strict: raise :class:`TypeError` listing everything that could not be converted (as
             :func:`clipless.nn.validate` does). With ``strict=False`` the report lists them and the
             unconvertible modules are kept (deep-copied) in the returned model, which then does
@@ -502,11 +505,9 @@ def convert(
     else:
         if input_norm is None:
             raise ValueError(
-                "the model does not start with a clipless.nn.InputNorm, so convert needs "
-                "input_norm=X0: every input sample is projected onto the L2 ball of radius X0, "
-                "which makes X0 the certified input bound that clipless.bounds propagates. "
-                "Choose it from public knowledge of the data (e.g. sqrt(#features) for features "
-                "scaled to [-1, 1]); a radius below the data's norms shrinks those samples"
+                "input_norm=X0 is required when the model does not start with a "
+                "clipless.nn.InputNorm: the certified bound on every input's L2 norm, from public "
+                "knowledge (e.g. sqrt(#features) for features in [-1, 1])"
             )
         norm = InputNorm(input_norm)
         converter.record(

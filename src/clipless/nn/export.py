@@ -12,6 +12,7 @@ outputs agree to the last bit where torch offers no exact equivalent and to roun
 from __future__ import annotations
 
 import copy
+from typing import TypeVar
 
 import torch
 
@@ -137,6 +138,19 @@ class PlainResidual(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"
+
+
+_Plain = TypeVar("_Plain", torch.nn.Linear, torch.nn.Conv2d)
+
+
+def with_copies(plain: _Plain, weight: torch.Tensor, bias: torch.Tensor | None) -> _Plain:
+    """``plain`` (a fresh torch layer of the same shape) holding copies of ``weight`` and
+    ``bias``: the vanilla export of :class:`clipless.nn.Linear` and :class:`clipless.nn.Conv2d`."""
+    with torch.no_grad():
+        plain.weight.copy_(weight)
+        if bias is not None and plain.bias is not None:
+            plain.bias.copy_(bias.detach())
+    return plain
 
 
 def vanilla_export(model: torch.nn.Module) -> torch.nn.Module:

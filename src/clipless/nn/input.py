@@ -94,10 +94,8 @@ class InputNorm(LipschitzModule):
             )
         if (whiten is None) != (whiten_noise is None):
             raise ValueError(
-                "whiten and whiten_noise go together: whiten comes from "
-                "clipless.features.whitening of a clipless.features.release_channel_moment "
-                "release, and whiten_noise is the noise multiplier of that release, which the "
-                "privacy engine accounts for"
+                "whiten and whiten_noise go together: whiten is clipless.features.whitening of a "
+                "release_channel_moment release and whiten_noise that release's noise multiplier"
             )
         if center is not None and (
             not isinstance(center, torch.Tensor) or not bool(torch.isfinite(center).all())

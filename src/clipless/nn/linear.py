@@ -9,6 +9,7 @@ from clipless import _certified, _validate, norms
 from clipless.nn import _checks, _scaled
 from clipless.nn._base import ParametricLipschitzModule
 from clipless.nn._functional import norm_upper, round_up, sample_norms_upper
+from clipless.nn.export import with_copies
 
 __all__ = ["Linear"]
 
@@ -137,11 +138,7 @@ class Linear(ParametricLipschitzModule):
             device=w.device,
             dtype=w.dtype,
         )
-        with torch.no_grad():
-            plain.weight.copy_(w)
-            if self.bias is not None and plain.bias is not None:
-                plain.bias.copy_(self.bias.detach())
-        return plain
+        return with_copies(plain, w, self.bias)
 
     def extra_repr(self) -> str:
         return (

@@ -34,6 +34,12 @@ def foreign_hooks(module: torch.nn.Module) -> list[str]:
     A forward hook can change the module's output (``o * 10`` multiplies every later gradient by
     10), so a hooked layer no longer computes the function its bound certifies. The hooks that
     :func:`clipless.make_private` places (``clipless._hooks._Hook``) are not counted.
+
+    Args:
+        module: the module whose own hooks are listed.
+
+    Returns:
+        One phrase per kind of foreign hook (e.g. ``"a forward-pre hook"``); empty when none.
     """
     placed = _Hook
     return [
@@ -54,6 +60,9 @@ def validate(module: torch.nn.Module) -> None:
     if it has trainable parameters of its own, is a :class:`~clipless.nn.ParametricLipschitzModule`
     (whose ``gradient_bounds`` covers them). All descendants are checked, including the children
     of clipless containers and of non-clipless modules.
+
+    Args:
+        module: the model (or any module) to check.
 
     Raises:
         TypeError: listing every offending module path (``<root>`` for ``module`` itself), its type

@@ -73,7 +73,7 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.stats import chi2
 
 from clipless import _validate
-from clipless.stats.ecdf import DPECDF, ecdf
+from clipless.stats.ecdf import DPECDF, _binary_labels, _record_vector, ecdf
 from clipless.stats.grid import Grid
 from clipless.stats.noise import conservative_scale, discrete_laplace, resolve_rng, to_fraction
 from clipless.stats.tree import Neighbouring, _check_neighbouring, tree_sensitivity
@@ -94,33 +94,23 @@ _DEFAULT_GRID_SIZE = 1024
 class HLResult:
     """A released (DP) Hosmer-Lemeshow test.
 
-    Attributes
-    ----------
-    statistic:
-        ``H`` computed from the noisy table (eq. 6.5.1), denominators floored at
-        ``min_expected``.
-    p_value:
-        ``chi2.sf(statistic, dof)`` (plug-in: ignores the DP noise).
-    dof:
-        ``Q - 2``.
-    boundaries:
-        ``Q + 1`` group edges ``[0, t_1, ..., t_{Q-1}, 1]``; group ``q`` is ``(t_{q-1}, t_q]``
-        (the first also takes everything ``<= t_1``, the last everything ``> t_{Q-1}``).
-    observed, expected:
-        ``(Q, 2)`` noisy tables; column 0 = negatives (``O_0q``, ``E_0q``), column 1 = positives
-        (``O_1q``, ``E_1q``).
-    epsilon:
-        Total budget; ``epsilon = epsilon_ecdf + epsilon_groups``.
-    epsilon_ecdf, epsilon_groups:
-        The split (Algorithm 10 line 3): ``Delta_F epsilon'`` and ``Delta_G epsilon'``.
-    neighbouring, binning, split:
-        As passed to :func:`hosmer_lemeshow`.
-    noise_scale:
-        Laplace scale of every table entry, in counts (``1/epsilon'``, rounded up).
-    min_expected:
-        The floor of the denominators.
-    ecdf:
-        The DP ECDF of the probabilities used for the boundaries (``None`` for uniform bins).
+    Attributes:
+        statistic: ``H`` computed from the noisy table (eq. 6.5.1), denominators floored at
+            ``min_expected``.
+        p_value: ``chi2.sf(statistic, dof)`` (plug-in: ignores the DP noise).
+        dof: ``Q - 2``.
+        boundaries: ``Q + 1`` group edges ``[0, t_1, ..., t_{Q-1}, 1]``; group ``q`` is
+            ``(t_{q-1}, t_q]`` (the first also takes everything ``<= t_1``, the last everything
+            ``> t_{Q-1}``).
+        observed, expected: ``(Q, 2)`` noisy tables; column 0 = negatives (``O_0q``, ``E_0q``),
+            column 1 = positives (``O_1q``, ``E_1q``).
+        epsilon: total budget; ``epsilon = epsilon_ecdf + epsilon_groups``.
+        epsilon_ecdf, epsilon_groups: the split (Algorithm 10 line 3): ``Delta_F epsilon'`` and
+            ``Delta_G epsilon'``.
+        neighbouring, binning, split: as passed to :func:`hosmer_lemeshow`.
+        noise_scale: laplace scale of every table entry, in counts (``1/epsilon'``, rounded up).
+        min_expected: the floor of the denominators.
+        ecdf: the DP ECDF of the probabilities used for the boundaries (``None`` for uniform bins).
     """
 
     statistic: float
@@ -156,6 +146,10 @@ class HLResult:
         recomputes ``H``; the p-value is ``(1 + #{H_sim >= H}) / (1 + draws)``. An
         approximation (the released ``E`` stand in for the true ones), but unlike
         :attr:`p_value` it does not read DP noise as miscalibration.
+
+        Args:
+            draws: the number of simulated statistics, a positive int.
+            seed: seeds the simulation (public: it reads no data).
         """
         if not _validate.is_int(draws) or draws < 1:
             raise ValueError(f"draws must be a positive int, got {draws!r}")
@@ -190,33 +184,12 @@ class HLResult:
 def _probabilities_labels(
     probabilities: ArrayLike, labels: ArrayLike, allow_empty: bool = False
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
-    try:
-        p = np.asarray(probabilities, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"probabilities must be an array of real numbers: {exc}") from None
-    if p.ndim != 1:
-        raise ValueError(f"probabilities must be one-dimensional, got shape {p.shape}")
-    if p.size == 0 and not allow_empty:  # add/remove: released like any other dataset
-        raise ValueError(
-            "probabilities must be non-empty under replace_one (n = 0 is public there)"
-        )
+    p = _record_vector("probabilities", probabilities, allow_empty)
     if not np.all(np.isfinite(p)) or np.any((p < -_P_SLACK) | (p > 1 + _P_SLACK)):
         raise ValueError("probabilities must be finite and within [0, 1]")
     # a sigmoid's rounding (1 + 2^-52) is not an error in the data: clip it
     p = np.clip(p, 0.0, 1.0)
-    y = np.asarray(labels)
-    if y.ndim != 1 or y.size != p.size:
-        raise ValueError(
-            f"labels must be one-dimensional with the length of probabilities ({p.size}), "
-            f"got shape {y.shape}"
-        )
-    if y.dtype != bool and not (
-        np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)
-    ):
-        raise TypeError(f"labels must be 0/1 or booleans, got dtype {y.dtype}")
-    if not np.all((y == 0) | (y == 1)):
-        raise ValueError("labels must be 0 or 1 (negative/positive)")
-    return p, (y == 1).astype(np.int64)
+    return p, _binary_labels(labels, p.size, "probabilities").astype(np.int64)
 
 
 def _check_groups(groups: int) -> int:
@@ -262,30 +235,19 @@ def hosmer_lemeshow(
 ) -> HLResult:
     """DP Hosmer-Lemeshow test (thesis Algorithm 10, Theorem 6.5.1): ``epsilon``-DP.
 
-    Parameters
-    ----------
-    probabilities:
-        Predicted probabilities of the positive class, within [0, 1].
-    labels:
-        0/1 (or booleans), same length.
-    epsilon:
-        Total budget ``> 0``, split as in Algorithm 10 (module docstring).
-    groups:
-        ``Q >= 3`` (the thesis uses 10).
-    neighbouring:
-        ``"replace_one"`` (the thesis's setting) or ``"add_remove"``.
-    rng:
-        :class:`random.Random`; default a cryptographically secure source.
-    grid:
-        Public grid for the ECDF of the probabilities (default ``Grid(0, 1, size=1024)``,
-        ``L = 10``); its resolution bounds that of the group boundaries.
-    binning:
-        ``"quantile"`` (thesis: DP deciles of risk) or ``"uniform"`` (public bins ``q/Q``).
-    split:
-        ``"thesis"`` (8 group statistics charged, Theorem 6.5.1) or ``"tight"`` (the exact L1
-        sensitivity of the group table, 4; proof in the module docstring).
-    min_expected:
-        ``> 0``: floor of the denominators ``E`` in the statistic (post-processing).
+    Args:
+        probabilities: predicted probabilities of the positive class, within [0, 1].
+        labels: 0/1 (or booleans), same length.
+        epsilon: total budget ``> 0``, split as in Algorithm 10 (module docstring).
+        groups: ``Q >= 3`` (the thesis uses 10).
+        neighbouring: ``"replace_one"`` (the thesis's setting) or ``"add_remove"``.
+        rng: :class:`random.Random`; default a cryptographically secure source.
+        grid: public grid for the ECDF of the probabilities (default ``Grid(0, 1, size=1024)``,
+            ``L = 10``); its resolution bounds that of the group boundaries.
+        binning: ``"quantile"`` (thesis: DP deciles of risk) or ``"uniform"`` (public bins ``q/Q``).
+        split: ``"thesis"`` (8 group statistics charged, Theorem 6.5.1) or ``"tight"`` (the exact L1
+            sensitivity of the group table, 4; proof in the module docstring).
+        min_expected: ``> 0``: floor of the denominators ``E`` in the statistic (post-processing).
 
     The plug-in :attr:`HLResult.p_value` ignores the noise; at moderate ``epsilon`` prefer
     :meth:`HLResult.noise_aware_p_value` (post-processing, no extra budget).
@@ -380,6 +342,17 @@ def nonprivate_hosmer_lemeshow(
     usual deciles of risk: the records sorted by probability and split into ``groups`` groups of
     (almost) equal size. With ``boundaries`` (the ``Q - 1`` inner edges, or the ``Q + 1`` edges
     of :attr:`HLResult.boundaries`) the groups are ``(t_{q-1}, t_q]``, as in the DP test.
+
+    Args:
+        probabilities: predicted probabilities of the positive class, within [0, 1].
+        labels: 0/1 (or booleans), same length.
+        groups: ``Q >= 3``.
+        boundaries: the group edges (``None``: deciles of risk).
+        min_expected: floor of the denominators ``E`` in the statistic.
+
+    Returns:
+        ``(statistic, p_value)``, the p-value from a chi-squared law with ``Q - 2`` degrees of
+        freedom.
     """
     p, y = _probabilities_labels(probabilities, labels)
     Q = _check_groups(groups)

@@ -78,6 +78,23 @@ class HorizonExceededError(RuntimeError):
 class ContinualCounter:
     """Release the running count of a stream after every element (thesis Theorem 6.3.2).
 
+    Args:
+        epsilon: pure DP budget (``> 0``) for ``noise="laplace"``; ``None`` for Gaussian noise.
+        horizon: the most elements the stream may have (the tree covers them), ``>= 1``.
+        noise: ``"laplace"`` (discrete Laplace, ``epsilon``-DP) or ``"gaussian"`` (discrete
+            Gaussian, ``rho``-zCDP).
+        neighbouring: ``"add_remove"`` (default) or ``"replace_one"``; one changed element
+            moves a suffix of the running counts either way.
+        rng: :class:`random.Random`; default a cryptographically secure source.
+        rho: zCDP budget for Gaussian noise.
+        bound: the largest value of one element (elements are ints in ``[0, bound]``).
+        mechanism: ``"binary"`` (the tree, default) or ``"factorization"`` (square-root
+            factorisation, Gaussian only).
+
+    Raises:
+        ValueError: a horizon or bound below 1, an unknown noise or mechanism, or a budget that
+            does not fit the noise.
+
     >>> from clipless.stats import seeded_rng
     >>> c = ContinualCounter(epsilon=1e9, horizon=4, rng=seeded_rng(0))
     >>> [c.update(x) for x in (1, 0, 1, 1)]
@@ -193,8 +210,18 @@ class ContinualCounter:
         return out
 
     def update(self, x: int) -> int | float:
-        """Feed one element ``x in {0, ..., bound}``; return the released running count
-        (an int for ``"binary"``, a float for ``"factorization"``)."""
+        """Feed one element and return the released running count.
+
+        Args:
+            x: the element, an int in ``[0, bound]`` (a bool counts as 0 / 1).
+
+        Returns:
+            The noisy running count: an int for ``"binary"``, a float for ``"factorization"``.
+
+        Raises:
+            TypeError, ValueError: ``x`` not an int in ``[0, bound]``.
+            HorizonExceededError: the stream is longer than ``horizon``.
+        """
         if isinstance(x, bool):
             x = int(x)
         if not isinstance(x, (int, np.integer)):

@@ -76,27 +76,52 @@ __all__ = ["DPECDF", "Smoothing", "ecdf", "from_release", "release_accuracy"]
 Smoothing = Literal["isotonic", "l1", "l2"]
 
 
-def _as_values(values: ArrayLike, allow_empty: bool = False) -> NDArray[np.float64]:
-    """One record per entry. ``allow_empty``: under add/remove the size is private, so an empty
-    dataset must be released like any other (an error would tell it from a one-record one)."""
+def _record_vector(name: str, values: ArrayLike, allow_empty: bool) -> NDArray[np.float64]:
+    """``values`` as float64, one record per entry. ``allow_empty``: under add/remove the size is
+    private, so an empty dataset must be released like any other (an error would tell it from a
+    one-record one)."""
     try:
         arr = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"values must be an array of real numbers: {exc}") from None
+        raise TypeError(f"{name} must be an array of real numbers: {exc}") from None
     if arr.ndim != 1:
         # flattening would count a d-column row as d records: d times the declared epsilon
         raise ValueError(
-            f"values must be one-dimensional (one value per record), got shape {arr.shape}"
+            f"{name} must be one-dimensional (one value per record), got shape {arr.shape}"
         )
     if arr.size == 0 and not allow_empty:
         raise ValueError(
-            "values must be non-empty under replace_one (n = 0 is public there; under "
+            f"{name} must be non-empty under replace_one (n = 0 is public there; under "
             "add_remove an empty dataset is released)"
         )
-    if np.any(np.isnan(arr)):
-        # +-inf are clamped to the grid's ends like every value outside it; NaN has no place
-        raise ValueError("values must be numbers (no NaN; +-inf are clamped to the grid)")
     return arr
+
+
+def _as_values(
+    values: ArrayLike, allow_empty: bool = False, name: str = "values"
+) -> NDArray[np.float64]:
+    """:func:`_record_vector` without NaN (``+-inf`` are clamped to the grid's ends like every
+    value outside it)."""
+    arr = _record_vector(name, values, allow_empty)
+    if np.any(np.isnan(arr)):
+        raise ValueError(f"{name} must be numbers (no NaN; +-inf are clamped to the grid)")
+    return arr
+
+
+def _binary_labels(labels: ArrayLike, n: int, of: str) -> NDArray[np.bool_]:
+    """``labels`` (0/1 or booleans, one per entry of ``of``, of length ``n``) as ``label == 1``."""
+    y = np.asarray(labels)
+    if y.ndim != 1 or y.size != n:
+        raise ValueError(
+            f"labels must be one-dimensional with the length of {of} ({n}), got shape {y.shape}"
+        )
+    if y.dtype != bool and not (
+        np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)
+    ):
+        raise TypeError(f"labels must be 0/1 or booleans, got dtype {y.dtype}")
+    if not np.all((y == 0) | (y == 1)):
+        raise ValueError("labels must be 0 or 1 (negative/positive)")
+    return np.asarray(y == 1, dtype=np.bool_)
 
 
 def _as_grid(grid: Grid | ArrayLike) -> Grid:
@@ -109,28 +134,20 @@ def _as_grid(grid: Grid | ArrayLike) -> Grid:
 class DPECDF:
     """A released DP empirical CDF: the values at the thresholds of a public grid.
 
-    Attributes
-    ----------
-    grid:
-        The public thresholds ``tau_1 < ... < tau_N``.
-    values:
-        Released ``F(tau_i)``, float64 (not necessarily monotone or within [0, 1] unless
-        smoothed).
-    counts:
-        Released noisy prefix counts before normalisation (the plain or consistent estimate).
-    epsilon, rho:
-        The guarantee: ``epsilon``-DP (Laplace noise) or ``rho``-zCDP (Gaussian noise).
-    neighbouring:
-        ``"replace_one"`` or ``"add_remove"``.
-    n:
-        The normaliser: the public size (replace-one) or the private released total.
-    n_private:
-        Whether :attr:`n` is a released (noisy) quantity.
-    variance:
-        Exact per-threshold variance of :attr:`counts` (the noise is public knowledge).
-    release:
-        The underlying :class:`~clipless.stats.tree.TreeRelease` (``mechanism="binary"``) or
-        :class:`~clipless.stats.counting.CountRelease` (``"k-ary"``, ``"factorization"``).
+    Attributes:
+        grid: the public thresholds ``tau_1 < ... < tau_N``.
+        values: released ``F(tau_i)``, float64 (not necessarily monotone or within [0, 1] unless
+            smoothed).
+        counts: released noisy prefix counts before normalisation (the plain or consistent
+            estimate).
+        epsilon, rho: the guarantee: ``epsilon``-DP (Laplace noise) or ``rho``-zCDP (Gaussian
+            noise).
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+        n: the normaliser: the public size (replace-one) or the private released total.
+        n_private: whether :attr:`n` is a released (noisy) quantity.
+        variance: exact per-threshold variance of :attr:`counts` (the noise is public knowledge).
+        release: the underlying :class:`~clipless.stats.tree.TreeRelease` (``mechanism="binary"``)
+            or :class:`~clipless.stats.counting.CountRelease` (``"k-ary"``, ``"factorization"``).
     """
 
     grid: Grid
@@ -150,7 +167,11 @@ class DPECDF:
     def evaluate(self, t: ArrayLike) -> Any:
         """The released step function: ``F`` at the largest threshold ``<= t``; 0 below ``tau_1``.
 
-        Scalar in, float out; array in, array out.
+        Args:
+            t: a point or an array of points (not NaN).
+
+        Returns:
+            A float for a scalar ``t``, an array for an array.
         """
         arr = np.asarray(t, dtype=np.float64)
         if np.any(np.isnan(arr)):
@@ -171,6 +192,12 @@ class DPECDF:
         up-crossing of ``p``; the running maximum makes the answer the *first* one, a
         deterministic choice (exactly Algorithm 9 applied to the monotone envelope). If ``p`` is
         never reached, ``tau_N`` is returned (the bisection's upper end). Post-processing.
+
+        Args:
+            p: a level or an array of levels, each in ``[0, 1]``.
+
+        Returns:
+            A threshold (float) for a scalar ``p``, an array for an array.
         """
         arr = np.asarray(p, dtype=np.float64)
         if np.any(~np.isfinite(arr)) or np.any((arr < 0) | (arr > 1)):
@@ -207,6 +234,12 @@ class DPECDF:
         noise-only band: it ignores the smoothing (the unweighted isotonic projection of the
         ``k``-ary tree cannot increase the error) and, under add/remove, the noise in the
         released normaliser.
+
+        Args:
+            z: the band's half-width in standard deviations, finite and ``>= 0``.
+
+        Returns:
+            ``(lower, upper)``, one value per threshold.
         """
         if not math.isfinite(z) or z < 0:
             raise ValueError(f"z must be a finite number >= 0, got {z!r}")
@@ -222,10 +255,15 @@ class DPECDF:
     ) -> Axes:
         """Step plot of the released function; returns the Axes.
 
-        ``band``: shade :meth:`band` (``+-1.96`` sd of the noise, a noise-only band).
-        ``true_values``: raw (non-private!) data whose exact ECDF at the same thresholds is drawn
-        for comparison, e.g. in benchmarks. Uses the object-oriented matplotlib API (no pyplot
-        state), so it works with the Agg backend.
+        Uses the object-oriented matplotlib API (no pyplot state), so it works with the Agg
+        backend.
+
+        Args:
+            ax: the Axes to draw on (``None``: a new figure's).
+            true_values: raw (non-private!) data whose exact ECDF at the same thresholds is
+                drawn for comparison, e.g. in benchmarks (``None``: not drawn).
+            band: shade :meth:`band` (``+-1.96`` sd of the noise, a noise-only band).
+            kwargs: passed to the step plot of the released function.
         """
         if ax is None:
             from matplotlib.figure import Figure
@@ -278,58 +316,45 @@ def ecdf(
     Laplace or Gaussian noise (CKS 2020), least-squares consistency (Hay et al. 2010), smoothing
     (section 6.3.2). The whole output is ``epsilon``-DP (or ``rho``-zCDP).
 
-    Parameters
-    ----------
-    values:
-        The private data, finite reals; clamped to ``[tau_1, tau_N]``.
-    grid:
-        A :class:`~clipless.stats.grid.Grid` (or explicit thresholds), chosen without the data.
-    epsilon:
-        ``> 0``, for Laplace noise; ``None`` with ``noise="gaussian"`` and ``rho``.
-    neighbouring:
-        ``"replace_one"`` (``n`` public) or ``"add_remove"`` (``n`` private, estimated by the
-        released total, see the module docstring).
-    smoothing:
-        ``"isotonic"`` (the default: pool-adjacent-violators on the values, weighted by the
-        inverse variances); ``"l1"``/``"l2"``: the thesis's problem 6.3.6 over tree corrections;
-        ``None``: the raw (consistent) values, which the noise can make non-monotone and push
-        outside [0, 1]. Smoothed values are non-decreasing within [0, 1]. The default is
-        ``"isotonic"`` because a released CDF should be monotone, and smoothing is
-        post-processing of the noisy release: it costs no privacy. ``clipless ecdf`` and
-        :func:`clipless.stats.roc` use the same default.
-    noise:
-        ``"laplace"`` (pure DP) or ``"gaussian"`` (zCDP, needs ``rho``).
-    consistency:
-        Use the least-squares prefix counts (about half the variance of the thesis's plain
-        release; the default). ``False`` reproduces the thesis's estimator. Combines with every
-        smoothing (``"l1"``/``"l2"`` then solve problem 6.3.6 on the consistent counts).
-    n:
-        Under ``replace_one``, the public size; must equal ``len(values)`` (defaults to it).
-        Not allowed under ``add_remove``, where the size is private.
-    rng:
-        :class:`random.Random`; default a cryptographically secure source.
-    rho:
-        zCDP budget for Gaussian noise.
-    mechanism:
-        The counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default): the one with
-        the smallest exact error at this grid size, relation and budget
-        (:func:`~clipless.stats.counting.default_mechanism`; under pure DP the ``k``-ary tree of
-        :func:`~clipless.stats.counting.counting_plan`, the flat histogram included). ``"binary"``:
-        the thesis's tree (reproduces the thesis; with ``consistency=False`` its plain estimator).
-        ``"k-ary"``: consistent ``k``-ary tree with optimised level budgets. ``"factorization"``:
-        square-root factorisation (Gaussian only). ``"smooth-binary"``: the smooth binary mechanism
-        (Andersson & Pagh 2023), the same variance at every threshold. All use exact discrete noise.
-        ``docs/statistics.md`` says which to choose.
-    branching:
-        ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size and budget).
-    node_noise:
-        Optional keyed node-noise source replacing ``rng`` (:class:`clipless.federated.
-        NodeNoise` or ``SummedNoise``; :func:`~clipless.stats.counting.release_prefix_counts`).
-        The federated releases compute the ``"binary"`` or the ``"k-ary"`` tree, so with
-        ``node_noise`` ``"auto"`` resolves to ``"k-ary"`` with the plan of
-        :func:`~clipless.stats.counting.counting_plan` (under zCDP also where the central
-        default is the factorisation; with ``consistency=False`` to ``"binary"``); other
-        mechanisms are refused.
+    Args:
+        values: the private data, finite reals; clamped to ``[tau_1, tau_N]``.
+        grid: a :class:`~clipless.stats.grid.Grid` (or explicit thresholds), chosen without the
+            data.
+        epsilon: ``> 0``, for Laplace noise; ``None`` with ``noise="gaussian"`` and ``rho``.
+        neighbouring: ``"replace_one"`` (``n`` public) or ``"add_remove"`` (``n`` private, estimated
+            by the released total, see the module docstring).
+        smoothing: ``"isotonic"`` (the default: pool-adjacent-violators on the values, weighted by
+            the inverse variances); ``"l1"``/``"l2"``: the thesis's problem 6.3.6 over tree
+            corrections; ``None``: the raw (consistent) values, which the noise can make
+            non-monotone and push outside [0, 1]. Smoothed values are non-decreasing within [0, 1].
+            The default is ``"isotonic"`` because a released CDF should be monotone, and smoothing
+            is post-processing of the noisy release: it costs no privacy. ``clipless ecdf`` and
+            :func:`clipless.stats.roc` use the same default.
+        noise: ``"laplace"`` (pure DP) or ``"gaussian"`` (zCDP, needs ``rho``).
+        consistency: use the least-squares prefix counts (about half the variance of the thesis's
+            plain release; the default). ``False`` reproduces the thesis's estimator. Combines with
+            every smoothing (``"l1"``/``"l2"`` then solve problem 6.3.6 on the consistent counts).
+        n: under ``replace_one``, the public size; must equal ``len(values)`` (defaults to it). Not
+            allowed under ``add_remove``, where the size is private.
+        rng: :class:`random.Random`; default a cryptographically secure source.
+        rho: zCDP budget for Gaussian noise.
+        mechanism: the counting mechanism (:mod:`clipless.stats.counting`). ``"auto"`` (default):
+            the one with the smallest exact error at this grid size, relation and budget
+            (:func:`~clipless.stats.counting.default_mechanism`; under pure DP the ``k``-ary tree of
+            :func:`~clipless.stats.counting.counting_plan`, the flat histogram included).
+            ``"binary"``: the thesis's tree (reproduces the thesis; with ``consistency=False`` its
+            plain estimator). ``"k-ary"``: consistent ``k``-ary tree with optimised level budgets.
+            ``"factorization"``: square-root factorisation (Gaussian only). ``"smooth-binary"``: the
+            smooth binary mechanism (Andersson & Pagh 2023), the same variance at every threshold.
+            All use exact discrete noise. ``docs/statistics.md`` says which to choose.
+        branching: ``k`` for ``"k-ary"`` (default: the exact optimum for this grid size and budget).
+        node_noise: optional keyed node-noise source replacing ``rng`` (:class:`clipless.federated.
+            NodeNoise` or ``SummedNoise``; :func:`~clipless.stats.counting.release_prefix_counts`).
+            The federated releases compute the ``"binary"`` or the ``"k-ary"`` tree, so with
+            ``node_noise`` ``"auto"`` resolves to ``"k-ary"`` with the plan of
+            :func:`~clipless.stats.counting.counting_plan` (under zCDP also where the central
+            default is the factorisation; with ``consistency=False`` to ``"binary"``); other
+            mechanisms are refused.
 
     >>> from clipless.stats import Grid, seeded_rng
     >>> F = ecdf([0.1, 0.4, 0.4, 0.9], Grid(0, 1, size=11), epsilon=1e9, rng=seeded_rng(0))
@@ -399,7 +424,13 @@ def ecdf(
 
 def poisson_dataset(lam: float, size: int = 1 << 15, seed: int = 0) -> NDArray[np.float64]:
     """The thesis's ``X_pois(lambda)`` (section 6.6.2): for each ``i in 1..size``,
-    ``Pois(lambda)`` instances with value ``i``. Grid: ``Grid(1, size, size=size)``."""
+    ``Pois(lambda)`` instances with value ``i``. Grid: ``Grid(1, size, size=size)``.
+
+    Args:
+        lam: the Poisson mean ``lambda`` of every value's count.
+        size: the number of distinct values ``1..size``.
+        seed: seeds NumPy's generator (public synthetic data).
+    """
     reps = np.random.default_rng(seed).poisson(lam, size)
     return np.repeat(np.arange(1, size + 1, dtype=np.float64), reps)
 
@@ -414,9 +445,17 @@ def from_release(
 ) -> DPECDF:
     """Post-process a tree release into a :class:`DPECDF` (no privacy cost).
 
-    ``n`` is the public size (replace-one); ``None`` normalises by the released total
-    ``max(P_N, 1)`` (add/remove, where the size is private). Used by :func:`ecdf` and by
-    :func:`clipless.stats.roc` for each class.
+    Used by :func:`ecdf` and by :func:`clipless.stats.roc` for each class.
+
+    Args:
+        release: the noisy prefix counts (:func:`~clipless.stats.counting.release_prefix_counts`).
+        grid: the grid the release counted on.
+        n: the public size (replace-one); ``None`` normalises by the released total
+            ``max(P_N, 1)`` (add/remove, where the size is private).
+        smoothing: ``"isotonic"``, ``"l1"``, ``"l2"`` or ``None`` (as in :func:`ecdf`; the
+            default here is none).
+        consistency: use the least-squares prefix counts of a :class:`TreeRelease` (a
+            :class:`CountRelease`'s are least squares already).
     """
     if isinstance(release, CountRelease):
         counts = np.array(release.prefix_counts, dtype=np.float64)
@@ -498,10 +537,19 @@ def release_accuracy(
 ) -> dict[str, float]:
     """Measured mean squared error of ``F`` at the thresholds, for each release variant.
 
-    Returns ``{"plain": ..., "consistent": ..., "plain+isotonic": ..., ...}``: the average over
-    ``repeats`` releases (seeded, reproducible) of ``mean_i (F_hat(tau_i) - F(tau_i))^2``,
-    plus ``"plain_exact"``/``"consistent_exact"``: the exact noise-only values for
-    ``replace_one`` (``mean_i Var_i / n^2``). Non-private evaluation tool (it reads the data).
+    Non-private evaluation tool (it reads the data).
+
+    Args:
+        values, grid, epsilon, neighbouring: as in :func:`ecdf`.
+        repeats: how many releases are averaged.
+        seed: seeds the releases' noise (reproducible).
+        smoothing: the smoothings compared, each with and without consistency.
+
+    Returns:
+        ``{"plain": ..., "consistent": ..., "plain+isotonic": ..., ...}``: the average over the
+        releases of ``mean_i (F_hat(tau_i) - F(tau_i))^2``, plus ``"plain_exact"`` /
+        ``"consistent_exact"``: the exact noise-only values for ``replace_one``
+        (``mean_i Var_i / n^2``).
     """
     data = _as_values(values)
     g = _as_grid(grid)

@@ -45,15 +45,20 @@ def _validate_thresholds(thresholds: NDArray[np.float64], name: str) -> None:
 class Grid:
     """A public, data-independent, strictly increasing set of thresholds.
 
-    Exactly one of ``size`` and ``precision`` is given:
-
-    * ``size``: ``numpy.linspace(lower, upper, size)`` (``scale="linear"``) or
-      ``numpy.geomspace(lower, upper, size)`` (``scale="log"``, needs ``lower > 0``);
-    * ``precision``: ``lower, lower + precision, lower + 2 precision, ...`` up to ``upper``
-      (linear), or ``lower, lower * (1 + precision), ...`` up to ``upper`` (log: relative
-      precision, as the thesis's ``exp(psi z)`` grid).
-
     Never derive ``lower``/``upper`` from the private data (see the module docstring).
+
+    Args:
+        lower, upper: the first and last thresholds (finite; ``lower > 0`` for a log grid).
+        size: the number of thresholds, 1 to ``10**8``: ``numpy.linspace(lower, upper, size)``
+            (linear) or ``numpy.geomspace(lower, upper, size)`` (log).
+        precision: instead of ``size``, the spacing ``> 0``: ``lower, lower + precision, ...``
+            up to ``upper`` (linear), or ``lower, lower * (1 + precision), ...`` (log: relative
+            precision, as the thesis's ``exp(psi z)`` grid).
+        scale: ``"linear"`` or ``"log"``.
+
+    Raises:
+        ValueError: both or neither of ``size`` and ``precision``, bounds out of order, or a
+            grid of more than ``10**8`` thresholds.
 
     >>> g = Grid(0.0, 1.0, size=5)
     >>> g.thresholds.tolist(), len(g), g.depth
@@ -117,7 +122,15 @@ class Grid:
 
     @classmethod
     def from_thresholds(cls, thresholds: ArrayLike | Sequence[float]) -> Grid:
-        """A grid from an explicit, public list of strictly increasing finite thresholds."""
+        """A grid from an explicit, public list of strictly increasing finite thresholds.
+
+        Args:
+            thresholds: one or more finite thresholds, strictly increasing.
+
+        Raises:
+            TypeError: thresholds that are not real numbers.
+            ValueError: thresholds that are empty, not finite, or not strictly increasing.
+        """
         try:
             arr = np.asarray(thresholds, dtype=np.float64)
         except (TypeError, ValueError) as exc:

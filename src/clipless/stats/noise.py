@@ -86,7 +86,11 @@ def secure_rng() -> random.Random:
 
 
 def seeded_rng(seed: int) -> random.Random:
-    """A reproducible source for tests and examples. **Not** cryptographically secure."""
+    """A reproducible source for tests and examples. **Not** cryptographically secure.
+
+    Args:
+        seed: the seed of the :class:`random.Random` (anyone who knows it knows the draws).
+    """
     seed = _validate.integer("seed", seed)
     return random.Random(int(seed))
 
@@ -104,7 +108,17 @@ def resolve_rng(rng: random.Random | None) -> random.Random:
 
 
 def to_fraction(value: RealLike, name: str, *, positive: bool = True) -> Fraction:
-    """Exact conversion of an int, float or Fraction to a Fraction (validating it)."""
+    """Exact conversion of an int, float or Fraction to a Fraction (validating it).
+
+    Args:
+        value: an int, a finite float or a :class:`~fractions.Fraction` (NumPy scalars too).
+        name: the argument's name, for the error.
+        positive: refuse a value ``<= 0``.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: not finite, or ``<= 0`` with ``positive``.
+    """
     if not _validate.is_real(value):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if isinstance(value, (float, np.floating)):
@@ -129,6 +143,13 @@ def conservative_scale(scale: Fraction, bits: int = 61) -> Fraction:
     ``b' >= Delta/epsilon`` gives privacy loss ``Delta/b' <= epsilon``, so the guarantee is kept
     (the release records the scale actually used). E.g. ``epsilon = 0.01`` as a float is
     ``5764607523034235 / 2**59``, and ``16 / epsilon`` has a 64-bit numerator.
+
+    Args:
+        scale: the exact scale (a Laplace ``b`` or a Gaussian ``sigma^2``), ``> 0``.
+        bits: the largest numerator and denominator size the sampler takes.
+
+    Raises:
+        ValueError: a scale too large for the exact sampler (a budget too small).
     """
     limit = 1 << bits
     if scale.numerator < limit and scale.denominator < limit:
@@ -390,14 +411,10 @@ def discrete_laplace(
     CKS 2020 Algorithm 2. Adding ``discrete_laplace(Delta / epsilon)`` to an integer query of
     L1 sensitivity ``Delta`` is ``epsilon``-DP (CKS 2020, section 2.2 / Ghosh et al. 2009).
 
-    Parameters
-    ----------
-    scale:
-        ``> 0``; an int, a :class:`~fractions.Fraction`, or a float (converted exactly).
-    size:
-        Output shape.
-    rng:
-        A :class:`random.Random`; ``None`` uses :func:`secure_rng`.
+    Args:
+        scale: ``> 0``; an int, a :class:`~fractions.Fraction`, or a float (converted exactly).
+        size: output shape.
+        rng: a :class:`random.Random`; ``None`` uses :func:`secure_rng`.
 
     >>> discrete_laplace(2, 5, seeded_rng(0)).dtype
     dtype('int64')
@@ -428,6 +445,16 @@ def discrete_gaussian(
     an integer vector query of L2 sensitivity ``Delta_2`` is ``Delta_2^2/(2 sigma^2)``-zCDP
     (CKS 2020, Theorem 14 / Corollary 9). The variance is at most ``sigma^2``
     (:func:`discrete_gaussian_variance`).
+
+    Args:
+        sigma: ``> 0``; an int, a :class:`~fractions.Fraction`, or a float (converted exactly);
+            ``None`` when ``sigma2`` is given.
+        size: output shape.
+        rng: a :class:`random.Random`; ``None`` uses :func:`secure_rng`.
+        sigma2: the exact variance parameter ``sigma^2`` instead of ``sigma``.
+
+    Raises:
+        ValueError: both or neither of ``sigma`` and ``sigma2``, or one that is not ``> 0``.
     """
     if (sigma is None) == (sigma2 is None):
         raise ValueError("give exactly one of sigma and sigma2")
@@ -483,7 +510,12 @@ def discrete_laplace_variance(scale: RealLike) -> float:
 
 
 def discrete_laplace_pmf(k: NDArray[np.int64] | int, scale: RealLike) -> NDArray[np.float64]:
-    """``P(Z = k) = (1 - q) / (1 + q) q^|k|``, ``q = exp(-1/scale)``."""
+    """``P(Z = k) = (1 - q) / (1 + q) q^|k|``, ``q = exp(-1/scale)``.
+
+    Args:
+        k: the integer(s) whose probability is returned.
+        scale: the discrete Laplace scale, ``> 0``.
+    """
     x = 1.0 / float(to_fraction(scale, "scale"))
     kk = np.abs(np.asarray(k, dtype=np.float64))
     return np.asarray(-math.expm1(-x) / (1.0 + math.exp(-x)) * np.exp(-x * kk))
@@ -495,7 +527,12 @@ def _gaussian_support(s2: float) -> NDArray[np.float64]:
 
 
 def discrete_gaussian_pmf(k: NDArray[np.int64] | int, sigma2: RealLike) -> NDArray[np.float64]:
-    """``P(Z = k)`` for the discrete Gaussian with variance parameter ``sigma2``."""
+    """``P(Z = k)`` for the discrete Gaussian with variance parameter ``sigma2``.
+
+    Args:
+        k: the integer(s) whose probability is returned.
+        sigma2: the variance parameter ``sigma^2``, ``> 0``.
+    """
     s2 = float(to_fraction(sigma2, "sigma2"))
     support = _gaussian_support(s2)
     norm = float(np.exp(-(support**2) / (2 * s2)).sum())

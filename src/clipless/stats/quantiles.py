@@ -95,9 +95,18 @@ def quantiles(
 ) -> QuantileRelease:
     """Release the ``qs``-quantiles of ``values`` on a public ``grid`` from one DP CDF.
 
-    Parameters are those of :func:`~clipless.stats.ecdf.ecdf`; ``qs`` is a list of levels in
-    ``[0, 1]`` (any number of them, the budget is the same). The default mechanism is the
-    consistent ``k``-ary tree (the most accurate exact-noise CDF, ``docs/statistics.md``).
+    The default mechanism is the consistent ``k``-ary tree (the most accurate exact-noise CDF,
+    ``docs/statistics.md``); the quantiles are post-processing of the CDF.
+
+    Args:
+        values, grid, epsilon, neighbouring: as in :func:`~clipless.stats.ecdf.ecdf`.
+        qs: the levels, each in ``[0, 1]`` (any number of them: the budget is the same).
+        noise, rho, mechanism, branching, smoothing, rng: as in
+            :func:`~clipless.stats.ecdf.ecdf`.
+
+    Returns:
+        A :class:`QuantileRelease`: the levels, the released values (grid thresholds) and the
+        CDF they were read from.
 
     >>> from clipless.stats import Grid, seeded_rng
     >>> r = quantiles(range(1, 101), Grid(1, 100, size=100), [0.25, 0.5], 1e9, rng=seeded_rng(0))
@@ -130,8 +139,20 @@ def rank_error(
 
     For level ``q`` and released value ``v``: the distance from the target rank ``q n`` to the
     interval ``[#{x < v}, #{x <= v}]`` of ranks that ``v`` occupies (0 when ``v`` is an exact
-    ``q``-quantile, also with ties). ``released`` is a :class:`QuantileRelease` (its levels are
-    used; ``qs``, if given, must equal them) or an array of values with their levels ``qs``.
+    ``q``-quantile, also with ties).
+
+    Args:
+        values: the data the quantiles were released from.
+        released: a :class:`QuantileRelease`, or an array of released values.
+        qs: the levels of an array ``released`` (required then); with a
+            :class:`QuantileRelease`, omitted or equal to its levels.
+
+    Returns:
+        The rank error of every level, in counts.
+
+    Raises:
+        TypeError: an array ``released`` without ``qs``.
+        ValueError: ``qs`` that differ from the release's levels, or of another shape.
     """
     data = np.sort(np.asarray(values, dtype=np.float64).ravel())
     if isinstance(released, QuantileRelease):

@@ -53,7 +53,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from clipless import _validate
 from clipless.stats.counting import CountRelease, Mechanism, release_prefix_counts
-from clipless.stats.ecdf import DPECDF, Smoothing, from_release
+from clipless.stats.ecdf import DPECDF, Smoothing, _as_values, _binary_labels, from_release
 from clipless.stats.grid import Grid
 from clipless.stats.noise import resolve_rng, to_fraction
 from clipless.stats.tree import (
@@ -73,21 +73,16 @@ __all__ = ["DPROC", "nonprivate_roc", "roc"]
 class DPROC:
     """A released DP ROC curve (thesis section 6.5.1).
 
-    Attributes
-    ----------
-    thresholds:
-        The public grid thresholds ``tau_1 < ... < tau_N``.
-    fpr, tpr:
-        ``1 - F_0(tau_i)`` and ``1 - F_1(tau_i)``: the rates of "score > tau_i" among the
-        negatives and the positives. Non-increasing in ``i`` and within [0, 1] when smoothed.
-    negatives, positives:
-        The two class-conditional releases (:class:`~clipless.stats.ecdf.DPECDF`; each with its
-        own component guarantee, see the module docstring).
-    epsilon, rho:
-        The guarantee of the whole release: ``epsilon``-DP (Laplace) or ``rho``-zCDP (Gaussian)
-        under ``neighbouring``.
-    neighbouring, smoothing:
-        As passed to :func:`roc`.
+    Attributes:
+        thresholds: the public grid thresholds ``tau_1 < ... < tau_N``.
+        fpr, tpr: ``1 - F_0(tau_i)`` and ``1 - F_1(tau_i)``: the rates of "score > tau_i" among the
+            negatives and the positives. Non-increasing in ``i`` and within [0, 1] when smoothed.
+        negatives, positives: the two class-conditional releases
+            (:class:`~clipless.stats.ecdf.DPECDF`; each with its own component guarantee, see the
+            module docstring).
+        epsilon, rho: the guarantee of the whole release: ``epsilon``-DP (Laplace) or ``rho``-zCDP
+            (Gaussian) under ``neighbouring``.
+        neighbouring, smoothing: as passed to :func:`roc`.
     """
 
     thresholds: NDArray[np.float64] = field(repr=False)
@@ -120,8 +115,14 @@ class DPROC:
     def band(self, z: float = 1.96) -> dict[str, NDArray[np.float64]]:
         """Half-widths ``z sd`` of the noise in :attr:`fpr` and :attr:`tpr` at each threshold.
 
-        ``{"fpr": ..., "tpr": ...}``, from the public variances of the two class-conditional
-        releases (:meth:`~clipless.stats.ecdf.DPECDF.band`): a noise-only band.
+        From the public variances of the two class-conditional releases
+        (:meth:`~clipless.stats.ecdf.DPECDF.band`): a noise-only band.
+
+        Args:
+            z: the half-width in standard deviations, finite and ``>= 0``.
+
+        Returns:
+            ``{"fpr": ..., "tpr": ...}``, one half-width per threshold.
         """
         lo_neg, hi_neg = self.negatives.band(z)
         lo_pos, hi_pos = self.positives.band(z)
@@ -136,10 +137,15 @@ class DPROC:
     ) -> Axes:
         """Plot the released curve (and the chance diagonal); returns the Axes.
 
-        ``band``: shade ``tpr -+ 1.96`` sd (vertical) and ``fpr -+ 1.96`` sd (horizontal) at
-        the grid thresholds (:meth:`band`, noise-only). ``true_curve``: an ``(fpr, tpr)`` pair
-        drawn for comparison, e.g. the non-private curve from :func:`nonprivate_roc` in a
-        benchmark. Object-oriented matplotlib (no pyplot).
+        Object-oriented matplotlib (no pyplot).
+
+        Args:
+            ax: the Axes to draw on (``None``: a new figure's).
+            true_curve: an ``(fpr, tpr)`` pair drawn for comparison, e.g. the non-private curve
+                from :func:`nonprivate_roc` in a benchmark (``None``: not drawn).
+            band: shade ``tpr -+ 1.96`` sd (vertical) and ``fpr -+ 1.96`` sd (horizontal) at
+                the grid thresholds (:meth:`band`, noise-only).
+            kwargs: passed to the plot of the released curve.
         """
         if ax is None:
             from matplotlib.figure import Figure
@@ -176,30 +182,8 @@ class DPROC:
 def _scores_labels(
     scores: ArrayLike, labels: ArrayLike, allow_empty: bool = False
 ) -> tuple[NDArray[np.float64], NDArray[np.bool_]]:
-    try:
-        s = np.asarray(scores, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise TypeError(f"scores must be an array of real numbers: {exc}") from None
-    if s.ndim != 1:
-        raise ValueError(f"scores must be one-dimensional, got shape {s.shape}")
-    if s.size == 0 and not allow_empty:  # add/remove: released like any other dataset
-        raise ValueError("scores must be non-empty under replace_one (n = 0 is public there)")
-    if np.any(np.isnan(s)):
-        # +-inf are clamped to the grid's ends like every score outside it; NaN has no place
-        raise ValueError("scores must be numbers (no NaN; +-inf are clamped to the grid)")
-    y = np.asarray(labels)
-    if y.ndim != 1 or y.size != s.size:
-        raise ValueError(
-            f"labels must be one-dimensional with the length of scores ({s.size}), "
-            f"got shape {y.shape}"
-        )
-    if y.dtype == bool:
-        return s, y
-    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
-        raise TypeError(f"labels must be 0/1 or booleans, got dtype {y.dtype}")
-    if not np.all((y == 0) | (y == 1)):
-        raise ValueError("labels must be 0 or 1 (negative/positive)")
-    return s, y == 1
+    s = _as_values(scores, allow_empty, name="scores")
+    return s, _binary_labels(labels, s.size, "scores")
 
 
 def _as_grid(grid: Grid | ArrayLike) -> Grid:
@@ -239,38 +223,28 @@ def roc(
     docstring: under ``add_remove`` each class gets the full ``epsilon``, under ``replace_one``
     each gets ``epsilon/2`` with the add/remove calibration (a class switch changes both).
 
-    Parameters
-    ----------
-    scores:
-        Classifier scores (higher = more likely positive), not NaN; clamped to the grid.
-    labels:
-        0/1 (or booleans), same length.
-    grid:
-        Public thresholds (a :class:`~clipless.stats.grid.Grid` or an increasing list), chosen
-        without looking at the scores.
-    epsilon:
-        Total budget (``> 0``) for Laplace noise; ``None`` with ``noise="gaussian"``.
-    neighbouring:
-        ``"replace_one"`` or ``"add_remove"``.
-    smoothing:
-        ``"isotonic"`` (default: a monotone curve), ``"l1"``/``"l2"`` (thesis eq. 6.3.6) or
-        ``None`` (raw; the curve may fold back).
-    rng:
-        :class:`random.Random`; default a cryptographically secure source.
-    noise, rho:
-        ``"laplace"`` (pure ``epsilon``-DP) or ``"gaussian"`` with a total ``rho`` (zCDP).
-    consistency:
-        Least-squares consistent prefix counts per class (about half the variance; the
-        default, as in :func:`~clipless.stats.ecdf.ecdf`; combines with every smoothing).
-    mechanism, branching:
-        The counting mechanism per class (:mod:`clipless.stats.counting`), as in
-        :func:`~clipless.stats.ecdf.ecdf`. Each class is released under its add/remove
-        calibration. The derivation above carries over because, for every mechanism, a
-        within-class replacement moves that class's noisy vector by at most twice the
-        add/remove sensitivity: ``k``-ary, at most ``2h`` nodes by 1 against ``h + 1``
-        (L1 and squared L2); factorisation, ``||L e_b - L e_a||^2 <= 2 S(N)`` because the
-        columns of ``L`` are non-negative (``<L e_a, L e_b> >= 0``). A class switch moves
-        each class by one add/remove step, paid by the ``epsilon/2`` (``rho/2``) per class.
+    Args:
+        scores: classifier scores (higher = more likely positive), not NaN; clamped to the grid.
+        labels: 0/1 (or booleans), same length.
+        grid: public thresholds (a :class:`~clipless.stats.grid.Grid` or an increasing list), chosen
+            without looking at the scores.
+        epsilon: total budget (``> 0``) for Laplace noise; ``None`` with ``noise="gaussian"``.
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+        smoothing: ``"isotonic"`` (default: a monotone curve), ``"l1"``/``"l2"`` (thesis eq. 6.3.6)
+            or ``None`` (raw; the curve may fold back).
+        rng: :class:`random.Random`; default a cryptographically secure source.
+        noise, rho: ``"laplace"`` (pure ``epsilon``-DP) or ``"gaussian"`` with a total ``rho``
+            (zCDP).
+        consistency: least-squares consistent prefix counts per class (about half the variance; the
+            default, as in :func:`~clipless.stats.ecdf.ecdf`; combines with every smoothing).
+        mechanism, branching: the counting mechanism per class (:mod:`clipless.stats.counting`), as
+            in :func:`~clipless.stats.ecdf.ecdf`. Each class is released under its add/remove
+            calibration. The derivation above carries over because, for every mechanism, a
+            within-class replacement moves that class's noisy vector by at most twice the add/remove
+            sensitivity: ``k``-ary, at most ``2h`` nodes by 1 against ``h + 1`` (L1 and squared L2);
+            factorisation, ``||L e_b - L e_a||^2 <= 2 S(N)`` because the columns of ``L`` are
+            non-negative (``<L e_a, L e_b> >= 0``). A class switch moves each class by one
+            add/remove step, paid by the ``epsilon/2`` (``rho/2``) per class.
     """
     _check_neighbouring(neighbouring)
     s, pos = _scores_labels(scores, labels, allow_empty=neighbouring == "add_remove")
@@ -341,6 +315,12 @@ def nonprivate_roc(
 
     **Not private** (it reads the data): for tests, benchmarks and the ``true_curve`` of
     :meth:`DPROC.plot`. Empty classes give rates of 0.
+
+    Args:
+        scores, labels, grid: as in :func:`roc`.
+
+    Returns:
+        ``(fpr, tpr)``, each of ``len(grid) + 2`` values from 1 down to 0.
     """
     s, pos = _scores_labels(scores, labels)
     g = _as_grid(grid)

@@ -103,8 +103,10 @@ def isotonic(values: ArrayLike, weights: ArrayLike | None = None) -> NDArray[np.
     mean is clipped independently, and clipping preserves order). ``O(N)``: every element is
     pushed once and merged at most once. Post-processing (thesis section 6.3.2): no privacy cost.
 
-    ``weights`` (positive, finite; default all 1) are typically inverse variances, e.g. of the
-    least-squares consistent release.
+    Args:
+        values: the values to fit, finite.
+        weights: positive, finite weights, one per value (``None``: all 1); typically inverse
+            variances, e.g. of the least-squares consistent release.
 
     >>> isotonic([0.1, 0.3, 0.2, 1.2]).tolist()
     [0.1, 0.25, 0.25, 1.0]
@@ -212,20 +214,14 @@ def _dyadic(num_leaves: int, depth: int) -> _Dyadic:
 class SmoothedCounts:
     """Solution of the thesis's smoothing problem (eq. 6.3.6) for one release.
 
-    Attributes
-    ----------
-    values:
-        ``F = y / n``: non-decreasing, within ``[0, 1]`` (the smoothed DP-ECDF).
-    prefix:
-        The smoothed prefix counts ``y`` (after the final clip and running maximum).
-    objective:
-        ``sum |nu|^p`` of the solver's corrections (``p = 1`` or ``2``; for ``p = 2`` the sum of
-        squares, not half of it), before the final clip.
-    norm:
-        ``"l1"`` or ``"l2"``.
-    method:
-        Which solver ran: ``"dual-dp+maxflow"`` or ``"highs"`` (l1), ``"pdas"`` or ``"osqp"``
-        (l2), or ``"none"`` when the release was already feasible.
+    Attributes:
+        values: ``F = y / n``: non-decreasing, within ``[0, 1]`` (the smoothed DP-ECDF).
+        prefix: the smoothed prefix counts ``y`` (after the final clip and running maximum).
+        objective: ``sum |nu|^p`` of the solver's corrections (``p = 1`` or ``2``; for ``p = 2`` the
+            sum of squares, not half of it), before the final clip.
+        norm: ``"l1"`` or ``"l2"``.
+        method: which solver ran: ``"dual-dp+maxflow"`` or ``"highs"`` (l1), ``"pdas"`` or
+            ``"osqp"`` (l2), or ``"none"`` when the release was already feasible.
     """
 
     values: NDArray[np.float64] = field(repr=False)
@@ -244,15 +240,10 @@ def smooth_tree(release: TreeRelease, n: float, norm: Norm = "l2") -> NDArray[np
     the release: no privacy cost. See the module docstring for the flow reformulation and the
     exact solvers; :func:`smooth_counts` returns the objective and the solver used as well.
 
-    Parameters
-    ----------
-    release:
-        A :class:`~clipless.stats.tree.TreeRelease` (its ``prefix_counts`` and ``depth``).
-    n:
-        The normaliser (``> 0``): the public size (replace-one) or a released total
-        (add/remove).
-    norm:
-        ``"l1"`` or ``"l2"`` (the thesis's ``p = 1`` or ``p = 2``).
+    Args:
+        release: a :class:`~clipless.stats.tree.TreeRelease` (its ``prefix_counts`` and ``depth``).
+        n: the normaliser (``> 0``): the public size (replace-one) or a released total (add/remove).
+        norm: ``"l1"`` or ``"l2"`` (the thesis's ``p = 1`` or ``p = 2``).
     """
     depth = getattr(release, "depth", None)
     prefix = getattr(release, "prefix_counts", None)
@@ -274,19 +265,13 @@ def smooth_counts(
 ) -> SmoothedCounts:
     """Solve the thesis's problem 6.3.6 for noisy prefix counts of a tree release.
 
-    Parameters
-    ----------
-    prefix_counts:
-        The released noisy prefix counts ``P_1..P_N`` (path sums of the tree nodes).
-    n:
-        The upper bound of the prefix counts and the normaliser, ``> 0``.
-    norm:
-        ``"l1"`` (LP) or ``"l2"`` (QP).
-    depth:
-        Tree depth ``L`` (default ``ceil(log2 N)``; must satisfy ``2^L >= N``).
-    method:
-        ``"auto"``: the exact combinatorial solvers of the module docstring (falling back to the
-        generic ones when they do not apply); ``"generic"``: HiGHS (l1) or OSQP (l2).
+    Args:
+        prefix_counts: the released noisy prefix counts ``P_1..P_N`` (path sums of the tree nodes).
+        n: the upper bound of the prefix counts and the normaliser, ``> 0``.
+        norm: ``"l1"`` (LP) or ``"l2"`` (QP).
+        depth: tree depth ``L`` (default ``ceil(log2 N)``; must satisfy ``2^L >= N``).
+        method: ``"auto"``: the exact combinatorial solvers of the module docstring (falling back to
+            the generic ones when they do not apply); ``"generic"``: HiGHS (l1) or OSQP (l2).
     """
     P = _float_vector(prefix_counts, "prefix_counts")
     N = int(P.size)

@@ -131,6 +131,10 @@ def tree_sensitivity(depth: int, neighbouring: Neighbouring) -> int:
     (Lemma 6.3.1, Theorem 6.3.2). This is both the L1 sensitivity and the squared L2
     sensitivity of the node vector (proof in the module docstring).
 
+    Args:
+        depth: the tree's depth ``L``, an int ``>= 0``.
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+
     >>> tree_sensitivity(15, "replace_one"), tree_sensitivity(15, "add_remove")
     (16, 8)
     """
@@ -259,31 +263,23 @@ def tree_path_matrix(depth: int, num_leaves: int) -> sp.csr_matrix:
 class TreeRelease:
     """The output of :func:`release_counts` (all fields are public, private-by-construction).
 
-    Attributes
-    ----------
-    depth:
-        ``L = ceil(log2 num_leaves)``.
-    num_leaves:
-        ``N``, the number of real leaves (thresholds); the tree is padded to ``2^L`` leaves.
-    node_counts:
-        Noisy signed node values ``V = theta(c) + eta`` (module docstring), one int64 array per
-        level ``l = 0..L`` (level 0 = leaves) of length ``2^(L-l)``.
-    prefix_counts:
-        The thesis's released prefix counts ``P_i = sum_l V[l][i >> l] = C_i + (L+1) noises``,
-        int64, length ``N``.
-    noise:
-        ``"laplace"`` or ``"gaussian"``.
-    noise_param:
-        Exact noise parameter: discrete Laplace scale ``b`` or discrete Gaussian ``sigma^2``.
-    noise_scale:
-        ``b`` (Laplace) or ``sigma`` (Gaussian) as a float.
-    node_variance:
-        Exact variance of one node's noise.
-    sensitivity:
-        Number of node values one neighbouring change can move by 1 (:func:`tree_sensitivity`).
-    neighbouring, epsilon, rho:
-        The guarantee: ``epsilon``-DP (Laplace) or ``rho``-zCDP (Gaussian) under
-        ``neighbouring``.
+    Attributes:
+        depth: ``L = ceil(log2 num_leaves)``.
+        num_leaves: ``N``, the number of real leaves (thresholds); the tree is padded to ``2^L``
+            leaves.
+        node_counts: noisy signed node values ``V = theta(c) + eta`` (module docstring), one int64
+            array per level ``l = 0..L`` (level 0 = leaves) of length ``2^(L-l)``.
+        prefix_counts: the thesis's released prefix counts
+            ``P_i = sum_l V[l][i >> l] = C_i + (L+1) noises``, int64, length ``N``.
+        noise: ``"laplace"`` or ``"gaussian"``.
+        noise_param: exact noise parameter: discrete Laplace scale ``b`` or discrete Gaussian
+            ``sigma^2``.
+        noise_scale: ``b`` (Laplace) or ``sigma`` (Gaussian) as a float.
+        node_variance: exact variance of one node's noise.
+        sensitivity: number of node values one neighbouring change can move by 1
+            (:func:`tree_sensitivity`).
+        neighbouring, epsilon, rho: the guarantee: ``epsilon``-DP (Laplace) or ``rho``-zCDP
+            (Gaussian) under ``neighbouring``.
     """
 
     depth: int
@@ -326,29 +322,24 @@ def release_counts(
     ``ceil((L+1)/2)``), with exact discrete noise (Canonne, Kamath, Steinke 2020). See the
     module docstring for the node representation and the sensitivity proof.
 
-    Parameters
-    ----------
-    leaf_counts:
-        Non-negative integer counts per leaf (values in ``(tau_{i-1}, tau_i]``), length ``N``.
-    epsilon:
-        Pure DP budget for ``noise="laplace"`` (``> 0``); must be ``None`` for Gaussian noise.
-    neighbouring:
-        ``"replace_one"`` (``n`` public) or ``"add_remove"``.
-    noise:
-        ``"laplace"``: discrete Laplace of scale ``Delta / epsilon`` per node, ``epsilon``-DP.
-        ``"gaussian"``: discrete Gaussian, ``sigma^2 = Delta / (2 rho)``, ``rho``-zCDP.
-    rng:
-        :class:`random.Random`; default :func:`~clipless.stats.noise.secure_rng`.
-    rho:
-        zCDP budget for Gaussian noise.
-    node_noise:
-        Optional keyed noise source ``(kind, exact parameter, depth) -> int64 noise of the
-        2^(L+1) - 1 nodes in level order`` replacing the draw from ``rng``, e.g.
-        :class:`clipless.federated.NodeNoise` (same exact samplers, node-indexed PRF streams):
-        the central release then equals the federated one bit for bit. A source that sums
-        ``copies`` independent full-scale draws (its ``copies`` attribute, e.g.
-        :class:`clipless.federated.SummedNoise`) has ``copies`` times the node variance, which
-        :attr:`TreeRelease.node_variance` (and the least-squares weights) then carry.
+    Args:
+        leaf_counts: non-negative integer counts per leaf (values in ``(tau_{i-1}, tau_i]``), length
+            ``N``.
+        epsilon: pure DP budget for ``noise="laplace"`` (``> 0``); must be ``None`` for Gaussian
+            noise.
+        neighbouring: ``"replace_one"`` (``n`` public) or ``"add_remove"``.
+        noise: ``"laplace"``: discrete Laplace of scale ``Delta / epsilon`` per node,
+            ``epsilon``-DP. ``"gaussian"``: discrete Gaussian, ``sigma^2 = Delta / (2 rho)``,
+            ``rho``-zCDP.
+        rng: :class:`random.Random`; default :func:`~clipless.stats.noise.secure_rng`.
+        rho: zCDP budget for Gaussian noise.
+        node_noise: optional keyed noise source ``(kind, exact parameter, depth) -> int64
+            noise of the 2^(L+1) - 1 nodes in level order`` replacing the draw from ``rng``,
+            e.g. :class:`clipless.federated.NodeNoise` (same exact samplers, node-indexed PRF
+            streams): the central release then equals the federated one bit for bit. A source
+            that sums ``copies`` independent full-scale draws (its ``copies`` attribute, e.g.
+            :class:`clipless.federated.SummedNoise`) has ``copies`` times the node variance,
+            which :attr:`TreeRelease.node_variance` (and the least-squares weights) then carry.
     """
     counts = _leaf_counts_array(leaf_counts)
     _check_neighbouring(neighbouring)
@@ -492,6 +483,9 @@ def consistent_prefix_sums(release: TreeRelease) -> NDArray[np.float64]:
     the path sums over the data-carrying nodes only, plus a rank-``r`` projection when ``N`` is
     not a power of two. Post-processing: no privacy cost. Unbiased; per-leaf variances in
     :func:`prefix_variance` (about half of the plain release's ``(L+1) Var(eta)``).
+
+    Args:
+        release: a binary tree release (:func:`release_counts`).
     """
     L, N = release.depth, release.num_leaves
     used, q = _consistency_plan(L, N)
@@ -505,8 +499,13 @@ def consistent_prefix_sums(release: TreeRelease) -> NDArray[np.float64]:
 
 
 def prefix_variance(release: TreeRelease, consistent: bool = False) -> NDArray[np.float64]:
-    """Exact per-leaf variance of :attr:`TreeRelease.prefix_counts` (``consistent=False``) or
-    of :func:`consistent_prefix_sums` (``consistent=True``)."""
+    """Exact per-leaf variance of a release's prefix counts.
+
+    Args:
+        release: a binary tree release (:func:`release_counts`).
+        consistent: the variance of :func:`consistent_prefix_sums` (``True``) or of the plain
+            :attr:`TreeRelease.prefix_counts` (``False``, default).
+    """
     L, N = release.depth, release.num_leaves
     if not consistent:
         return np.full(N, release.prefix_variance)

@@ -155,22 +155,35 @@ def release_prefix_counts(
 ) -> TreeRelease | CountRelease:
     """Release every prefix count of ``leaf_counts`` with the chosen counting ``mechanism``.
 
-    ``"auto"`` (the default) is :func:`default_mechanism`: the mechanism with the smallest
-    exact error at this ``N``, relation and budget (``"k-ary"`` with :func:`counting_plan`'s
-    shape under pure DP, the flat histogram included; that or ``"factorization"`` for zCDP).
-    ``"binary"`` returns :func:`~clipless.stats.tree.release_counts`'s :class:`TreeRelease`;
-    ``"k-ary"``, ``"factorization"`` and ``"smooth-binary"`` (equal variance at every
-    threshold, Laplace or Gaussian) return a :class:`CountRelease` (the proofs: the docstrings
-    of :mod:`~clipless.stats.counting.kary` and its siblings). ``branching`` (``k``,
-    ``"k-ary"`` only) defaults to the ``k`` of :func:`counting_plan` (the levels and shares are
-    chosen for the budget either way).
-    Under ``replace_one`` the size ``n = sum(leaf_counts)`` is public and used exactly.
+    The proofs are in the docstrings of :mod:`~clipless.stats.counting.kary` and its siblings.
 
-    ``node_noise`` (``"binary"`` and ``"k-ary"``): a keyed node-noise source
-    (:class:`clipless.federated.NodeNoise`, or ``SummedNoise`` whose ``copies`` multiply the
-    variances) replacing the draw from ``rng``; node ``(l, j)`` of the released tree gets its
-    noise at level ``l``'s parameter. The federated release with the same source is equal bit
-    for bit.
+    Args:
+        leaf_counts: non-negative integer counts per leaf (values in ``(tau_{i-1}, tau_i]``).
+            Under ``replace_one`` the size ``n = sum(leaf_counts)`` is public and used exactly.
+        epsilon: pure DP budget for ``noise="laplace"`` (``> 0``); ``None`` for Gaussian noise.
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+        noise: ``"laplace"`` (discrete Laplace, ``epsilon``-DP) or ``"gaussian"`` (discrete
+            Gaussian, ``rho``-zCDP).
+        rng: :class:`random.Random`; default a cryptographically secure source.
+        rho: zCDP budget for Gaussian noise.
+        mechanism: ``"auto"`` (default, :func:`default_mechanism`: the smallest exact error at
+            this ``N``, relation and budget), ``"binary"``
+            (:func:`~clipless.stats.tree.release_counts`), ``"k-ary"``, ``"factorization"``
+            (Gaussian only) or ``"smooth-binary"`` (equal variance at every threshold).
+        branching: ``k`` of ``"k-ary"`` only (default: :func:`counting_plan`'s; the levels and
+            shares are chosen for the budget either way).
+        node_noise: for ``"binary"`` and ``"k-ary"``, a keyed node-noise source
+            (:class:`clipless.federated.NodeNoise`, or ``SummedNoise`` whose ``copies``
+            multiply the variances) replacing the draw from ``rng``; node ``(l, j)`` gets its
+            noise at level ``l``'s parameter, so the federated release with the same source is
+            equal bit for bit.
+
+    Returns:
+        A :class:`TreeRelease` for ``"binary"``, else a :class:`CountRelease`.
+
+    Raises:
+        ValueError: an unknown mechanism or relation, a budget that does not fit the noise,
+            ``branching`` or ``node_noise`` with a mechanism that has none.
     """
     _check_mechanism(mechanism)
     _check_neighbouring(neighbouring)

@@ -41,7 +41,14 @@ def default_mechanism(
     relation and budget (``epsilon`` for Laplace, ``rho`` for Gaussian). Pure DP: ``"k-ary"``
     with :func:`counting_plan`'s shape (which includes the flat histogram). zCDP: that plan or
     ``"factorization"``, whichever is lower (the factorisation below about ``rho = 1``, the
-    flat histogram at large ``rho``). Public."""
+    flat histogram at large ``rho``). Public.
+
+    Args:
+        noise: ``"laplace"`` or ``"gaussian"``.
+        num_leaves: the grid size ``N``.
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+        budget: ``epsilon`` (Laplace) or ``rho`` (Gaussian), ``> 0``.
+    """
     _check_noise(noise)
     if noise == "laplace" or num_leaves > _FACT_MAX_N:
         return "k-ary"
@@ -244,6 +251,18 @@ def counting_plan(
     sets and shares (:func:`_plan_for`), every candidate scored with the exact variance of the
     discrete noise it would draw. Given ``branching``, only the levels and shares are chosen.
     Public: depends on ``N``, the relation, the noise kind and the budget only.
+
+    Args:
+        num_leaves: the grid size ``N``, ``>= 1``.
+        neighbouring: ``"replace_one"`` or ``"add_remove"``.
+        noise: ``"laplace"`` or ``"gaussian"``.
+        budget: ``epsilon`` (Laplace) or ``rho`` (Gaussian), ``> 0``.
+        branching: a fixed ``k``, from 2 to
+            :data:`~clipless.stats.counting.kary.MAX_BRANCHING` (``None``: the best one).
+
+    Raises:
+        ValueError: an unknown relation or noise, ``N < 1``, a budget ``<= 0`` or an invalid
+            ``k``.
     """
     _check_neighbouring(neighbouring)
     _check_noise(noise)

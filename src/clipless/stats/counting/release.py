@@ -54,33 +54,25 @@ class CountRelease:
     """Output of :func:`release_prefix_counts` for ``"k-ary"``, ``"factorization"`` and
     ``"smooth-binary"``.
 
-    Attributes
-    ----------
-    mechanism:
-        ``"k-ary"``, ``"factorization"`` or ``"smooth-binary"``.
-    num_leaves:
-        ``N``.
-    prefix_counts:
-        The (least-squares / factorised) estimates of the ``N`` prefix counts, float64.
-    variance:
-        Exact per-threshold variance of :attr:`prefix_counts` (given the noise parameters).
-    noisy:
-        The DP vector itself (node values for ``k``-ary, concatenated by level; ``L x + z`` for
-        the factorisation).
-    noise, noise_param, noise_scale, node_variance:
-        ``"laplace"``/``"gaussian"``; exact scale ``b`` or ``sigma^2`` (``k``-ary: one per
-        level, ``None`` for a level that is not released); ``b`` or ``sigma`` (of the leaves);
-        variance of one noise draw (of the leaves).
-    sensitivity:
-        L1 sensitivity (Laplace) or squared L2 sensitivity (Gaussian) of the noisy vector
-        (``k``-ary: the most nodes one change moves, over the released levels: ``per`` times
-        their number, ``per = 1`` add/remove, ``2`` replace-one).
-    shares:
-        ``k``-ary: the budget fraction of each noisy level (:func:`level_shares`).
-    branching:
-        ``k`` (``None`` for the factorisation).
-    neighbouring, epsilon, rho:
-        The guarantee.
+    Attributes:
+        mechanism: ``"k-ary"``, ``"factorization"`` or ``"smooth-binary"``.
+        num_leaves: ``N``.
+        prefix_counts: the (least-squares / factorised) estimates of the ``N`` prefix counts,
+            float64.
+        variance: exact per-threshold variance of :attr:`prefix_counts` (given the noise
+            parameters).
+        noisy: the DP vector itself (node values for ``k``-ary, concatenated by level; ``L x + z``
+            for the factorisation).
+        noise, noise_param, noise_scale, node_variance: ``"laplace"``/``"gaussian"``; exact scale
+            ``b`` or ``sigma^2`` (``k``-ary: one per level, ``None`` for a level that is not
+            released); ``b`` or ``sigma`` (of the leaves); variance of one noise draw (of the
+            leaves).
+        sensitivity: L1 sensitivity (Laplace) or squared L2 sensitivity (Gaussian) of the noisy
+            vector (``k``-ary: the most nodes one change moves, over the released levels: ``per``
+            times their number, ``per = 1`` add/remove, ``2`` replace-one).
+        shares: ``k``-ary: the budget fraction of each noisy level (:func:`level_shares`).
+        branching: ``k`` (``None`` for the factorisation).
+        neighbouring, epsilon, rho: the guarantee.
     """
 
     mechanism: str
