@@ -544,8 +544,8 @@ class ContractGuard:
         )
         raise PrivacyContractError(
             f"the training forward has {rows} rows but the last batch drawn from the Poisson "
-            f"loader has {drawn} examples{of}{copies}: train on the batch the loader yielded, "
-            f"declaring K augmented copies with optimizer.sample_multiplicity(K) {_SEE}"
+            f"loader has {drawn} examples{of}{copies}: declare K augmented copies with "
+            f"optimizer.sample_multiplicity(K) {_SEE}"
         )
 
     def _check_shard(self, x: torch.Tensor) -> None:
@@ -582,8 +582,8 @@ class ContractGuard:
             )
         raise PrivacyContractError(
             f"{new} batches were drawn from the Poisson loader since the last step: take one "
-            "step per batch, empty ones included, and call optimizer.discard_batch() after "
-            f"stopping for a reason that does not depend on the batch {_SEE}"
+            "step per batch, empty ones too, or call optimizer.discard_batch() after a "
+            f"batch-independent stop {_SEE}"
         )
 
     def discard_batch(self) -> None:
@@ -732,9 +732,9 @@ class ContractGuard:
             return  # e.g. a Jacobian under torch.no_grad(): no gradient can reach the parameters
         if any(_outermost(p).requires_grad for p in module.parameters()):
             raise PrivacyContractError(
-                "a forward of the private model ran inside a torch.func transform (grad, vjp, "
-                "vmap, jacrev) on parameters that require a gradient: pass detached parameters "
-                f"through torch.func.functional_call, or run it under torch.no_grad() {_SEE}"
+                "a forward of the private model ran inside a torch.func transform on parameters "
+                "that require a gradient: pass detached parameters through "
+                f"torch.func.functional_call, or run it under torch.no_grad() {_SEE}"
             )
 
     def _check_modes(self, where: str) -> None:
