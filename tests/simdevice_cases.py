@@ -380,3 +380,32 @@ def test_clipless_train_default_feature_pipeline_on_cuda(
         accuracy = int((model(x).argmax(1) == y).sum()) / len(y)
     # the run evaluated on the GPU, this on the CPU: a near tie may round the other way
     assert accuracy == pytest.approx(metrics["final"]["test_accuracy"], abs=2 / len(y))
+
+
+def test_clipless_audit_on_the_device_equals_the_cpu_audit(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``clipless audit --device`` (issue 34: every command on the device): the step audit and
+    the one-run gradient-canary audit train and draw their noise on the device, and with one
+    seed report what the CPU reports (the scores bit for bit)."""
+    from clipless import pipeline
+    from clipless.audit.gradient_canaries import audit_gradient_canaries
+    from clipless.audit.step import audit_step
+    from clipless.cli import main
+
+    on_device = audit_step(trials=40, seed=3, device=device)
+    on_cpu = audit_step(trials=40, seed=3)
+    assert (on_device.scores_with == on_cpu.scores_with).all()
+    assert (on_device.scores_without == on_cpu.scores_without).all()
+    assert on_device.sensitivity_ratio == on_cpu.sensitivity_ratio
+    canaries = {
+        where.type: audit_gradient_canaries(1.0, canaries=64, seed=5, device=where)
+        for where in (device, torch.device("cpu"))
+    }
+    assert canaries["simgpu"] == canaries["cpu"]
+    printed = {}
+    for where in (device, torch.device("cpu")):
+        monkeypatch.setattr(pipeline, "_resolve_device", lambda name, where=where: where)
+        assert main(["audit", "--trials", "40", "--seed", "3", "--device", "cuda"]) == 0
+        printed[where.type] = capsys.readouterr().out
+    assert printed["simgpu"] == printed["cpu"] and "lower bound" in printed["cpu"]

@@ -43,3 +43,17 @@ def integer(low: int, high: int | None = None) -> Callable[[str], int]:
     """An integer in ``[low, high]`` (``high=None``: no upper end)."""
     span = f"[{low}, {high}]" if high is not None else f">= {low}"
     return parsed(int, lambda v: v >= low and (high is None or v <= high), f"an integer {span}")
+
+
+DEVICES = "cpu, cuda, cuda:N, mps, auto"
+
+
+def device(text: str) -> str:
+    """A device name :data:`DEVICES` accepts, lower-cased (resolved later, where torch is loaded:
+    ``clipless.pipeline.resolve_device``)."""
+    value = text.strip().lower()
+    if value in ("cpu", "cuda", "mps", "auto"):
+        return value
+    if value.startswith("cuda:") and value[5:].isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"expected one of {DEVICES}; got {text!r}")

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from clipless._argtypes import number, parsed
+from clipless import _argtypes
+from clipless._argtypes import DEVICES, number, parsed
 
 __all__ = ["ALLOCATIONS", "DATASETS", "NO_LEGACY", "TRAIN_OPTIONS", "TrainOption", "option"]
 
@@ -36,7 +37,6 @@ FEATURES_LR = 0.005
 """``--lr`` default with a feature front-end: on whitened scattering features of Fashion-MNIST at
 epsilon 3 it beat 0.01 (CLI, 5 runs each: 90.5% against 90.0%; ``benchmarks/RESULTS.md`` section
 20)."""
-DEVICES = "cpu, cuda, cuda:N, mps, auto"
 LOSS_CLIP = 0.3
 """Default ``--loss-clip`` (Adult's measurements, ``benchmarks/RESULTS.md`` section 8)."""
 FEATURES_LOSS_CLIP = 0.1
@@ -126,15 +126,6 @@ def _hidden(text: str) -> tuple[int, ...]:
             f"expected comma-separated even widths >= 2 (GroupSort pairs), got {text!r}"
         )
     return widths
-
-
-def _device(text: str) -> str:
-    value = text.strip().lower()
-    if value in ("cpu", "cuda", "mps", "auto"):
-        return value
-    if value.startswith("cuda:") and value[5:].isdigit():
-        return value
-    raise argparse.ArgumentTypeError(f"expected one of {DEVICES}; got {text!r}")
 
 
 def _table_columns(text: str) -> str:
@@ -313,7 +304,7 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
     _opt(
         "--device",
         "",
-        type=_device,
+        type=_argtypes.device,
         default="cpu",
         help=f"where to train: {DEVICES} (auto: cuda if available, else mps, else cpu)",
     ),

@@ -53,3 +53,21 @@ def test_one_run_prints_the_bound_below_the_claim(capsys: pytest.CaptureFixture[
     expected = audit_gradient_canaries(4.0, canaries=256, seed=1)
     assert out == expected.lines() and len(out) == 3
     assert 0 < expected.epsilon_lower_bound <= expected.claimed_epsilon
+
+
+def test_device_usage_errors_name_the_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device`` takes what ``clipless train --device`` takes; a device this machine lacks is
+    a usage error (exit 2) naming it, before the audit runs."""
+    import torch
+
+    from clipless.cli import main
+
+    assert main(["audit", "--device", "gpu"]) == 2
+    assert "argument --device: expected one of cpu, cuda, cuda:N, mps, auto" in (
+        capsys.readouterr().err
+    )
+    if not torch.cuda.is_available():
+        for flag in (["audit"], ["audit", "--one-run"]):
+            assert main([*flag, "--device", "cuda:3"]) == 2
+            err = capsys.readouterr().err
+            assert "argument --device: cuda:3 is not available" in err

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from clipless._argtypes import integer, number
+from clipless._argtypes import DEVICES, device, integer, number
 from clipless.allocation import allocation_names
 from clipless.audit._modes import AUDIT_MODES
 
@@ -112,6 +112,12 @@ def add_audit_parser(sub: Any) -> None:
         default=None,
         help="write the two score histograms to this image (.png, .pdf, .svg)",
     )
+    p.add_argument(
+        "--device",
+        type=device,
+        default="cpu",
+        help=f"where the audited model trains and the noise is drawn: {DEVICES}",
+    )
     p.set_defaults(func=audit_command)
 
 
@@ -130,6 +136,9 @@ def _one_run(args: argparse.Namespace) -> int:
             "--mode", "--one-run audits per-sample, bound or threshold (gradient canaries bypass "
             "batch-max's flaw); audit batch-max without --one-run",
         )  # fmt: skip
+    where = _device(args.device)
+    if where is None:
+        return 2
     from clipless.audit.gradient_canaries import audit_gradient_canaries
 
     result = audit_gradient_canaries(
@@ -141,10 +150,23 @@ def _one_run(args: argparse.Namespace) -> int:
         noise=args.noise,
         confidence=args.confidence,
         seed=args.seed,
+        device=where,
     )
     for line in result.lines():
         print(line)
     return 1 if result.violated else 0
+
+
+def _device(name: str) -> Any:
+    """``--device`` resolved (``None`` after printing the usage error: not available here)."""
+    from clipless import pipeline
+    from clipless.spec import OptionError
+
+    try:
+        return pipeline._resolve_device(name)
+    except OptionError as exc:
+        print(f"clipless audit: error: {exc}", file=sys.stderr)
+        return None
 
 
 def audit_command(args: argparse.Namespace) -> int:
@@ -173,6 +195,9 @@ def audit_command(args: argparse.Namespace) -> int:
             print(f"clipless audit: error: argument --plot: .{suffix} is not an image format "
                   "(use .png, .pdf or .svg)", file=sys.stderr)  # fmt: skip
             return 2
+    where = _device(args.device)
+    if where is None:
+        return 2
     from clipless.audit.step import audit_step  # torch: loaded only once the arguments pass
 
     result = audit_step(
@@ -185,6 +210,7 @@ def audit_command(args: argparse.Namespace) -> int:
         confidence=args.confidence,
         allow_unproven=args.allow_unproven,
         seed=args.seed,
+        device=where,
     )
     for line in result.lines():
         print(line)

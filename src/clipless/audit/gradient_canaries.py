@@ -209,13 +209,14 @@ def _released(
     with torch.no_grad():
         for _ in range(steps):
             for n in plan.names:
-                params[n].grad = (clean[n].reshape(-1) + inserted[n]).reshape(clean[n].shape)
+                added = inserted[n].to(clean[n].device)
+                params[n].grad = (clean[n].reshape(-1) + added).reshape(clean[n].shape)
             opt.add_noise(plan)  # what DPOptimizer.step adds: the plan's noise, then / (q N)
             for n in plan.names:
                 grad = params[n].grad
                 if grad is None:
                     raise RuntimeError(f"add_noise left no gradient for {n!r}")
-                released[n] += grad.reshape(-1).double() * plan.expected_batch_size
+                released[n] += (grad.reshape(-1).double() * plan.expected_batch_size).cpu()
             opt.zero_grad()
     return released
 
@@ -257,6 +258,7 @@ def audit_gradient_canaries(
     records: int = 32,
     confidence: float = 0.95,
     seed: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> GradientCanaryAudit:
     """One run of ``steps`` private steps calibrated to ``(epsilon, delta)`` with white-box
     gradient canaries (module docstring); returns the one-run lower bound beside the claim.
@@ -266,7 +268,8 @@ def audit_gradient_canaries(
     canaries``; default: the smallest power of two that holds them); ``records`` the number of
     ordinary records in every step; ``guesses`` the fixed ``2k`` (default:
     :func:`planned_guesses`). ``seed`` makes the canaries, their bits, the model and the noise
-    reproducible (default: fresh randomness).
+    reproducible (default: fresh randomness); ``device`` is where the model trains and the noise
+    is drawn (the canaries and the scores stay on the CPU).
     """
     import secrets
 
@@ -290,7 +293,7 @@ def audit_gradient_canaries(
     gen = torch.Generator().manual_seed(canary_seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model_seed)
-        model: torch.nn.Module = _model(width).double()
+        model: torch.nn.Module = _model(width).double().to(device)
     loss = nn.CrossEntropyLoss(reduction="sum")
     x0 = torch.randn(records, width, generator=gen, dtype=torch.float64)
     y0 = torch.randint(0, width, (records,), generator=gen)
@@ -313,7 +316,8 @@ def audit_gradient_canaries(
             thresholds={p: _RADIUS / 2.0 for p in ("1", "3", "5")} if mode == "threshold" else None,
         ),
     )
-    plan, clean = _clean_sum(opt, model, loss, x0, y0)
+    plan, on_device = _clean_sum(opt, model, loss, x0.to(device), y0.to(device))
+    clean = {n: g.cpu() for n, g in on_device.items()}
     if any(len(group) != 1 for group in plan.groups):
         raise RuntimeError("the audit model must have one noised tensor per layer use")
     directions = {n: _Directions.draw(clean[n].numel(), canaries, gen) for n in plan.names}
@@ -322,7 +326,7 @@ def audit_gradient_canaries(
         n: plan.sensitivities[n] * directions[n].combine(bits.double(), clean[n].numel())
         for n in plan.names
     }
-    released = _released(opt, plan, clean, inserted, steps)
+    released = _released(opt, plan, on_device, inserted, steps)
     scores = torch.zeros(canaries, dtype=torch.float64)
     for n in plan.names:
         centred = released[n] - steps * clean[n].reshape(-1).double()

@@ -225,7 +225,8 @@ def _canary(model: torch.nn.Module, radius: float, gen: torch.Generator) -> tupl
     the margin (the network is piecewise linear, so the margin is maximised on the sphere).
     """
     model.eval()
-    x = torch.randn(4096, _DIM, generator=gen, dtype=torch.float64)
+    device = next(model.parameters()).device
+    x = torch.randn(4096, _DIM, generator=gen, dtype=torch.float64).to(device)
     x = radius * x / x.norm(dim=1, keepdim=True)
     with torch.no_grad():
         z = model(x)
@@ -277,6 +278,7 @@ def audit_step(
     radius: float = 10.0,
     allow_unproven: bool = False,
     seed: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> StepAudit:
     """Audit one private training step (or ``steps`` steps at fixed weights): module docstring.
 
@@ -284,7 +286,9 @@ def audit_step(
     radius / 2``, or ``batch-max``, which needs ``allow_unproven=True``); ``noise`` the noise
     allocation; ``trials`` the number of releases simulated on each neighbouring dataset;
     ``records`` the size of ``D``; ``radius`` the ``InputNorm`` radius. ``seed`` makes the model,
-    the canary and the noise reproducible (default: fresh randomness).
+    the canary and the noise reproducible (default: fresh randomness); ``device`` is where the
+    model trains and the noise is drawn (the same draws as on the CPU for a seed only where the
+    device's generator matches the CPU's).
     """
     _check_audit_arguments(
         mode, trials, steps, records, noise_multiplier, radius, allow_unproven, seed
@@ -296,7 +300,14 @@ def audit_step(
         "confidence", confidence, open_low=True, open_high=True, wrong_type=ValueError
     )
     engine, opt, model, loss, gen, (x0, y0) = _audit_setup(
-        mode, noise, float(noise_multiplier), records, float(radius), allow_unproven, seed
+        mode,
+        noise,
+        float(noise_multiplier),
+        records,
+        float(radius),
+        allow_unproven,
+        seed,
+        torch.device(device),
     )
     x_c, y_c = _canary(model, float(radius), gen)
     plan0, sums0 = _clean_sum(opt, model, loss, x0, y0)
@@ -369,6 +380,7 @@ def _audit_setup(
     radius: float,
     allow_unproven: bool,
     seed: int | None,
+    device: torch.device,
 ) -> tuple[Any, Any, torch.nn.Module, torch.nn.Module, torch.Generator, tuple[torch.Tensor, ...]]:
     """``(engine, optimizer, model, loss, canary generator, (x0, y0))``: the private model
     trained on ``D`` (``records`` copies of one small-norm record, so their batch maximum is
@@ -387,7 +399,7 @@ def _audit_setup(
     gen.manual_seed(canary_seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model_seed)
-        model = _model(radius).double()
+        model = _model(radius).double().to(device)
     loss = nn.CrossEntropyLoss(reduction="sum")
     small = torch.randn(1, _DIM, generator=gen, dtype=torch.float64)
     small = 0.05 * radius * small / small.norm()
@@ -414,7 +426,7 @@ def _audit_setup(
             allow_unproven=allow_unproven,
         ),
     )
-    return engine, opt, model, loss, gen, (x0, y0)
+    return engine, opt, model, loss, gen, (x0.to(device), y0.to(device))
 
 
 def _scores(
@@ -436,12 +448,12 @@ def _scores(
     block = max(1, 8192 // steps)
     for start in range(0, trials, block):
         k = min(block, trials - start)
-        total = torch.zeros(k, dtype=torch.float64)
+        total = torch.zeros(k, dtype=torch.float64, device=generator.device)
         for n in names:
             shape = (k * steps, *sums[n].shape)
             noise_draws = draw_noise(plan, n, shape, generator, dtype)
             released = (sums[n] + noise_draws) / plan.expected_batch_size
             centred = (released - means0[n]).reshape(k, steps, -1)
             total += (centred * w[n].reshape(1, 1, -1)).sum(dim=(1, 2)).double()
-        out[start : start + k] = total.numpy()
+        out[start : start + k] = total.cpu().numpy()
     return out
