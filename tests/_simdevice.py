@@ -93,6 +93,18 @@ class SimTensor(torch.Tensor):
         plain = self.elem.detach().clone().requires_grad_(self.requires_grad)
         return plain.__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
 
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)  # type: ignore[attr-defined,no-any-return]
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        # Module._apply (.double(), .to()) sets a parameter's .data: the wrapper takes the new
+        # metadata from torch, and its data must follow (else a float64 wrapper holds float32)
+        torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
+        if isinstance(value, SimTensor):
+            self.elem = value.elem
+
     def tolist(self) -> Any:  # torch refuses it for every subclass; CUDA tensors allow it
         return self.elem.tolist()
 

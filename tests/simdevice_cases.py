@@ -409,3 +409,38 @@ def test_clipless_audit_on_the_device_equals_the_cpu_audit(
         assert main(["audit", "--trials", "40", "--seed", "3", "--device", "cuda"]) == 0
         printed[where.type] = capsys.readouterr().out
     assert printed["simgpu"] == printed["cpu"] and "lower bound" in printed["cpu"]
+
+
+def test_clipless_evaluate_on_the_device_equals_the_cpu(
+    device: torch.device,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``clipless evaluate RUN_DIR --device``: the saved model certified and evaluated on the
+    device reports what the CPU reports."""
+    from clipless import pipeline, robustness
+    from clipless.cli import main
+
+    seen: list[str] = []
+    certify = robustness.certify
+
+    def recorded(model: torch.nn.Module, x: torch.Tensor, **kwargs: Any) -> Any:
+        seen.append(next(model.parameters()).device.type)
+        return certify(model, x, **kwargs)
+
+    monkeypatch.setattr(robustness, "certify", recorded)
+    out = tmp_path / "run"
+    argv = ["train", "--dataset", "breast-cancer", "--epochs", "2", "--no-progress"]
+    assert main([*argv, "--unsafe-seed", "1", "--threads", "1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    seen.clear()  # the training run's own certification, on the CPU
+    printed = {}
+    for where in (device, torch.device("cpu")):
+        monkeypatch.setattr(pipeline, "_resolve_device", lambda name, where=where: where)
+        assert main(["evaluate", str(out), "--json", "--device", "cuda"]) == 0
+        printed[where.type] = json.loads(capsys.readouterr().out)
+    assert printed["simgpu"] == printed["cpu"]
+    assert 0.5 < printed["cpu"]["accuracy"] <= 1.0
+    half = len(seen) // 2  # the model was certified on the device, then on the CPU
+    assert half >= 1 and seen == ["simgpu"] * half + ["cpu"] * half, seen

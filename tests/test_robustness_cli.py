@@ -104,3 +104,5 @@ def test_evaluate_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     (tmp_path / "model.pt").write_bytes(b"")
     assert main(["evaluate", str(tmp_path)]) == 2
     assert "config.json" in capsys.readouterr().err
+    assert main(["evaluate", str(tmp_path), "--device", "tpu"]) == 2
+    assert "argument --device: expected one of" in capsys.readouterr().err

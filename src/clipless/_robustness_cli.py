@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from clipless import _argtypes
+
 DEFAULT_RADII = (0.1, 0.25, 0.5, 1.0)
 """L2 radii at which ``clipless train`` and ``clipless evaluate`` report certified accuracy."""
 
@@ -64,6 +66,12 @@ def add_evaluate_parser(sub: Any) -> None:
         help="dataset cache folder (default: $CLIPLESS_DATA, else ~/.cache/clipless)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--device",
+        type=_argtypes.device,
+        default="cpu",
+        help=f"where the model is evaluated: {_argtypes.DEVICES}",
+    )
     p.set_defaults(func=run_evaluate)
 
 
@@ -200,9 +208,17 @@ def run_evaluate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from clipless import pipeline
     from clipless.data import DatasetNotFoundError
+    from clipless.spec import OptionError
 
+    try:
+        device = pipeline._resolve_device(args.device)
+    except OptionError as exc:
+        print(f"clipless evaluate: error: {exc}", file=sys.stderr)
+        return 2
     model, front = _model_and_front(model_path)
+    model = model.to(device)
     try:
         test = _test_set(config, args.data_root)
     except (DatasetNotFoundError, ValueError, KeyError) as exc:
