@@ -388,7 +388,7 @@ def test_clipless_audit_on_the_device_equals_the_cpu_audit(
     """``clipless audit --device`` (issue 34: every command on the device): the step audit and
     the one-run gradient-canary audit train and draw their noise on the device, and with one
     seed report what the CPU reports (the scores bit for bit)."""
-    from clipless import pipeline
+    from clipless import _devices
     from clipless.audit.gradient_canaries import audit_gradient_canaries
     from clipless.audit.step import audit_step
     from clipless.cli import main
@@ -405,7 +405,7 @@ def test_clipless_audit_on_the_device_equals_the_cpu_audit(
     assert canaries["simgpu"] == canaries["cpu"]
     printed = {}
     for where in (device, torch.device("cpu")):
-        monkeypatch.setattr(pipeline, "_resolve_device", lambda name, where=where: where)
+        monkeypatch.setattr(_devices, "resolve_device", lambda name, where=where: where)
         assert main(["audit", "--trials", "40", "--seed", "3", "--device", "cuda"]) == 0
         printed[where.type] = capsys.readouterr().out
     assert printed["simgpu"] == printed["cpu"] and "lower bound" in printed["cpu"]
@@ -419,7 +419,7 @@ def test_clipless_evaluate_on_the_device_equals_the_cpu(
 ) -> None:
     """``clipless evaluate RUN_DIR --device``: the saved model certified and evaluated on the
     device reports what the CPU reports."""
-    from clipless import pipeline, robustness
+    from clipless import _devices, robustness
     from clipless.cli import main
 
     seen: list[str] = []
@@ -437,7 +437,7 @@ def test_clipless_evaluate_on_the_device_equals_the_cpu(
     seen.clear()  # the training run's own certification, on the CPU
     printed = {}
     for where in (device, torch.device("cpu")):
-        monkeypatch.setattr(pipeline, "_resolve_device", lambda name, where=where: where)
+        monkeypatch.setattr(_devices, "resolve_device", lambda name, where=where: where)
         assert main(["evaluate", str(out), "--json", "--device", "cuda"]) == 0
         printed[where.type] = json.loads(capsys.readouterr().out)
     assert printed["simgpu"] == printed["cpu"]

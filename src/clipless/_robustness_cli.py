@@ -208,12 +208,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from clipless import pipeline
+    from clipless import _devices
     from clipless.data import DatasetNotFoundError
     from clipless.spec import OptionError
 
     try:
-        device = pipeline._resolve_device(args.device)
+        device = _devices.resolve_device(args.device)
     except OptionError as exc:
         print(f"clipless evaluate: error: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from clipless._train_options import DEVICES
+from clipless._devices import resolve_device as _resolve_device
 from clipless.model_file import MODEL_FORMAT, whiten_placeholder
 from clipless.spec import (
     RUN_CONFIG_NAME,
@@ -436,42 +436,6 @@ def _side_effects_start(spec: TrainSpec, out: Path, lead: bool) -> None:
     random.seed(spec.seed)
     np.random.seed(spec.seed)  # noqa: NPY002 - seed the legacy global state for third parties
     torch.manual_seed(spec.seed)
-
-
-def _resolve_device(name: str) -> Any:
-    import torch
-
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        mps = getattr(torch.backends, "mps", None)
-        if mps is not None and mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise OptionError(
-                "--device",
-                f"{name} is not available (torch.cuda.is_available() is False: no CUDA GPU or a "
-                f"CPU-only torch); accepted: {DEVICES}",
-            )
-        index = int(name[5:]) if ":" in name else 0
-        count = torch.cuda.device_count()
-        if index >= count:
-            raise OptionError(
-                "--device",
-                f"{name} is not available ({count} CUDA device(s): cuda:0 to cuda:{count - 1})",
-            )
-        return torch.device(name)
-    if name == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise OptionError(
-                "--device",
-                f"mps is not available (torch.backends.mps.is_available() is False); "
-                f"accepted: {DEVICES}",
-            )
-    return torch.device(name)
 
 
 # ---------------------------------------------------------------------- model and mechanism

@@ -159,11 +159,11 @@ def _one_run(args: argparse.Namespace) -> int:
 
 def _device(name: str) -> Any:
     """``--device`` resolved (``None`` after printing the usage error: not available here)."""
-    from clipless import pipeline
+    from clipless import _devices
     from clipless.spec import OptionError
 
     try:
-        return pipeline._resolve_device(name)
+        return _devices.resolve_device(name)
     except OptionError as exc:
         print(f"clipless audit: error: {exc}", file=sys.stderr)
         return None
