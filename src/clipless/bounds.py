@@ -12,16 +12,19 @@ The certified operator norms these bounds rest on live in :mod:`clipless.norms`.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
+import torch.nn.modules.module as _module_hooks
 
 from clipless import _validate
 from clipless import nn as cnn
 from clipless._bits import same_bits
 from clipless._certified import UNIT_ROUNDOFF, add, mul, sqrt, up
+from clipless._modes import foreign_mode
 
 __all__ = [
     "BoundReport",
@@ -396,7 +399,7 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     """
     first, shape, lip_fn = _report_arguments(model, loss, input_shape)
     x0 = float(first.max_norm)
-    trace = _trace_forward(model, shape, first)
+    trace = _traced(model, shape, first)
     output = trace.output
     assert isinstance(output, torch.Tensor)  # _trace_forward refused anything else
     num_logits = max(1, math.prod(int(d) for d in output.shape[1:]))
@@ -474,6 +477,78 @@ class _Trace:
             # Sigmoid's and GroupNorm's sample_numel) are certified for ONE size
             if old != new and (isinstance(module, cnn.Conv2d) or hasattr(module, "sample_numel")):
                 self.reused.setdefault(key, {old}).add(new)
+
+
+# The last trace of each model with the structure it was taken at (:func:`_traced`).
+_TRACES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, _Trace]] = (
+    weakref.WeakKeyDictionary()
+)
+# Attributes a step changes without changing what the forward computes on a zero input (the
+# scaled kernels run the plain product without autograd, whatever the threshold).
+_PER_STEP_ATTRIBUTES = frozenset({"scaling_threshold", "scaling_multiplicity"})
+
+
+def _traced(model: torch.nn.Module, shape: tuple[int, ...], first: torch.nn.Module) -> _Trace:
+    """:func:`_trace_forward`, or the model's last trace when its structure is unchanged.
+
+    Only a model of clipless modules with their own forwards is reused (their zero-input
+    forward is a function of the key below: module tree, classes, modes, public attributes,
+    parameter and buffer shapes, hooks, dtype, device and input shape; none writes a buffer);
+    a custom module, an instance-level forward or an active Python mode re-traces every call,
+    and so does any change to the key."""
+    key = _structure_key(model, shape)
+    if key is not None:
+        cached = _TRACES.get(model)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+    trace = _trace_forward(model, shape, first)
+    if key is not None:
+        _TRACES[model] = (key, trace)
+    return trace
+
+
+def _structure_key(model: torch.nn.Module, shape: tuple[int, ...]) -> object | None:
+    """What a clipless model's zero-input forward depends on, or ``None`` (never reuse)."""
+    if (
+        foreign_mode() is not None
+        or _module_hooks._global_forward_hooks
+        or (_module_hooks._global_forward_pre_hooks)
+    ):
+        return None
+    entries: list[object] = [shape]
+    for name, m in model.named_modules(remove_duplicate=False):
+        if not _known_forward(m) or "forward" in vars(m):
+            return None
+        attributes = tuple(
+            (k, _attribute_key(v))
+            for k, v in sorted(vars(m).items())
+            if not k.startswith("_") and k not in _PER_STEP_ATTRIBUTES
+        )
+        tensors = tuple(
+            (k, None if v is None else (tuple(v.shape), v.dtype, v.device))
+            for k, v in (*m._parameters.items(), *m._buffers.items())
+        )
+        hooks = (tuple(m._forward_pre_hooks), tuple(m._forward_hooks))
+        entries.append((name, id(m), type(m), m.training, attributes, tensors, hooks))
+    return tuple(entries)
+
+
+def _known_forward(module: torch.nn.Module) -> bool:
+    """A clipless layer's own forward, or a clipless container's unchanged one."""
+    for kind in (cnn.Sequential, cnn.Residual):
+        if isinstance(module, kind):
+            return type(module).forward is kind.forward
+    return _trusted_forward(module)
+
+
+def _attribute_key(value: object) -> object:
+    """A module attribute as a comparable value: plain data by value, anything else by identity
+    (a replaced object is a new key)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return (type(value), value)
+    if isinstance(value, tuple | list):
+        return (type(value), tuple(_attribute_key(v) for v in value))
+    return (type(value), id(value))
 
 
 def _trace_forward(

@@ -1,0 +1,138 @@
+"""The bound report reuses a model's zero-input trace while its structure is unchanged
+(:func:`clipless.bounds._traced`), and traces again on every change that could alter it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from clipless import bounds
+from clipless import nn as cnn
+
+LOSS = cnn.CrossEntropyLoss(reduction="sum")
+SHAPE = (2, 8, 8)
+
+
+def _model() -> cnn.Sequential:
+    return cnn.Sequential(
+        cnn.InputNorm(1.0),
+        cnn.Conv2d(2, 4, 3, padding=1),
+        cnn.GroupSort(2),
+        cnn.Residual(cnn.Sequential(cnn.Conv2d(4, 4, 3, padding=1), cnn.GroupSort(2))),
+        cnn.Flatten(),
+        cnn.Linear(4 * 8 * 8, 10),
+    )
+
+
+@pytest.fixture
+def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the models traced, one entry per zero-input forward."""
+    seen: list[int] = []
+    original = bounds._trace_forward
+
+    def counted(model: torch.nn.Module, shape: tuple[int, ...], first: torch.nn.Module) -> object:
+        seen.append(id(model))
+        return original(model, shape, first)
+
+    monkeypatch.setattr(bounds, "_trace_forward", counted)
+    return seen
+
+
+def _reports(model: torch.nn.Module, n: int = 1) -> bounds.BoundReport:
+    report = bounds.report(model, LOSS, SHAPE)
+    for _ in range(n - 1):
+        report = bounds.report(model, LOSS, SHAPE)
+    return report
+
+
+def test_an_unchanged_model_is_traced_once_with_the_same_report(traces: list[int]) -> None:
+    model = _model()
+    first = _reports(model, 2)  # the first call records Conv2d input sizes: traced twice
+    before = len(traces)
+    again = _reports(model, 3)
+    assert len(traces) == before and before <= 2
+    assert again == first
+    with torch.no_grad():  # new weights change the bounds, not the structure
+        model[5].weight.mul_(0.5)
+    assert _reports(model) != first and len(traces) == before
+
+
+def _set(index: int, name: str, value: object) -> Callable[[cnn.Sequential], None]:
+    return lambda m: setattr(m[index], name, value)
+
+
+def _add_hook(m: cnn.Sequential) -> None:
+    m[2].register_forward_hook(lambda mod, args, out: out)
+
+
+def _own_forward(m: cnn.Sequential) -> None:
+    m[2].forward = lambda x: x  # type: ignore[method-assign]
+
+
+def _replace_child(m: cnn.Sequential) -> None:
+    m[2] = cnn.GroupSort(2)
+
+
+def _wider_weight(m: cnn.Sequential) -> None:
+    m[5].weight = torch.nn.Parameter(torch.zeros(12, 4 * 8 * 8))
+
+
+CHANGES: dict[str, Callable[[cnn.Sequential], None]] = {
+    "group size": _set(2, "group_size", 4),
+    "stride": _set(1, "stride", (2, 2)),
+    "residual mode": _set(3, "mode", "average"),
+    "input bound": _set(0, "max_norm", 2.0),
+    "eval mode": lambda m: m.eval(),
+    "forward hook": _add_hook,
+    "instance forward": _own_forward,
+    "replaced child": _replace_child,
+    "weight of another shape": _wider_weight,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_every_structural_change_traces_again(change: str, traces: list[int]) -> None:
+    """Each change gives another key (or none), and the next report either traces again or is
+    refused before tracing (a hook: ``validate``); it never reuses the old trace."""
+    model = _model()
+    _reports(model, 2)
+    before, key = len(traces), bounds._structure_key(model, SHAPE)
+    CHANGES[change](model)
+    assert bounds._structure_key(model, SHAPE) != key
+    try:
+        bounds.report(model, LOSS, SHAPE)
+    except (ValueError, RuntimeError, TypeError):
+        return  # refused: by validate, by the new trace's checks, or by its forward
+    assert len(traces) == before + 1, change
+
+
+class _Doubling(cnn.LipschitzModule):
+    """A custom leaf: its forward is not clipless's, so its trace is never reused."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x
+
+    def lipschitz(self) -> float:
+        return 0.5
+
+    def output_bound(self, input_bound: float) -> float:
+        return 0.5 * input_bound
+
+
+def test_a_model_with_a_custom_module_is_traced_every_time(traces: list[int]) -> None:
+    model = cnn.Sequential(cnn.InputNorm(1.0), cnn.Flatten(), _Doubling(), cnn.Linear(128, 3))
+    for _ in range(3):
+        bounds.report(model, LOSS, SHAPE)
+    assert len(traces) == 3
+
+
+def test_a_shared_module_added_after_a_report_is_refused(traces: list[int]) -> None:
+    """A structural change the cached trace would miss is seen: a Conv2d applied at a second
+    size after the model's first reports."""
+    model = _model()
+    _reports(model, 2)
+    model.insert(2, model[1])  # the 2 -> 4 conv again, now on a 4-channel input
+    with pytest.raises((ValueError, RuntimeError)):
+        bounds.report(model, LOSS, SHAPE)
