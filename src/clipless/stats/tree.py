@@ -362,7 +362,6 @@ def release_counts(
             else _external_noise(node_noise, noise, param, L)
         )
         variance = discrete_laplace_variance(param)
-        scale = float(param)
         eps_out: float | None = float(epsilon)
         rho_out: float | None = None
     elif noise == "gaussian":
@@ -380,7 +379,6 @@ def release_counts(
             else _external_noise(node_noise, noise, param, L)
         )
         variance = discrete_gaussian_variance(param)
-        scale = float(param) ** 0.5
         eps_out, rho_out = None, float(rho)
     else:
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
@@ -389,23 +387,43 @@ def release_counts(
     true_nodes = node_counts_from_leaves(counts, L)
     offsets = _level_offsets(L)
     noisy = [true_nodes[lev] + eta[offsets[lev] : offsets[lev + 1]] for lev in range(L + 1)]
-    for arr in noisy:
+    return tree_release(
+        noisy, N, noise, param, variance, delta, neighbouring, epsilon=eps_out, rho=rho_out
+    )
+
+
+def tree_release(
+    nodes: list[NDArray[np.int64]],
+    num_leaves: int,
+    noise: NoiseKind,
+    param: Fraction,
+    node_variance: float,
+    sensitivity: int,
+    neighbouring: Neighbouring,
+    *,
+    epsilon: float | None,
+    rho: float | None,
+) -> TreeRelease:
+    """The :class:`TreeRelease` of the noisy node values ``nodes`` (one array per level, leaves
+    first), made read-only, with their path sums as the prefix counts (post-processing; also
+    the federated ECDF's)."""
+    for arr in nodes:
         arr.setflags(write=False)
-    prefix = np.asarray(path_sums(noisy, N), dtype=np.int64)
+    prefix = np.asarray(path_sums(nodes, num_leaves), dtype=np.int64)
     prefix.setflags(write=False)
     return TreeRelease(
-        depth=L,
-        num_leaves=N,
-        node_counts=noisy,
+        depth=len(nodes) - 1,
+        num_leaves=num_leaves,
+        node_counts=nodes,
         prefix_counts=prefix,
         noise=noise,
         noise_param=param,
-        noise_scale=scale,
-        node_variance=variance,
-        sensitivity=delta,
+        noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
+        node_variance=node_variance,
+        sensitivity=sensitivity,
         neighbouring=neighbouring,
-        epsilon=eps_out,
-        rho=rho_out,
+        epsilon=epsilon,
+        rho=rho,
     )
 
 
