@@ -41,7 +41,6 @@ from clipless.federated.ustat import Backend, NoiseSharing, Traffic, UStat
 from clipless.stats.counting import (
     CountingPlan,
     CountRelease,
-    _budget,
     counting_plan,
     kary_depth,
     kary_estimate,
@@ -61,6 +60,7 @@ from clipless.stats.tree import (
     NoiseKind,
     TreeRelease,
     _suffix_columns,
+    noise_budget,
     tree_release,
     tree_sensitivity,
 )
@@ -493,7 +493,7 @@ def _federated_kary(q: _Query, branching: int | None) -> FederatedECDF:
     goes through :func:`~clipless.stats.counting.kary_estimate` and
     :func:`~clipless.stats.ecdf.from_release`, the central release's own post-processing."""
     N = len(q.grid)
-    budget, eps_out, rho_out = _budget(q.noise, q.epsilon, q.rho)
+    budget, eps_out, rho_out = noise_budget(q.noise, q.epsilon, q.rho)
     plan = counting_plan(N, q.neighbouring, q.noise, budget, branching)
     params = kary_params(plan, q.neighbouring, q.noise, budget)
     lv, ix = kary_released_nodes(N, plan, q.neighbouring)

@@ -348,40 +348,24 @@ def release_counts(
     L = tree_depth(N)
     delta = tree_sensitivity(L, neighbouring)
     num_nodes = (1 << (L + 1)) - 1
+    budget, eps_out, rho_out = noise_budget(noise, epsilon, rho)
     param: Fraction
     if noise == "laplace":
-        if rho is not None:
-            raise ValueError("rho is only for noise='gaussian'; give epsilon for Laplace noise")
-        if epsilon is None:
-            raise ValueError("epsilon is required for noise='laplace'")
-        eps = to_fraction(epsilon, "epsilon")
-        param = conservative_scale(Fraction(delta) / eps)
+        param = conservative_scale(Fraction(delta) / budget)
         eta = (
             discrete_laplace(param, num_nodes, gen)
             if node_noise is None
             else _external_noise(node_noise, noise, param, L)
         )
         variance = discrete_laplace_variance(param)
-        eps_out: float | None = float(epsilon)
-        rho_out: float | None = None
-    elif noise == "gaussian":
-        if epsilon is not None:
-            raise ValueError(
-                "noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None and rho"
-            )
-        if rho is None:
-            raise ValueError("rho is required for noise='gaussian'")
-        r = to_fraction(rho, "rho")
-        param = Fraction(delta) / (2 * r)
+    else:
+        param = Fraction(delta) / (2 * budget)
         eta = (
             discrete_gaussian(None, num_nodes, gen, sigma2=param)
             if node_noise is None
             else _external_noise(node_noise, noise, param, L)
         )
         variance = discrete_gaussian_variance(param)
-        eps_out, rho_out = None, float(rho)
-    else:
-        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
     if node_noise is not None:
         variance = variance * _noise_copies(node_noise)
     true_nodes = node_counts_from_leaves(counts, L)
@@ -425,6 +409,28 @@ def tree_release(
         epsilon=epsilon,
         rho=rho,
     )
+
+
+def noise_budget(
+    noise: str, epsilon: float | None, rho: float | None
+) -> tuple[Fraction, float | None, float | None]:
+    """The exact budget of ``noise`` (``epsilon`` for Laplace, ``rho`` for Gaussian) and the
+    guarantee ``(epsilon, rho)`` a release reports; refuses the other one given, or none."""
+    if noise == "laplace":
+        if rho is not None:
+            raise ValueError("rho is only for noise='gaussian'; give epsilon for Laplace noise")
+        if epsilon is None:
+            raise ValueError("epsilon is required for noise='laplace'")
+        return to_fraction(epsilon, "epsilon"), float(epsilon), None
+    if noise == "gaussian":
+        if epsilon is not None:
+            raise ValueError(
+                "noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None and rho"
+            )
+        if rho is None:
+            raise ValueError("rho is required for noise='gaussian'")
+        return to_fraction(rho, "rho"), None, float(rho)
+    raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
 
 
 def _noise_copies(node_noise: object) -> int:

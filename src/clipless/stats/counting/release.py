@@ -23,7 +23,6 @@ from clipless.stats.noise import (
     discrete_gaussian_variance,
     discrete_laplace,
     discrete_laplace_variance,
-    to_fraction,
 )
 from clipless.stats.tree import Neighbouring, NoiseKind
 
@@ -95,26 +94,6 @@ class CountRelease:
     def depth(self) -> int:
         """Binary depth ``ceil(log2 N)`` (used by the thesis's l1/l2 smoothing graph)."""
         return tree_depth(self.num_leaves)
-
-
-def _budget(
-    noise: str, epsilon: float | None, rho: float | None
-) -> tuple[Fraction, float | None, float | None]:
-    if noise == "laplace":
-        if rho is not None:
-            raise ValueError("rho is only for noise='gaussian'; give epsilon for Laplace noise")
-        if epsilon is None:
-            raise ValueError("epsilon is required for noise='laplace'")
-        return to_fraction(epsilon, "epsilon"), float(epsilon), None
-    if noise == "gaussian":
-        if epsilon is not None:
-            raise ValueError(
-                "noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None and rho"
-            )
-        if rho is None:
-            raise ValueError("rho is required for noise='gaussian'")
-        return to_fraction(rho, "rho"), None, float(rho)
-    raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
 
 
 def _condition_on_total(
