@@ -54,6 +54,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from clipless import _validate
 from clipless.audit.one_run import one_run_epsilon_lower_bound
+from clipless.audit.step import audit_mlp
 
 __all__ = ["GradientCanaryAudit", "audit_gradient_canaries", "planned_guesses"]
 
@@ -183,19 +184,6 @@ class _Directions:
         return _fwht(self.signs * x[self.support])[self.columns] / math.sqrt(n)
 
 
-def _model(width: int) -> torch.nn.Module:
-    from clipless import nn
-
-    return nn.Sequential(
-        nn.InputNorm(_RADIUS),
-        nn.Linear(width, width, bias=False),
-        nn.GroupSort(2),
-        nn.Linear(width, width, bias=False),
-        nn.GroupSort(2),
-        nn.Linear(width, width, bias=False),
-    )
-
-
 def _released(
     opt: Any,
     plan: Any,
@@ -290,7 +278,7 @@ def audit_gradient_canaries(
     gen = torch.Generator().manual_seed(canary_seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model_seed)
-        model: torch.nn.Module = _model(width).double()
+        model: torch.nn.Module = audit_mlp(_RADIUS, width, width).double()
     loss = nn.CrossEntropyLoss(reduction="sum")
     x0 = torch.randn(records, width, generator=gen, dtype=torch.float64)
     y0 = torch.randint(0, width, (records,), generator=gen)

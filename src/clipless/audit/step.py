@@ -205,16 +205,19 @@ class StepAudit:
         return out
 
 
-def _model(radius: float) -> torch.nn.Module:
+def audit_mlp(radius: float, width: int, outputs: int) -> torch.nn.Module:
+    """The audited network: inputs projected on the ball of ``radius``, then three bias-free
+    ``Linear`` layers of ``width`` (the last with ``outputs``) with ``GroupSort(2)`` between
+    them (also the gradient-canary audit's)."""
     from clipless import nn
 
     return nn.Sequential(
         nn.InputNorm(radius),
-        nn.Linear(_DIM, _DIM, bias=False),
+        nn.Linear(width, width, bias=False),
         nn.GroupSort(2),
-        nn.Linear(_DIM, _DIM, bias=False),
+        nn.Linear(width, width, bias=False),
         nn.GroupSort(2),
-        nn.Linear(_DIM, _CLASSES, bias=False),
+        nn.Linear(width, outputs, bias=False),
     )
 
 
@@ -387,7 +390,7 @@ def _audit_setup(
     gen.manual_seed(canary_seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model_seed)
-        model = _model(radius).double()
+        model = audit_mlp(radius, _DIM, _CLASSES).double()
     loss = nn.CrossEntropyLoss(reduction="sum")
     small = torch.randn(1, _DIM, generator=gen, dtype=torch.float64)
     small = 0.05 * radius * small / small.norm()
