@@ -402,13 +402,19 @@ def tree_release(
         prefix_counts=prefix,
         noise=noise,
         noise_param=param,
-        noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
+        noise_scale=noise_scale(noise, param),
         node_variance=node_variance,
         sensitivity=sensitivity,
         neighbouring=neighbouring,
         epsilon=epsilon,
         rho=rho,
     )
+
+
+def noise_scale(noise: NoiseKind, param: Fraction) -> float:
+    """The scale of one node's noise as a float: ``b`` (Laplace) or ``sigma``, the square root of
+    the exact ``sigma^2`` (Gaussian)."""
+    return float(param) if noise == "laplace" else float(param) ** 0.5
 
 
 def noise_budget(

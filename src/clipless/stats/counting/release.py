@@ -24,7 +24,7 @@ from clipless.stats.noise import (
     discrete_laplace,
     discrete_laplace_variance,
 )
-from clipless.stats.tree import Neighbouring, NoiseKind
+from clipless.stats.tree import Neighbouring, NoiseKind, noise_scale
 
 Mechanism = Literal["auto", "binary", "k-ary", "factorization", "smooth-binary"]
 
@@ -145,7 +145,7 @@ def _count_release(
         noisy=noisy,
         noise=noise,
         noise_param=param,
-        noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
+        noise_scale=noise_scale(noise, param),
         node_variance=node_variance,
         sensitivity=float(sensitivity),
         branching=None,
