@@ -177,24 +177,19 @@ def audit_command(args: argparse.Namespace) -> int:
         if value is not None:
             return _usage_error(flag, "only with --one-run")
     if args.mode == "batch-max" and not args.allow_unproven:
-        print(
-            "clipless audit: error: argument --mode: batch-max has no DP proof; add "
-            "--allow-unproven to audit it",
-            file=sys.stderr,
-        )
-        return 2
+        return _usage_error("--mode", "batch-max has no DP proof; add --allow-unproven to audit it")
     if args.plot:  # checked before the audit runs, not after
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
         if Path(args.plot).is_dir():
-            print(f"clipless audit: error: argument --plot: {args.plot} is a folder; give an "
-                  "image file name (.png, .pdf or .svg)", file=sys.stderr)  # fmt: skip
-            return 2
+            return _usage_error(
+                "--plot", f"{args.plot} is a folder; give an image file name (.png, .pdf or .svg)"
+            )
         suffix = Path(args.plot).suffix[1:].lower() or "png"
         if suffix not in FigureCanvasAgg.get_supported_filetypes():
-            print(f"clipless audit: error: argument --plot: .{suffix} is not an image format "
-                  "(use .png, .pdf or .svg)", file=sys.stderr)  # fmt: skip
-            return 2
+            return _usage_error(
+                "--plot", f".{suffix} is not an image format (use .png, .pdf or .svg)"
+            )
     where = _device(args.device)
     if where is None:
         return 2
@@ -218,7 +213,6 @@ def audit_command(args: argparse.Namespace) -> int:
         try:
             path = result.plot(args.plot)
         except (OSError, ValueError) as exc:
-            print(f"clipless audit: error: argument --plot: {exc}", file=sys.stderr)
-            return 2
+            return _usage_error("--plot", str(exc))
         print(f"plot: {path}")
     return 1 if result.violated else 0

@@ -44,16 +44,15 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from scipy import stats as _stats
-from torch.utils.data import DataLoader, TensorDataset
 
 from clipless import _validate
 from clipless.audit.one_run import one_run_epsilon_lower_bound
+from clipless.audit.step import audit_mlp, make_audited
 
 __all__ = ["GradientCanaryAudit", "audit_gradient_canaries", "planned_guesses"]
 
@@ -183,19 +182,6 @@ class _Directions:
         return _fwht(self.signs * x[self.support])[self.columns] / math.sqrt(n)
 
 
-def _model(width: int) -> torch.nn.Module:
-    from clipless import nn
-
-    return nn.Sequential(
-        nn.InputNorm(_RADIUS),
-        nn.Linear(width, width, bias=False),
-        nn.GroupSort(2),
-        nn.Linear(width, width, bias=False),
-        nn.GroupSort(2),
-        nn.Linear(width, width, bias=False),
-    )
-
-
 def _released(
     opt: Any,
     plan: Any,
@@ -273,7 +259,6 @@ def audit_gradient_canaries(
     """
     import secrets
 
-    import clipless
     from clipless import nn
     from clipless.audit._seeds import independent_seeds
     from clipless.audit.step import _clean_sum
@@ -291,30 +276,20 @@ def audit_gradient_canaries(
     base = seed if seed is not None else secrets.randbits(62)
     canary_seed, model_seed, noise_seed = independent_seeds(base, 3)
     gen = torch.Generator().manual_seed(canary_seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(model_seed)
-        model: torch.nn.Module = _model(width).double().to(device)
+    model = audit_mlp(_RADIUS, width, width, model_seed).to(device)
     loss = nn.CrossEntropyLoss(reduction="sum")
     x0 = torch.randn(records, width, generator=gen, dtype=torch.float64)
     y0 = torch.randint(0, width, (records,), generator=gen)
-    with warnings.catch_warnings():  # the audit's own seeded engine: an experiment, no release
-        warnings.filterwarnings("ignore", message=r"PrivacyEngine\(seed=")
-        engine = clipless.PrivacyEngine(seed=noise_seed if seed is not None else None)
-    model, opt, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(TensorDataset(x0, y0), batch_size=records),
-        loss=loss,
+    thresholds = {p: _RADIUS / 2.0 for p in ("1", "3", "5")} if mode == "threshold" else None
+    engine, model, opt = make_audited(
+        model,
+        loss,
+        (x0, y0),
+        noise_seed if seed is not None else None,
+        {"scaling": mode, "noise": noise, "thresholds": thresholds},
         target_epsilon=float(epsilon),
         target_delta=float(delta),
         steps=steps,
-        mechanism=clipless.MechanismSpec(
-            sample_rate=1.0,
-            constraint="orthogonal",
-            scaling=mode,
-            noise=noise,
-            thresholds={p: _RADIUS / 2.0 for p in ("1", "3", "5")} if mode == "threshold" else None,
-        ),
     )
     plan, on_device = _clean_sum(opt, model, loss, x0.to(device), y0.to(device))
     clean = {n: g.cpu() for n, g in on_device.items()}

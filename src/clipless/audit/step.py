@@ -205,17 +205,52 @@ class StepAudit:
         return out
 
 
-def _model(radius: float) -> torch.nn.Module:
+def audit_mlp(radius: float, width: int, outputs: int, seed: int) -> torch.nn.Module:
+    """The audited network in float64, initialised from ``seed`` (the global generator's state is
+    restored): inputs projected on the ball of ``radius``, then three bias-free ``Linear``
+    layers of ``width`` (the last with ``outputs``) with ``GroupSort(2)`` between them (also the
+    gradient-canary audit's)."""
     from clipless import nn
 
-    return nn.Sequential(
-        nn.InputNorm(radius),
-        nn.Linear(_DIM, _DIM, bias=False),
-        nn.GroupSort(2),
-        nn.Linear(_DIM, _DIM, bias=False),
-        nn.GroupSort(2),
-        nn.Linear(_DIM, _CLASSES, bias=False),
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.InputNorm(radius),
+            nn.Linear(width, width, bias=False),
+            nn.GroupSort(2),
+            nn.Linear(width, width, bias=False),
+            nn.GroupSort(2),
+            nn.Linear(width, outputs, bias=False),
+        ).double()
+
+
+def make_audited(
+    model: torch.nn.Module,
+    loss: torch.nn.Module,
+    data: tuple[torch.Tensor, torch.Tensor],
+    noise_seed: int | None,
+    mechanism: Mapping[str, Any],
+    **calibration: Any,
+) -> tuple[Any, Any, Any]:
+    """``(engine, model, optimizer)``: ``make_private`` of an audit (also the gradient-canary
+    audit's), with the audit's own seeded engine (an experiment, no release), a zero learning
+    rate, all of ``data`` as one batch at sample rate 1 and orthogonal weights; ``mechanism``
+    holds the rest of the :class:`~clipless.MechanismSpec`, ``calibration`` the noise
+    (``noise_multiplier`` or the target epsilon, delta and steps)."""
+    import clipless
+
+    with warnings.catch_warnings():  # the audit's own seeded engine: an experiment, no release
+        warnings.filterwarnings("ignore", message=r"PrivacyEngine\(seed=")
+        engine = clipless.PrivacyEngine(seed=noise_seed)
+    model, opt, _ = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(*data), batch_size=data[0].shape[0]),
+        loss=loss,
+        mechanism=clipless.MechanismSpec(sample_rate=1.0, constraint="orthogonal", **mechanism),
+        **calibration,
     )
+    return engine, model, opt
 
 
 def _canary(model: torch.nn.Module, radius: float, gen: torch.Generator) -> tuple[Any, Any]:
@@ -386,7 +421,6 @@ def _audit_setup(
     trained on ``D`` (``records`` copies of one small-norm record, so their batch maximum is
     small), with the canary, the model and the noise from independent streams (module
     docstring)."""
-    import clipless
     from clipless import nn
     from clipless.audit._seeds import independent_seeds
 
@@ -397,9 +431,7 @@ def _audit_setup(
         noise_seed = None  # the engine's CSPRNG
     gen = torch.Generator()
     gen.manual_seed(canary_seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(model_seed)
-        model = _model(radius).double().to(device)
+    model = audit_mlp(radius, _DIM, _CLASSES, model_seed).to(device)
     loss = nn.CrossEntropyLoss(reduction="sum")
     small = torch.randn(1, _DIM, generator=gen, dtype=torch.float64)
     small = 0.05 * radius * small / small.norm()
@@ -408,23 +440,14 @@ def _audit_setup(
     thresholds = None
     if mode == "threshold":
         thresholds = {path: radius / 2.0 for path in ("1", "3", "5")}
-    with warnings.catch_warnings():  # the audit's own seeded engine: an experiment, no release
-        warnings.filterwarnings("ignore", message=r"PrivacyEngine\(seed=")
-        engine = clipless.PrivacyEngine(seed=noise_seed)
-    model, opt, _ = engine.make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(TensorDataset(x0, y0), batch_size=records),
-        loss=loss,
-        noise_multiplier=noise_multiplier,
-        mechanism=clipless.MechanismSpec(
-            sample_rate=1.0,
-            constraint="orthogonal",
-            scaling=mode,
-            noise=noise,
-            thresholds=thresholds,
-            allow_unproven=allow_unproven,
-        ),
+    spec = {
+        "scaling": mode,
+        "noise": noise,
+        "thresholds": thresholds,
+        "allow_unproven": allow_unproven,
+    }
+    engine, model, opt = make_audited(
+        model, loss, (x0, y0), noise_seed, spec, noise_multiplier=noise_multiplier
     )
     return engine, opt, model, loss, gen, (x0.to(device), y0.to(device))
 

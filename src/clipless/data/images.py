@@ -24,8 +24,7 @@ from clipless.data.registry import (
     DatasetInfo,
     make_tensor_dataset,
     register_dataset,
-    split_datasets,
-    stratified_split,
+    stratified_datasets,
 )
 
 __all__ = [
@@ -55,19 +54,17 @@ def load_digits() -> tuple[TensorDataset, TensorDataset, DatasetInfo]:
     bunch = _sk_load()
     images = np.asarray(bunch.images, dtype=np.float64)[:, None, :, :] / 16.0
     y = np.asarray(bunch.target, dtype=np.int64)
-    train_idx, test_idx = stratified_split(y, 0.2, SPLIT_SEED)
-    info = DatasetInfo(
+    return stratified_datasets(
+        images,
+        y,
         name="digits",
         input_shape=(1, 8, 8),
         num_classes=10,
         class_names=tuple(str(c) for c in range(10)),
-        num_train=int(train_idx.size),
-        num_test=int(test_idx.size),
         preprocessing="pixel / 16 (fixed; the pixel range 0..16 is public)",
         source="scikit-learn (sklearn.datasets.load_digits, bundled)",
         license="CC BY 4.0 (UCI)",
     )
-    return (*split_datasets(images, y, train_idx, test_idx), info)
 
 
 def _digits_loader(root: Path, download: bool) -> tuple[TensorDataset, TensorDataset, DatasetInfo]:

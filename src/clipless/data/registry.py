@@ -230,3 +230,16 @@ def split_datasets(
         make_tensor_dataset(inputs[train_idx], targets[train_idx]),
         make_tensor_dataset(inputs[test_idx], targets[test_idx]),
     )
+
+
+SPLIT_NOTE = "split: stratified 80/20, clipless.data.stratified_split(labels, 0.2, seed=0)"
+"""The :attr:`DatasetInfo.notes` line of a loader that makes the split itself."""
+
+
+def stratified_datasets(inputs: np.ndarray, targets: np.ndarray, **info: Any) -> Loaded:
+    """The fixed stratified 80/20 split (``stratified_split(targets, 0.2, seed=0)``) of a
+    dataset that has none: ``(train, test, DatasetInfo(**info))``, the info with the split's
+    sizes."""
+    train_idx, test_idx = stratified_split(targets, 0.2, 0)
+    details = DatasetInfo(num_train=int(train_idx.size), num_test=int(test_idx.size), **info)
+    return (*split_datasets(inputs, targets, train_idx, test_idx), details)

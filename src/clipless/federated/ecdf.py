@@ -41,7 +41,6 @@ from clipless.federated.ustat import Backend, NoiseSharing, Traffic, UStat
 from clipless.stats.counting import (
     CountingPlan,
     CountRelease,
-    _budget,
     counting_plan,
     kary_depth,
     kary_estimate,
@@ -61,7 +60,8 @@ from clipless.stats.tree import (
     NoiseKind,
     TreeRelease,
     _suffix_columns,
-    path_sums,
+    noise_budget,
+    tree_release,
     tree_sensitivity,
 )
 
@@ -245,25 +245,19 @@ def assemble(
     if whole:
         offsets = np.concatenate([[0], np.cumsum([1 << (L - lev) for lev in range(L + 1)])])
         nodes = [out[offsets[lev] : offsets[lev + 1]].copy() for lev in range(L + 1)]
-        for arr in nodes:
-            arr.setflags(write=False)
-        prefix = np.asarray(path_sums(nodes, N), dtype=np.int64)
-        prefix.setflags(write=False)
         eps_out = float(epsilon) if noise == "laplace" and epsilon is not None else None
-        release = TreeRelease(
-            depth=L,
-            num_leaves=N,
-            node_counts=nodes,
-            prefix_counts=prefix,
-            noise=noise,
-            noise_param=param,
-            noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
-            node_variance=node_var,
-            sensitivity=delta,
-            neighbouring=neighbouring,
+        release = tree_release(
+            nodes,
+            N,
+            noise,
+            param,
+            node_var,
+            delta,
+            neighbouring,
             epsilon=eps_out,
             rho=float(rho) if rho is not None else None,
         )
+        prefix = release.prefix_counts
         F = from_release(
             release,
             g,
@@ -499,7 +493,7 @@ def _federated_kary(q: _Query, branching: int | None) -> FederatedECDF:
     goes through :func:`~clipless.stats.counting.kary_estimate` and
     :func:`~clipless.stats.ecdf.from_release`, the central release's own post-processing."""
     N = len(q.grid)
-    budget, eps_out, rho_out = _budget(q.noise, q.epsilon, q.rho)
+    budget, eps_out, rho_out = noise_budget(q.noise, q.epsilon, q.rho)
     plan = counting_plan(N, q.neighbouring, q.noise, budget, branching)
     params = kary_params(plan, q.neighbouring, q.noise, budget)
     lv, ix = kary_released_nodes(N, plan, q.neighbouring)

@@ -46,8 +46,7 @@ from clipless.federated.noise import TAG_SHIFT, node_ids, tree_context
 from clipless.federated.ustat import NoiseSharing, Traffic, UStat
 from clipless.stats.ecdf import Smoothing, _as_grid
 from clipless.stats.grid import Grid, tree_depth
-from clipless.stats.noise import to_fraction
-from clipless.stats.roc import DPROC
+from clipless.stats.roc import DPROC, class_budget, roc_from_classes
 from clipless.stats.tree import Neighbouring, NoiseKind
 
 __all__ = ["FederatedROC", "federated_roc", "prefix_dcf_keys", "prefix_dcf_shares"]
@@ -141,9 +140,8 @@ def federated_roc(
         raise ValueError("owner_scores and owner_labels must list the same (>= 1) owners")
     g = _as_grid(grid)
     N, L = len(g), tree_depth(len(g))
-    parts = 2 if neighbouring == "replace_one" else 1
-    eps_class = None if epsilon is None else float(to_fraction(epsilon, "epsilon")) / parts
-    rho_class = None if rho is None else float(to_fraction(rho, "rho")) / parts
+    eps_class = class_budget(epsilon, "epsilon", neighbouring)
+    rho_class = class_budget(rho, "rho", neighbouring)
     param, variance, delta = noise_parameter(L, "add_remove", noise, eps_class, rho_class)
     leaves, labels = [], []
     for k, (sc, lb) in enumerate(zip(owner_scores, owner_labels, strict=True)):
@@ -189,21 +187,7 @@ def federated_roc(
         )  # fmt: skip
         assert F is not None
         curves.append(F)
-    neg, pos = curves
-    fpr, tpr = 1.0 - np.asarray(neg.values), 1.0 - np.asarray(pos.values)
-    for arr in (fpr, tpr):
-        arr.setflags(write=False)
-    result = DPROC(
-        thresholds=g.thresholds,
-        fpr=fpr,
-        tpr=tpr,
-        negatives=neg,
-        positives=pos,
-        epsilon=None if epsilon is None else float(epsilon),
-        rho=None if rho is None else float(rho),
-        neighbouring=neighbouring,
-        smoothing=smoothing,
-    )
+    result = roc_from_classes(g, curves[0], curves[1], epsilon, rho, neighbouring, smoothing)
     return FederatedROC(result, ustat)
 
 

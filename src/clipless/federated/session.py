@@ -188,9 +188,9 @@ def _noise_setup(
 
 
 def _budget_of(noise: str, eps: float | None, rho: float | None) -> Fraction:
-    from clipless.stats.counting import _budget as budget_fraction
+    from clipless.stats.tree import noise_budget
 
-    return budget_fraction(noise, eps, rho)[0]
+    return noise_budget(noise, eps, rho)[0]
 
 
 def _all_nodes(session: Session) -> tuple[NDArray[np.int64], NDArray[np.int64]]:

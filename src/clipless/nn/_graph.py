@@ -84,18 +84,13 @@ def _activation_module(node: torch.fx.Node) -> torch.nn.Module | None:
     """LeakyReLU, Hardtanh / ReLU6 and ELU called as functions (``None``: none of them)."""
     target = node.target
     if target in _LEAKY:
-        bound = _bind(_sig_leaky, node)
-        return None if bound is None else torch.nn.LeakyReLU(bound.arguments["negative_slope"])
+        return _module_of(node, _sig_leaky, torch.nn.LeakyReLU, "negative_slope")
     if target is F.relu6:
-        return None if _bind(_sig_unary, node) is None else torch.nn.ReLU6()
+        return _module_of(node, _sig_unary, torch.nn.ReLU6)
     if target in _HARDTANH:
-        bound = _bind(_sig_hardtanh, node)
-        if bound is None:
-            return None
-        return torch.nn.Hardtanh(bound.arguments["min_val"], bound.arguments["max_val"])
+        return _module_of(node, _sig_hardtanh, torch.nn.Hardtanh, "min_val", "max_val")
     if target in _ELU:
-        bound = _bind(_sig_elu, node)
-        return None if bound is None else torch.nn.ELU(bound.arguments["alpha"])
+        return _module_of(node, _sig_elu, torch.nn.ELU, "alpha")
     return None
 
 
@@ -133,6 +128,18 @@ def _bind(sig: Callable[..., None], node: torch.fx.Node) -> inspect.BoundArgumen
     return bound
 
 
+def _module_of(
+    node: torch.fx.Node,
+    sig: Callable[..., None],
+    module: Callable[..., torch.nn.Module],
+    *names: str,
+) -> torch.nn.Module | None:
+    """``module`` built from the arguments ``names`` of the call ``node`` bound to ``sig``
+    (``None``: the call does not match ``sig``)."""
+    bound = _bind(sig, node)
+    return None if bound is None else module(*(bound.arguments[n] for n in names))
+
+
 def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
     """The torch module a function/method node computes on its first argument (``None``: none).
 
@@ -157,10 +164,7 @@ def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
         if activation is not None:
             return activation
         if target is torch.flatten:
-            bound = _bind(_sig_flatten, node)
-            if bound is None:
-                return None
-            return torch.nn.Flatten(bound.arguments["start_dim"], bound.arguments["end_dim"])
+            return _module_of(node, _sig_flatten, torch.nn.Flatten, "start_dim", "end_dim")
         if target in _DROPOUT:
             bound = _bind(_sig_dropout, node)
             # traced in eval mode; training=True (F.dropout's default) drops in eval mode too
@@ -183,10 +187,7 @@ def _function_module(node: torch.fx.Node) -> torch.nn.Module | None:
                 kind
             ]()
         if target == "flatten":
-            bound = _bind(_sig_method_flatten, node)
-            if bound is None:
-                return None
-            return torch.nn.Flatten(bound.arguments["start_dim"], bound.arguments["end_dim"])
+            return _module_of(node, _sig_method_flatten, torch.nn.Flatten, "start_dim", "end_dim")
         if target in ("view", "reshape") and _batch_flatten_source(node) is not None:
             return torch.nn.Flatten(1, -1)
         features = _view_features(node) if target in ("view", "reshape") else None

@@ -30,7 +30,19 @@ __all__ = [
 ]
 
 
-class GroupSort(LipschitzModule):
+class NonExpansive(LipschitzModule):
+    """A layer that is 1-Lipschitz and maps ``0`` to ``0``, so that ``||f(x)|| <= ||x||``: its
+    :meth:`lipschitz` is 1 and its :meth:`output_bound` the input bound (each subclass's
+    docstring gives the reason; also pooling's and the loss-gradient clip's)."""
+
+    def lipschitz(self) -> float:
+        return 1.0
+
+    def output_bound(self, input_bound: float) -> float:
+        return _checks.as_bound("input_bound", input_bound)
+
+
+class GroupSort(NonExpansive):
     """Sorts (ascending) contiguous groups of ``group_size`` entries of dimension 1.
 
     ``group_size=2`` is MaxMin (``(min(a, b), max(a, b))`` for each consecutive pair of
@@ -51,12 +63,6 @@ class GroupSort(LipschitzModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return group_sort(x, self.group_size)
 
-    def lipschitz(self) -> float:
-        return 1.0
-
-    def output_bound(self, input_bound: float) -> float:
-        return _checks.as_bound("input_bound", input_bound)
-
     def vanilla_export(self) -> torch.nn.Module:
         return PlainGroupSort(self.group_size)
 
@@ -64,33 +70,21 @@ class GroupSort(LipschitzModule):
         return f"group_size={self.group_size}"
 
 
-class ReLU(LipschitzModule):
+class ReLU(NonExpansive):
     """``max(x, 0)``: Lipschitz 1 (``0 <= relu' <= 1``; thesis Table 5.1); ``|relu(x)| <= |x|``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x)
 
-    def lipschitz(self) -> float:
-        return 1.0
-
-    def output_bound(self, input_bound: float) -> float:
-        return _checks.as_bound("input_bound", input_bound)
-
     def vanilla_export(self) -> torch.nn.Module:
         return torch.nn.ReLU()
 
 
-class Tanh(LipschitzModule):
+class Tanh(NonExpansive):
     """``tanh(x)``: Lipschitz 1 (``0 < tanh' <= 1``; thesis Table 5.1); ``|tanh(x)| <= |x|``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x)
-
-    def lipschitz(self) -> float:
-        return 1.0
-
-    def output_bound(self, input_bound: float) -> float:
-        return _checks.as_bound("input_bound", input_bound)
 
     def vanilla_export(self) -> torch.nn.Module:
         return torch.nn.Tanh()
@@ -122,7 +116,7 @@ class LeakyReLU(LipschitzModule):
         return f"negative_slope={self.negative_slope}"
 
 
-class Hardtanh(LipschitzModule):
+class Hardtanh(NonExpansive):
     """``clamp(x, min_val, max_val)`` with ``min_val <= 0 <= max_val``: Lipschitz 1.
 
     A projection onto an interval is 1-Lipschitz (derivative 0 or 1); because the interval
@@ -144,12 +138,6 @@ class Hardtanh(LipschitzModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.hardtanh(x, self.min_val, self.max_val)
-
-    def lipschitz(self) -> float:
-        return 1.0
-
-    def output_bound(self, input_bound: float) -> float:
-        return _checks.as_bound("input_bound", input_bound)
 
     def vanilla_export(self) -> torch.nn.Module:
         return torch.nn.Hardtanh(self.min_val, self.max_val)
@@ -184,7 +172,7 @@ class ELU(LipschitzModule):
         return f"alpha={self.alpha}"
 
 
-class Abs(LipschitzModule):
+class Abs(NonExpansive):
     """``|x|``: Lipschitz 1 (``| |a| - |b| | <= |a - b|``; docs/design.md "Layers and losses").
 
     Norm preserving, ``||abs(x)|| = ||x||`` (a GNP activation, Béthune et al. 2024, Remark 2).
@@ -192,12 +180,6 @@ class Abs(LipschitzModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.abs(x)
-
-    def lipschitz(self) -> float:
-        return 1.0
-
-    def output_bound(self, input_bound: float) -> float:
-        return _checks.as_bound("input_bound", input_bound)
 
     def vanilla_export(self) -> torch.nn.Module:
         return PlainAbs()
@@ -249,7 +231,7 @@ class Sigmoid(LipschitzModule):
         return torch.nn.Sigmoid()
 
 
-class Flatten(LipschitzModule):
+class Flatten(NonExpansive):
     """Flattens dimensions ``start_dim..end_dim`` (as :class:`torch.nn.Flatten`): an isometry.
 
     ``start_dim`` must be >= 1 (dimension 0 is the batch). With ``features=N`` every forward
@@ -282,12 +264,6 @@ class Flatten(LipschitzModule):
             )
         return out
 
-    def lipschitz(self) -> float:
-        return 1.0
-
-    def output_bound(self, input_bound: float) -> float:
-        return _checks.as_bound("input_bound", input_bound)
-
     def vanilla_export(self) -> torch.nn.Module:
         return torch.nn.Flatten(self.start_dim, self.end_dim)
 
@@ -296,7 +272,7 @@ class Flatten(LipschitzModule):
         return text if self.features is None else f"{text}, features={self.features}"
 
 
-class Unflatten(LipschitzModule):
+class Unflatten(NonExpansive):
     """Splits dimension ``dim`` into ``sizes`` (as :class:`torch.nn.Unflatten`): an isometry.
 
     ``dim`` must be >= 1 (dimension 0 is the batch); ``sizes`` may contain one ``-1``.
@@ -313,12 +289,6 @@ class Unflatten(LipschitzModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(self.dim, self.sizes)
-
-    def lipschitz(self) -> float:
-        return 1.0
-
-    def output_bound(self, input_bound: float) -> float:
-        return _checks.as_bound("input_bound", input_bound)
 
     def vanilla_export(self) -> torch.nn.Module:
         return torch.nn.Unflatten(self.dim, self.sizes)

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from clipless.nn import _checks
-from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import clip_per_sample
+from clipless.nn.activations import NonExpansive
 
 __all__ = ["LossGradientClip"]
 
@@ -36,7 +36,7 @@ class _ClipCotangent(torch.autograd.Function):
         return clip_per_sample(grad_output, ctx.max_norm), None
 
 
-class LossGradientClip(LipschitzModule):
+class LossGradientClip(NonExpansive):
     """Identity in the forward pass; clips each sample's cotangent to L2 norm ``max_norm``.
 
     Béthune et al. 2024, section 3.1 ("Controlling L with the hybrid approach, loss gradient
@@ -68,12 +68,6 @@ class LossGradientClip(LipschitzModule):
             raise ValueError("LossGradientClip expects an input of shape [batch, ...]")
         out: torch.Tensor = _ClipCotangent.apply(x, self.max_norm)
         return out
-
-    def lipschitz(self) -> float:
-        return 1.0
-
-    def output_bound(self, input_bound: float) -> float:
-        return _checks.as_bound("input_bound", input_bound)
 
     def vanilla_export(self) -> torch.nn.Module:
         return torch.nn.Identity()

@@ -11,6 +11,7 @@ from clipless import _certified, _validate, norms
 from clipless.nn import _checks
 from clipless.nn._base import LipschitzModule
 from clipless.nn._functional import l2_norm_pool2d
+from clipless.nn.activations import NonExpansive
 
 __all__ = ["AvgPool2d", "L2NormPool2d", "MaxPool2d"]
 
@@ -94,7 +95,7 @@ class AvgPool2d(LipschitzModule):
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
 
 
-class L2NormPool2d(LipschitzModule):
+class L2NormPool2d(NonExpansive):
     """L2 norm of each non-overlapping ``kh x kw`` window (stride = kernel, no padding).
 
     Equivalently ``sqrt(kh kw)`` times the window's root mean square: the "L2-norm pooling scaled
@@ -114,12 +115,6 @@ class L2NormPool2d(LipschitzModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input("L2NormPool2d", x, self.kernel_size)
         return l2_norm_pool2d(x, self.kernel_size)
-
-    def lipschitz(self) -> float:
-        return 1.0
-
-    def output_bound(self, input_bound: float) -> float:
-        return _checks.as_bound("input_bound", input_bound)
 
     def vanilla_export(self) -> torch.nn.Module:
         return torch.nn.LPPool2d(2, self.kernel_size, stride=self.kernel_size)

@@ -27,13 +27,19 @@ __all__ = ["Grid"]
 Scale = Literal["linear", "log"]
 
 
-def _validate_thresholds(thresholds: NDArray[np.float64], name: str) -> None:
-    if thresholds.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {thresholds.shape}")
-    if thresholds.size == 0:
-        raise ValueError(f"{name} must contain at least one threshold")
-    if not np.all(np.isfinite(thresholds)):
+def finite_vector(arr: NDArray[np.float64], name: str, empty: str = "must be non-empty") -> None:
+    """Refuse an ``arr`` that is not one-dimensional, is empty (the message ``name empty``) or
+    holds NaN or infinity (also the smoothing's inputs)."""
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{name} {empty}")
+    if not np.all(np.isfinite(arr)):
         raise ValueError(f"{name} must be finite (no NaN or infinity)")
+
+
+def _validate_thresholds(thresholds: NDArray[np.float64], name: str) -> None:
+    finite_vector(thresholds, name, "must contain at least one threshold")
     if thresholds.size > 1 and not np.all(np.diff(thresholds) > 0):
         bad = int(np.argmin(np.diff(thresholds) > 0))
         raise ValueError(

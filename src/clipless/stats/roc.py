@@ -257,8 +257,6 @@ def roc(
     if mechanism != "binary" and not consistency:
         raise ValueError("consistency=False exists only for mechanism='binary'")
     gen = resolve_rng(rng)
-    parts = 2 if neighbouring == "replace_one" else 1
-    # halving a float is exact, so the per-class budgets compose to exactly epsilon (or rho)
     eps_class: float | None = None
     rho_class: float | None = None
     if noise == "laplace":
@@ -266,13 +264,13 @@ def roc(
             raise ValueError("epsilon is required for noise='laplace'")
         if rho is not None:
             raise ValueError("rho is only for noise='gaussian'")
-        eps_class = float(to_fraction(epsilon, "epsilon")) / parts
+        eps_class = class_budget(epsilon, "epsilon", neighbouring)
     elif noise == "gaussian":
         if epsilon is not None:
             raise ValueError("noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None")
         if rho is None:
             raise ValueError("rho is required for noise='gaussian'")
-        rho_class = float(to_fraction(rho, "rho")) / parts
+        rho_class = class_budget(rho, "rho", neighbouring)
     else:
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
 
@@ -290,17 +288,39 @@ def roc(
             branching=branching,
         )
         curves.append(_class_ecdf(rel, g, smoothing, consistency))
-    neg, posc = curves
-    fpr = 1.0 - np.asarray(neg.values)
-    tpr = 1.0 - np.asarray(posc.values)
+    return roc_from_classes(g, curves[0], curves[1], epsilon, rho, neighbouring, smoothing)
+
+
+def class_budget(value: float | None, name: str, neighbouring: Neighbouring) -> float | None:
+    """Each class's ``epsilon`` (or ``rho``): half of ``value`` under replace-one, all of it
+    under add/remove; ``None`` stays ``None``. Halving a float is exact, so the two classes
+    compose to exactly ``value``."""
+    if value is None:
+        return None
+    return float(to_fraction(value, name)) / (2 if neighbouring == "replace_one" else 1)
+
+
+def roc_from_classes(
+    g: Grid,
+    negatives: DPECDF,
+    positives: DPECDF,
+    epsilon: float | None,
+    rho: float | None,
+    neighbouring: Neighbouring,
+    smoothing: Smoothing | None,
+) -> DPROC:
+    """The :class:`DPROC` of the two released class ECDFs (post-processing): read-only
+    ``fpr = 1 - F_neg`` and ``tpr = 1 - F_pos`` on ``g``'s thresholds (also the federated ROC's)."""
+    fpr = 1.0 - np.asarray(negatives.values)
+    tpr = 1.0 - np.asarray(positives.values)
     for arr in (fpr, tpr):
         arr.setflags(write=False)
     return DPROC(
         thresholds=g.thresholds,
         fpr=fpr,
         tpr=tpr,
-        negatives=neg,
-        positives=posc,
+        negatives=negatives,
+        positives=positives,
         epsilon=None if epsilon is None else float(epsilon),
         rho=None if rho is None else float(rho),
         neighbouring=neighbouring,

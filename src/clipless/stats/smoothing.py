@@ -75,6 +75,7 @@ import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
 from clipless import _validate
+from clipless.stats.grid import finite_vector
 
 if TYPE_CHECKING:
     from clipless.stats.tree import TreeRelease
@@ -148,12 +149,7 @@ def _float_vector(values: ArrayLike, name: str) -> NDArray[np.float64]:
         arr = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{name} must be an array of real numbers: {exc}") from None
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
-        raise ValueError(f"{name} must be non-empty")
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} must be finite (no NaN or infinity)")
+    finite_vector(arr, name)
     return arr
 
 

@@ -348,65 +348,95 @@ def release_counts(
     L = tree_depth(N)
     delta = tree_sensitivity(L, neighbouring)
     num_nodes = (1 << (L + 1)) - 1
+    budget, eps_out, rho_out = noise_budget(noise, epsilon, rho)
     param: Fraction
     if noise == "laplace":
-        if rho is not None:
-            raise ValueError("rho is only for noise='gaussian'; give epsilon for Laplace noise")
-        if epsilon is None:
-            raise ValueError("epsilon is required for noise='laplace'")
-        eps = to_fraction(epsilon, "epsilon")
-        param = conservative_scale(Fraction(delta) / eps)
+        param = conservative_scale(Fraction(delta) / budget)
         eta = (
             discrete_laplace(param, num_nodes, gen)
             if node_noise is None
             else _external_noise(node_noise, noise, param, L)
         )
         variance = discrete_laplace_variance(param)
-        scale = float(param)
-        eps_out: float | None = float(epsilon)
-        rho_out: float | None = None
-    elif noise == "gaussian":
-        if epsilon is not None:
-            raise ValueError(
-                "noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None and rho"
-            )
-        if rho is None:
-            raise ValueError("rho is required for noise='gaussian'")
-        r = to_fraction(rho, "rho")
-        param = Fraction(delta) / (2 * r)
+    else:
+        param = Fraction(delta) / (2 * budget)
         eta = (
             discrete_gaussian(None, num_nodes, gen, sigma2=param)
             if node_noise is None
             else _external_noise(node_noise, noise, param, L)
         )
         variance = discrete_gaussian_variance(param)
-        scale = float(param) ** 0.5
-        eps_out, rho_out = None, float(rho)
-    else:
-        raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
     if node_noise is not None:
         variance = variance * _noise_copies(node_noise)
     true_nodes = node_counts_from_leaves(counts, L)
     offsets = _level_offsets(L)
     noisy = [true_nodes[lev] + eta[offsets[lev] : offsets[lev + 1]] for lev in range(L + 1)]
-    for arr in noisy:
+    return tree_release(
+        noisy, N, noise, param, variance, delta, neighbouring, epsilon=eps_out, rho=rho_out
+    )
+
+
+def tree_release(
+    nodes: list[NDArray[np.int64]],
+    num_leaves: int,
+    noise: NoiseKind,
+    param: Fraction,
+    node_variance: float,
+    sensitivity: int,
+    neighbouring: Neighbouring,
+    *,
+    epsilon: float | None,
+    rho: float | None,
+) -> TreeRelease:
+    """The :class:`TreeRelease` of the noisy node values ``nodes`` (one array per level, leaves
+    first), made read-only, with their path sums as the prefix counts (post-processing; also
+    the federated ECDF's)."""
+    for arr in nodes:
         arr.setflags(write=False)
-    prefix = np.asarray(path_sums(noisy, N), dtype=np.int64)
+    prefix = np.asarray(path_sums(nodes, num_leaves), dtype=np.int64)
     prefix.setflags(write=False)
     return TreeRelease(
-        depth=L,
-        num_leaves=N,
-        node_counts=noisy,
+        depth=len(nodes) - 1,
+        num_leaves=num_leaves,
+        node_counts=nodes,
         prefix_counts=prefix,
         noise=noise,
         noise_param=param,
-        noise_scale=scale,
-        node_variance=variance,
-        sensitivity=delta,
+        noise_scale=noise_scale(noise, param),
+        node_variance=node_variance,
+        sensitivity=sensitivity,
         neighbouring=neighbouring,
-        epsilon=eps_out,
-        rho=rho_out,
+        epsilon=epsilon,
+        rho=rho,
     )
+
+
+def noise_scale(noise: NoiseKind, param: Fraction) -> float:
+    """The scale of one node's noise as a float: ``b`` (Laplace) or ``sigma``, the square root of
+    the exact ``sigma^2`` (Gaussian)."""
+    return float(param) if noise == "laplace" else float(param) ** 0.5
+
+
+def noise_budget(
+    noise: str, epsilon: float | None, rho: float | None
+) -> tuple[Fraction, float | None, float | None]:
+    """The exact budget of ``noise`` (``epsilon`` for Laplace, ``rho`` for Gaussian) and the
+    guarantee ``(epsilon, rho)`` a release reports; refuses the other one given, or none."""
+    if noise == "laplace":
+        if rho is not None:
+            raise ValueError("rho is only for noise='gaussian'; give epsilon for Laplace noise")
+        if epsilon is None:
+            raise ValueError("epsilon is required for noise='laplace'")
+        return to_fraction(epsilon, "epsilon"), float(epsilon), None
+    if noise == "gaussian":
+        if epsilon is not None:
+            raise ValueError(
+                "noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None and rho"
+            )
+        if rho is None:
+            raise ValueError("rho is required for noise='gaussian'")
+        return to_fraction(rho, "rho"), None, float(rho)
+    raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
 
 
 def _noise_copies(node_noise: object) -> int:

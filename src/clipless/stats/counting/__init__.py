@@ -79,9 +79,6 @@ from clipless.stats.counting.release import (
     _check_mechanism,
 )
 from clipless.stats.counting.release import (
-    _budget as _budget,
-)
-from clipless.stats.counting.release import (
     _condition_on_total as _condition_on_total,
 )
 from clipless.stats.counting.smooth_binary import (
@@ -99,6 +96,7 @@ from clipless.stats.tree import (
     TreeRelease,
     _check_neighbouring,
     _leaf_counts_array,
+    noise_budget,
     release_counts,
 )
 
@@ -193,7 +191,7 @@ def release_prefix_counts(
             leaf_counts, epsilon, neighbouring, noise, rng, rho, node_noise=node_noise
         )
     counts = _leaf_counts_array(leaf_counts)
-    budget, eps_out, rho_out = _budget(noise, epsilon, rho)
+    budget, eps_out, rho_out = noise_budget(noise, epsilon, rho)
     gen = resolve_rng(rng)
     N = int(counts.size)
     if mechanism == "auto":  # with a branching given, the k-ary tree with that k

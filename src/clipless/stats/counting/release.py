@@ -23,9 +23,8 @@ from clipless.stats.noise import (
     discrete_gaussian_variance,
     discrete_laplace,
     discrete_laplace_variance,
-    to_fraction,
 )
-from clipless.stats.tree import Neighbouring, NoiseKind
+from clipless.stats.tree import Neighbouring, NoiseKind, noise_scale
 
 Mechanism = Literal["auto", "binary", "k-ary", "factorization", "smooth-binary"]
 
@@ -97,26 +96,6 @@ class CountRelease:
         return tree_depth(self.num_leaves)
 
 
-def _budget(
-    noise: str, epsilon: float | None, rho: float | None
-) -> tuple[Fraction, float | None, float | None]:
-    if noise == "laplace":
-        if rho is not None:
-            raise ValueError("rho is only for noise='gaussian'; give epsilon for Laplace noise")
-        if epsilon is None:
-            raise ValueError("epsilon is required for noise='laplace'")
-        return to_fraction(epsilon, "epsilon"), float(epsilon), None
-    if noise == "gaussian":
-        if epsilon is not None:
-            raise ValueError(
-                "noise='gaussian' is calibrated by rho (zCDP); pass epsilon=None and rho"
-            )
-        if rho is None:
-            raise ValueError("rho is required for noise='gaussian'")
-        return to_fraction(rho, "rho"), None, float(rho)
-    raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
-
-
 def _condition_on_total(
     prefix: NDArray[np.float64],
     variance: NDArray[np.float64],
@@ -166,7 +145,7 @@ def _count_release(
         noisy=noisy,
         noise=noise,
         noise_param=param,
-        noise_scale=float(param) if noise == "laplace" else float(param) ** 0.5,
+        noise_scale=noise_scale(noise, param),
         node_variance=node_variance,
         sensitivity=float(sensitivity),
         branching=None,
