@@ -14,6 +14,7 @@ import torch
 from clipless import norms
 from clipless.norms import iterations
 from clipless.norms.iterations import GramRequest, _buckets, _gram_bounds, _gram_bounds_many
+from test_norms import conv_jacobian_norm
 
 
 def _exact(mats: torch.Tensor) -> torch.Tensor:
@@ -132,25 +133,11 @@ def test_evaluate_plans_of_a_network_matches_each_layer(
         alone = norms.norm_tensor(w, stride=s, padding=p, padding_mode=m, input_size=size)
         assert float(got) == pytest.approx(float(alone), rel=1e-9)
         if size is not None:
-            exact = _conv_jacobian_norm(w, s, p, m, size)
+            exact = conv_jacobian_norm(w, (s, s), (p, p), m, size)
             assert float(got) >= exact
     for w, got in zip(dense, together[len(convs) :], strict=True):
         assert float(got) >= float(_exact(w))
         assert float(got) == pytest.approx(float(norms.norm_tensor(w)), rel=1e-9)
-
-
-def _conv_jacobian_norm(
-    w: torch.Tensor, stride: int, padding: int, mode: str, size: tuple[int, int]
-) -> float:
-    c_in = w.shape[1]
-    n = c_in * size[0] * size[1]
-    basis = torch.eye(n, dtype=torch.float64).reshape(n, c_in, *size)
-    if mode == "circular":
-        basis = torch.nn.functional.pad(basis, (padding,) * 4, mode="circular")
-        out = torch.nn.functional.conv2d(basis, w.double(), stride=stride)
-    else:
-        out = torch.nn.functional.conv2d(basis, w.double(), stride=stride, padding=padding)
-    return float(torch.linalg.matrix_norm(out.reshape(n, -1), ord=2))
 
 
 def test_cpu_plans_hold_the_cpu_certificate(monkeypatch: pytest.MonkeyPatch) -> None:
