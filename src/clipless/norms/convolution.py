@@ -632,17 +632,6 @@ def _conv_plan(
     return NormPlan((guard, *fft.requests), finish)
 
 
-def _conv_tensor(
-    weight: torch.Tensor,
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    padding_mode: str,
-    size: tuple[int, int] | None,
-) -> torch.Tensor:
-    """``conv_norm(..., method="auto")`` on the accelerator path, as a tensor."""
-    return evaluate_plans([_conv_plan(weight, stride, padding, padding_mode, size)])[0]
-
-
 def _finite_or_inf(bound: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(bound), bound, torch.full_like(bound, math.inf))
 
