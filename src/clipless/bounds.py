@@ -502,8 +502,11 @@ def _traced(model: torch.nn.Module, shape: tuple[int, ...], first: torch.nn.Modu
         if cached is not None and cached[0] == key:
             return cached[1]
     trace = _trace_forward(model, shape, first)
-    if key is not None:
-        _TRACES[model] = (key, trace)
+    # the key of the state the trace leaves (it records sizes on Conv2d / GroupNorm): a later
+    # forward at another size changes that state, and the next call traces again
+    after = _structure_key(model, shape)
+    if after is not None:
+        _TRACES[model] = (after, trace)
     return trace
 
 
