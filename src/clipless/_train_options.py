@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,24 +128,24 @@ def _hidden(text: str) -> tuple[int, ...]:
     return widths
 
 
-def _table_columns(text: str) -> str:
-    from clipless.data.table import parse_columns
+def _checked_by_table(parser: str) -> Callable[[str], str]:
+    """An argparse type keeping the text ``clipless.data.table.<parser>`` accepts (its
+    ``ValueError`` as the message; the module is imported only when the option is given)."""
 
-    try:
-        parse_columns(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    def check(text: str) -> str:
+        from clipless.data import table
+
+        try:
+            getattr(table, parser)(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return check
 
 
-def _table_classes(text: str) -> str:
-    from clipless.data.table import parse_classes
-
-    try:
-        parse_classes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+_table_columns = _checked_by_table("parse_columns")
+_table_classes = _checked_by_table("parse_classes")
 
 
 NO_LEGACY: Any = object()
