@@ -116,6 +116,21 @@ CLIPLESS_DEFAULTS: dict[str, Any] = {
     # 2, DPOptimizer.sample_multiplicity: the sensitivity and the noise are unchanged)
     "augment": None,
 }
+# The linear setting chosen on Adult (RESULTS.md 23e / 24a): public fine bins, bias, Adam.
+LINEAR_SETTING: dict[str, Any] = {
+    "preprocessing": "public-bins-fine",
+    "hidden": (),
+    "bias": True,
+    "constraint": None,
+    "optimizer": "adam",
+    "lr": 0.003,
+    "temperature": 0.1,
+    "clip": 0.3,
+    "ema": 0.9,
+    "batch": 2035,
+    "ratios": False,
+}
+
 OPACUS_DEFAULTS: dict[str, Any] = {
     "dataset": "adult",
     "epsilon": None,

@@ -61,16 +61,8 @@ def main() -> None:
     print(f"non-private linear + crosses: {accs} median {statistics.median(accs):.4f}")
     cfg = {
         **adult.CLIPLESS_DEFAULTS,
-        "hidden": (),
-        "bias": True,
-        "constraint": None,
-        "optimizer": "adam",
-        "lr": 0.003,
-        "temperature": 0.1,
-        "clip": 0.3,
-        "ema": 0.9,
-        "batch": 2035,
-        "ratios": False,
+        **adult.LINEAR_SETTING,
+        "preprocessing": "public-bins",  # the features it is given (the crosses' base)
         "input_norm": math.sqrt(17 + len(CROSSES)),
     }
     accs = [adult.run_clipless(cfg, s, tr, te)["accuracy"] for s in seeds]

@@ -70,19 +70,7 @@ RADII = {"adult": [0.1, 0.25, 0.5, 1.0], "fashion-mnist": [0.1, 0.25, 0.5, 1.0]}
 # for mlp)
 ADULT_PAIRS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "linear": (
-        {
-            "preprocessing": "public-bins-fine",
-            "hidden": (),
-            "bias": True,
-            "constraint": None,
-            "optimizer": "adam",
-            "lr": 0.003,
-            "temperature": 0.1,
-            "clip": 0.3,
-            "ema": 0.9,
-            "batch": 2035,
-            "ratios": False,
-        },
+        adult.LINEAR_SETTING,
         {"preprocessing": "public-bins-fine", "hidden": ()},
     ),
     "mlp": ({"ratios": False}, {}),

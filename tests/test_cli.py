@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from _interrupt import ctrl_c_at_evaluation
 from clipless.accounting import PrivacyLedger
 from clipless.cli import build_parser, load_trained_model, main
 from clipless.data import images as images_mod
@@ -389,26 +390,14 @@ def test_resume_with_the_same_options_or_none_is_accepted(
 
 
 def test_resume_continues_an_interrupted_run_with_its_calibrated_noise(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import clipless.training as training_mod
-
     out = tmp_path / "run"
     argv = ["train", "--dataset", "breast-cancer", "--epsilon", "1.0", "--epochs", "2"]
     argv += ["--out", str(out), "--no-progress", "--quiet"]
-    real_evaluate = training_mod.evaluate
-    calls = {"n": 0}
-
-    def crash_in_second_epoch(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return real_evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(training_mod, "evaluate", crash_in_second_epoch)
-    assert main(argv) == 130  # one line (audit finding: Ctrl-C printed a traceback)
+    with ctrl_c_at_evaluation(2):
+        assert main(argv) == 130  # one line (audit finding: Ctrl-C printed a traceback)
     assert "interrupted; the privacy ledger is in" in capsys.readouterr().err
-    monkeypatch.setattr(training_mod, "evaluate", real_evaluate)
     saved = json.loads((out / "config.json").read_text())
     spent_before = PrivacyLedger.from_json(out / "ledger.json").steps
     assert spent_before > 0
@@ -425,28 +414,14 @@ def test_resume_continues_an_interrupted_run_with_its_calibrated_noise(
     assert metrics["epsilon"] <= 1.0  # the budget stop holds across the resume
 
 
-def test_resume_keeps_the_input_mean_released_at_the_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_resume_keeps_the_input_mean_released_at_the_start(tmp_path: Path) -> None:
     """A resumed run restores its released mean from the checkpoint: no second release."""
-    import clipless.training as training_mod
-
     out = tmp_path / "run"
     argv = ["train", "--dataset", "breast-cancer", "--epsilon", "1.0", "--epochs", "3"]
     argv += ["--center-noise", "30", "--whiten-noise", "25", "--accountant", "rdp"]
     argv += ["--out", str(out), "--no-progress", "--quiet"]
-    real_evaluate = training_mod.evaluate
-    calls = {"n": 0}
-
-    def crash_in_third_epoch(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(training_mod, "evaluate", crash_in_third_epoch)
-    assert main(argv) == 130
-    monkeypatch.setattr(training_mod, "evaluate", real_evaluate)
+    with ctrl_c_at_evaluation(3):
+        assert main(argv) == 130
     saved = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
     center, whiten = saved["0.center"], saved["0.whiten"]
     assert whiten.shape == (30, 30) and whiten.dtype == torch.float64  # breast-cancer's 30

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from _interrupt import ctrl_c_at_evaluation
 from clipless._train_options import TRAIN_OPTIONS
 from clipless.cli import _train_actions, build_parser, main
 from clipless.spec import (
@@ -196,27 +197,12 @@ def test_adopt_takes_the_saved_options_and_the_legacy_values(tmp_path: Path) -> 
         given.adopt(saved, tmp_path)
 
 
-def test_a_run_config_written_before_the_spec_is_resumed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_run_config_written_before_the_spec_is_resumed(tmp_path: Path) -> None:
     """The spec writes config.json as the code before it did (same keys, order and values),
     and ``--resume`` continues an interrupted run from the config.json that code wrote."""
-    import clipless.training as training_mod
-
     out = tmp_path / "run"
-    real_evaluate = training_mod.evaluate
-    calls = {"n": 0}
-
-    def crash_in_second_epoch(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return real_evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(training_mod, "evaluate", crash_in_second_epoch)
-    with pytest.warns(UserWarning, match="seed"):
+    with ctrl_c_at_evaluation(2), pytest.warns(UserWarning, match="seed"):
         assert main([*ARGV, "--out", str(out)]) == 130
-    monkeypatch.setattr(training_mod, "evaluate", real_evaluate)
     written = json.loads((out / "config.json").read_text())
     assert {k: v for k, v in written.items() if k not in ("clipless_version", "git_commit")} == (
         CONFIG_BEFORE_THE_SPEC
