@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from clipless import _autograd
 from clipless._certified import NUMERIC_MARGIN, inflate
 from clipless.nn._checks import safe_radius
 from clipless.norms import matrix_products_only
@@ -219,7 +220,7 @@ def l2_norm_pool2d(x: torch.Tensor, kernel_size: tuple[int, int]) -> torch.Tenso
     """
     if x.ndim != 4:
         raise ValueError(f"L2NormPool2d expects an input of shape [batch, C, H, W], got {x.shape}")
-    out, _ = _L2NormPool.apply(x, int(kernel_size[0]), int(kernel_size[1]))
+    out, _ = _autograd.apply(_L2NormPool, x, int(kernel_size[0]), int(kernel_size[1]))
     result: torch.Tensor = out
     return result
 

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.grad import conv2d_input, conv2d_weight
 
+from clipless import _autograd
 from clipless.nn._functional import _wrapped
 
 if TYPE_CHECKING:
@@ -259,7 +260,7 @@ def scaled_linear(
     per-sample norms."""
     if not torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    return _ScaledLinear.apply(x, weight, bias, _divisors(layer, x, threshold))
+    return _autograd.apply(_ScaledLinear, x, weight, bias, _divisors(layer, x, threshold))
 
 
 def scaled_conv2d(
@@ -285,7 +286,7 @@ def scaled_conv2d(
         padding = (0, 0)
     if inv is None:
         return F.conv2d(x, weight, bias, stride=stride, padding=padding)
-    return _ScaledConv2d.apply(x, weight, bias, inv, stride, padding)
+    return _autograd.apply(_ScaledConv2d, x, weight, bias, inv, stride, padding)
 
 
 def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:

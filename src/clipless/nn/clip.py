@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from clipless import _autograd
 from clipless.nn import _checks
 from clipless.nn._functional import clip_per_sample
 from clipless.nn.activations import NonExpansive
@@ -66,7 +67,7 @@ class LossGradientClip(NonExpansive):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim < 1:
             raise ValueError("LossGradientClip expects an input of shape [batch, ...]")
-        out: torch.Tensor = _ClipCotangent.apply(x, self.max_norm)
+        out: torch.Tensor = _autograd.apply(_ClipCotangent, x, self.max_norm)
         return out
 
     def vanilla_export(self) -> torch.nn.Module:

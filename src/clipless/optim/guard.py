@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.modules.module as _module_hooks
 
-from clipless import _shards, _workspace
+from clipless import _autograd, _shards, _workspace
 from clipless._bits import same_bits_tensor
 from clipless._errors import PrivacyContractError
 from clipless._hooks import _GradHook, _Hook
@@ -680,7 +680,7 @@ class ContractGuard:
             return None
         # an eval-mode forward with gradients enabled is marked "eval": its output taints
         mark = _Unguarded(self, _EVAL_BACKWARD) if isinstance(record, str) else record
-        marked: torch.Tensor = _OutputMark.apply(output, mark)
+        marked: torch.Tensor = _autograd.apply(_OutputMark, output, mark)
         return marked
 
     def _after_layer_forward(
@@ -694,7 +694,9 @@ class ContractGuard:
             return None
         if not output.requires_grad:
             return None
-        marked: torch.Tensor = _OutputMark.apply(output, _Unguarded(self, _LAYER_BACKWARD))
+        marked: torch.Tensor = _autograd.apply(
+            _OutputMark, output, _Unguarded(self, _LAYER_BACKWARD)
+        )
         return marked
 
     def _check_substituted(self, module: torch.nn.Module) -> None:
