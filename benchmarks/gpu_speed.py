@@ -15,7 +15,8 @@ computed in float32 everywhere (TF32 off, which clipless requires). Reported per
 over ``--rounds`` interleaved rounds of the CUDA-synchronised time of ``--steps`` steps, the ratio
 to the non-private step, and the peak memory of one step above the resting state
 (``torch.cuda.max_memory_allocated``). For each model at batch 256, one clipless step is traced
-with the CUDA profiler: kernel launches, ``cudaStreamSynchronize`` and device-to-host copies.
+with the CUDA profiler: kernel launches, ``cudaStreamSynchronize``, device-to-host copies, the
+device-busy time and the costliest kernels (host-bound or device-bound, and on what).
 ``--device cpu`` is a smoke run of the script itself (small ``--batches``; no CUDA statistics).
 The sweep stops at ``--budget`` seconds (cells not reached are listed as skipped); results go to
 stdout (Markdown) and ``DIR/gpu_speed.json`` (``$OUT`` when set, else ``benchmarks/out``).
@@ -99,6 +100,27 @@ def _trace(runner: ts.Runner) -> dict[str, int]:
         "stream_syncs": sum(n == "cudaStreamSynchronize" for n in names),
         "host_copies": sum(n == "aten::_local_scalar_dense" for n in names)
         + sum("DtoH" in n for n in names),
+        **_device_time(prof),
+    }
+
+
+def _device_time(prof: Any) -> dict[str, Any]:
+    """The step's device-busy time and its costliest kernels: where the device time goes (a
+    float64 convolution, the certificates' products) against how long the host kept it waiting
+    (busy time far below the step time means launches and Python bound the step)."""
+    rows = []
+    for row in prof.key_averages():
+        us = getattr(row, "self_device_time_total", None)
+        if us is None:  # torch < 2.4
+            us = getattr(row, "self_cuda_time_total", 0.0)
+        if us and us > 0:
+            rows.append((float(us), row.key, int(row.count)))
+    rows.sort(reverse=True)
+    return {
+        "device_busy_ms": sum(us for us, _, _ in rows) / 1000.0,
+        "top_kernels": [
+            {"ms": us / 1000.0, "calls": calls, "name": name[:90]} for us, name, calls in rows[:10]
+        ],
     }
 
 
@@ -159,13 +181,16 @@ def _markdown(rows: list[dict[str, Any]], configs: list[str], traced: int) -> st
     traces = [(r["model"], r["configs"].get("clipless-ps", {}).get("trace")) for r in rows]
     lines.append("")
     lines.append(
-        f"| model (clipless-ps, B = {traced}) | kernel launches | stream syncs | host copies |"
+        f"| model (clipless-ps, B = {traced}) | kernel launches | stream syncs | host copies "
+        "| device busy ms | costliest kernels (ms) |"
     )
-    lines.append("|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|")
     for model, t in traces:
         if t:
+            top = "; ".join(f"{k['name'][:40]} {k['ms']:.2f}" for k in t["top_kernels"][:3])
             lines.append(
-                f"| {model} | {t['kernel_launches']} | {t['stream_syncs']} | {t['host_copies']} |"
+                f"| {model} | {t['kernel_launches']} | {t['stream_syncs']} | {t['host_copies']} "
+                f"| {t['device_busy_ms']:.2f} | {top} |"
             )
     return "\n".join(lines)
 

@@ -7,6 +7,10 @@ For each model (the issue's MLP 784-1024-1024-10, ``convnet((1,28,28),(32,64))``
 configuration it reports, for one step after three warm-up steps:
 
 * ``aten ops``: aten operators in the trace (nested ones included, as the profiler lists them);
+* ``launch-like``: the operators called from Python that are not views (roughly the kernels a
+  GPU launches; nested operators run inside their parent's kernel or on the host);
+* ``Python calls``: Python function calls in the step (the host work a GPU waits for when the
+  step is bound by its launches rather than its arithmetic);
 * ``host reads``: ``aten::_local_scalar_dense`` (``item``, ``float``, ``bool`` of a tensor),
   ``aten::equal`` (a read on an accelerator) and ``Tensor.tolist`` calls;
 * ``LAPACK``: torch's linear-algebra decompositions in the trace, plus the SciPy LAPACK / ARPACK
@@ -80,14 +84,85 @@ def trace(step: Callable[[], None]) -> dict[str, Any]:
         profile(activities=[ProfilerActivity.CPU]) as prof,
     ):
         step()
-    ops = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    ops = collections.Counter(e.name for e in events)
     lapack_ops = {k: v for k, v in ops.items() if any(s in k for s in _LAPACK_OPS)}
     lapack_ops.update({k: v for k, v in calls.items() if k != "tolist"})
     return {
         "aten_ops": sum(ops.values()),
+        "launch_like": sum(_launch_like(e) for e in events),
+        "python_calls": _python_calls(step),
         "host_reads": ops["aten::_local_scalar_dense"] + ops["aten::equal"] + calls["tolist"],
         "lapack": lapack_ops,
     }
+
+
+# Operators that only describe memory (no kernel on a device).
+_VIEWS = frozenset(
+    "aten::" + name
+    for name in [
+        "view",
+        "as_strided",
+        "transpose",
+        "t",
+        "mT",
+        "mH",
+        "detach",
+        "reshape",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "select",
+        "slice",
+        "permute",
+        "alias",
+        "_reshape_alias",
+        "unbind",
+        "split",
+        "resolve_conj",
+        "resolve_neg",
+        "empty",
+        "empty_strided",
+        "empty_like",
+        "result_type",
+        "lift_fresh",
+        "_unsafe_view",
+        "view_as_real",
+        "real",
+        "imag",
+        "chunk",
+        "narrow",
+        "flatten",
+        "numpy_T",
+        "contiguous",
+        "broadcast_tensors",
+    ]
+)
+
+
+def _launch_like(event: Any) -> bool:
+    """An operator called from Python (not from inside another operator) that is not a view:
+    roughly one kernel launch on a device."""
+    parent = event.cpu_parent
+    nested = parent is not None and parent.name.startswith("aten::")
+    return not nested and event.name not in _VIEWS
+
+
+def _python_calls(step: Callable[[], None]) -> int:
+    """Python function calls (and resumptions) in one call of ``step``: the host work a device
+    waits for when a step is bound by its launches (deterministic, unlike a time)."""
+    count = 0
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        count += event == "call"
+
+    sys.setprofile(hook)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count
 
 
 def runner(model: str, config: str, batch: int) -> ts.Runner:
@@ -127,14 +202,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # the seeded engines' warning
     results = {m: measure(m, args.batch, args.reps) for m in args.models}
-    print("| model | configuration | aten ops | host reads | LAPACK calls | step ms |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| model | configuration | aten ops | launch-like | Python calls | host reads "
+        "| LAPACK calls | step ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for model, rows in results.items():
         for config, row in rows.items():
             lapack = ", ".join(f"{k} {v}" for k, v in sorted(row["lapack"].items())) or "none"
             print(
-                f"| {model} | {config} | {row['aten_ops']} | {row['host_reads']} | {lapack} | "
-                f"{row['step_ms']:.1f} |"
+                f"| {model} | {config} | {row['aten_ops']} | {row['launch_like']} | "
+                f"{row['python_calls']} | {row['host_reads']} | {lapack} | {row['step_ms']:.1f} |"
             )
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps({"batch": args.batch, "results": results}, indent=1))

@@ -19,6 +19,7 @@ from clipless.nn._twins import advice
 __all__ = ["validate"]
 
 _HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward")
+_HOOK_ATTRIBUTES = tuple((kind, f"_{kind}_hooks") for kind in _HOOK_KINDS)
 
 
 def _type_name(module: torch.nn.Module) -> str:
@@ -41,15 +42,12 @@ def foreign_hooks(module: torch.nn.Module) -> list[str]:
     Returns:
         One phrase per kind of foreign hook (e.g. ``"a forward-pre hook"``); empty when none.
     """
-    placed = _Hook
-    return [
-        f"a {kind.replace('_', '-')} hook"
-        for kind in _HOOK_KINDS
-        if any(
-            not isinstance(h, placed)
-            for h in (getattr(module, f"_{kind}_hooks", None) or {}).values()
-        )
-    ]
+    found = []
+    for kind, attribute in _HOOK_ATTRIBUTES:
+        hooks = getattr(module, attribute, None)
+        if hooks and any(not isinstance(h, _Hook) for h in hooks.values()):
+            found.append(f"a {kind.replace('_', '-')} hook")
+    return found
 
 
 def validate(module: torch.nn.Module) -> None:
@@ -81,8 +79,10 @@ def validate(module: torch.nn.Module) -> None:
             )
         if not isinstance(sub, LipschitzModule):
             problems.append(f"  - {where} ({_type_name(sub)}): {advice(sub)}")
-        elif not isinstance(sub, ParametricLipschitzModule) and any(
-            p.requires_grad for p in sub.parameters(recurse=False)
+        elif (
+            sub._parameters
+            and not isinstance(sub, ParametricLipschitzModule)
+            and any(p is not None and p.requires_grad for p in sub._parameters.values())
         ):
             problems.append(
                 f"  - {where} ({_type_name(sub)}): has trainable parameters but is not a "
