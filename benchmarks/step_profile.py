@@ -21,7 +21,9 @@ configuration it reports, for one step after three warm-up steps:
 Configurations: ``nonprivate`` (the plain torch twin), ``clipless`` (the default certificates of
 the CPU: Cholesky / eigh), ``clipless-accel`` (``norms.ACCELERATOR_PATH_ON_CPU``: what a GPU
 runs -- matrix products only, deferred checks, one read per phase; slower on a CPU, shown for its
-structure). Run: ``python benchmarks/step_profile.py [--models mlp cnn cnn3] [--reps 5]``;
+structure), ``clipless-accel-carried`` (the same with ``certify_every=10``: the measured step
+carries its bounds; one step in ten certifies exactly).
+Run: ``python benchmarks/step_profile.py [--models mlp cnn cnn3] [--reps 5]``;
 Markdown on stdout, JSON in ``benchmarks/out/step_profile.json``.
 """
 
@@ -51,7 +53,7 @@ from clipless import norms
 OUT = Path(__file__).resolve().parent / "out" / "step_profile.json"
 ISSUE_CNN = "cnn3"
 ts.CIFAR_CNNS.setdefault(ISSUE_CNN, (64, 128, 256))  # the issue's CIFAR-sized CNN
-CONFIGS = ("nonprivate", "clipless", "clipless-accel")
+CONFIGS = ("nonprivate", "clipless", "clipless-accel", "clipless-accel-carried")
 _LAPACK_OPS = ("eig", "svd", "cholesky", "matrix_norm", "linalg_qr", "linalg_solve", "lstsq", "lu_")
 
 
@@ -166,9 +168,11 @@ def _python_calls(step: Callable[[], None]) -> int:
 
 
 def runner(model: str, config: str, batch: int) -> ts.Runner:
-    norms.ACCELERATOR_PATH_ON_CPU = config == "clipless-accel"
+    norms.ACCELERATOR_PATH_ON_CPU = config.startswith("clipless-accel")
     x, y = ts.synthetic_batch(batch, 0, ts.input_shape(model))
-    name = "nonprivate" if config == "nonprivate" else "clipless-ps"
+    name = {"nonprivate": "nonprivate", "clipless-accel-carried": "clipless-carried"}.get(
+        config, "clipless-ps"
+    )
     return ts.make_runner(name, model, x, y, sigma=1.0, lr=0.1, seed=0)
 
 
@@ -176,14 +180,14 @@ def measure(model: str, batch: int, reps: int) -> dict[str, Any]:
     runners = {c: runner(model, c, batch) for c in CONFIGS}
     out: dict[str, Any] = {}
     for config, r in runners.items():
-        norms.ACCELERATOR_PATH_ON_CPU = config == "clipless-accel"
+        norms.ACCELERATOR_PATH_ON_CPU = config.startswith("clipless-accel")
         for _ in range(3):
             r.step()
         out[config] = trace(r.step)
         out[config]["times"] = []
     for _ in range(reps):  # interleaved
         for config, r in runners.items():
-            norms.ACCELERATOR_PATH_ON_CPU = config == "clipless-accel"
+            norms.ACCELERATOR_PATH_ON_CPU = config.startswith("clipless-accel")
             start = time.perf_counter()
             r.step()
             out[config]["times"].append(time.perf_counter() - start)

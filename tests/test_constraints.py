@@ -241,6 +241,13 @@ def test_rescale_is_certified_for_the_stored_weights(
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def host_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU path's carried bounds (power-iteration steering, each verdict before its call),
+    in the accelerator-path run too (the accelerator's: tests/test_carried_on_device.py)."""
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", False)
+
+
 def _perturb(layer: Layer, rel: float, seed: int, aligned: bool = False) -> None:
     """Add a step of relative Frobenius size ``rel``: random, or along the weight (worst case)."""
     gen = torch.Generator().manual_seed(seed)
@@ -346,6 +353,7 @@ def test_carried_conv_increment_needs_the_multiplicity() -> None:
     assert state is not None and state.exact_certifications == 1
 
 
+@pytest.mark.usefixtures("host_path")
 def test_certify_every_schedules_exact_certifications() -> None:
     layer = make_conv(2, 2, 3, 1, 1, "zeros", 5, 0.5, 7)  # below C: clip never rescales
     calls = 0
@@ -365,6 +373,7 @@ def test_certify_every_schedules_exact_certifications() -> None:
     assert state is not None and state.exact_certifications == 3
 
 
+@pytest.mark.usefixtures("host_path")
 def test_carried_bound_recertifies_when_too_loose() -> None:
     """``fix`` always rescales: with tolerance 0 every call certifies exactly; large, none does."""
     strict = make_linear(5, 4, 3.0, 8)
@@ -379,6 +388,7 @@ def test_carried_bound_recertifies_when_too_loose() -> None:
     assert s_lax is not None and s_lax.exact_certifications == 1
 
 
+@pytest.mark.usefixtures("host_path")
 @pytest.mark.parametrize(("increment", "expected"), [(0.005, 3), (0.05, 7)])
 def test_small_rescales_use_the_carried_bound(increment: float, expected: int) -> None:
     """``clip`` at the boundary: a carried rescale by less than ``1 + tolerance`` is accepted,
@@ -404,6 +414,7 @@ def test_small_rescales_use_the_carried_bound(increment: float, expected: int) -
     assert state is not None and state.exact_certifications == expected
 
 
+@pytest.mark.usefixtures("host_path")
 def test_geometry_change_forces_exact_certification() -> None:
     layer = make_conv(2, 2, 3, 1, 1, "zeros", 5, 0.5, 9)
     project(layer, "clip", 1.0, certify_every=100)
@@ -586,6 +597,7 @@ def test_power_iteration_steers_carried_bounds_only() -> None:
     assert state is not None and state.vector is None and state.lower_bound == 0.0
 
 
+@pytest.mark.usefixtures("host_path")
 def test_power_iteration_state_persists_and_spares_global_rng() -> None:
     for layer in (make_linear(6, 5, 3.0, 1), make_conv(2, 3, 3, 1, 1, "zeros", 5, 3.0, 1)):
         rng = torch.random.get_rng_state()
@@ -731,6 +743,7 @@ def test_a_rescale_beyond_the_dtype_is_an_error_not_a_zero_weight() -> None:
         project(cnn.Sequential(layer), mode="fix", max_norm=1e5)  # float16 max 65504
 
 
+@pytest.mark.usefixtures("host_path")
 def test_carried_rescales_do_not_compound_past_the_tolerance() -> None:
     """Each carried call could shrink by up to 1 + tolerance and 'clip' never scales back up:
     noise-like steps of 0.77% of C left the weight at 0.869 C after one chain of 20."""

@@ -24,7 +24,9 @@ from clipless.engine import MechanismSpec
 DECOMPOSITIONS = ("eig", "svd", "cholesky", "matrix_norm", "linalg_qr", "linalg_solve", "lstsq")
 
 
-def _private(model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[Any, Any, Any, Any]:
+def _private(
+    model: torch.nn.Module, shape: tuple[int, ...], certify_every: int = 1
+) -> tuple[Any, Any, Any, Any]:
     x = torch.rand(64, *shape, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
     loss = cnn.CrossEntropyLoss()
@@ -37,6 +39,7 @@ def _private(model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[Any, Any, 
         loss=loss,
         noise_multiplier=1.0,
         mechanism=MechanismSpec(constraint="clip"),
+        options=clipless.RunOptions(certify_every=certify_every),
     )
     o.data_loader = None
     return m, o, loss, (x[:16], y[:16])
@@ -48,11 +51,13 @@ def _step(m: Any, o: Any, loss: Any, batch: tuple[torch.Tensor, torch.Tensor]) -
     o.step()
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["mlp", "convnet"],
-)
-def test_a_steady_step_on_the_accelerator_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("certify_every", [1, 3])
+@pytest.mark.parametrize("name", ["mlp", "convnet"])
+def test_a_steady_step_on_the_accelerator_path(
+    name: str, certify_every: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exact certification every step, or carried bounds between exact ones every third step:
+    three reads in each of three steps (so both kinds of projection are seen)."""
     monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
     torch.manual_seed(0)
     if name == "mlp":
@@ -61,7 +66,7 @@ def test_a_steady_step_on_the_accelerator_path(name: str, monkeypatch: pytest.Mo
     else:
         shape = (1, 8, 8)
         model = models.convnet(shape, (4, 8), 10, input_norm=1.0, pool="l2", bias=False)
-    m, o, loss, batch = _private(model, shape)
+    m, o, loss, batch = _private(model, shape, certify_every)
     for _ in range(2):
         _step(m, o, loss, batch)
     tolist = collections.Counter[str]()
@@ -72,14 +77,28 @@ def test_a_steady_step_on_the_accelerator_path(name: str, monkeypatch: pytest.Mo
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "tolist", counting)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _step(m, o, loss, batch)
-    ops = collections.Counter(e.name for e in prof.events())
-    reads = ops["aten::_local_scalar_dense"] + ops["aten::equal"] + tolist["calls"]
-    assert reads == 3, (ops["aten::_local_scalar_dense"], ops["aten::equal"], tolist["calls"])
-    assert not [k for k in ops if any(d in k for d in DECOMPOSITIONS)]
-    # and the bounds it planned with are certified
-    for layer in m.modules():
-        if isinstance(layer, cnn.Linear):
-            exact = float(torch.linalg.matrix_norm(layer.weight.detach().double(), ord=2))
-            assert exact <= layer.lipschitz() <= 1.0
+    layers = [x for x in m.modules() if isinstance(x, cnn.Linear | cnn.Conv2d)]
+    kinds = set()
+    for _ in range(3):
+        tolist.clear()
+        before = [_exact_count(x) for x in layers]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _step(m, o, loss, batch)
+        kinds.add(tuple(_exact_count(x) - b for x, b in zip(layers, before, strict=True)))
+        ops = collections.Counter(e.name for e in prof.events())
+        reads = ops["aten::_local_scalar_dense"] + ops["aten::equal"] + tolist["calls"]
+        assert reads == 3, (ops["aten::_local_scalar_dense"], ops["aten::equal"], tolist["calls"])
+        assert not [k for k in ops if any(d in k for d in DECOMPOSITIONS)]
+        # and the bounds it planned with are certified
+        for layer in m.modules():
+            if isinstance(layer, cnn.Linear):
+                exact = float(torch.linalg.matrix_norm(layer.weight.detach().double(), ord=2))
+                assert exact <= layer.lipschitz() <= 1.0
+    exact_every_step = {tuple(1 for _ in layers)}
+    assert (kinds == exact_every_step) == (certify_every == 1), kinds
+
+
+def _exact_count(layer: torch.nn.Module) -> int:
+    state = clipless.constraints.projection_state(layer)
+    assert state is not None
+    return state.exact_certifications

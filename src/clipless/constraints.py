@@ -86,6 +86,13 @@ recover later (it never scales up). Rule of thumb: the carried bound grows by ``
 step. For a random 64x64x3x3 convolution ``m ||W||_F / ||W|| ~ 12``, so it pays off while steps
 change the weight by less than about ``tolerance / 12`` (relative, Frobenius).
 
+On an accelerator (:func:`clipless.norms.matrix_products_only`) the carried bound is computed on
+the device from a device copy of ``ub_ref`` (no copy to the device per call), no power iteration
+runs, and conditions (b) and (c), judged with the slack alone, are read back with the call's
+bounds: when they hold, the *next* call certifies exactly. A layer whose weight is shared with
+another layer is certified exactly every call there (each layer's rescale changes the weight the
+other's bound describes).
+
 **Power iteration steers, never certifies** (docs/design.md "Certified means upper bound"). Each
 call runs a warm-started power iteration (:func:`clipless.norms.power_iteration` /
 :func:`clipless.norms.conv_power_iteration`) whose vector is kept on the layer between calls,
@@ -100,6 +107,7 @@ shape/dtype/device or a convolution's geometry (stride, padding, recorded ``inpu
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,6 +155,10 @@ class ProjectionState:
             how much each rescale from a carried bound may have shrunk beyond need (1 after an
             exact certification); an exact certification is made once it would exceed
             ``1 + tolerance`` (they compound: ``"clip"`` never scales back up).
+        recertify: the accelerator path's verdict on its last carried call (made after the
+            call, from the values its one read brought back): certify exactly at the next one.
+        device_bound: the accelerator path's ``upper_bound`` as a 0-dim tensor on the weight's
+            device, where the next carried bound is computed (no copy to the device per call).
     """
 
     key: tuple[object, ...]
@@ -159,6 +171,8 @@ class ProjectionState:
     exact_certifications: int = 0
     slack: float = 0.0
     carried_waste: float = 1.0
+    recertify: bool = False
+    device_bound: torch.Tensor | None = None
 
 
 def projection_state(layer: torch.nn.Module) -> ProjectionState | None:
@@ -513,6 +527,7 @@ def _project_layer(
     else:
         bound, scale = ub, 1.0
     state.upper_bound = bound
+    state.device_bound = None  # the accelerator path's copy is stale: it certifies afresh
     # The certified bound of the weight just written: lipschitz() (hence the bound report that
     # calibrates the next step's noise) reuses it instead of certifying the same weight again.
     layer.seed_bound(bound)
@@ -648,36 +663,147 @@ def _rescale_constants(layers: list[_Layer]) -> torch.Tensor:
 
 
 def _project_on_device(
-    layers: list[tuple[str, _Layer]], mode: str, max_norm: float, bjorck_iters: int
+    layers: list[tuple[str, _Layer]], mode: str, max_norm: float, schedule: _Schedule
 ) -> dict[str, float]:
-    """:func:`project` with exact certification every call, computed on the weights' device
-    (the accelerator path of :func:`clipless.norms.matrix_products_only`): the layers of each
-    device and dtype are certified and rescaled as vectors, and the bounds leave the device in
-    one transfer per device."""
+    """:func:`project` computed on the weights' device (the accelerator path of
+    :func:`clipless.norms.matrix_products_only`): the layers of each device and dtype are
+    certified (exactly or by their carried bounds) and rescaled as vectors, and the bounds leave
+    the device in one transfer per device."""
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, _Layer]]] = {}
     for path, layer in layers:
         state = _state_for(layer)
         state.calls += 1
         if mode == "orthogonal":
-            _bjorck(layer.weight, bjorck_iters)
+            _bjorck(layer.weight, schedule.bjorck_iters)
         groups.setdefault((layer.weight.device, layer.weight.dtype), []).append((path, layer))
-    results = []
+    # a weight shared by several layers is rescaled once per layer in a call, so no layer's
+    # bound after its own rescale describes the stored weight: such layers never carry
+    uses = collections.Counter(id(layer.weight) for _, layer in layers)
+    results, exact = [], []
     for group in groups.values():
         members = [layer for _, layer in group]
-        ub = torch.stack(norms.evaluate_plans([layer.lipschitz_plan() for layer in members]))
+        carry = [schedule.every > 1 and uses[id(layer.weight)] == 1 for layer in members]
+        due = [
+            not keep or _due(_state_for(layer), schedule.every)
+            for layer, keep in zip(members, carry, strict=True)
+        ]
+        consts = _rescale_constants(members)
+        ub, gap = _group_bounds(members, due, consts[0])
         need = ((ub > max_norm) if mode != "fix" else (ub > 0)) | ~torch.isfinite(ub)
         weights = [layer.weight for layer in members]
-        bound, scale, verified = _rescale_t(
-            weights, ub, max_norm, _rescale_constants(members), need
-        )
-        results.append(torch.stack((ub, bound, scale, verified.to(torch.float64))).T)
+        bound, scale, verified = _rescale_t(weights, ub, max_norm, consts, need)
+        _keep_references(members, bound, carry)
+        results.append(torch.stack((ub, bound, scale, verified.to(torch.float64), gap)).T)
+        exact += due
     values = _read(results)
     out: dict[str, float] = {}
     rows = [row for block in values for row in block]
     ordered = [entry for group in groups.values() for entry in group]
-    for (path, layer), row in zip(ordered, rows, strict=True):
-        out[path] = _settle(path, layer, row[0], row[1], row[3] > 0)
+    for (path, layer), row, certified in zip(ordered, rows, exact, strict=True):
+        shared = uses[id(layer.weight)] > 1
+        outcome = _Outcome(row[0], row[1], row[2], row[3] > 0, row[4], certified, shared)
+        out[path] = _settle(path, layer, outcome, mode, max_norm, schedule)
     return {path: out[path] for path, _ in layers}
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """The certification schedule of one :func:`project` call."""
+
+    every: int
+    tolerance: float
+    bjorck_iters: int
+
+
+def _due(state: ProjectionState, every: int) -> bool:
+    """Whether a layer that may carry its bound is certified exactly at this call."""
+    return (
+        state.reference is None
+        or state.device_bound is None
+        or state.recertify
+        or state.calls_since_exact + 1 >= every
+    )
+
+
+def _group_bounds(
+    layers: list[_Layer], exact: list[bool], ms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(certified bound, gap)`` of each layer, as vectors on the layers' device: the exact
+    certificate (matrix products) where ``exact``, else the carried bound
+    ``ub_ref + m ||W - W_ref||_F`` (module docstring) with its ``gap = m ||W - W_ref||_F``.
+
+    The carried bound is the host path's: ``m`` and the Frobenius bound are certified upper
+    bounds, and the product, the sum and the product by ``1 + NUMERIC_MARGIN`` are three
+    round-to-nearest operations (relative error below ``4 2^-53``, far inside the margin)."""
+    plans = [layer.lipschitz_plan() for layer, e in zip(layers, exact, strict=True) if e]
+    certified = iter(norms.evaluate_plans(plans)) if plans else iter(())
+    carried = [i for i, e in enumerate(exact) if not e]
+    if not carried:
+        ub_all = torch.stack(list(certified))
+        return ub_all, torch.zeros_like(ub_all)
+    gaps: dict[int, torch.Tensor] = {}
+    ubs: dict[int, torch.Tensor] = {}
+    if carried:
+        diffs = []
+        for i in carried:
+            state = _state_for(layers[i])
+            assert state.reference is not None and state.device_bound is not None
+            diffs.append(layers[i].weight.detach().double() - state.reference.double())
+        # rows picked by views: an index tensor would be a copy to the device (a sync there)
+        m = ms if len(carried) == len(layers) else torch.stack([ms[i] for i in carried])
+        gap = _diff_fro_upper(diffs, layers[0].weight.dtype) * m
+        refs = torch.stack([_state_for(layers[i]).device_bound for i in carried])  # type: ignore[misc]
+        ub = (refs + gap) * (1.0 + NUMERIC_MARGIN)
+        gaps = dict(zip(carried, gap.unbind(), strict=True))
+        ubs = dict(zip(carried, ub.unbind(), strict=True))
+    zero = torch.zeros((), dtype=torch.float64, device=ms.device)
+    ub_list = [next(certified) if e else ubs[i] for i, e in enumerate(exact)]
+    gap_list = [zero if e else gaps[i] for i, e in enumerate(exact)]
+    return torch.stack(ub_list), torch.stack(gap_list)
+
+
+def _diff_fro_upper(diffs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Certified ``||W - W_ref||_F`` of each float64 difference, as one vector.
+
+    Two values of a dtype no wider than float32 are multiples of ``2^-149`` below ``2^128``:
+    their float64 difference is 0 or at least ``2^-149`` and below ``2^129`` in magnitude, so
+    its square neither underflows nor overflows, and the float64 norm has only the ``(n + 4) u``
+    error of :func:`_fro_upper` (which also covers the difference's one rounding per entry).
+    Float64 weights take :func:`_fro_upper_t`, which scales first."""
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.stack([_fro_upper_t(d) for d in diffs])
+    value = torch.stack([torch.linalg.vector_norm(d) for d in diffs])
+    n = max(d.numel() for d in diffs)
+    value = value * ((1.0 + (n + 4) * _EPS64) * _ROUND_UP_T)
+    return torch.where(torch.isfinite(value), value, torch.full_like(value, math.inf))
+
+
+def _keep_references(layers: list[_Layer], bound: torch.Tensor, carry: list[bool]) -> None:
+    """After the rescale: the weight and certified bound of each layer that may carry its bound,
+    where its next carried bound starts from."""
+    for layer, value, keep in zip(layers, bound.unbind(), carry, strict=True):
+        state = _state_for(layer)
+        if not keep:
+            state.reference, state.device_bound = None, None
+            continue
+        state.device_bound = value
+        if state.reference is None:
+            state.reference = layer.weight.detach().clone()
+        else:
+            state.reference.copy_(layer.weight.detach())
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """One layer's row of the device projection, on the host."""
+
+    ub: float
+    bound: float
+    scale: float
+    verified: bool
+    gap: float
+    exact: bool
+    shared: bool  # the weight is shared with another layer (rescaled again after this one)
 
 
 def _read(blocks: list[torch.Tensor]) -> list[list[list[float]]]:
@@ -695,30 +821,49 @@ def _read(blocks: list[torch.Tensor]) -> list[list[list[float]]]:
     return values
 
 
-def _settle(path: str, layer: _Layer, ub: float, bound: float, verified: bool) -> float:
+def _settle(
+    path: str, layer: _Layer, row: _Outcome, mode: str, max_norm: float, schedule: _Schedule
+) -> float:
     """Record one layer's device projection on the host (or raise what :func:`_project_layer`
-    raises: a non-finite weight, a rescale beyond the dtype)."""
-    if not math.isfinite(ub):
+    raises: a non-finite weight, a rescale beyond the dtype), and judge a carried call as
+    :func:`_certified_bound` judges it before: on the device the verdict comes after the call,
+    from its one read, so the *next* call is exact when this one may have over-shrunk beyond
+    the tolerance (the slack is the only looseness estimate: no power iteration runs here)."""
+    if not math.isfinite(row.ub):
         raise ValueError(
             f"the weight of layer {path or '<root>'!r} is not finite (NaN or inf); lower the "
             "learning rate or check the inputs"
         )
-    if not verified:  # pragma: no cover - the a-priori slack verifies unless the dtype overflows
+    if not row.verified:  # pragma: no cover - the a-priori slack verifies unless dtype overflows
         raise ValueError(
             f"rescaling the weight of layer {path or '<root>'!r} to a certified norm of at most "
             f"the constraint overflows its dtype {layer.weight.dtype}; choose a smaller max_norm "
             "or a wider dtype"
         )
     state = _state_for(layer)
-    state.calls_since_exact = 0
-    state.exact_certifications += 1
-    state.slack = 0.0
-    state.carried_waste = 1.0
-    state.upper_bound = bound
+    if row.exact:
+        state.calls_since_exact, state.slack, state.carried_waste = 0, 0.0, 1.0
+        state.exact_certifications += 1
+        state.recertify = False
+    else:
+        state.calls_since_exact += 1
+        state.slack += 2.0 * row.gap
+        waste = row.ub / max(max_norm, row.ub - state.slack) if row.ub > max_norm else 1.0
+        state.carried_waste *= waste
+        loose = row.ub > (1.0 + schedule.tolerance) * max_norm
+        loose = loose and state.slack > schedule.tolerance * row.ub
+        compounding = mode != "fix" and state.carried_waste > 1.0 + schedule.tolerance
+        state.recertify = loose or compounding
+    state.slack *= row.scale
+    state.upper_bound = row.bound
     state.lower_bound = 0.0
-    state.reference = None
-    layer.seed_bound(bound)
-    return bound
+    if row.shared:
+        # ``bound`` certifies the weight after this layer's rescale, not after the other
+        # layers' ones (``"fix"`` may scale up): the caller certifies the stored weight
+        layer.forget_bound()
+    else:
+        layer.seed_bound(row.bound)
+    return row.bound
 
 
 def project(
@@ -745,7 +890,9 @@ def project(
         tolerance: relative over-shrink accepted from a carried bound. An exact certification
             is made early when the carried bound would rescale by more than ``1 + tolerance``
             and may be that loose, or when the over-shrinks of the carried calls since the last
-            exact certification compound past it (module docstring). ``clip`` never scales
+            exact certification compound past it (module docstring). On an accelerator (one
+            read per call) this verdict is made after the call, so the next call is the exact
+            one: a single carried call may shrink beyond the tolerance. ``clip`` never scales
             back up, so over many chains the weight can still settle below ``C`` under
             noise-like updates (measured: 9% below after 100 calls of steps of 0.8% of ``C``
             at ``certify_every=20``); ``certify_every=1`` never over-shrinks. Irrelevant when
@@ -771,10 +918,11 @@ def project(
     cnn.validate(model)
     out: dict[str, float] = {}
     layers = _parametric_layers(model)
-    on_device = certify_every == 1 and all(norms.matrix_products_only(m.weight) for _, m in layers)
+    on_device = all(norms.matrix_products_only(m.weight) for _, m in layers)
     with torch.no_grad():
         if on_device:
-            out = _project_on_device(layers, mode, c, bjorck_iters)
+            schedule = _Schedule(certify_every, float(tolerance), bjorck_iters)
+            out = _project_on_device(layers, mode, c, schedule)
         for path, layer in [] if on_device else layers:
             out[path] = _project_layer(
                 path, layer, mode, c, certify_every, float(tolerance), bjorck_iters
