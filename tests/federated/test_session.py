@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import numpy as np
@@ -158,6 +159,37 @@ def test_session_bad_input() -> None:
         make_session("shares", 2, 2, 4, 1.0, timeout=-5)
     with pytest.raises(ValueError, match=r"points: thresholds must be grid indices in \[0, 4\)"):
         make_session("shares", 2, 2, 4, 1.0, points=[0, 9])
+
+
+@pytest.mark.parametrize(
+    "protocol,servers,neighbouring,message",
+    [
+        ("shares", 2, "swap", "neighbouring must be 'replace_one' or 'add_remove', got 'swap'"),
+        ("fss", 3, "replace_one", "uses exactly 2 servers (a two-party DCF), got servers=3"),
+        ("fss", 2, "add_remove", "protocol='fss' needs neighbouring='replace_one'"),
+    ],
+)
+def test_protocol_checks_word_alike(
+    protocol: str, servers: int, neighbouring: str, message: str
+) -> None:
+    """The in-process ECDF and ROC and the TCP session refuse the same combinations with the
+    same sentence."""
+    from clipless.federated import federated_roc
+
+    grid = Grid(0, 1, size=4)
+    calls = [
+        lambda: federated_ecdf([[0.5]], grid, 1.0, protocol=protocol, servers=servers,  # type: ignore[arg-type]
+                               neighbouring=neighbouring),  # type: ignore[arg-type]
+        lambda: federated_roc([[0.5]], [[1]], grid, 1.0, protocol=protocol, servers=servers,  # type: ignore[arg-type]
+                              neighbouring=neighbouring),  # type: ignore[arg-type]
+        lambda: make_session(protocol, 2, servers, 4, 1.0, neighbouring=neighbouring),  # type: ignore[arg-type]
+    ]  # fmt: skip
+    said = set()
+    for call in calls:
+        with pytest.raises(ValueError, match=re.escape(message)) as info:
+            call()
+        said.add(str(info.value))
+    assert len(said) == 1
 
 
 @pytest.mark.parametrize("protocol,servers", [("shares", 3), ("fss", 2)])

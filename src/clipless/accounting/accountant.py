@@ -85,7 +85,35 @@ class _StepCachedPLDAccountant(pld_privacy_accountant.PLDAccountant):
         return super()._maybe_compose(event, count, do_compose)
 
 
-class Accountant:
+class _Settings:
+    """An accountant's settings, checked once and then read-only: what :class:`Accountant`
+    and :class:`~clipless.accounting.PrivacyLedger` are both built from."""
+
+    def __init__(
+        self,
+        kind: str,
+        neighbouring: str,
+        value_discretization_interval: float,
+        orders: Sequence[float] | None,
+    ) -> None:
+        self._kind = _check_kind(kind)
+        self._neighbouring = _check_neighbouring(neighbouring)
+        self._vdi = _check_discretization(value_discretization_interval)
+        self._orders = _check_orders(orders)
+
+    @property
+    def neighbouring(self) -> str:
+        """``"add_remove"`` or ``"replace_one"``."""
+        return self._neighbouring
+
+    @property
+    def value_discretization_interval(self) -> float:
+        """The PLD accountant's discretisation of the privacy loss (smaller: tighter, slower;
+        unused by RDP)."""
+        return self._vdi
+
+
+class Accountant(_Settings):
     """A privacy accountant: compose ``dp_accounting`` events, then ask for epsilon or delta.
 
     The PLD accountant reuses each Poisson-subsampled Gaussian step's PLD across evaluations
@@ -120,10 +148,7 @@ class Accountant:
         value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
         orders: Sequence[float] | None = None,
     ) -> None:
-        self._kind = _check_kind(kind)
-        self._neighbouring = _check_neighbouring(neighbouring)
-        self._vdi = _check_discretization(value_discretization_interval)
-        self._orders = _check_orders(orders)
+        super().__init__(kind, neighbouring, value_discretization_interval, orders)
         self._inner: dp_accounting.PrivacyAccountant
         if self._kind == "pld":
             relation = (
@@ -143,16 +168,6 @@ class Accountant:
     def kind(self) -> str:
         """``"pld"`` or ``"rdp"``."""
         return self._kind
-
-    @property
-    def neighbouring(self) -> str:
-        """``"add_remove"`` or ``"replace_one"``."""
-        return self._neighbouring
-
-    @property
-    def value_discretization_interval(self) -> float:
-        """PLD discretisation interval (unused by RDP)."""
-        return self._vdi
 
     @property
     def orders(self) -> tuple[float, ...]:

@@ -28,16 +28,12 @@ from clipless.accounting._checks import (
     Neighbouring,
     _check_count,
     _check_delta,
-    _check_discretization,
     _check_epsilon,
-    _check_kind,
-    _check_neighbouring,
     _check_noise_multiplier,
-    _check_orders,
     _check_release,
     _check_sample_rate,
 )
-from clipless.accounting.accountant import Accountant
+from clipless.accounting.accountant import Accountant, _Settings
 from clipless.accounting.events import event_from_dict, event_to_dict, gaussian_step_event
 from clipless.accounting.guarantee import PrivacyGuarantee
 
@@ -227,7 +223,7 @@ def _step_event(
     return gaussian_step_event(sigma, _check_sample_rate(sample_rate))
 
 
-class PrivacyLedger:
+class PrivacyLedger(_Settings):
     """Every step's ``dp_accounting`` event, enough to recompute epsilon from the saved file alone.
 
     ``record_event(event, count=1)`` appends steps of any event (the optimizer records its plan's
@@ -264,10 +260,7 @@ class PrivacyLedger:
         orders: Sequence[float] | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        self._accountant = _check_kind(accountant)
-        self._neighbouring = _check_neighbouring(neighbouring)
-        self._vdi = _check_discretization(value_discretization_interval)
-        self._orders = _check_orders(orders)
+        super().__init__(accountant, neighbouring, value_discretization_interval, orders)
         self._custom_orders = orders is not None
         # Validates events without composing them (rdp + replace_one refuses q < 1 steps).
         self._checker = self._make_accountant()
@@ -284,17 +277,7 @@ class PrivacyLedger:
     @property
     def accountant(self) -> str:
         """``"pld"`` or ``"rdp"``."""
-        return self._accountant
-
-    @property
-    def neighbouring(self) -> str:
-        """``"add_remove"`` or ``"replace_one"``."""
-        return self._neighbouring
-
-    @property
-    def value_discretization_interval(self) -> float:
-        """The PLD accountant's discretisation of the privacy loss (smaller: tighter, slower)."""
-        return self._vdi
+        return self._kind
 
     @property
     def entries(self) -> tuple[LedgerEntry, ...]:
@@ -420,7 +403,7 @@ class PrivacyLedger:
     # -------------------------------------------------------------------------- epsilon
     def _make_accountant(self) -> Accountant:
         return Accountant(
-            self._accountant,  # type: ignore[arg-type]
+            self._kind,  # type: ignore[arg-type]
             self._neighbouring,  # type: ignore[arg-type]
             value_discretization_interval=self._vdi,
             orders=self._orders,
@@ -527,7 +510,7 @@ class PrivacyLedger:
         return PrivacyGuarantee(
             epsilon=self.epsilon(delta),
             delta=delta,
-            accountant=self._accountant,
+            accountant=self._kind,
             neighbouring=self._neighbouring,
             sample_rate=next(iter(rates)) if gaussian and len(rates) == 1 else None,
             noise_multiplier=next(iter(sigmas)) if gaussian and len(sigmas) == 1 else None,
@@ -678,7 +661,7 @@ class PrivacyLedger:
                 if all(e.parameters is not None for e in self._entries)
                 else LEDGER_EVENT_VERSION
             ),
-            "accountant": self._accountant,
+            "accountant": self._kind,
             "neighbouring": self._neighbouring,
             "value_discretization_interval": self._vdi,
             "rdp_orders": list(self._orders) if self._custom_orders else None,
@@ -914,6 +897,6 @@ class PrivacyLedger:
 
     def __repr__(self) -> str:
         return (
-            f"PrivacyLedger(accountant={self._accountant!r}, neighbouring={self._neighbouring!r}, "
+            f"PrivacyLedger(accountant={self._kind!r}, neighbouring={self._neighbouring!r}, "
             f"steps={self.steps}, entries={len(self._entries)})"
         )

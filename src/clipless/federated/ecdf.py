@@ -36,6 +36,7 @@ import numpy as np
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
+from clipless.federated._checks import check_protocol
 from clipless.federated.noise import NodeNoise, SummedNoise, node_ids, tree_context
 from clipless.federated.ustat import Backend, NoiseSharing, Traffic, UStat
 from clipless.stats.counting import (
@@ -276,13 +277,6 @@ def assemble(
     return counts, values, None, None
 
 
-_FSS_ADD_REMOVE = (
-    "protocol='fss' needs neighbouring='replace_one': every owner sends one key per value, so "
-    "each server learns every owner's number of values and the total n, which add/remove "
-    "neighbours differ in (replace-one neighbours do not); use protocol='shares'"
-)
-
-
 def federated_ecdf(
     owner_values: Sequence[ArrayLike],
     grid: Grid | ArrayLike,
@@ -420,16 +414,7 @@ def _check_options(
     protocol: str, servers: int, neighbouring: str, smoothing: str | None, mechanism: str
 ) -> None:
     """:func:`federated_ecdf`'s choices, each refused with its name and the accepted values."""
-    if protocol not in ("local", "shares", "fss"):
-        raise ValueError(f"protocol must be 'local', 'shares' or 'fss', got {protocol!r}")
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
-    if protocol == "fss" and servers != 2:
-        raise ValueError(f"protocol='fss' uses exactly 2 servers (a two-party DCF), got {servers}")
-    if protocol == "fss" and neighbouring == "add_remove":
-        raise ValueError(_FSS_ADD_REMOVE)
+    check_protocol(protocol, servers, neighbouring)
     if smoothing not in (None, "isotonic", "l1", "l2"):
         raise ValueError(f"smoothing must be None, 'isotonic', 'l1' or 'l2', got {smoothing!r}")
     if mechanism not in ("auto", "binary", "k-ary"):

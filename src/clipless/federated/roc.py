@@ -34,6 +34,7 @@ import numpy as np
 import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 
+from clipless.federated._checks import check_protocol
 from clipless.federated.dcf import DcfKeys, prefix_dcf_keys, prefix_dcf_shares
 from clipless.federated.ecdf import (
     Protocol,
@@ -124,18 +125,7 @@ def federated_roc(
         ValueError: an option outside the accepted values, owners that do not match, or
             non-finite scores.
     """
-    if protocol not in ("local", "shares", "fss"):
-        raise ValueError(f"protocol must be 'local', 'shares' or 'fss', got {protocol!r}")
-    if protocol == "fss" and servers != 2:
-        raise ValueError(f"protocol='fss' uses exactly 2 servers, got {servers}")
-    if protocol == "fss" and neighbouring == "add_remove":
-        from clipless.federated.ecdf import _FSS_ADD_REMOVE
-
-        raise ValueError(_FSS_ADD_REMOVE)
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    check_protocol(protocol, servers, neighbouring)
     if len(owner_scores) != len(owner_labels) or len(owner_scores) == 0:
         raise ValueError("owner_scores and owner_labels must list the same (>= 1) owners")
     g = _as_grid(grid)

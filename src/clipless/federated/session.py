@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from clipless.federated._checks import check_protocol
 from clipless.federated.inbox import Inbox
 from clipless.federated.noise import tree_context, tree_key
 from clipless.federated.sessionfile import (
@@ -770,14 +771,7 @@ def make_session(
         raise ValueError(f"statistic must be 'ecdf' or 'roc', got {statistic!r}")
     if statistic == "roc" and points is not None:
         raise ValueError("statistic='roc' releases the whole grid: points must be None")
-    if protocol not in ("shares", "fss"):
-        raise ValueError(f"protocol must be 'shares' or 'fss', got {protocol!r}")
-    if protocol == "fss" and servers != 2:
-        raise ValueError(f"protocol='fss' uses exactly 2 servers, got servers={servers}")
-    if protocol == "fss" and neighbouring == "add_remove":
-        from clipless.federated.ecdf import _FSS_ADD_REMOVE
-
-        raise ValueError(_FSS_ADD_REMOVE)
+    check_protocol(protocol, servers, neighbouring, ("shares", "fss"))
     if servers < 2:
         raise ValueError(f"servers must be >= 2, got {servers}")
     if owners < 1:
@@ -847,11 +841,8 @@ def _check_release(
     timeout: float,
     points: Sequence[int] | None,
 ) -> None:
-    """:func:`make_session`'s release arguments, each named in its error."""
-    if neighbouring not in ("replace_one", "add_remove"):
-        raise ValueError(
-            f"neighbouring must be 'replace_one' or 'add_remove', got {neighbouring!r}"
-        )
+    """:func:`make_session`'s release arguments, each named in its error (``neighbouring``
+    already checked with the protocol)."""
     if noise not in ("laplace", "gaussian"):
         raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
     from clipless.federated.ecdf import _points, noise_parameter

@@ -160,6 +160,13 @@ def _column_grid(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", required=True, help="number of grid thresholds (2 to 10**8)")
 
 
+def _labelled_column(p: argparse.ArgumentParser, flag: str, what: str) -> None:
+    """The CSV file, its numeric column ``flag`` and its 0/1 label column (``roc``, ``hl``)."""
+    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
+    p.add_argument(flag, required=True, help=what)
+    p.add_argument("--label", required=True, help=f"column of binary labels: {LABEL_SPELLINGS}")
+
+
 def add_ecdf_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``ecdf`` to an ``argparse`` sub-parser collection; returns the new parser."""
     p = subparsers.add_parser(
@@ -190,13 +197,7 @@ def add_roc_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Release a DP ROC curve (two class-conditional DP ECDFs of the scores, "
         "thesis section 6.5.1) and print its AUC.",
     )
-    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
-    p.add_argument("--score", required=True, help="column of scores (higher = positive)")
-    p.add_argument(
-        "--label",
-        required=True,
-        help=f"column of binary labels: {LABEL_SPELLINGS}",
-    )
+    _labelled_column(p, "--score", "column of scores (higher = positive)")
     p.add_argument("--lower", default="0", help="public lower bound of the grid (default 0)")
     p.add_argument("--upper", default="1", help="public upper bound of the grid (default 1)")
     p.add_argument("--size", default="1024", help="number of grid thresholds (default 1024)")
@@ -234,15 +235,7 @@ def add_hl_parser(subparsers: Any) -> argparse.ArgumentParser:
         "clipless.stats.hosmer_lemeshow): the noisy group table, the statistic, the plug-in "
         "p-value and a noise-aware p-value (post-processing).",
     )
-    p.add_argument("file", metavar="FILE.csv", help="CSV file with a header row")
-    p.add_argument(
-        "--probability", required=True, help="column of predicted probabilities in [0, 1]"
-    )
-    p.add_argument(
-        "--label",
-        required=True,
-        help=f"column of binary labels: {LABEL_SPELLINGS}",
-    )
+    _labelled_column(p, "--probability", "column of predicted probabilities in [0, 1]")
     p.add_argument("--groups", default="10", help="number of groups Q, 3 to 65536 (default 10)")
     p.add_argument(
         "--binning",
