@@ -80,6 +80,7 @@ def test_help_documents_every_command(capsys: pytest.CaptureFixture[str]) -> Non
         (["train", "--seed", str(2**32)], "--seed"),
         (["train", "--unsafe-seed", str(2**64 - 1)], "--unsafe-seed"),
         (["train", "--threads", "100000"], "--threads"),
+        (["train", "--certify-every", "0"], "--certify-every"),
         (["train", "--lr", "1e300"], "--lr"),
         (["train", "--epochs", "1000000000"], "--epochs"),
         (["train", "--dataset", "breast-cancer", "--epsilon", "100", "--out", "{tmp}"], "rdp"),
@@ -99,6 +100,36 @@ def test_bad_arguments_exit_2_naming_the_argument(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert named in err, err
+
+
+def test_certify_every_reaches_the_projection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--certify-every 4``: the run's optimizer carries its bounds between exact
+    certifications every fourth step (counted on each layer after training)."""
+    from clipless import constraints
+    from clipless.optim import DPOptimizer
+
+    seen: list[DPOptimizer] = []
+    original = DPOptimizer.step
+
+    def step(self: DPOptimizer, *args: object, **kwargs: object) -> object:
+        seen.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DPOptimizer, "step", step)
+    argv = ["train", "--dataset", "breast-cancer", "--model", "mlp", "--constraint", "clip"]
+    argv += ["--optimizer", "sgd", "--lr", "0.0001", "--epochs", "2"]
+    argv += ["--certify-every", "4", "--out", str(tmp_path / "run"), "--quiet", "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr().err
+    optimizer = seen[-1]
+    assert optimizer.certify_every == 4
+    steps = sum(1 for o in seen if o is optimizer)
+    for layer in optimizer.module.modules():
+        state = constraints.projection_state(layer)
+        if state is not None:
+            assert state.calls >= steps >= 8
+            assert state.exact_certifications <= state.calls // 4 + 2
 
 
 def test_train_runs_and_writes_everything(

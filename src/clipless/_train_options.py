@@ -611,6 +611,18 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
         help="torch intra-op threads (small models run fastest on one)",
     ),
     _opt(
+        "--certify-every",
+        "model and training",
+        type=_bounded(_positive_int, 10**6, "steps"),
+        default=1,
+        metavar="K",
+        help="certify each layer's bound exactly every K steps and carry a certified bound "
+        "(ub + m ||W - W_ref||_F) between: the same privacy, a cheaper step (on a GPU, no "
+        "certificate's products on the carried steps); it pays when a step moves the weights "
+        "by well under 1%% of --max-norm (small learning rates): larger steps are certified "
+        "exactly anyway",
+    ),
+    _opt(
         "--nproc",
         "model and training",
         type=_bounded(_positive_int, 256, "local processes"),

@@ -501,7 +501,7 @@ def _make_private(
                 noise=spec.noise,
                 neighbouring=spec.neighbouring,
             ),
-            options=RunOptions(input_shape=data.input_shape),
+            options=RunOptions(input_shape=data.input_shape, certify_every=spec.certify_every),
             **calibration,
         )
     except ReleasesExceedTargetError as exc:

@@ -118,6 +118,7 @@ class TrainSpec:
     device: str = "cpu"
     feature_cache: bool = True
     threads: int = 1
+    certify_every: int = 1
     nproc: int = 1
     no_progress: bool = False
     quiet: bool = False
