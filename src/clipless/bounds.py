@@ -520,20 +520,23 @@ def _structure_key(model: torch.nn.Module, shape: tuple[int, ...]) -> object | N
         return None
     entries: list[object] = [shape]
     for name, m in model.named_modules(remove_duplicate=False):
-        if not _known_forward(m) or "forward" in vars(m):
+        state = vars(m)
+        if "forward" in state or not _known_forward(m):
             return None
-        attributes = tuple(
+        # in insertion order: the same attributes set in another order only re-trace
+        attributes = [
             (k, _attribute_key(v))
-            for k, v in sorted(vars(m).items())
-            if not k.startswith("_") and k not in _PER_STEP_ATTRIBUTES
-        )
-        tensors = tuple(
-            (k, None if v is None else (tuple(v.shape), v.dtype, v.device))
-            for k, v in (*m._parameters.items(), *m._buffers.items())
-        )
+            for k, v in state.items()
+            if k[0] != "_" and k not in _PER_STEP_ATTRIBUTES
+        ]
+        tensors = [
+            (k, None if v is None else (v.shape, v.dtype, v.device))
+            for table in (m._parameters, m._buffers)
+            for k, v in table.items()
+        ]
         hooks = (tuple(m._forward_pre_hooks), tuple(m._forward_hooks))
         entries.append((name, id(m), type(m), m.training, attributes, tensors, hooks))
-    return tuple(entries)
+    return entries
 
 
 def _known_forward(module: torch.nn.Module) -> bool:
@@ -544,10 +547,13 @@ def _known_forward(module: torch.nn.Module) -> bool:
     return _trusted_forward(module)
 
 
+_PLAIN = frozenset({bool, int, float, str, torch.dtype, torch.device})
+
+
 def _attribute_key(value: object) -> object:
     """A module attribute as a comparable value: plain data by value, anything else by identity
     (a replaced object is a new key)."""
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+    if value is None or type(value) in _PLAIN:
         return (type(value), value)
     if isinstance(value, tuple | list):
         return (type(value), tuple(_attribute_key(v) for v in value))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -188,15 +189,23 @@ class Conv2d(ParametricLipschitzModule):
         From :func:`clipless.norms.conv_multiplicity` for ``input_size`` (default: the recorded
         :attr:`input_size`; ``None`` gives the size-free value).
         """
-        return int(
-            norms.conv_multiplicity(
-                self.kernel_size,
-                self.stride,
-                self.padding,
-                self.padding_mode,
-                self._size(input_size),
+        size = self._size(input_size)
+        key = (self.kernel_size, self.stride, self.padding, self.padding_mode, size)
+        # asked in every forward and bound report: memoised per geometry on the layer
+        memo: dict[tuple[object, ...], int] = self.__dict__.setdefault("_multiplicities", {})
+        try:
+            value = memo.get(key)
+        except TypeError:  # an attribute set to a list: computed (and checked) every call
+            value = None
+        if value is None:
+            value = int(
+                norms.conv_multiplicity(
+                    self.kernel_size, self.stride, self.padding, self.padding_mode, size
+                )
             )
-        )
+            with contextlib.suppress(TypeError):
+                memo[key] = value
+        return value
 
     def output_positions(self, input_size: tuple[int, int] | None = None) -> int:
         """``P = H_out W_out`` for ``input_size`` (default: the recorded :attr:`input_size`)."""

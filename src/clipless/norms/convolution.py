@@ -11,6 +11,7 @@ convolutional weight as a device tensor. :func:`conv_power_iteration` gives a *l
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -140,7 +141,19 @@ def conv_multiplicity(
     pd = _as_pair(padding, "padding")
     size = None if input_size is None else _as_pair(input_size, "input_size")
     _check_conv_args(ks, st, pd, padding_mode, size)
-    circular = padding_mode == "circular"
+    return _enumerated_multiplicity(ks, st, pd, padding_mode == "circular", size)
+
+
+# Layers ask for their k_eff in every forward and every bound report: a pure function of the
+# (checked, integer) geometry, enumerated once per geometry.
+@functools.lru_cache(maxsize=4096)
+def _enumerated_multiplicity(
+    ks: tuple[int, int],
+    st: tuple[int, int],
+    pd: tuple[int, int],
+    circular: bool,
+    size: tuple[int, int] | None,
+) -> int:
     if size is None:
         return math.prod(
             _size_free_multiplicity_1d(k, s, p, circular)
