@@ -1,5 +1,5 @@
 """The bound report reuses a model's zero-input trace while its structure is unchanged
-(:func:`clipless.bounds._traced`), and traces again on every change that could alter it."""
+(:func:`clipless.bounds.report`), and traces again on every change that could alter it."""
 
 from __future__ import annotations
 
@@ -151,3 +151,52 @@ def test_a_forward_at_another_size_is_never_certified_from_the_cache(traces: lis
         before = len(traces)
         assert bounds.report(model, LOSS, SHAPE) == first
         assert len(traces) == before + 1 and model[1].input_size == (8, 8)
+
+
+def _backward_hook(m: cnn.Sequential) -> None:
+    m[2].register_full_backward_hook(lambda mod, gin, gout: None)
+
+
+def _with_frozen_parameter(model: cnn.Sequential) -> torch.nn.Parameter:
+    """A parameter on a parameter-free layer: allowed frozen, refused trained (validate)."""
+    extra = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+    model[2].register_parameter("extra", extra)
+    return extra
+
+
+@pytest.mark.parametrize("change", ["backward hook", "parameter trained"])
+def test_a_cached_structure_is_validated_again_after_a_change(change: str) -> None:
+    """A report of a known structure skips ``validate`` and the structural checks: the key
+    covers what they read, so each change that would make them refuse is a new key (dropping
+    backward hooks or ``requires_grad`` from it lets these reports through)."""
+    model = _model()
+    extra = _with_frozen_parameter(model)
+    _reports(model, 2)
+    if change == "backward hook":
+        _backward_hook(model)
+    else:
+        extra.requires_grad_(True)
+    with pytest.raises(TypeError, match=r"hook|trainable parameters"):
+        bounds.report(model, LOSS, SHAPE)
+
+
+def test_a_replaced_parameter_is_reported_under_its_name(traces: list[int]) -> None:
+    """The same shape, a new tensor: reported (and keyed) as the layer's parameter."""
+    model = _model()
+    _reports(model, 2)
+    model[5].weight = torch.nn.Parameter(torch.zeros(10, 4 * 8 * 8))
+    report = bounds.report(model, LOSS, SHAPE)
+    assert "5.weight" in report.layers[-1].gradient_bounds
+    assert len(traces) == 2
+
+
+def test_a_structure_refused_once_is_refused_every_time() -> None:
+    """A trace is kept for reuse only after the structural checks passed on it: a model whose
+    last Flatten folds the batch (its start_dim set to 0 after construction; the forward runs)
+    is refused at every report, not only the first."""
+    model = _model()
+    model.append(cnn.Flatten())
+    model[6].start_dim = 0  # the logits of the batch in one row
+    for _ in range(2):
+        with pytest.raises(ValueError, match="row"):
+            bounds.report(model, LOSS, SHAPE)

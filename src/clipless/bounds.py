@@ -397,9 +397,16 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     hidden inside a custom (non-``Sequential``, non-``Residual``) container is not reached:
     :func:`sensitivities` then raises.
     """
-    first, shape, lip_fn = _report_arguments(model, loss, input_shape)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    shape = _sample_shape(input_shape)
+    key = _structure_key(model, shape)
+    cached = _TRACES.get(model) if key is not None else None
+    known = cached is not None and cached[0] == key
+    # a structure already validated and checked (the key covers what those checks read)
+    first, lip_fn = _report_arguments(model, loss, validate=not known)
     x0 = float(first.max_norm)
-    trace = _traced(model, shape, first)
+    trace = cached[1] if known and cached is not None else _trace_forward(model, shape, first)
     output = trace.output
     assert isinstance(output, torch.Tensor)  # _trace_forward refused anything else
     num_logits = max(1, math.prod(int(d) for d in output.shape[1:]))
@@ -409,9 +416,16 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     walker = _Walker(trace.shapes, first)
     walker.forward(model, "", x0)
     walker.backward(model, "", loss_lip)
-    # The walk follows the containers' children lists: the model that runs must be the one it
-    # certifies (call counts, container forwards, one row per sample, leaves without parameters).
-    _check_structure(model, walker, trace.calls, trace.rows, trace.inputs, int(output.shape[0]))
+    if not known:
+        # The walk follows the containers' children lists: the model that runs must be the one
+        # it certifies (call counts, container forwards, one row per sample, parameter-free
+        # leaves). Kept for reuse only once checked, with the key of the state the trace leaves
+        # (it records sizes on Conv2d / GroupNorm: a forward at another size is a new key).
+        rows = int(output.shape[0])
+        _check_structure(model, walker, trace.calls, trace.rows, trace.inputs, rows)
+        after = _structure_key(model, shape)
+        if after is not None:
+            _TRACES[model] = (after, trace)
     return BoundReport(
         input_bound=x0,
         loss_lipschitz=loss_lip,
@@ -422,26 +436,32 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     )
 
 
+def _sample_shape(input_shape: object) -> tuple[int, ...]:
+    """:func:`report`'s ``input_shape`` checked, as a tuple."""
+    shape = (input_shape,) if isinstance(input_shape, int) else input_shape
+    if (
+        not isinstance(shape, tuple | list)
+        or not shape
+        or any(not _validate.is_int(d) or d < 1 for d in shape)
+    ):
+        raise ValueError(
+            f"input_shape must be a non-empty tuple of positive ints (one sample, no batch "
+            f"dimension), got {input_shape!r}"
+        )
+    return tuple(shape)
+
+
 def _report_arguments(
-    model: torch.nn.Module, loss: object, input_shape: tuple[int, ...] | int
-) -> tuple[cnn.InputNorm, tuple[int, ...], Callable[[int], float]]:
-    """:func:`report`'s arguments checked: the leading ``InputNorm``, the sample shape and the
-    loss's ``lipschitz``."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    cnn.validate(model)
+    model: torch.nn.Module, loss: object, *, validate: bool = True
+) -> tuple[cnn.InputNorm, Callable[[int], float]]:
+    """:func:`report`'s model (validated, unless its structure was) and loss checked: the
+    leading ``InputNorm`` and the loss's ``lipschitz``."""
+    if validate:
+        cnn.validate(model)
     lip_fn = getattr(loss, "lipschitz", None)
     if not callable(lip_fn):
         raise TypeError(
             f"loss must be a clipless.nn loss with lipschitz(num_logits), got {type(loss).__name__}"
-        )
-    if isinstance(input_shape, int):
-        input_shape = (input_shape,)
-    shape = tuple(input_shape)
-    if not shape or any(not _validate.is_int(d) or d < 1 for d in shape):
-        raise ValueError(
-            f"input_shape must be a non-empty tuple of positive ints (one sample, no batch "
-            f"dimension), got {input_shape!r}"
         )
     first = _leading_module(model)
     if not isinstance(first, cnn.InputNorm):
@@ -449,7 +469,7 @@ def _report_arguments(
             "the model must start with a clipless.nn.InputNorm (its max_norm is the certified "
             f"input bound X_0); its first layer is {type(first).__name__}"
         )
-    return first, shape, lip_fn
+    return first, lip_fn
 
 
 @dataclass
@@ -479,7 +499,7 @@ class _Trace:
                 self.reused.setdefault(key, {old}).add(new)
 
 
-# The last trace of each model with the structure it was taken at (:func:`_traced`).
+# The last checked trace of each model with the structure key it left (:func:`report`).
 _TRACES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, _Trace]] = (
     weakref.WeakKeyDictionary()
 )
@@ -488,30 +508,17 @@ _TRACES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[object, _Trace]] = (
 _PER_STEP_ATTRIBUTES = frozenset({"scaling_threshold", "scaling_multiplicity"})
 
 
-def _traced(model: torch.nn.Module, shape: tuple[int, ...], first: torch.nn.Module) -> _Trace:
-    """:func:`_trace_forward`, or the model's last trace when its structure is unchanged.
-
-    Only a model of clipless modules with their own forwards is reused (their zero-input
-    forward is a function of the key below: module tree, classes, modes, public attributes,
-    parameter and buffer shapes, hooks, dtype, device and input shape; none writes a buffer);
-    a custom module, an instance-level forward or an active Python mode re-traces every call,
-    and so does any change to the key."""
-    key = _structure_key(model, shape)
-    if key is not None:
-        cached = _TRACES.get(model)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-    trace = _trace_forward(model, shape, first)
-    # the key of the state the trace leaves (it records sizes on Conv2d / GroupNorm): a later
-    # forward at another size changes that state, and the next call traces again
-    after = _structure_key(model, shape)
-    if after is not None:
-        _TRACES[model] = (after, trace)
-    return trace
-
-
 def _structure_key(model: torch.nn.Module, shape: tuple[int, ...]) -> object | None:
-    """What a clipless model's zero-input forward depends on, or ``None`` (never reuse)."""
+    """What a clipless model's zero-input forward and the report's structural checks depend on,
+    or ``None`` (never reuse).
+
+    Only a model of clipless modules with their own forwards has a key (their zero-input
+    forward is a function of it: module tree, classes, modes, public attributes, parameters and
+    buffers (shape, dtype, device, whether trained, identity), hooks of every kind, and the
+    input shape; none writes a buffer). A custom module, an instance-level forward or an
+    active Python mode has none: the report traces and checks it every call. The key covers
+    what :func:`clipless.nn.validate` and :func:`_check_structure` read, so a report whose key
+    is the one its last check left reuses that trace and those verdicts."""
     if (
         foreign_mode() is not None
         or _module_hooks._global_forward_hooks
@@ -530,11 +537,16 @@ def _structure_key(model: torch.nn.Module, shape: tuple[int, ...]) -> object | N
             if k[0] != "_" and k not in _PER_STEP_ATTRIBUTES
         ]
         tensors = [
-            (k, None if v is None else (v.shape, v.dtype, v.device))
+            (k, None if v is None else (v.shape, v.dtype, v.device, v.requires_grad, id(v)))
             for table in (m._parameters, m._buffers)
             for k, v in table.items()
         ]
-        hooks = (tuple(m._forward_pre_hooks), tuple(m._forward_hooks))
+        hooks = (
+            tuple(m._forward_pre_hooks),
+            tuple(m._forward_hooks),
+            tuple(m._backward_pre_hooks),
+            tuple(m._backward_hooks),
+        )
         entries.append((name, id(m), type(m), m.training, attributes, tensors, hooks))
     return entries
 
