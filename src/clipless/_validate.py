@@ -106,15 +106,17 @@ def nonnegative_int(name: str, value: object, *, wrong_type: type[Exception] = T
 def _checked_real(
     name: str,
     value: object,
-    accepted: str,
+    accepted: str | Callable[[], str],
     ok: Callable[[float], bool],
     wrong_type: type[Exception],
 ) -> float:
+    """``accepted`` (or a function giving it: worded only for an error) names the values
+    allowed."""
     if not is_real(value):
-        _wrong_type(wrong_type, name, accepted, value)
+        _wrong_type(wrong_type, name, accepted if isinstance(accepted, str) else accepted(), value)
     result = float(value)
     if not ok(result):
-        _refuse(name, accepted, value)
+        _refuse(name, accepted if isinstance(accepted, str) else accepted(), value)
     return result
 
 
@@ -175,7 +177,9 @@ def real_in(
     def ok(x: float) -> bool:  # NaN fails both comparisons
         return (x > low if open_low else x >= low) and (x < high if open_high else x <= high)
 
-    accepted = f"in {_interval(low, high, open_low, open_high)}"
+    def accepted() -> str:
+        return f"in {_interval(low, high, open_low, open_high)}"
+
     return _checked_real(name, value, accepted, ok, wrong_type)
 
 
