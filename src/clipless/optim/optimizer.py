@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DPOptimizer"]
 
+_UNSET = object()  # an attribute not set yet
+
 
 class DPOptimizer(ContractGuard, torch.optim.Optimizer):
     """Differentially private wrapper around ``optimizer`` (see the module docstring).
@@ -159,8 +161,12 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
                 value = max(prev[1], value)
             chosen[id(layer)] = (layer, value)
         for layer, value in chosen.values():
-            layer.scaling_threshold = value
-            layer.scaling_multiplicity = plan.multiplicity
+            # written only when changed (most steps): a module attribute write is slow
+            state = layer.__dict__
+            if state.get("scaling_threshold", _UNSET) != value:
+                layer.scaling_threshold = value
+            if state.get("scaling_multiplicity", _UNSET) != plan.multiplicity:
+                layer.scaling_multiplicity = plan.multiplicity
 
     def refresh(self) -> NoisePlan:
         """Plan at the current weights and set the layers' scaling thresholds for it."""
