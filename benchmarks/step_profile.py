@@ -23,6 +23,9 @@ the CPU: Cholesky / eigh), ``clipless-accel`` (``norms.ACCELERATOR_PATH_ON_CPU``
 runs -- matrix products only, deferred checks, one read per phase; slower on a CPU, shown for its
 structure), ``clipless-accel-carried`` (the same with ``certify_every=10``: the measured step
 carries its bounds; one step in ten certifies exactly).
+``--models mlp-tiny cnn-tiny cnn3-tiny --batch 4`` runs the same structures at tiny widths
+(:data:`train_speed.TINY`): their ``step ms`` is the host's work per step, the CPU proxy for a GPU
+step bound by its launches.
 Run: ``python benchmarks/step_profile.py [--models mlp cnn cnn3] [--reps 5]``;
 Markdown on stdout, JSON in ``benchmarks/out/step_profile.json``.
 """

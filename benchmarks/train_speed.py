@@ -97,6 +97,14 @@ CIFAR_CNNS: dict[str, tuple[int, ...]] = {
     "cnn500k": (64, 128, 320),
     "cnn2m": (144, 288, 576),
 }
+# The issue's three structures at tiny widths, 8 x 8 inputs: their step's arithmetic is almost
+# nothing, so its time is the host's work (Python and operator dispatch), which a GPU step
+# waits for when it is bound by its launches (step_profile.py --models mlp-tiny ...).
+TINY: dict[str, tuple[tuple[int, int, int], str, tuple[int, ...]]] = {
+    "mlp-tiny": ((1, 8, 8), "mlp", (16, 16)),
+    "cnn-tiny": ((1, 8, 8), "convnet", (2, 4)),
+    "cnn3-tiny": ((3, 8, 8), "convnet", (2, 4, 8)),
+}
 MODELS = ("mlp", "cnn", *CIFAR_CNNS)
 DEFAULT_MODELS = ("mlp", "cnn")
 TEMPERATURE = 0.1
@@ -104,7 +112,9 @@ TEMPERATURE = 0.1
 
 # ------------------------------------------------------------------------------------ models
 def input_shape(name: str) -> tuple[int, int, int]:
-    """``3 x 32 x 32`` for the CIFAR-sized CNNs, ``1 x 28 x 28`` otherwise."""
+    """``3 x 32 x 32`` for the CIFAR-sized CNNs, ``1 x 28 x 28`` otherwise (tiny: their own)."""
+    if name in TINY:
+        return TINY[name][0]
     return (3, 32, 32) if name in CIFAR_CNNS else (1, 28, 28)
 
 
@@ -117,6 +127,11 @@ def build_model(name: str) -> torch.nn.Module:
     if name in CIFAR_CNNS:
         shape = input_shape(name)
         return models.convnet(shape, CIFAR_CNNS[name], 10, input_norm=1.0, pool="l2", bias=False)
+    if name in TINY:
+        shape, kind, widths = TINY[name]
+        if kind == "mlp":
+            return models.mlp(shape, widths, 10, input_norm=1.0, bias=False)
+        return models.convnet(shape, widths, 10, input_norm=1.0, pool="l2", bias=False)
     raise ValueError(f"unknown model {name!r}")
 
 
