@@ -759,17 +759,26 @@ def test_carried_rescales_do_not_compound_past_the_tolerance() -> None:
     assert dense_exact(layer.weight) > 0.96  # 0.869 before
 
 
-def test_project_returns_fresh_values_for_a_shared_weight() -> None:
+@pytest.mark.parametrize("certify_every", [1, 3])
+@pytest.mark.parametrize("device_path", [False, True])
+def test_project_returns_fresh_values_for_a_shared_weight(
+    device_path: bool, certify_every: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two convolutions of one weight: ``fix`` rescales it once per layer (up, too), so neither
+    layer's bound after its own rescale describes the stored weight; each returned value and
+    each memoised bound does (the device path seeded the stale one before)."""
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", device_path)
     a = cnn.Conv2d(2, 3, 3, padding=1, input_size=(6, 6))
     b = cnn.Conv2d(2, 3, 3, stride=2, padding=1, input_size=(6, 6))
     b.weight = a.weight
     model = cnn.Sequential(a, b)
     gen = torch.Generator().manual_seed(2)
-    for _ in range(3):
+    for _ in range(4):
         with torch.no_grad():
             a.weight.add_(torch.randn(a.weight.shape, generator=gen) * 0.1)
-        out = project(model, mode="fix", max_norm=1.0, certify_every=3, tolerance=1e9)
+        out = project(model, mode="fix", max_norm=1.0, certify_every=certify_every, tolerance=1e9)
         assert out["0"] >= conv_exact(a) and out["1"] >= conv_exact(b)
+        assert float(a.lipschitz()) >= conv_exact(a) and float(b.lipschitz()) >= conv_exact(b)
 
 
 @pytest.mark.parametrize("scale", [10.0, 0.5])  # rescaled, and left as it is
