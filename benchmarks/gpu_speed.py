@@ -8,15 +8,16 @@ wheels that machine lacks; see ``benchmarks/gpu/run.sh``)::
 Models (:mod:`train_speed`): the MLP 784-1024-1024-10, ``convnet((1,28,28),(32,64))``,
 ``convnet((3,32,32),(64,128,256))`` and the Clipless paper's Figure 4 CNNs (~130K, ~500K, ~2M
 parameters on 3x32x32); batches 256, 1024, 4096; configurations ``nonprivate`` (the plain twin),
-``clipless-ps`` / ``clipless-bound`` (the two scalings), ``opacus`` (hooks; skipped when its
-per-sample gradients would exceed ``--max-grad-sample-gib``) and ``opacus-ghost`` when Opacus
-imports. Every configuration of a (model, batch) cell starts from the same weights; float32
-computed in float32 everywhere (TF32 off, which clipless requires). Reported per cell: the median
-over ``--rounds`` interleaved rounds of the CUDA-synchronised time of ``--steps`` steps, the ratio
-to the non-private step, and the peak memory of one step above the resting state
-(``torch.cuda.max_memory_allocated``). For each model at batch 256, one clipless step is traced
-with the CUDA profiler: kernel launches, ``cudaStreamSynchronize``, device-to-host copies, the
-device-busy time and the costliest kernels (host-bound or device-bound, and on what).
+``clipless-ps`` / ``clipless-bound`` (the two scalings), ``clipless-carried`` (per-sample scaling,
+``certify_every=10``: exact certificates one step in ten, carried bounds between), ``opacus``
+(hooks; skipped when its per-sample gradients would exceed ``--max-grad-sample-gib``) and
+``opacus-ghost`` when Opacus imports. Every configuration of a (model, batch) cell starts from the
+same weights; float32 computed in float32 everywhere (TF32 off, which clipless requires). Reported
+per cell: the median over ``--rounds`` interleaved rounds of the CUDA-synchronised time of
+``--steps`` steps, the ratio to the non-private step, and the peak memory of one step above the
+resting state (``torch.cuda.max_memory_allocated``). For each model at batch 256, one clipless step
+is traced with the CUDA profiler: kernel launches, ``cudaStreamSynchronize``, device-to-host
+copies, the device-busy time and the costliest kernels (host-bound or device-bound, and on what).
 ``--device cpu`` is a smoke run of the script itself (small ``--batches``; no CUDA statistics).
 The sweep stops at ``--budget`` seconds (cells not reached are listed as skipped); results go to
 stdout (Markdown) and ``DIR/gpu_speed.json`` (``$OUT`` when set, else ``benchmarks/out``).
@@ -50,7 +51,7 @@ BATCHES = (256, 1024, 4096)
 
 
 def _configs() -> list[str]:
-    configs = ["nonprivate", "clipless-ps", "clipless-bound"]
+    configs = ["nonprivate", "clipless-ps", "clipless-bound", "clipless-carried"]
     try:
         import opacus  # noqa: F401
     except ImportError:
