@@ -741,21 +741,18 @@ def _group_bounds(
     if not carried:
         ub_all = torch.stack(list(certified))
         return ub_all, torch.zeros_like(ub_all)
-    gaps: dict[int, torch.Tensor] = {}
-    ubs: dict[int, torch.Tensor] = {}
-    if carried:
-        diffs = []
-        for i in carried:
-            state = _state_for(layers[i])
-            assert state.reference is not None and state.device_bound is not None
-            diffs.append(layers[i].weight.detach().double() - state.reference.double())
-        # rows picked by views: an index tensor would be a copy to the device (a sync there)
-        m = ms if len(carried) == len(layers) else torch.stack([ms[i] for i in carried])
-        gap = _diff_fro_upper(diffs, layers[0].weight.dtype) * m
-        refs = torch.stack([_state_for(layers[i]).device_bound for i in carried])  # type: ignore[misc]
-        ub = (refs + gap) * (1.0 + NUMERIC_MARGIN)
-        gaps = dict(zip(carried, gap.unbind(), strict=True))
-        ubs = dict(zip(carried, ub.unbind(), strict=True))
+    diffs, refs = [], []
+    for i in carried:
+        state = _state_for(layers[i])
+        assert state.reference is not None and state.device_bound is not None
+        diffs.append(layers[i].weight.detach().double() - state.reference.double())
+        refs.append(state.device_bound)
+    # rows picked by views: an index tensor would be a copy to the device (a sync there)
+    m = ms if len(carried) == len(layers) else torch.stack([ms[i] for i in carried])
+    gap = _diff_fro_upper(diffs, layers[0].weight.dtype) * m
+    ub = (torch.stack(refs) + gap) * (1.0 + NUMERIC_MARGIN)
+    gaps = dict(zip(carried, gap.unbind(), strict=True))
+    ubs = dict(zip(carried, ub.unbind(), strict=True))
     zero = torch.zeros((), dtype=torch.float64, device=ms.device)
     ub_list = [next(certified) if e else ubs[i] for i, e in enumerate(exact)]
     gap_list = [zero if e else gaps[i] for i, e in enumerate(exact)]
