@@ -91,6 +91,11 @@ class ParametricLipschitzModule(LipschitzModule):
         """
         raise NotImplementedError
 
+    def sample_norm_factor_wide(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`sample_norm_factor` as a float64 certified upper bound (the scaling's divisor
+        on an accelerator: no round trip through ``x.dtype``). Default: the rounded factor."""
+        return self.sample_norm_factor(x).to(torch.float64)
+
     def norm_factor_bound(self, input_bound: float) -> float:
         """Certified upper bound on :meth:`sample_norm_factor` for inputs of norm <= input_bound."""
         raise NotImplementedError

@@ -48,6 +48,7 @@ from torch.nn.grad import conv2d_input, conv2d_weight
 
 from clipless import _autograd
 from clipless.nn._functional import _wrapped
+from clipless.norms import matrix_products_only
 
 if TYPE_CHECKING:
     from clipless.nn._base import ParametricLipschitzModule
@@ -128,7 +129,12 @@ def _divisors(
     copies): each row contributes at most ``G_k / K``, so one sample's ``K`` rows at most ``G_k``.
     """
     with torch.no_grad():
-        n = layer.sample_norm_factor(x.detach()).to(torch.float64)
+        # an accelerator takes the float64 factor as it is (fewer launches); the CPU keeps the
+        # factor rounded up to x's dtype, as it always has (the same bits for seeded runs)
+        if matrix_products_only(x):
+            n = layer.sample_norm_factor_wide(x.detach())
+        else:
+            n = layer.sample_norm_factor(x.detach()).to(torch.float64)
         if threshold == BATCH_MAX:
             if _wrapped(x):
                 raise ValueError(
@@ -139,7 +145,10 @@ def _divisors(
             t = float(n.max()) if n.numel() > 0 else 1.0
         else:
             t = float(threshold)
-        s = torch.clamp(n, min=max(t, _TINY)) * float(getattr(layer, "scaling_multiplicity", 1))
+        s = torch.clamp(n, min=max(t, _TINY))
+        copies = float(getattr(layer, "scaling_multiplicity", 1))
+        if copies != 1.0:  # a product by 1 is exact: skipped (one launch less per layer)
+            s = s * copies
         return (1.0 / s).to(x.dtype)
 
 

@@ -289,6 +289,10 @@ class Conv2d(ParametricLipschitzModule):
         ``k_eff`` and ``P`` are those of ``x``'s own spatial size; a certified upper bound in
         float64, rounded up to x.dtype.
         """
+        return round_up(self.sample_norm_factor_wide(x), x.dtype)
+
+    def sample_norm_factor_wide(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`sample_norm_factor` in float64, before the rounding to ``x.dtype``."""
         if x.ndim != 4:
             raise ValueError(f"Conv2d.sample_norm_factor expects [batch, C, H, W], got {x.shape}")
         size = (int(x.shape[2]), int(x.shape[3]))
@@ -297,7 +301,7 @@ class Conv2d(ParametricLipschitzModule):
         sq = sample_norms_upper(x).square() * float(self.multiplicity(size))
         if self.bias is not None:
             sq = sq + float(self.output_positions(size))
-        return round_up(torch.sqrt(sq * (1.0 + 2.0**-50)), x.dtype)
+        return torch.sqrt(sq * (1.0 + 2.0**-50))
 
     def norm_factor_bound(self, input_bound: float) -> float:
         """``sqrt(k_eff X^2 + P)`` with a bias, ``sqrt(k_eff) X`` without (rounded up)."""

@@ -116,10 +116,14 @@ class Linear(ParametricLipschitzModule):
         A certified upper bound (:func:`~clipless.nn._functional.sample_norms_upper`, float64)
         rounded upward to ``x.dtype``, as scaling needs.
         """
+        return round_up(self.sample_norm_factor_wide(x), x.dtype)
+
+    def sample_norm_factor_wide(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`sample_norm_factor` in float64, before the rounding to ``x.dtype``."""
         norms = sample_norms_upper(x)
         if self.bias is None:
-            return round_up(norms, x.dtype)
-        return round_up(torch.sqrt((norms.square() + 1.0) * (1.0 + 2.0**-50)), x.dtype)
+            return norms
+        return torch.sqrt((norms.square() + 1.0) * (1.0 + 2.0**-50))
 
     def norm_factor_bound(self, input_bound: float) -> float:
         """``sqrt(X^2 + 1)`` with a bias, ``X`` without (rounded up)."""
