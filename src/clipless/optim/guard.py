@@ -837,11 +837,14 @@ class ContractGuard:
         A layer whose memoised bound proved stale forgets it (the next forward recertifies)."""
         checks, self._checks = self._checks, []
         warnings_, self._warnings = self._warnings, []
-        tensors = [flags.to(torch.float64).reshape(-1) for flags, _, _ in checks]
-        tensors += [largest.to(torch.float64).reshape(1) for largest, _, _ in warnings_]
+        tensors = [flags.reshape(-1) for flags, _, _ in checks]
+        tensors += [largest.reshape(1) for largest, _, _ in warnings_]
         if not tensors:
             return
-        values = torch.cat([t.to(tensors[0].device) for t in tensors]).tolist()
+        device = tensors[0].device
+        # one concatenation (it promotes the flags to the warnings' float dtype), one conversion
+        joined = torch.cat([t if t.device == device else t.to(device) for t in tensors])
+        values = joined.to(torch.float64).tolist()
         flat = iter(values)
         failures = []
         for flags, template, subjects in checks:
