@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from _exact import dense_exact, exact
 from clipless import nn as cnn
 from clipless import norms
 from clipless.constraints import project, projection_state
-from test_constraints import dense_exact, exact
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +39,7 @@ def _step(layer: torch.nn.Module, size: float, seed: int) -> None:
     weight = layer.weight  # type: ignore[union-attr]
     with torch.no_grad():
         noise = torch.randn(weight.shape, generator=gen, dtype=torch.float64)
-        weight.add_((noise * size).to(weight.dtype))
+        weight.add_((noise * size).to(weight.device, weight.dtype))
 
 
 def _exact_certifications(layer: torch.nn.Module) -> int:
@@ -139,3 +139,16 @@ def test_noise_like_steps_keep_the_weight_near_the_constraint() -> None:
             layer.weight.add_(torch.randn(64, 64, generator=gen) * 1.2e-4)
         project(cnn.Sequential(layer), mode="clip", max_norm=1.0, certify_every=20, tolerance=0.01)
     assert dense_exact(layer.weight) > 0.95
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_carried_bounds_on_cuda(kind: str) -> None:
+    """The same chain on a real device: every bound above the exact norm (computed on the CPU),
+    exact certification every third call."""
+    layer = _layer(kind, torch.float32, 5).cuda()
+    for i in range(8):
+        _step(layer, 1e-3, i)
+        bound = project(layer, "clip", 1.0, certify_every=3)[""]
+        assert exact(layer) <= bound * (1.0 + 1e-12)
+    assert _exact_certifications(layer) == 3  # calls 1, 4 and 7

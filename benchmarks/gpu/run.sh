@@ -18,5 +18,6 @@ fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 python3 -c "import torch, clipless; print('torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_certification_trajectory.py \
-    tests/test_step_structure.py tests/test_devices.py 2>&1 | tee "$OUT/cuda_tests.log"
+    tests/test_step_structure.py tests/test_devices.py tests/test_carried_on_device.py 2>&1 \
+    | tee "$OUT/cuda_tests.log"
 timeout 300 python3 benchmarks/gpu_speed.py --out "$OUT" 2>&1 | tee "$OUT/gpu_speed.log"
