@@ -16,7 +16,8 @@ changed):
   ``K_mat``: exactly GNP after Björck).
 * ``--loss hinge:M`` / ``--loss hkr:ALPHA:M``: :class:`clipless.nn.MulticlassHingeLoss` /
   :class:`clipless.nn.HKRLoss` instead of the CLI's cross-entropy; the engine reads the loss's
-  certified Lipschitz constant as it does for the cross-entropy.
+  certified Lipschitz constant as it does for the cross-entropy. The run folder's config.json
+  does not know of the swap: it still lists the CLI's temperature.
 
 Everything after ``--`` goes to ``clipless train`` (defaults: fashion-mnist, ``--model gnp``).
 
@@ -87,17 +88,17 @@ def loss_in_make_private(factory: Any) -> Iterator[None]:
 
     def patched(*args: Any, **kwargs: Any) -> Any:
         saved = cnn.CrossEntropyLoss
-        cnn.CrossEntropyLoss = factory  # type: ignore[misc,assignment]
+        cnn.CrossEntropyLoss = factory  # type: ignore[misc]
         try:
             return original(*args, **kwargs)
         finally:
             cnn.CrossEntropyLoss = saved  # type: ignore[misc]
 
-    pipeline._make_private = patched  # type: ignore[assignment]
+    pipeline._make_private = patched
     try:
         yield
     finally:
-        pipeline._make_private = original  # type: ignore[assignment]
+        pipeline._make_private = original
 
 
 def check_padded_bound(seed: int = 0) -> float:
@@ -112,7 +113,8 @@ def check_padded_bound(seed: int = 0) -> float:
             for _ in range(10):
                 project(cnn.Sequential(conv), mode="orthogonal", max_norm=1.0, bjorck_iters=10)
         conv(x)  # records the input size the certificate uses
-        sv = torch.linalg.svdvals(jacobian(conv, x).reshape(-1, x.numel()))
+        jac = jacobian(conv, x)  # type: ignore[no-untyped-call]
+        sv = torch.linalg.svdvals(jac.reshape(-1, x.numel()))
         bound = conv.lipschitz()
         if float(sv.max()) > bound:
             raise AssertionError(f"certified {bound} below the exact norm {float(sv.max())}")
@@ -131,7 +133,7 @@ def main_variants(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     train = [a for a in args.train if a != "--"]
     print(f"padded 7x7 stage: certified / exact norm >= {check_padded_bound():.6f}")
-    models.gnp_convnet = variant_gnp(args.odd, args.mix)  # type: ignore[assignment]
+    models.gnp_convnet = variant_gnp(args.odd, args.mix)
     base = ["train", "--dataset", "fashion-mnist", "--model", "gnp"]
     if args.loss == "ce":
         return main(base + train)
