@@ -12,7 +12,8 @@ changed):
   of the positions that read padding are lost). Its certificate is the layer's own
   (:func:`clipless.norms.conv_norm` handles zero padding); :func:`check_padded_bound` compares
   it with the SVD of the explicit Jacobian at the 7x7 map the model uses.
-* ``--mix N``: N more ``1x1 Conv2d(c, c) -> GroupSort(2)`` pairs after the last stage (square
+* ``--mix N``: N more ``1x1 Conv2d(c, c) -> GroupSort(2)`` pairs after stage ``--mix-stage``
+  (0-based; default the last stage), at that stage's map and width (square
   ``K_mat``: exactly GNP after Björck).
 * ``--loss hinge:M`` / ``--loss hkr:ALPHA:M``: :class:`clipless.nn.MulticlassHingeLoss` /
   :class:`clipless.nn.HKRLoss` instead of the CLI's cross-entropy; the engine reads the loss's
@@ -44,7 +45,7 @@ from clipless.cli import main
 from clipless.constraints import project
 
 
-def variant_gnp(odd: str, mix: int) -> Any:
+def variant_gnp(odd: str, mix: int, mix_stage: int = -1) -> Any:
     """A drop-in for :func:`clipless.models.gnp_convnet` with the ``--odd`` / ``--mix`` change."""
 
     def build(
@@ -56,13 +57,15 @@ def variant_gnp(odd: str, mix: int) -> Any:
     ) -> cnn.Sequential:
         c, h, w = (int(v) for v in input_shape)
         layers: list[torch.nn.Module] = [cnn.InputNorm(float(input_norm))]
-        for out in channels:
+        at = mix_stage % len(channels)
+        for i, out in enumerate(channels):
             pad = (h % 2, w % 2) if odd == "pad" else (0, 0)
             conv = cnn.Conv2d(c, out, 2, stride=2, padding=pad, bias=False)
             layers += [conv, cnn.GroupSort(2)]
             c, h, w = out, (h + 2 * pad[0]) // 2, (w + 2 * pad[1]) // 2
-        for _ in range(mix):
-            layers += [cnn.Conv2d(c, c, 1, bias=False), cnn.GroupSort(2)]
+            if i == at:
+                for _ in range(mix):
+                    layers += [cnn.Conv2d(c, c, 1, bias=False), cnn.GroupSort(2)]
         layers += [cnn.Flatten(), cnn.Linear(c * h * w, num_classes, bias=bias)]
         return cnn.Sequential(*layers)
 
@@ -128,12 +131,13 @@ def main_variants(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--odd", choices=("crop", "pad"), default="crop")
     parser.add_argument("--mix", type=int, default=0)
+    parser.add_argument("--mix-stage", type=int, default=-1)
     parser.add_argument("--loss", default="ce")
     parser.add_argument("train", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     train = [a for a in args.train if a != "--"]
     print(f"padded 7x7 stage: certified / exact norm >= {check_padded_bound():.6f}")
-    models.gnp_convnet = variant_gnp(args.odd, args.mix)
+    models.gnp_convnet = variant_gnp(args.odd, args.mix, args.mix_stage)
     base = ["train", "--dataset", "fashion-mnist", "--model", "gnp"]
     if args.loss == "ce":
         return main(base + train)
