@@ -132,9 +132,14 @@ def _host(value: Any, device: torch.device) -> float:
 
 
 def _private_step(
-    build: Callable[[], torch.nn.Module], data: TensorDataset, device: torch.device
+    build: Callable[[], torch.nn.Module],
+    data: TensorDataset,
+    device: torch.device,
+    certify_every: int = 1,
+    steps: int = 1,
 ) -> dict[str, Any]:
-    """make_private, then one private step on ``device``: what the step produced, on the host."""
+    """make_private, then ``steps`` private steps on ``device``: what the last step produced,
+    on the host."""
     torch.manual_seed(SEED)
     plain = build().to(device)
     engine = clipless.PrivacyEngine(seed=SEED)
@@ -145,12 +150,16 @@ def _private_step(
         data_loader=DataLoader(data, batch_size=16),
         loss=loss,
         noise_multiplier=1.0,
+        options=clipless.RunOptions(certify_every=certify_every),
     )
-    x, y = next(iter(loader))
-    opt.zero_grad()
-    loss(model(x.to(device)), y.to(device)).backward()
-    clean = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    opt.step()
+    batches = iter(loader)
+    for _ in range(steps):
+        x, y = next(batches)
+        opt.zero_grad()
+        loss(model(x.to(device)), y.to(device)).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        clean = {n: g.detach().clone() for n, g in grads.items()}
+        opt.step()
     report = opt.bound_report()
     out: dict[str, Any] = {"sensitivities": {}, "clean": {}, "noisy": {}, "weights": {}}
     for name, value in report.sensitivities().items():
@@ -174,8 +183,13 @@ def _images(n: int, shape: tuple[int, ...]) -> TensorDataset:
     )
 
 
+@pytest.mark.parametrize("certify_every", [1, 3])
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
-def test_a_private_step_on_the_device_equals_the_cpu_step(kind: str, device: torch.device) -> None:
+def test_a_private_step_on_the_device_equals_the_cpu_step(
+    kind: str, certify_every: int, device: torch.device
+) -> None:
+    """One step, or four with carried bounds between exact certifications (computed on the
+    device, which keeps the bounds and the reference weights there)."""
     shape = (1, 8, 8)
     hidden = (16, 8) if kind == "mlp" else (4, 8)
 
@@ -183,8 +197,9 @@ def test_a_private_step_on_the_device_equals_the_cpu_step(kind: str, device: tor
         return models.build(models.Architecture(kind, shape, hidden, 4))
 
     data = _images(64, shape)
-    on_device = _private_step(build, data, device)
-    on_cpu = _private_step(build, data, torch.device("cpu"))
+    steps = 1 if certify_every == 1 else 4
+    on_device = _private_step(build, data, device, certify_every, steps)
+    on_cpu = _private_step(build, data, torch.device("cpu"), certify_every, steps)
     assert on_device["sensitivities"] == on_cpu["sensitivities"]
     for key in ("clean", "noisy", "weights"):
         assert on_device[key].keys() == on_cpu[key].keys()
