@@ -741,15 +741,15 @@ def _group_bounds(
     if not carried:
         ub_all = torch.stack(list(certified))
         return ub_all, torch.zeros_like(ub_all)
-    diffs, refs = [], []
+    pairs, refs = [], []
     for i in carried:
         state = _state_for(layers[i])
         assert state.reference is not None and state.device_bound is not None
-        diffs.append(layers[i].weight.detach().double() - state.reference.double())
+        pairs.append((layers[i].weight.detach(), state.reference))
         refs.append(state.device_bound)
     # rows picked by views: an index tensor would be a copy to the device (a sync there)
     m = ms if len(carried) == len(layers) else torch.stack([ms[i] for i in carried])
-    gap = _diff_fro_upper(diffs, layers[0].weight.dtype) * m
+    gap = _diff_fro_upper(pairs) * m
     ub = (torch.stack(refs) + gap) * (1.0 + NUMERIC_MARGIN)
     gaps = dict(zip(carried, gap.unbind(), strict=True))
     ubs = dict(zip(carried, ub.unbind(), strict=True))
@@ -759,18 +759,19 @@ def _group_bounds(
     return torch.stack(ub_list), torch.stack(gap_list)
 
 
-def _diff_fro_upper(diffs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Certified ``||W - W_ref||_F`` of each float64 difference, as one vector.
+def _diff_fro_upper(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Certified ``||W - W_ref||_F`` of each ``(W, W_ref)``, as one vector; each float64
+    difference is reduced before the next is formed (one at a time at the memory peak).
 
     Two values of a dtype no wider than float32 are multiples of ``2^-149`` below ``2^128``:
     their float64 difference is 0 or at least ``2^-149`` and below ``2^129`` in magnitude, so
     its square neither underflows nor overflows, and the float64 norm has only the ``(n + 4) u``
     error of :func:`_fro_upper` (which also covers the difference's one rounding per entry).
     Float64 weights take :func:`_fro_upper_t`, which scales first."""
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return torch.stack([_fro_upper_t(d) for d in diffs])
-    value = torch.stack([torch.linalg.vector_norm(d) for d in diffs])
-    n = max(d.numel() for d in diffs)
+    if pairs[0][0].dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.stack([_fro_upper_t(w.double() - r.double()) for w, r in pairs])
+    value = torch.stack([torch.linalg.vector_norm(w.double() - r.double()) for w, r in pairs])
+    n = max(w.numel() for w, _ in pairs)
     value = value * ((1.0 + (n + 4) * _EPS64) * _ROUND_UP_T)
     return torch.where(torch.isfinite(value), value, torch.full_like(value, math.inf))
 
