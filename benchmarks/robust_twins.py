@@ -28,7 +28,8 @@ Pairs (``--pair``), each side in the setting its own harness chose (no new tunin
   T = 1/8, batch 2048), the same number of epochs (default 5).
 * ``mnist-10k gnp``: the same pair on MNIST's 10k subset (the registry's stratified 80/20 split:
   8,000 train, 2,000 test images), each side at the CLI's defaults for that dataset (``InputNorm``
-  radius 7, expected batch 500 = n / 16), default 15 epochs.
+  radius 7, expected batch 500 = n / 16), default 15 epochs. Its test set is ordered by digit
+  (the first 1,000 images are digits 0-4 only), so attack all of it: ``--pgd-samples 2000``.
 
 Both image pairs read train and test sets through :func:`clipless.data.load_dataset`; the Opacus
 side uses the CLI's default delta 1e-5, its batch :func:`clipless.spec.default_batch_size` and its
@@ -44,7 +45,7 @@ Usage (``benchmarks/RESULTS.md`` sections 40 and 48)::
     CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
         --dataset fashion-mnist --pair gnp --seeds 1,2,3 --epochs 5 --pgd-samples 1000
     CLIPLESS_DATA=/tmp/mn PYTHONPATH=src python benchmarks/robust_twins.py \\
-        --dataset mnist-10k --pair gnp --seeds 1,2,3 --epochs 15 --pgd-samples 1000
+        --dataset mnist-10k --pair gnp --seeds 1,2,3 --epochs 15 --pgd-samples 2000
 """
 
 from __future__ import annotations
