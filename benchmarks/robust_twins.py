@@ -25,17 +25,27 @@ Pairs (``--pair``), each side in the setting its own harness chose (no new tunin
   plain twin of the same architecture (:func:`clipless.nn.vanilla_export`: the same ball
   projection, GroupSort and 2x2 stride-2 convolutions without the constraint) trained by
   :func:`benchmarks.fashion_mnist.train_opacus` (ghost clipping, SGD lr 4, clip 1, logits / T with
-  T = 1/8, batch 2048), the same number of epochs.
+  T = 1/8, batch 2048), the same number of epochs (default 5).
+* ``mnist-10k gnp``: the same pair on MNIST's 10k subset (the registry's stratified 80/20 split:
+  8,000 train, 2,000 test images), each side at the CLI's defaults for that dataset (``InputNorm``
+  radius 7, expected batch 500 = n / 16), default 15 epochs. Its test set is ordered by digit
+  (the first 1,000 images are digits 0-4 only), so attack all of it: ``--pgd-samples 2000``.
+
+Both image pairs read train and test sets through :func:`clipless.data.load_dataset`; the Opacus
+side uses the CLI's default delta 1e-5, its batch :func:`clipless.spec.default_batch_size` and its
+``InputNorm`` radius :func:`clipless.spec.default_input_norm`, as ``clipless train`` does.
 
 Radii are in the space the models read: Adult's public per-record transform (a changed category
-moves the input by sqrt(2)), Fashion-MNIST's pixels in [0, 1]. Opacus is optional: without it the
+moves the input by sqrt(2)), the images' pixels in [0, 1]. Opacus is optional: without it the
 script says so and exits.
 
-Usage (``benchmarks/RESULTS.md`` section 40)::
+Usage (``benchmarks/RESULTS.md`` sections 40 and 48)::
 
     PYTHONPATH=src python benchmarks/robust_twins.py --dataset adult --pair linear --seeds 0,1,2
     CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
         --dataset fashion-mnist --pair gnp --seeds 1,2,3 --epochs 5 --pgd-samples 1000
+    CLIPLESS_DATA=/tmp/mn PYTHONPATH=src python benchmarks/robust_twins.py \\
+        --dataset mnist-10k --pair gnp --seeds 1,2,3 --epochs 15 --pgd-samples 2000
 """
 
 from __future__ import annotations
@@ -63,8 +73,9 @@ from clipless import models
 from clipless.cli import load_trained_model
 from clipless.data import load_dataset
 from clipless.robustness import certified_accuracy, empirical_accuracy
+from clipless.spec import default_batch_size, default_input_norm
 
-RADII = {"adult": [0.1, 0.25, 0.5, 1.0], "fashion-mnist": [0.1, 0.25, 0.5, 1.0]}
+RADII = [0.1, 0.25, 0.5, 1.0]
 
 # the chosen settings of benchmarks/adult.py (RESULTS.md 24a for linear; the harness defaults
 # for mlp)
@@ -78,8 +89,11 @@ ADULT_PAIRS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 # Opacus's twin of the GNP ConvNet (fashion_mnist.OPACUS_GRID's lr 4 / T 1/8, at the CLI's batch)
 OPACUS_GNP = {"lr": 4.0, "max_grad_norm": 1.0, "temperature": 1 / 8}
 GNP_WIDTHS = (4, 16)
-GNP_RADIUS = 7.0  # the CLI's public InputNorm radius on 784 pixels: sqrt(784) / 4
-GNP_BATCH = 2048  # the CLI's expected batch size on 60,000 images
+DELTA = 1e-5  # the CLI's default delta
+IMAGE_EPOCHS = {"fashion-mnist": 5, "mnist-10k": 15}  # --epochs' default per image dataset
+
+
+PAIRS = {"adult": ("linear", "mlp"), "fashion-mnist": ("gnp",), "mnist-10k": ("gnp",)}
 
 
 def _require_opacus() -> None:
@@ -138,31 +152,34 @@ def _adult(pair: str, seed: int, args: argparse.Namespace) -> list[dict[str, Any
     return rows
 
 
-def _fashion_gnp(seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    epochs = args.epochs or 5
+def _image_gnp(dataset: str, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``clipless train --model gnp --hidden 4,16`` against its plain Opacus twin on ``dataset``
+    (the registry's train / test split), both at the CLI's defaults for that dataset."""
+    epochs = args.epochs or IMAGE_EPOCHS[dataset]
     rows = []
-    _, test, _ = load_dataset("fashion-mnist", download=False)
+    train, test, info = load_dataset(dataset, download=False)
     start = time.perf_counter()
     robustness.HIDDEN["gnp"] = ",".join(str(w) for w in GNP_WIDTHS)
     with tempfile.TemporaryDirectory() as tmp:
-        robustness._train(Path(tmp), "fashion-mnist", "gnp", args.epsilon, seed, epochs)
+        robustness._train(Path(tmp), dataset, "gnp", args.epsilon, seed, epochs)
         spent = json.loads((Path(tmp) / "metrics.json").read_text())["epsilon"]
         model = load_trained_model(Path(tmp) / "model.pt")
     row = _measure(model, test, args.radii, args.pgd_samples, certify=True)
     rows.append({"side": "clipless", "seed": seed, "epsilon": spent, **row})
     rows[-1]["time_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    train, _, _ = fashion_mnist.load_data(0)
     torch.manual_seed(seed)
-    initial = models.gnp_convnet((1, 28, 28), GNP_WIDTHS, 10, input_norm=GNP_RADIUS)
+    radius = default_input_norm(dataset, info.input_shape)
+    initial = models.gnp_convnet(info.input_shape, GNP_WIDTHS, info.num_classes, input_norm=radius)
+    batch = default_batch_size(len(train))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        twin, info = fashion_mnist.train_opacus(
-            "gnp", train, args.epsilon, 1e-5, epochs, GNP_BATCH, seed, initial=initial, **OPACUS_GNP
+        twin, info_opacus = fashion_mnist.train_opacus(
+            "gnp", train, args.epsilon, DELTA, epochs, batch, seed, initial=initial, **OPACUS_GNP
         )
     twin = _plain(twin)
     row = _measure(twin, test, args.radii, args.pgd_samples, certify=False)
-    rows.append({"side": "opacus", "seed": seed, "epsilon": info["epsilon_spent"], **row})
+    rows.append({"side": "opacus", "seed": seed, "epsilon": info_opacus["epsilon_spent"], **row})
     rows[-1]["time_s"] = time.perf_counter() - start
     return rows
 
@@ -195,8 +212,8 @@ def _table(rows: list[dict[str, Any]], radii: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dataset", choices=("adult", "fashion-mnist"), default="adult")
-    parser.add_argument("--pair", default=None, help="adult: linear | mlp; fashion-mnist: gnp")
+    parser.add_argument("--dataset", choices=tuple(PAIRS), default="adult")
+    parser.add_argument("--pair", default=None, help="adult: linear | mlp; else gnp")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--epochs", type=int, default=None, help="default: each harness's")
     parser.add_argument(
@@ -205,18 +222,21 @@ def main() -> None:
     parser.add_argument("--pgd-samples", type=int, default=1000)
     parser.add_argument("--radii", default=None, help="comma-separated L2 radii")
     args = parser.parse_args()
-    pairs = {"adult": ("linear", "mlp"), "fashion-mnist": ("gnp",)}[args.dataset]
+    pairs = PAIRS[args.dataset]
     args.pair = args.pair or pairs[0]
     if args.pair not in pairs:
         raise SystemExit(f"--pair must be one of {pairs} for {args.dataset}; got {args.pair!r}")
-    args.radii = [float(r) for r in args.radii.split(",")] if args.radii else RADII[args.dataset]
+    args.radii = [float(r) for r in args.radii.split(",")] if args.radii else RADII
     if args.epsilon is None and args.dataset != "adult":
         args.epsilon = 3.0
     _require_opacus()
     torch.set_num_threads(1)
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        new = _adult(args.pair, seed, args) if args.dataset == "adult" else _fashion_gnp(seed, args)
+        if args.dataset == "adult":
+            new = _adult(args.pair, seed, args)
+        else:
+            new = _image_gnp(args.dataset, seed, args)
         for row in new:
             print(json.dumps(row), flush=True)
         rows += new
