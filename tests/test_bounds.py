@@ -51,6 +51,7 @@ def test_layering_is_one_way() -> None:
         ("_certified.py", {"clipless.norms", *below_nn}),
         ("_workspace.py", {"clipless"}),  # torch only: norms, constraints and optim use it
         ("_autograd.py", {"clipless"}),  # torch only: nn's kernels and the optimizer use it
+        ("_deferred.py", {"clipless"}),  # torch only: the losses and the guard use it
         ("_validate.py", {"clipless"}),  # standard library only: every layer validates with it
         *((path, below_nn) for path in norms_files),
     ):

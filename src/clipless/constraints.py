@@ -109,7 +109,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -159,6 +159,8 @@ class ProjectionState:
             call, from the values its one read brought back): certify exactly at the next one.
         device_bound: the accelerator path's ``upper_bound`` as a 0-dim tensor on the weight's
             device, where the next carried bound is computed (no copy to the device per call).
+        pending: the verdict of the last projection while it is still on the device (a private
+            step's projection; the fields above describe the call before it until it is read).
     """
 
     key: tuple[object, ...]
@@ -173,6 +175,7 @@ class ProjectionState:
     carried_waste: float = 1.0
     recertify: bool = False
     device_bound: torch.Tensor | None = None
+    pending: _Seal | None = None
 
 
 def projection_state(layer: torch.nn.Module) -> ProjectionState | None:
@@ -663,12 +666,24 @@ def _rescale_constants(layers: list[_Layer]) -> torch.Tensor:
 
 
 def _project_on_device(
-    layers: list[tuple[str, _Layer]], mode: str, max_norm: float, schedule: _Schedule
-) -> dict[str, float]:
+    layers: list[tuple[str, _Layer]],
+    mode: str,
+    max_norm: float,
+    schedule: _Schedule,
+    defer: bool = False,
+) -> dict[str, float] | None:
     """:func:`project` computed on the weights' device (the accelerator path of
     :func:`clipless.norms.matrix_products_only`): the layers of each device and dtype are
     certified (exactly or by their carried bounds) and rescaled as vectors, and the bounds leave
-    the device in one transfer per device."""
+    the device in one transfer per device.
+
+    ``defer`` (the private step's projection): when every layer is on one device and none
+    shares its weight, nothing is read; each layer is seeded with the provisional bound
+    ``max_norm`` under a :class:`_Seal` (returns None). A verified rescale leaves a certified
+    bound ``<= max_norm`` in every mode (:func:`_rescale_t`), so the provisional bound holds
+    exactly when the seal's verdict is good, and the next private step reads that verdict with
+    its checks, before its noise."""
+    _settle_pending(layer for _, layer in layers)
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, _Layer]]] = {}
     for path, layer in layers:
         state = _state_for(layer)
@@ -695,15 +710,74 @@ def _project_on_device(
         _keep_references(members, bound, carry)
         results.append(torch.stack((ub, bound, scale, verified.to(torch.float64), gap)).T)
         exact += due
+    ordered = [entry for group in groups.values() for entry in group]
+    if defer and len({key[0] for key in groups}) == 1 and max(uses.values()) == 1:
+        seal = _Seal(torch.cat(results), ordered, exact, mode, max_norm, schedule)
+        for _, layer in ordered:
+            _state_for(layer).pending = seal
+            layer.seed_bound(max_norm, seal=seal)
+        return None
     values = _read(results)
     out: dict[str, float] = {}
     rows = [row for block in values for row in block]
-    ordered = [entry for group in groups.values() for entry in group]
     for (path, layer), row, certified in zip(ordered, rows, exact, strict=True):
         shared = uses[id(layer.weight)] > 1
         outcome = _Outcome(row[0], row[1], row[2], row[3] > 0, row[4], certified, shared)
         out[path] = _settle(path, layer, outcome, mode, max_norm, schedule)
     return {path: out[path] for path, _ in layers}
+
+
+class _Seal:
+    """The verdict of a deferred device projection (:func:`_project_on_device` with ``defer``):
+    its rows stay on the device until the private step's read, or the first other use of a
+    provisional bound, brings them back (:class:`clipless.nn._base.BoundSeal`)."""
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        ordered: list[tuple[str, _Layer]],
+        exact: list[bool],
+        mode: str,
+        max_norm: float,
+        schedule: _Schedule,
+    ) -> None:
+        self.values = values
+        self.done = False
+        self._layers = ordered
+        self._exact = exact
+        self._mode, self._max_norm, self._schedule = mode, max_norm, schedule
+
+    def settle(self, rows: list[list[float]] | None = None) -> None:
+        """Judge every layer's row as :func:`_project_on_device` does after its read, and
+        replace each provisional bound by the certified one (or drop them all and raise the
+        first layer's error)."""
+        if self.done:
+            return
+        self.done = True
+        values = self.values.tolist() if rows is None else rows
+        settled: dict[int, float | None] = {}
+        try:
+            for (path, layer), row, exact in zip(self._layers, values, self._exact, strict=True):
+                outcome = _Outcome(row[0], row[1], row[2], row[3] > 0, row[4], exact, False)
+                if outcome.verified and not outcome.bound <= self._max_norm:  # pragma: no cover
+                    raise AssertionError(f"layer {path!r}: a verified rescale above max_norm")
+                settled[id(layer)] = _settle(
+                    path, layer, outcome, self._mode, self._max_norm, self._schedule, seed=False
+                )
+        finally:
+            for _, layer in self._layers:
+                _state_for(layer).pending = None
+                layer.settle_seal(self, settled.get(id(layer)))
+        self.values = self.values[:0]  # the rows are no longer needed on the device
+
+
+def _settle_pending(layers: Iterable[_Layer]) -> None:
+    """Settle the seals the layers' last deferred projections left (one read each; none after
+    a private step, whose read settled them)."""
+    for layer in layers:
+        state = projection_state(layer)
+        if state is not None and state.pending is not None:
+            state.pending.settle()
 
 
 @dataclass(frozen=True)
@@ -820,7 +894,13 @@ def _read(blocks: list[torch.Tensor]) -> list[list[list[float]]]:
 
 
 def _settle(
-    path: str, layer: _Layer, row: _Outcome, mode: str, max_norm: float, schedule: _Schedule
+    path: str,
+    layer: _Layer,
+    row: _Outcome,
+    mode: str,
+    max_norm: float,
+    schedule: _Schedule,
+    seed: bool = True,
 ) -> float:
     """Record one layer's device projection on the host (or raise what :func:`_project_layer`
     raises: a non-finite weight, a rescale beyond the dtype), and judge a carried call as
@@ -859,7 +939,7 @@ def _settle(
         # ``bound`` certifies the weight after this layer's rescale, not after the other
         # layers' ones (``"fix"`` may scale up): the caller certifies the stored weight
         layer.forget_bound()
-    else:
+    elif seed:
         layer.seed_bound(row.bound)
     return row.bound
 
@@ -914,22 +994,37 @@ def project(
     """
     c = _check_args(mode, max_norm, certify_every, tolerance, bjorck_iters)
     cnn.validate(model)
-    out: dict[str, float] = {}
+    out = _project(model, mode, c, _Schedule(certify_every, float(tolerance), bjorck_iters))
+    assert out is not None
+    return out
+
+
+def project_in_step(model: torch.nn.Module, mode: str, max_norm: float, certify_every: int) -> None:
+    """:func:`project` as the private step runs it (arguments checked when it was configured):
+    on an accelerator its verdict stays on the device, sealed, until the next step's one read
+    (:func:`_project_on_device` with ``defer``)."""
+    _project(model, mode, max_norm, _Schedule(certify_every, 0.01, 3), defer=True)
+
+
+def _project(
+    model: torch.nn.Module, mode: str, c: float, schedule: _Schedule, defer: bool = False
+) -> dict[str, float] | None:
+    """The projection of :func:`project` (arguments checked); None when its verdict is sealed."""
     layers = _parametric_layers(model)
-    on_device = all(norms.matrix_products_only(m.weight) for _, m in layers)
     with torch.no_grad():
-        if on_device:
-            schedule = _Schedule(certify_every, float(tolerance), bjorck_iters)
-            out = _project_on_device(layers, mode, c, schedule)
-        for path, layer in [] if on_device else layers:
-            out[path] = _project_layer(
-                path, layer, mode, c, certify_every, float(tolerance), bjorck_iters
-            )
+        if all(norms.matrix_products_only(m.weight) for _, m in layers):
+            out = _project_on_device(layers, mode, c, schedule, defer)
+            if out is None:
+                return None
+        else:
+            every, tolerance, iters = schedule.every, schedule.tolerance, schedule.bjorck_iters
+            out = {
+                path: _project_layer(path, layer, mode, c, every, tolerance, iters)
+                for path, layer in layers
+            }
         # A weight shared by several layers was projected once per layer: the values of the
         # earlier layers are stale (their certified lipschitz() is not: it checks the weight).
-        owners: dict[int, int] = {}
-        for _, layer in layers:
-            owners[id(layer.weight)] = owners.get(id(layer.weight), 0) + 1
+        owners = collections.Counter(id(layer.weight) for _, layer in layers)
         for path, layer in layers:
             if owners[id(layer.weight)] > 1:
                 out[path] = float(layer.lipschitz())

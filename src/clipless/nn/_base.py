@@ -18,8 +18,10 @@ every input; estimates (power iteration) never qualify.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import Protocol
 
 import torch
 
@@ -104,7 +106,7 @@ class ParametricLipschitzModule(LipschitzModule):
         """The public geometry the default :meth:`lipschitz` certifies for (None for dense)."""
         return None
 
-    def seed_bound(self, value: float) -> None:
+    def seed_bound(self, value: float, *, seal: BoundSeal | None = None) -> None:
         """Record ``value`` as a certified bound of :meth:`lipschitz` at the *current* weight.
 
         For callers that certified the current weight themselves (the projections of
@@ -112,11 +114,30 @@ class ParametricLipschitzModule(LipschitzModule):
         that the next :meth:`lipschitz` call need not recompute it. Only an upper bound obtained
         by a certified argument may be recorded here: the value is trusted as long as the weight
         stays bitwise equal.
+
+        ``seal``: ``value`` holds only if a verdict still on the device says so (a projection on
+        an accelerator rescaled the weight to at most ``value`` and has not read its outcome
+        yet). The private step's plan takes it with the step's one host read
+        (:func:`deferred_weight_checks`); every other use settles the seal first (one read),
+        which replaces ``value`` by the exact certified bound or raises the projection's error.
         """
         param = getattr(self, "weight")  # noqa: B009
         self.__dict__.pop("_bound_cache", None)  # freed before the copy: no second copy at once
-        self.__dict__["_bound_cache"] = (param.detach().clone(), self._bound_key(), float(value))
+        copy = param.detach().clone()
+        self.__dict__["_bound_cache"] = (copy, self._bound_key(), float(value), seal)
         self.__dict__["_bound_stamp"] = _stamp(param)
+
+    def settle_seal(self, seal: BoundSeal, value: float | None) -> None:
+        """``seal``'s verdict came back: ``value`` (a certified bound of the weight the seal was
+        seeded for, at most the provisional one) replaces the provisional bound; ``None`` (the
+        projection failed) drops it. A cache no longer holding ``seal`` is left as it is."""
+        cached = self.__dict__.get("_bound_cache")
+        if cached is None or cached[3] is not seal:
+            return
+        if value is None:
+            self.forget_bound()
+            return
+        self.__dict__["_bound_cache"] = (cached[0], cached[1], float(value), None)
 
     def forget_bound(self) -> None:
         """Drop the memoised bound: the next :meth:`lipschitz` certifies the weight again."""
@@ -148,7 +169,12 @@ class ParametricLipschitzModule(LipschitzModule):
         weight = getattr(self, "weight")  # noqa: B009
         if cached is None or not isinstance(weight, torch.Tensor):
             return None
-        w_ref, key, value = cached
+        if cached[3] is not None:
+            cached[3].settle()
+            cached = self.__dict__.get("_bound_cache")
+            if cached is None:  # pragma: no cover - a failed seal raises in settle()
+                return None
+        w_ref, key, value, _ = cached
         w = weight.detach()
         if key != self._bound_key() or not same_bits(w_ref, w):
             return None
@@ -185,19 +211,24 @@ class ParametricLipschitzModule(LipschitzModule):
         weight = param.detach()
         cached = self.__dict__.get("_bound_cache")
         if cached is not None:
-            w_ref, key_ref, value = cached
+            w_ref, key_ref, value, seal = cached
             checks = _DEFERRED[-1] if _DEFERRED else None
             if key_ref == key and checks is not None and self._stamped(param):
                 host = not matrix_products_only(weight)
-                checks.append((self, same_bits_tensor(w_ref, weight, numpy_on_cpu=host)))
+                checks.flags.append((self, same_bits_tensor(w_ref, weight, numpy_on_cpu=host)))
+                if seal is not None and seal not in checks.seals:
+                    checks.seals.append(seal)
                 return float(value)
+            if seal is not None:
+                seal.settle()  # one read: the exact bound, or the projection's error
+                return self._cached_bound(key, compute)
             if key_ref == key and same_bits(w_ref, weight):
                 return float(value)
         value = float(compute())
         if self.__dict__.get("_unmemoised"):
             return value  # the caller records the bound of the weight it keeps (seed_bound)
         self.__dict__.pop("_bound_cache", None)  # freed before the copy: no second copy at once
-        self.__dict__["_bound_cache"] = (weight.clone(), key, value)
+        self.__dict__["_bound_cache"] = (weight.clone(), key, value, None)
         self.__dict__["_bound_stamp"] = _stamp(param)
         return value
 
@@ -238,22 +269,43 @@ def _stamp_key(param: torch.Tensor) -> tuple[int, int, int]:
     return (param.data_ptr(), int(param.storage_offset()), param._version)
 
 
-# the lists of (layer, bitwise-equal flag) that deferred_weight_checks() collects
-_DEFERRED: list[list[tuple[ParametricLipschitzModule, torch.Tensor]]] = []
+class BoundSeal(Protocol):
+    """The verdict of a projection still on the device (:meth:`ParametricLipschitzModule.
+    seed_bound`): ``values`` is what its one read brings back; ``settle(rows)`` records it
+    (reading ``values`` itself when ``rows`` is None), raising the projection's error if the
+    weight it rescaled is not certified within the provisional bound. Idempotent."""
+
+    done: bool
+    values: torch.Tensor
+
+    def settle(self, rows: list[list[float]] | None = None) -> None: ...
+
+
+@dataclasses.dataclass
+class DeferredChecks:
+    """What :func:`deferred_weight_checks` collects: ``(layer, bitwise-equal flag)`` pairs and
+    the seals of the provisional bounds the plan took."""
+
+    flags: list[tuple[ParametricLipschitzModule, torch.Tensor]]
+    seals: list[BoundSeal]
+
+
+_DEFERRED: list[DeferredChecks] = []
 
 
 @contextlib.contextmanager
-def deferred_weight_checks() -> Iterator[list[tuple[ParametricLipschitzModule, torch.Tensor]]]:
+def deferred_weight_checks() -> Iterator[DeferredChecks]:
     """Inside, a memoised bound whose weight autograd has seen unchanged is returned at once, and
-    the bitwise comparison that proves it still valid is appended to the yielded list as a
-    0-dim boolean tensor computed on the weight's device, without a host read.
+    the bitwise comparison that proves it still valid is appended to ``flags`` as a 0-dim
+    boolean tensor computed on the weight's device, without a host read; a provisional bound
+    (sealed) is returned too, and its seal appended to ``seals``.
 
     For :class:`clipless.optim.DPOptimizer`, which plans a step from these bounds and reads every
-    such flag, with its other checks, in one transfer before anything is released; a false flag
-    (a weight changed through ``.data`` or a NumPy view) refuses the step. A weight whose
-    version counter moved is compared at once, as outside this context.
+    flag and seal, with its other checks, in one transfer before anything is released; a false
+    flag (a weight changed through ``.data`` or a NumPy view) or a failed seal refuses the step.
+    A weight whose version counter moved is compared at once, as outside this context.
     """
-    checks: list[tuple[ParametricLipschitzModule, torch.Tensor]] = []
+    checks = DeferredChecks([], [])
     _DEFERRED.append(checks)
     try:
         yield checks

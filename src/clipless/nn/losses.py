@@ -31,7 +31,7 @@ from fractions import Fraction
 import torch
 import torch.nn.functional as F
 
-from clipless import _certified
+from clipless import _certified, _deferred
 from clipless.nn import _checks
 
 __all__ = [
@@ -74,9 +74,10 @@ def _checkable(target: torch.Tensor) -> bool:
     return not torch._C._functorch.is_functorch_wrapped_tensor(target)
 
 
-def _check_finite(target: torch.Tensor) -> None:
-    if target.dtype.is_floating_point and _checkable(target) and not bool(target.isfinite().all()):
-        raise ValueError("target must be finite (no NaN or infinity)")
+def _check_finite(input: torch.Tensor, target: torch.Tensor) -> None:
+    if target.dtype.is_floating_point and _checkable(target):
+        ok = target.isfinite().all()
+        _deferred.check(input, ok, "target must be finite (no NaN or infinity)")
 
 
 def _sum_per_sample(losses: torch.Tensor) -> torch.Tensor:
@@ -129,11 +130,11 @@ def _signed_labels(input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             f"target must hold one binary label per sample ({input.shape[0]}), got "
             f"{tuple(target.shape)}"
         )
-    valid = (target == 1) | (target == 0) | (target == -1)
-    if _checkable(target) and (
-        not bool(valid.all()) or (bool((target == 0).any()) and bool((target == -1).any()))
-    ):
-        raise ValueError("binary target must hold labels in {0, 1} or in {-1, 1}")
+    if _checkable(target):
+        valid = (target == 1) | (target == 0) | (target == -1)
+        mixed = (target == 0).any() & (target == -1).any()
+        message = "binary target must hold labels in {0, 1} or in {-1, 1}"
+        _deferred.check(input, valid.all() & ~mixed, message)
     one = torch.ones((), dtype=input.dtype, device=input.device)
     return torch.where(target > 0, one, -one)
 
@@ -148,11 +149,13 @@ def _class_indices(input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             f"{tuple(target.shape)} ({target.dtype})"
         )
     num_classes = input.shape[1]
-    if _checkable(target):
-        low, high = torch.stack(torch.aminmax(target)).tolist()  # one host read
-        if low < 0 or high >= num_classes:
-            raise ValueError(f"target class indices must lie in [0, {num_classes})")
-    return target.long()
+    if not _checkable(target):
+        return target.long()
+    # clamped, so that a bad index cannot fault a device kernel before the check is read
+    clamped = target.long().clamp(0, num_classes - 1)
+    in_range = torch.eq(clamped, target).all()
+    _deferred.check(input, in_range, f"target class indices must lie in [0, {num_classes})")
+    return clamped
 
 
 def _hinge_per_sample(input: torch.Tensor, target: torch.Tensor, margin: float) -> torch.Tensor:
@@ -361,7 +364,7 @@ class L1Loss(LipschitzLoss):
     def per_sample(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         _batch_of(input)
         _check_same_shape(input, target)
-        _check_finite(target)
+        _check_finite(input, target)
         return _sum_per_sample((input - target).abs())
 
     def lipschitz(self, num_logits: int = 1) -> float:
@@ -384,7 +387,7 @@ class HuberLoss(LipschitzLoss):
     def per_sample(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         _batch_of(input)
         _check_same_shape(input, target)
-        _check_finite(target)
+        _check_finite(input, target)
         losses = F.huber_loss(input, target.to(input.dtype), reduction="none", delta=self.delta)
         return _sum_per_sample(losses)
 

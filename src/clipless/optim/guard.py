@@ -74,19 +74,20 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.modules.module as _module_hooks
 
-from clipless import _autograd, _shards, _workspace
+from clipless import _autograd, _deferred, _shards, _workspace
 from clipless._bits import same_bits_tensor
 from clipless._errors import PrivacyContractError
 from clipless._hooks import _GradHook, _Hook
 from clipless._modes import foreign_mode
 from clipless.mechanism import NoisePlan, PrivacyConfig
 from clipless.nn import ParametricLipschitzModule
-from clipless.nn._base import deferred_weight_checks
+from clipless.nn._base import BoundSeal, deferred_weight_checks
 from clipless.nn._functional import _wrapped
 from clipless.nn.input import releases_in
 from clipless.nn.validate import _HOOK_KINDS, foreign_hooks
@@ -316,6 +317,13 @@ class ContractGuard:
         # about: a parameter's name, or a layer whose memoised bound a false flag makes stale);
         # messages are formatted only for a false flag (this runs every step)
         self._checks: list[tuple[torch.Tensor, str, list[str | ParametricLipschitzModule]]] = []
+        # the seals of provisional bounds the plans took (a projection's verdict still on the
+        # device), settled from the same read, before the checks are judged
+        self._seals: list[BoundSeal] = []
+        # the latest guarded training output: a loss's check of its targets is read with the
+        # checks above (clipless._deferred)
+        self._last_output: weakref.ref[torch.Tensor] | None = None
+        _deferred.listen(self)
         self._warnings: list[tuple[torch.Tensor, float, int]] = []
         #: ``False`` (default): a loss that looks mean-reduced before the first step is an error
         #: (it would train at chance); ``True``: a warning (``make_private``'s argument).
@@ -478,14 +486,15 @@ class ContractGuard:
         self._check_shard(x)
         with deferred_weight_checks() as memos:
             plan = self.current_plan(k)
-        if memos:
+        if memos.flags:
             self._checks.append(
                 (
-                    torch.stack([flag for _, flag in memos]),
+                    torch.stack([flag for _, flag in memos.flags]),
                     _STALE_BOUND,
-                    [layer for layer, _ in memos],
+                    [layer for layer, _ in memos.flags],
                 )
             )
+        self._seals += [seal for seal in memos.seals if seal not in self._seals]
         self._apply(plan)
         params = tuple(self._watched)
         self._stack[-1] = _Pass(
@@ -681,7 +690,19 @@ class ContractGuard:
         # an eval-mode forward with gradients enabled is marked "eval": its output taints
         mark = _Unguarded(self, _EVAL_BACKWARD) if isinstance(record, str) else record
         marked: torch.Tensor = _autograd.apply(_OutputMark, output, mark)
+        if isinstance(record, _Pass):
+            self._last_output = weakref.ref(marked)
         return marked
+
+    def take_check(self, output: torch.Tensor, ok: torch.Tensor, message: str) -> bool:
+        """:mod:`clipless._deferred`: on an accelerator, a loss's check of the targets of this
+        model's latest guarded training output is read with the step's checks (a false one
+        refuses the step with the loss's ``ValueError``)."""
+        last = self._last_output() if self._last_output is not None else None
+        if last is None or output is not last or not matrix_products_only(ok):
+            return False
+        self._checks.append((ok.reshape(1), message, [_TARGETS]))
+        return True
 
     def _after_layer_forward(
         self, layer: torch.nn.Module, args: tuple[Any, ...], output: Any
@@ -837,25 +858,37 @@ class ContractGuard:
         A layer whose memoised bound proved stale forgets it (the next forward recertifies)."""
         checks, self._checks = self._checks, []
         warnings_, self._warnings = self._warnings, []
-        tensors = [flags.reshape(-1) for flags, _, _ in checks]
+        seals = [seal for seal in self._seals if not seal.done]
+        self._seals = []
+        tensors = [seal.values.reshape(-1) for seal in seals]
+        tensors += [flags.reshape(-1) for flags, _, _ in checks]
         tensors += [largest.reshape(1) for largest, _, _ in warnings_]
         if not tensors:
             return
         device = tensors[0].device
-        # one concatenation (it promotes the flags to the warnings' float dtype), one conversion
+        # one concatenation (it promotes the flags to the float64 values), one conversion
         joined = torch.cat([t if t.device == device else t.to(device) for t in tensors])
         values = joined.to(torch.float64).tolist()
-        flat = iter(values)
-        failures = []
+        start = 0
+        for seal in seals:  # a failed projection raises its own error (the step is refused)
+            rows, width = seal.values.shape
+            part = values[start : start + rows * width]
+            seal.settle([part[i * width : (i + 1) * width] for i in range(rows)])
+            start += rows * width
+        flat = iter(values[start:])
+        failures: list[Exception] = []
         for flags, template, subjects in checks:
             for subject in subjects[: flags.numel()]:
                 if next(flat) != 0.0:
                     continue
-                if isinstance(subject, str):
-                    failures.append(template.format(subject))
-                    continue
-                subject.forget_bound()  # the next forward certifies the weight again
-                failures.append(template.format(self._layer_name(subject)))
+                if subject is _TARGETS:
+                    failures.append(ValueError(template))
+                elif isinstance(subject, str):
+                    failures.append(PrivacyContractError(template.format(subject)))
+                else:
+                    subject.forget_bound()  # the next forward certifies the weight again
+                    name = self._layer_name(subject)
+                    failures.append(PrivacyContractError(template.format(name)))
         for _, bound, rows in warnings_:
             message = _mean_warning(next(flat), bound, rows)
             if message is None or self._mean_warning_given:
@@ -863,14 +896,16 @@ class ContractGuard:
             # before the first step only a mean-reduced loss gets there: it would train at chance
             if self.ledger.steps == 0 and not self.allow_mean_reduced_loss:
                 failures.append(
-                    message + "; make_private(..., options=RunOptions("
-                    "allow_mean_reduced_loss=True)) makes this a warning"
+                    PrivacyContractError(
+                        message + "; make_private(..., options=RunOptions("
+                        "allow_mean_reduced_loss=True)) makes this a warning"
+                    )
                 )
                 continue
             self._mean_warning_given = True  # a converged model's gradients can be that small
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         if failures:
-            raise PrivacyContractError(failures[0])
+            raise failures[0]
 
     def _layer_name(self, layer: ParametricLipschitzModule) -> str:
         for name, module in self.module.named_modules():
@@ -896,6 +931,7 @@ class ContractGuard:
         self._incoming = {}
         self._refusal = {}
         self._checks, self._warnings = [], []
+        self._seals = []
 
     def _plan_for_step(self) -> NoisePlan:
         """The plan of the one private gradient the step releases (or refuse it)."""
@@ -938,6 +974,8 @@ class ContractGuard:
         self._checks, self._warnings = [], []  # of forwards never backpropagated
         return self.current_plan(self._multiplicity)  # no gradient: an empty batch
 
+
+_TARGETS = "<the loss's targets>"  # the subject of a check taken from a loss (take_check)
 
 _STALE_BOUND = (
     "the weight of layer {!r} was changed without autograd seeing it (a write through .data or "

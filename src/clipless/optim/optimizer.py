@@ -353,11 +353,8 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
     def _project(self) -> None:
         """The weight constraint (post-processing of released weights)."""
         if self.config.constraint is not None:
-            constraints.project(
-                self.module,
-                mode=self.config.constraint,  # type: ignore[arg-type]
-                max_norm=self.config.max_norm,
-                certify_every=self.certify_every,
+            constraints.project_in_step(
+                self.module, self.config.constraint, self.config.max_norm, self.certify_every
             )
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
