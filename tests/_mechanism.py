@@ -24,3 +24,34 @@ def split_options(kw: dict[str, Any]) -> dict[str, Any]:
     if run:
         out["options"] = RunOptions(**run)
     return out
+
+
+def private_on_batches(
+    model: Any,
+    x: Any,
+    y: Any,
+    loss: Any,
+    constraint: str = "clip",
+    certify_every: int = 1,
+    batch_size: int = 16,
+) -> tuple[Any, Any]:
+    """``(model, optimizer)`` made private (seed 0, SGD lr 0.1, noise multiplier 1, ``constraint``
+    with ``max_norm`` 1) over the dataset ``(x, y)``; the optimizer's loader is detached, so
+    the test steps on batches of its choice."""
+    import torch
+
+    import clipless
+
+    m, o, _ = clipless.PrivacyEngine(seed=0).make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, y), batch_size=batch_size
+        ),
+        loss=loss,
+        noise_multiplier=1.0,
+        mechanism=MechanismSpec(constraint=constraint),
+        options=RunOptions(certify_every=certify_every),
+    )
+    o.data_loader = None
+    return m, o

@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-import clipless
 from _exact import dense_exact
+from _mechanism import private_on_batches
 from clipless import models, norms
 from clipless import nn as cnn
 from clipless.constraints import projection_state
-from clipless.engine import MechanismSpec
 
 
 @pytest.fixture
@@ -35,17 +34,7 @@ def _private(
     model = models.mlp((1, 6, 6), (16,), 1 if binary else 10, input_norm=1.0, bias=False)
     x = torch.rand(32, 1, 6, 6, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 2 if binary else 10, (32,), generator=torch.Generator().manual_seed(1))
-    m, o, _ = clipless.PrivacyEngine(seed=0).make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(x, y), batch_size=16
-        ),
-        loss=loss,
-        noise_multiplier=1.0,
-        mechanism=MechanismSpec(constraint=constraint),
-    )
-    o.data_loader = None
+    m, o = private_on_batches(model, x, y, loss, constraint)
     return m, o, x[:16], y[:16]
 
 

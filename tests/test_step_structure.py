@@ -17,9 +17,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import clipless
+from _mechanism import private_on_batches
 from clipless import models, norms
 from clipless import nn as cnn
-from clipless.engine import MechanismSpec
 
 DECOMPOSITIONS = ("eig", "svd", "cholesky", "matrix_norm", "linalg_qr", "linalg_solve", "lstsq")
 
@@ -30,18 +30,7 @@ def _private(
     x = torch.rand(64, *shape, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
     loss = cnn.CrossEntropyLoss()
-    m, o, _ = clipless.PrivacyEngine(seed=0).make_private(
-        module=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=torch.utils.data.DataLoader(
-            torch.utils.data.TensorDataset(x, y), batch_size=16
-        ),
-        loss=loss,
-        noise_multiplier=1.0,
-        mechanism=MechanismSpec(constraint="clip"),
-        options=clipless.RunOptions(certify_every=certify_every),
-    )
-    o.data_loader = None
+    m, o = private_on_batches(model, x, y, loss, certify_every=certify_every)
     return m, o, loss, (x[:16], y[:16])
 
 
