@@ -156,3 +156,32 @@ def test_a_bad_target_refuses_the_step_on_the_device(
     m, o, x, y = _private(loss, binary=binary)
     with pytest.raises(ValueError, match=message):
         loss(m(x), y_bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("certify_every", [1, 3])
+def test_one_synchronisation_per_step_on_cuda(certify_every: int) -> None:
+    """On a real device torch's sync debug mode reports every operation that waits for the GPU:
+    a steady private step makes one (the checks' read)."""
+    import warnings
+
+    loss = cnn.CrossEntropyLoss()
+    torch.manual_seed(0)
+    model = models.mlp((1, 6, 6), (64, 64), 10, input_norm=1.0, bias=False).cuda()
+    x = torch.rand(32, 1, 6, 6, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 10, (32,), generator=torch.Generator().manual_seed(1))
+    m, o = private_on_batches(model, x, y, loss, certify_every=certify_every)
+    xb, yb = x[:16].cuda(), y[:16].cuda()
+    for _ in range(4):
+        _step(m, o, loss, xb, yb)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _step(m, o, loss, xb, yb)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        assert len(syncs) <= 1, syncs
