@@ -7,6 +7,7 @@ tested in ``test_sensitivities.py``; the certified norms in ``test_norms.py``.
 from __future__ import annotations
 
 import ast
+import math
 import pathlib
 import subprocess
 import sys
@@ -151,3 +152,38 @@ def test_no_import_cycle() -> None:
 
     for module in sorted(graph):
         visit(module)
+
+
+def test_a_report_without_output_bounds_has_the_same_cotangent_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``output_bounds=False`` (the private step's plan under per-sample scaling) leaves the
+    cotangent bounds, hence the sensitivities, as they are, and reads no bias norm."""
+    import torch
+
+    from clipless import nn as cnn
+
+    torch.manual_seed(0)
+    model = cnn.Sequential(
+        cnn.InputNorm(2.0),
+        cnn.Linear(6, 5),
+        cnn.GroupSort(1),
+        cnn.Linear(5, 4, bias=True),
+        cnn.Sigmoid(),
+        cnn.Linear(4, 3),
+    )
+    loss = cnn.CrossEntropyLoss()
+    full = bounds.report(model, loss, (6,))
+    reads = []
+    original = torch.Tensor.__float__
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append(t.shape) or original(t))
+    partial = bounds.report(model, loss, (6,), output_bounds=False)
+    assert reads == []
+    assert [lb.cotangent_bound for lb in partial.layers] == [
+        lb.cotangent_bound for lb in full.layers
+    ]
+    assert [lb.lipschitz for lb in partial.layers] == [lb.lipschitz for lb in full.layers]
+    assert partial.layers[0].input_bound == full.layers[0].input_bound == 2.0
+    assert all(lb.input_bound == float("inf") for lb in partial.layers[1:])
+    assert all(math.isfinite(lb.input_bound) for lb in full.layers)
+    assert partial.model_lipschitz == full.model_lipschitz

@@ -388,6 +388,42 @@ def test_empty_poisson_batches_still_step() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_the_loop_reads_the_device_once_per_step_on_the_accelerator_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the accelerator path a step reads the host once; the loop adds no read per step: its
+    running loss and accuracy stay on the device until the epoch's end (or every 16th step),
+    and a biased layer's output bound (its bias's norm) is not computed for the plan. The
+    sampler's reads of its CPU indices are not device reads and are left out."""
+    import traceback
+
+    from clipless import norms
+
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", True)
+    model, optimizer, loader, loss, engine, _ = _setup(batch_size=8)
+    reads: list[str] = []
+
+    def counting(name: str) -> Any:
+        original = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = traceback.extract_stack(limit=3)[0].filename
+            if not caller.endswith(("sampling.py", "dataloader.py")):
+                reads.append(f"{name} from {caller}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in ("tolist", "item", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    result = fit(
+        model, optimizer, loader, loss, engine=engine, epochs=2, delta=DELTA, progress=False
+    )
+    assert result.steps == 16
+    # one per step, one per epoch for its totals, and the 16th step's progress reading
+    assert len(reads) <= result.steps + 2 + 1, reads
+
+
 def test_evaluate_accuracy() -> None:
     model = torch.nn.Linear(2, 2, bias=False)
     with torch.no_grad():
@@ -721,3 +757,23 @@ def test_a_moved_run_never_adopts_the_ledger_of_the_run_started_in_its_place(
     assert engine.ledger.steps == 2 * own_steps  # A's own two epochs, nothing of B's
     assert PrivacyLedger.from_json(moved / LEDGER_NAME).steps == 2 * own_steps
     assert PrivacyLedger.from_json(run / LEDGER_NAME).steps == engine_b.ledger.steps  # B intact
+
+
+def test_the_weight_average_is_the_per_tensor_formula_bit_for_bit() -> None:
+    """``WeightEMA.update`` (fused per-tensor arithmetic) computes ``d * ema + (1 - d) w`` as
+    ``mul_`` then ``add_`` would, in each parameter's dtype, with the warm-up decay."""
+    from clipless.training import WeightEMA
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2).double())
+    ema = WeightEMA(model, decay=0.99)
+    expected = [p.detach().clone() for p in model.parameters()]
+    for t in range(1, 4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(model)
+        d = min(0.99, (1.0 + t) / (10.0 + t))
+        for e, p in zip(expected, model.parameters(), strict=True):
+            e.mul_(d).add_(p.detach(), alpha=1.0 - d)
+    assert all(torch.equal(a, e) for a, e in zip(ema.model.parameters(), expected, strict=True))

@@ -97,9 +97,15 @@ class _Walker:
     because ``||scale (dy + J_g^T dy)|| <= scale ||dy|| + ||J_g^T (scale dy)||``.
     """
 
-    def __init__(self, shapes: Mapping[int, tuple[int, ...]], skip: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        shapes: Mapping[int, tuple[int, ...]],
+        skip: torch.nn.Module,
+        output_bounds: bool = True,
+    ) -> None:
         self.shapes = shapes
         self.skip = skip
+        self.output_bounds = output_bounds
         self.input_bounds: dict[tuple[str, int], float] = {}
         self.entries: list[tuple[str, torch.nn.Module, float, float]] = []
         self.cache: dict[int, float] = {}
@@ -140,8 +146,12 @@ class _Walker:
         if isinstance(module, cnn.Residual):
             branch = self.forward(module.branch, _join(path, "branch"), x_bound)
             return mul(float(module.scale), add(x_bound, branch))
-        if isinstance(module, cnn.LipschitzModule):
+        if isinstance(module, cnn.InputNorm) or (
+            self.output_bounds and isinstance(module, cnn.LipschitzModule)
+        ):
             return float(module.output_bound(x_bound))
+        if isinstance(module, cnn.LipschitzModule):
+            return math.inf  # not asked for (report's output_bounds)
         raise TypeError(f"module {path or '<root>'} is not a clipless.nn.LipschitzModule")
 
     def backward(self, module: torch.nn.Module, path: str, g_bound: float) -> float:
@@ -375,7 +385,13 @@ def _check_structure(
             )
 
 
-def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -> BoundReport:
+def report(
+    model: torch.nn.Module,
+    loss: object,
+    input_shape: tuple[int, ...],
+    *,
+    output_bounds: bool = True,
+) -> BoundReport:
     """Backpropagation for bounds (Béthune et al., Algorithm 1; docs/design.md "Cotangent bound").
 
     1. ``clipless.nn.validate(model)``; the model must start with an ``InputNorm``, whose
@@ -396,6 +412,13 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     (float64), each product and sum rounded upward (:func:`math.nextafter`). A parametric layer
     hidden inside a custom (non-``Sequential``, non-``Residual``) container is not reached:
     :func:`sensitivities` then raises.
+
+    ``output_bounds=False`` skips step 3 past the ``InputNorm`` layers: every other module's
+    output bound is taken as ``inf`` (so are the input, gradient and norm-factor bounds after
+    it). The cotangent bounds, hence the sensitivities of the per-sample scaling, do not depend
+    on them, and a biased layer's output bound would read its bias's norm from the device (a
+    synchronisation per layer and step on an accelerator): the private step's plan asks for
+    them only with ``scaling="bound"``, whose thresholds are the norm-factor bounds.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -413,7 +436,7 @@ def report(model: torch.nn.Module, loss: object, input_shape: tuple[int, ...]) -
     loss_lip = float(lip_fn(num_logits))
     if not (math.isfinite(loss_lip) and loss_lip >= 0.0):
         raise ValueError(f"loss.lipschitz({num_logits}) returned {loss_lip!r}")
-    walker = _Walker(trace.shapes, first)
+    walker = _Walker(trace.shapes, first, output_bounds)
     walker.forward(model, "", x0)
     walker.backward(model, "", loss_lip)
     if not known:

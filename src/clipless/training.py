@@ -192,8 +192,12 @@ class WeightEMA:
         """
         self.updates += 1
         d = min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
-        for avg, p in zip(self.model.parameters(), model.parameters(), strict=True):
-            avg.mul_(d).add_(p.detach(), alpha=1.0 - d)
+        averages, params = list(self.model.parameters()), list(model.parameters())
+        if len(averages) != len(params):
+            raise ValueError("the model's parameters do not match the average's")
+        if averages:  # the per-tensor mul_ and add_, one fused launch each on an accelerator
+            torch._foreach_mul_(averages, d)
+            torch._foreach_add_(averages, [p.detach() for p in params], alpha=1.0 - d)
         for avg_b, b in zip(self.model.buffers(), model.buffers(), strict=True):
             avg_b.copy_(b)
 
@@ -477,11 +481,48 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _correct(logits: torch.Tensor, y: torch.Tensor) -> int:
+    return int(_correct_tensor(logits, y))
+
+
+def _correct_tensor(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The number of correct predictions, as a 0-dim tensor on the logits' device."""
     if logits.dim() >= 2 and logits.shape[-1] > 1:
         pred = logits.argmax(dim=-1)
     else:
         pred = (logits.reshape(y.shape) > 0).to(y.dtype)
-    return int((pred == y.reshape(pred.shape)).sum())
+    return (pred == y.reshape(pred.shape)).sum()
+
+
+_BAR_EVERY = 16
+"""Training steps between the progress bar's readings of the running loss and accuracy (each
+reading waits for the device on an accelerator)."""
+
+
+class _Totals:
+    """The running ``(loss sum, correct)`` of an epoch, in float64 on the device of the first
+    batch: ``float(batch_loss) / divisor`` and ``correct / augmult`` summed in that order, as
+    Python floats would be, without a host read per step."""
+
+    def __init__(self) -> None:
+        self._sums: torch.Tensor | None = None
+
+    def add(self, loss: torch.Tensor, divisor: int, correct: torch.Tensor, augmult: int) -> None:
+        row = torch.stack((loss.detach().double() / divisor, correct.double() / augmult))
+        self._sums = row if self._sums is None else self._sums + row
+
+    def read(self) -> list[float]:
+        return [0.0, 0.0] if self._sums is None else self._sums.tolist()
+
+
+def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; a CPU batch bound for CUDA goes through pinned memory without
+    blocking, so the copy does not wait for the steps queued before it."""
+    target = torch.device(device)
+    if t.device == target:
+        return t
+    if target.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(target, non_blocking=True)
+    return t.to(target)
 
 
 def _loss_sum(loss: torch.nn.Module, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -1102,41 +1143,47 @@ class _EpochLoop:
         )
 
     def _train_batches(self, epsilon: float, bar: Any) -> tuple[list[float], int, bool]:
-        """``([loss sum, correct, seen], steps, budget_hit)`` of one pass over the batches."""
-        seen, steps, correct, loss_total = 0, 0, 0.0, 0.0
+        """``([loss sum, correct, seen], steps, budget_hit)`` of one pass over the batches.
+
+        The running loss and accuracy stay on the model's device (:class:`_Totals`): the step
+        itself reads the host once on an accelerator, and the progress bar reads them only
+        every :data:`_BAR_EVERY` steps."""
+        seen, steps = 0, 0
+        totals = _Totals()
         for batch in self.loader:
             if self._over_budget():  # stop before the step that would overspend
                 if self.private is not None:
                     self.private.discard_batch()  # drawn, not trained on, and training stops
-                return [loss_total, correct, float(seen)], steps, True
+                return [*totals.read(), float(seen)], steps, True
             x, y = _split_batch(batch)
             if self.parallel is not None:  # clipless.distributed: this rank's rows of the batch
                 x, y = shard(x, y, group=self.parallel.group, loader=self.loader)
             self.optimizer.zero_grad()
             if x.shape[0] > 0:
-                x, y = x.to(self.device), y.to(self.device)
+                x, y = _to_device(x, self.device), _to_device(y, self.device)
                 batch_loss, logits, y_in = training_loss(
                     self.model, self.loss, x, y, augment=self.augment, augmult=self.augmult,
                     optimizer=self.private,
                 )  # fmt: skip
                 batch_loss.backward()
                 with torch.no_grad():
-                    loss_total += float(batch_loss) / (1 if self.private is None else self.augmult)
-                    correct += _correct(logits, y_in) / self.augmult
+                    divisor = 1 if self.private is None else self.augmult
+                    totals.add(batch_loss, divisor, _correct_tensor(logits, y_in), self.augmult)
                     seen += int(x.shape[0])
             self.optimizer.step()
             if self.ema is not None:
                 self.ema.update(self.model)
             steps += 1
             bar.update(1)
-            if seen:
+            if seen and steps % _BAR_EVERY == 0:
+                loss_total, correct = totals.read()
                 bar.set_postfix(
                     loss=f"{loss_total / seen:.4f}",
                     acc=f"{correct / seen:.3f}",
                     eps=f"{epsilon:.3f}",
                     refresh=False,
                 )
-        return [loss_total, correct, float(seen)], steps, False
+        return [*totals.read(), float(seen)], steps, False
 
 
 @dataclass

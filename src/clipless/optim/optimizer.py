@@ -136,10 +136,17 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
         return bounds.report(self.module, self.loss, self.input_shape)
 
     def current_plan(self, multiplicity: int = 1) -> NoisePlan:
-        """The :class:`NoisePlan` a step would use at the current weights."""
+        """The :class:`NoisePlan` a step would use at the current weights (the forward bounds
+        are computed only for the thresholds of ``scaling="bound"``: :func:`bounds.report`)."""
+        report = bounds.report(
+            self.module,
+            self.loss,
+            self.input_shape,
+            output_bounds=self.config.scaling == "bound",
+        )
         return mechanism.plan_step(
             self.config,
-            self.bound_report(),
+            report,
             list(self._names.values()),
             dtype=self._dtype,
             multiplicity=multiplicity,
