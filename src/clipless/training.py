@@ -192,7 +192,8 @@ class WeightEMA:
         """
         self.updates += 1
         d = min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
-        averages, params = list(self.model.parameters()), list(model.parameters())
+        averages: list[torch.Tensor] = list(self.model.parameters())
+        params = list(model.parameters())
         if len(averages) != len(params):
             raise ValueError("the model's parameters do not match the average's")
         if averages:  # the per-tensor mul_ and add_, one fused launch each on an accelerator
