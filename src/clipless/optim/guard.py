@@ -75,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -854,8 +855,9 @@ class ContractGuard:
 
     def _read_checks(self) -> None:
         """Read every queued verdict in one transfer (the step's one host read before the
-        noise) and refuse the step at the first false one, in the order the checks were made.
-        A layer whose memoised bound proved stale forgets it (the next forward recertifies)."""
+        noise) and refuse the step at the first false one, in the order the checks were made:
+        the seals of the last projection first (a failed one raises its own error), then the
+        checks, then the mean-reduced-loss warnings."""
         checks, self._checks = self._checks, []
         warnings_, self._warnings = self._warnings, []
         seals = [seal for seal in self._seals if not seal.done]
@@ -870,12 +872,24 @@ class ContractGuard:
         joined = torch.cat([t if t.device == device else t.to(device) for t in tensors])
         values = joined.to(torch.float64).tolist()
         start = 0
-        for seal in seals:  # a failed projection raises its own error (the step is refused)
+        for seal in seals:
             rows, width = seal.values.shape
             part = values[start : start + rows * width]
             seal.settle([part[i * width : (i + 1) * width] for i in range(rows)])
             start += rows * width
         flat = iter(values[start:])
+        failures = self._failed_checks(checks, flat)
+        failures += self._mean_warnings(warnings_, flat)
+        if failures:
+            raise failures[0]
+
+    def _failed_checks(
+        self,
+        checks: list[tuple[torch.Tensor, str, list[str | ParametricLipschitzModule]]],
+        flat: Iterator[float],
+    ) -> list[Exception]:
+        """The errors of the false flags, in order. A layer whose memoised bound proved stale
+        forgets it (the next forward certifies the weight again)."""
         failures: list[Exception] = []
         for flags, template, subjects in checks:
             for subject in subjects[: flags.numel()]:
@@ -886,14 +900,21 @@ class ContractGuard:
                 elif isinstance(subject, str):
                     failures.append(PrivacyContractError(template.format(subject)))
                 else:
-                    subject.forget_bound()  # the next forward certifies the weight again
+                    subject.forget_bound()
                     name = self._layer_name(subject)
                     failures.append(PrivacyContractError(template.format(name)))
+        return failures
+
+    def _mean_warnings(
+        self, warnings_: list[tuple[torch.Tensor, float, int]], flat: Iterator[float]
+    ) -> list[Exception]:
+        """Warn once of a loss that looks mean-reduced; before the first step it is an error
+        (unless allowed): it would train at chance."""
+        failures: list[Exception] = []
         for _, bound, rows in warnings_:
             message = _mean_warning(next(flat), bound, rows)
             if message is None or self._mean_warning_given:
                 continue
-            # before the first step only a mean-reduced loss gets there: it would train at chance
             if self.ledger.steps == 0 and not self.allow_mean_reduced_loss:
                 failures.append(
                     PrivacyContractError(
@@ -903,9 +924,8 @@ class ContractGuard:
                 )
                 continue
             self._mean_warning_given = True  # a converged model's gradients can be that small
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        if failures:
-            raise failures[0]
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return failures
 
     def _layer_name(self, layer: ParametricLipschitzModule) -> str:
         for name, module in self.module.named_modules():
