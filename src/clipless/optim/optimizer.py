@@ -281,18 +281,20 @@ class DPOptimizer(ContractGuard, torch.optim.Optimizer):
                     p.grad = torch.zeros_like(p)
             parallel.reduce([p.grad for p in self._names if p.grad is not None])
             stds = parallel.largest(stds)  # replicas agree; if not, the safe (largest) noise
+        grads = []
         for p, name in self._names.items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
             if parallel is not None and not parallel.adds_noise:
-                p.grad.div_(plan.expected_batch_size)
                 continue
             shape, dtype = tuple(p.shape), p.grad.dtype
             # a reused buffer (clipless._workspace: no page faults per step), consumed here
             buffer = _workspace.scratch("weight.draft", shape, dtype, self.generator.device)
             noise = draw_noise(plan, name, shape, self.generator, dtype, std=stds[name], out=buffer)
             p.grad.add_(noise.to(p.grad.device))
-            p.grad.div_(plan.expected_batch_size)
+        # each gradient divided as div_ would, in one fused launch per device and dtype
+        torch._foreach_div_(grads, float(plan.expected_batch_size))
         observe = getattr(self.original_optimizer, "set_noise_variance", None)
         if observe is not None:  # AdamBC: the noise's variance in each averaged gradient
             observe({p: (stds[n] / plan.expected_batch_size) ** 2 for p, n in self._names.items()})
