@@ -77,7 +77,7 @@ def plot(rows: list[dict[str, Any]], dataset: str, radii: list[float], path: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(6.4, 5.4))
     for side, key, label, colour, style in CURVES:
         pairs = [(None, "o")] if key == "clean" else list(zip(radii, MARKERS, strict=False))
         for radius, marker in pairs:
@@ -100,9 +100,15 @@ def plot(rows: list[dict[str, Any]], dataset: str, radii: list[float], path: Pat
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.set_xlabel("epsilon (delta = 1e-5)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"{dataset}: clipless and its Opacus twin, L2 robust accuracy")
+    attacked = min(int(r["pgd_samples"]) for r in rows)
+    ax.set_title(
+        f"{dataset}: clipless and its Opacus twin, L2 robust accuracy\n"
+        f"(certified: the whole test set; PGD: the first {attacked:,} test images)",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, loc="lower right")
+    # below the axes: the lines fill the whole height
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(path)
