@@ -39,13 +39,21 @@ Radii are in the space the models read: Adult's public per-record transform (a c
 moves the input by sqrt(2)), the images' pixels in [0, 1]. Opacus is optional: without it the
 script says so and exits.
 
-Usage (``benchmarks/RESULTS.md`` sections 40 and 48)::
+``--epsilon`` takes one target or a comma-separated list; both sides train at each, and with
+``--out FILE`` every model's row (its target epsilon, seed, clean / certified / PGD accuracies)
+is appended to ``FILE`` as one JSON line, the seeds already there skipped on a rerun:
+``benchmarks/plot_robust_epsilon.py`` draws them against epsilon.
+
+Usage (``benchmarks/RESULTS.md`` sections 40, 48 and 50)::
 
     PYTHONPATH=src python benchmarks/robust_twins.py --dataset adult --pair linear --seeds 0,1,2
     CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
         --dataset fashion-mnist --pair gnp --seeds 1,2,3 --epochs 5 --pgd-samples 1000
     CLIPLESS_DATA=/tmp/mn PYTHONPATH=src python benchmarks/robust_twins.py \\
         --dataset mnist-10k --pair gnp --seeds 1,2,3 --epochs 15 --pgd-samples 2000
+    CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
+        --dataset fashion-mnist --pair gnp --seeds 1,2,3 --epochs 5 --pgd-samples 1000 \\
+        --epsilon 1,2,3,8 --out benchmarks/out/robust_twins.jsonl
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -210,6 +219,67 @@ def _table(rows: list[dict[str, Any]], radii: list[float]) -> str:
     return "\n".join(lines)
 
 
+def _epsilons(text: str | None, dataset: str) -> list[float | None]:
+    """``--epsilon``: one positive number or a comma-separated list of them; unset, the
+    dataset's default (Adult: ``None``, the harness's 0.414 at delta 1/n; the images: 3)."""
+    if text is None:
+        return [None] if dataset == "adult" else [3.0]
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise SystemExit(
+            "--epsilon must be a positive number or a comma-separated list of them "
+            f"(e.g. 1,2,3,8); got {text!r}"
+        )
+    return list(values)
+
+
+def _done(path: Path | None, key: dict[str, Any]) -> set[int]:
+    """Seeds whose two sides ``path`` already holds for this setting (a rerun skips them)."""
+    if path is None or not path.is_file():
+        return set()
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    sides: dict[int, set[str]] = {}
+    for row in rows:
+        if all(row.get(k) == v for k, v in key.items()):
+            sides.setdefault(row["seed"], set()).add(row["side"])
+    return {seed for seed, got in sides.items() if got >= {"clipless", "opacus"}}
+
+
+def _run(args: argparse.Namespace, epsilon: float | None) -> list[dict[str, Any]]:
+    """Both sides for each seed at one target epsilon, appended to ``--out`` as they finish."""
+    key = {
+        "dataset": args.dataset,
+        "pair": args.pair,
+        "target_epsilon": epsilon,
+        "epochs": args.epochs,
+        "pgd_samples": args.pgd_samples,
+        "radii": args.radii,
+    }
+    done = _done(args.out, key)
+    args.epsilon = epsilon
+    rows = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        if seed in done:
+            print(f"epsilon {epsilon}, seed {seed}: already in {args.out}", flush=True)
+            continue
+        if args.dataset == "adult":
+            new = _adult(args.pair, seed, args)
+        else:
+            new = _image_gnp(args.dataset, seed, args)
+        for row in new:
+            row = {**key, **row}
+            print(json.dumps(row), flush=True)
+            if args.out is not None:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                with args.out.open("a") as handle:
+                    handle.write(json.dumps(row) + "\n")
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", choices=tuple(PAIRS), default="adult")
@@ -217,30 +287,33 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--epochs", type=int, default=None, help="default: each harness's")
     parser.add_argument(
-        "--epsilon", type=float, default=None, help="default: adult 0.414 (delta 1/n), else 3"
+        "--epsilon",
+        default=None,
+        help="target epsilon, or a comma-separated list (both sides train at each); "
+        "default: adult 0.414 (delta 1/n), else 3",
     )
     parser.add_argument("--pgd-samples", type=int, default=1000)
     parser.add_argument("--radii", default=None, help="comma-separated L2 radii")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="append one JSON line per model to this file (the seeds it holds are skipped); "
+        "benchmarks/plot_robust_epsilon.py reads it",
+    )
     args = parser.parse_args()
     pairs = PAIRS[args.dataset]
     args.pair = args.pair or pairs[0]
     if args.pair not in pairs:
         raise SystemExit(f"--pair must be one of {pairs} for {args.dataset}; got {args.pair!r}")
     args.radii = [float(r) for r in args.radii.split(",")] if args.radii else RADII
-    if args.epsilon is None and args.dataset != "adult":
-        args.epsilon = 3.0
+    epsilons = _epsilons(args.epsilon, args.dataset)
     _require_opacus()
     torch.set_num_threads(1)
-    rows = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        if args.dataset == "adult":
-            new = _adult(args.pair, seed, args)
-        else:
-            new = _image_gnp(args.dataset, seed, args)
-        for row in new:
-            print(json.dumps(row), flush=True)
-        rows += new
-    print(_table(rows, args.radii))
+    for epsilon in epsilons:
+        rows = _run(args, epsilon)
+        if rows:
+            print(_table(rows, args.radii))
 
 
 if __name__ == "__main__":
