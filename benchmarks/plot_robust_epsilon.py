@@ -7,12 +7,20 @@ accuracy on the attacked samples per radius) and draws
 clean accuracy, of the clipless certified accuracy and of both sides' PGD accuracy at each chosen
 L2 radius, with each seed's value as a small dot when there is more than one seed.
 
-``RESULTS.md`` section 50::
+``RESULTS.md`` section 50, Fashion-MNIST::
 
     CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
         --dataset fashion-mnist --pair gnp --seeds 1,2,3 --epochs 5 --pgd-samples 1000 \\
         --epsilon 1,2,3,8 --out benchmarks/out/robust_twins.jsonl
     python benchmarks/plot_robust_epsilon.py --dataset fashion-mnist
+
+Section 51, MNIST (10k subset), where PGD attacks all 2,000 test images::
+
+    CLIPLESS_DATA=/tmp/mn PYTHONPATH=src python benchmarks/robust_twins.py \\
+        --dataset mnist-10k --pair gnp --seeds 1,2,3 --epochs 15 --pgd-samples 2000 \\
+        --epsilon 1,2,3,8 --out benchmarks/out/robust_twins_mnist.jsonl
+    python benchmarks/plot_robust_epsilon.py --dataset mnist-10k \\
+        --json benchmarks/out/robust_twins_mnist.jsonl
 """
 
 from __future__ import annotations
@@ -70,6 +78,16 @@ def series(
     return points
 
 
+def _attacked(rows: list[dict[str, Any]]) -> str:
+    """Which test images PGD attacked, for the title: all of them when ``pgd_samples`` covers
+    the test set (rows written before ``test_samples`` existed leave the count open)."""
+    attacked = min(int(r["pgd_samples"]) for r in rows)
+    tested = {int(r["test_samples"]) for r in rows if "test_samples" in r}
+    if len(tested) == 1 and attacked >= min(tested):
+        return f"all {min(tested):,} test images"
+    return f"the first {attacked:,} test images"
+
+
 def plot(rows: list[dict[str, Any]], dataset: str, radii: list[float], path: Path) -> None:
     import matplotlib
     import matplotlib.ticker
@@ -100,10 +118,9 @@ def plot(rows: list[dict[str, Any]], dataset: str, radii: list[float], path: Pat
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.set_xlabel("epsilon (delta = 1e-5)")
     ax.set_ylabel("test accuracy (%)")
-    attacked = min(int(r["pgd_samples"]) for r in rows)
     ax.set_title(
         f"{dataset}: clipless and its Opacus twin, L2 robust accuracy\n"
-        f"(certified: the whole test set; PGD: the first {attacked:,} test images)",
+        f"(certified: the whole test set; PGD: {_attacked(rows)})",
         fontsize=10,
     )
     ax.grid(alpha=0.3)

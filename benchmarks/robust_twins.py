@@ -40,11 +40,11 @@ moves the input by sqrt(2)), the images' pixels in [0, 1]. Opacus is optional: w
 script says so and exits.
 
 ``--epsilon`` takes one target or a comma-separated list; both sides train at each, and with
-``--out FILE`` every model's row (its target epsilon, seed, clean / certified / PGD accuracies)
-is appended to ``FILE`` as one JSON line, the seeds already there skipped on a rerun:
-``benchmarks/plot_robust_epsilon.py`` draws them against epsilon.
+``--out FILE`` every model's row (its target epsilon, seed, test-set size, clean / certified /
+PGD accuracies) is appended to ``FILE`` as one JSON line, the seeds already there skipped on a
+rerun: ``benchmarks/plot_robust_epsilon.py`` draws them against epsilon.
 
-Usage (``benchmarks/RESULTS.md`` sections 40, 48 and 50)::
+Usage (``benchmarks/RESULTS.md`` sections 40, 48, 50 and 51)::
 
     PYTHONPATH=src python benchmarks/robust_twins.py --dataset adult --pair linear --seeds 0,1,2
     CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
@@ -54,6 +54,9 @@ Usage (``benchmarks/RESULTS.md`` sections 40, 48 and 50)::
     CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
         --dataset fashion-mnist --pair gnp --seeds 1,2,3 --epochs 5 --pgd-samples 1000 \\
         --epsilon 1,2,3,8 --out benchmarks/out/robust_twins.jsonl
+    CLIPLESS_DATA=/tmp/mn PYTHONPATH=src python benchmarks/robust_twins.py \
+        --dataset mnist-10k --pair gnp --seeds 1,2,3 --epochs 15 --pgd-samples 2000 \
+        --epsilon 1,2,3,8 --out benchmarks/out/robust_twins_mnist.jsonl
 """
 
 from __future__ import annotations
@@ -131,7 +134,10 @@ def _measure(
     model = model.double().eval()
     x, y = test.tensors[0].double(), test.tensors[1]
     xs, ys = x[:samples], y[:samples]
-    row: dict[str, Any] = {"clean": empirical_accuracy(model, x, y, [0.0])[0]}
+    row: dict[str, Any] = {
+        "test_samples": len(y),
+        "clean": empirical_accuracy(model, x, y, [0.0])[0],
+    }
     if certify:
         row["certified"] = list(certified_accuracy(model, x, y, radii).certified)
         row["certified_attacked"] = list(certified_accuracy(model, xs, ys, radii).certified)
