@@ -270,3 +270,26 @@ def test_bad_input_shape() -> None:
         layer(torch.zeros(1, 3, 5, 5))
     with pytest.raises(ValueError, match="kernel_size"):
         layer(torch.zeros(1, 2, 2, 5))
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_float64_factor_bounds_exact_per_sample_gradients(
+    bias: bool, accelerator: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sample_norm_factor_wide`` (the accelerator's divisor) of float32 images bounds the
+    exact per-sample gradient (float64 reference) and lies below the rounded factor."""
+    from clipless import norms
+
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", accelerator)
+    cfg = Config(2, 3, (3, 3), (2, 1), (1, 1), "zeros", (6, 5), bias, 5)
+    layer = cfg.layer()
+    scales = torch.logspace(-20, 20, 12, dtype=torch.float64)[:, None, None, None]
+    x = (cfg.inputs(12) * scales).float()
+    out_shape = layer(x.double()).shape
+    dy = torch.randn(out_shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    grads = per_sample_grads(layer, x.double(), dy)
+    wide = layer.sample_norm_factor_wide(x)
+    assert wide.dtype == torch.float64
+    assert bool((joint_norms(grads) <= sample_norms(dy) * wide * (1 + 1e-12)).all())
+    assert bool((layer.sample_norm_factor(x).double() >= wide).all())

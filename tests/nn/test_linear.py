@@ -173,3 +173,25 @@ def test_layers_refuse_dtypes_without_a_certified_margin(dtype: torch.dtype) -> 
     with pytest.raises(ValueError, match=r"dtype must be None, torch\.float32 or torch\.float64"):
         nn.Conv2d(1, 2, 3, dtype=dtype)
     assert nn.Linear(4, 2, dtype=torch.float64).weight.dtype == torch.float64
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_float64_factor_bounds_exact_per_sample_gradients(
+    bias: bool, accelerator: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sample_norm_factor_wide`` (the accelerator's divisor) of float32 rows bounds the exact
+    per-sample gradient (float64 reference): ``||grad_i|| <= ||dy_i|| n_i``, and the rounded
+    factor lies above it."""
+    from clipless import norms
+
+    monkeypatch.setattr(norms, "ACCELERATOR_PATH_ON_CPU", accelerator)
+    layer = _random_linear(40, 7, bias, 3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 40, generator=gen) * torch.logspace(-20, 20, 32)[:, None]
+    dy = torch.randn(32, 7, generator=gen, dtype=torch.float64)
+    grads = per_sample_grads(layer, x.double(), dy)
+    wide = layer.sample_norm_factor_wide(x)
+    assert wide.dtype == torch.float64
+    assert bool((joint_norms(grads) <= sample_norms(dy) * wide * (1 + 1e-12)).all())
+    assert bool((layer.sample_norm_factor(x).double() >= wide).all())
