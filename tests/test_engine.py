@@ -598,6 +598,17 @@ def test_max_norm_without_a_constraint_warns_and_still_trains() -> None:
     assert o.config.max_norm == 0.5
 
 
+def test_make_privates_warnings_name_the_callers_line() -> None:
+    """Each warning of ``make_private`` points at the line that called it, however deep the
+    preparation step that raises it: the user's call (here ``_private``, in this file)."""
+    with pytest.warns(UserWarning) as caught:
+        _private(constraint=None, max_norm=0.5)
+        _private(noise_multiplier=None, target_epsilon=3.0, target_delta=0.01, epochs=1)
+    messages = {str(w.message).split(" ")[0]: w.filename for w in caught}
+    assert messages.keys() >= {"max_norm=0.5", "target_delta=0.01"}, messages
+    assert set(messages.values()) == {__file__}, messages
+
+
 def test_binary_label_conventions_mixed_across_chunks_are_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
