@@ -424,8 +424,10 @@ def test_a_hand_written_resume_keeps_the_larger_ledger_file(tmp_path, seed) -> N
     engine2, m2, o2, dl2 = _private(ledger_path=path, seed=seed)
     m2.load_state_dict(ckpt["model"])
     o2.load_state_dict(ckpt["optimizer"])
-    with pytest.warns(UserWarning, match="records 10 steps but the checkpoint only 4"):
+    with pytest.warns(UserWarning, match="records 10 steps but the checkpoint only 4") as caught:
         engine2.load_state_dict(ckpt["engine"])  # (seeded: a second warning, the replay)
+    assert len(caught) == (2 if seed is not None else 1)
+    assert {w.filename for w in caught} == {__file__}  # the caller's line, not clipless's
     assert engine2.ledger.steps == 10
     restored = torch.equal(o2.generator.get_state(), ckpt["engine"]["generator"])
     assert restored == (seed is not None)  # a seeded (reproducible) run keeps its states

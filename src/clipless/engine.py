@@ -666,6 +666,24 @@ class PrivacyEngine:
             RuntimeError: before :meth:`make_private`.
         """
         opt = self._opt()
+        ledger, lost = self._checkpoint_ledger(state, opt)
+        saved = state.get("config")
+        if isinstance(saved, Mapping) and "num_tensors" in saved:
+            self._restore_config(PrivacyConfig.from_dict(saved), opt)
+        self.ledger = ledger
+        opt.ledger = ledger
+        saved_bounds = state.get("bounds") or {}
+        for name, layer in opt.module.named_modules():
+            if isinstance(layer, ParametricLipschitzModule) and name in saved_bounds:
+                layer.load_bound_state(saved_bounds[name])
+        self._restore_randomness(state, opt, lost)
+        opt._ledger_file_checked = None  # the next write reads the file again
+
+    def _checkpoint_ledger(
+        self, state: Mapping[str, Any], opt: DPOptimizer
+    ) -> tuple[accounting.PrivacyLedger, bool]:
+        """The ledger to resume with, and whether steps after the checkpoint were lost: the
+        checkpoint's, or the ``ledger_path`` file's when it continues it with more steps."""
         ledger = accounting.PrivacyLedger.from_dict(state["ledger"])
         if (ledger.accountant, ledger.neighbouring) != (
             self.ledger.accountant,
@@ -679,69 +697,45 @@ class PrivacyEngine:
         path = opt.ledger_path
         on_disk = accounting.PrivacyLedger.from_json_if_exists(path) if path and writes else None
         if path is not None and on_disk is not None and on_disk.records_more_than(ledger):
-            same = (on_disk.accountant, on_disk.neighbouring) == (
-                ledger.accountant,
-                ledger.neighbouring,
-            )
-            if not same or not on_disk.extends(ledger):
-                raise CheckpointMismatchError(
-                    f"ledger_path {os.fspath(path)!r} records more than the checkpoint but does "
-                    "not continue its ledger, so it is another run's; pass this run's own "
-                    "ledger_path"
-                )
-            if opt.data_parallel is not None:
-                raise ValueError(
-                    f"ledger_path {os.fspath(path)!r} records {on_disk.steps} steps but "
-                    f"the checkpoint only {ledger.steps}: under clipless.distributed resume with "
-                    "clipless.training.fit(resume=...), which gives every rank rank 0's largest "
-                    "ledger and fresh randomness"
-                )
-            warnings.warn(
-                f"{os.fspath(path)} records {on_disk.steps} steps but the checkpoint "
-                f"only {ledger.steps}: the steps after the checkpoint were spent and stay in the "
-                "ledger",
-                stacklevel=2,
-            )
+            _check_ledger_file(on_disk, ledger, path, opt)
             ledger, lost = on_disk, True
         if ledger.steps < self.ledger.steps:
             raise CheckpointMismatchError(
                 f"the checkpoint's ledger records {ledger.steps} steps but this engine has "
                 f"already recorded {self.ledger.steps}: loading it would roll the accounting back"
             )
-        saved = state.get("config")
-        if isinstance(saved, Mapping) and "num_tensors" in saved:
-            theirs = PrivacyConfig.from_dict(saved)
-            mine = opt.config
-            diff = [
-                f.name
-                for f in dataclasses.fields(PrivacyConfig)
-                if f.name != "steps" and getattr(theirs, f.name) != getattr(mine, f.name)
-            ]
-            if diff:
-                hint = ""
-                if "num_mechanisms" in diff and theirs.num_mechanisms is None:
-                    hint = (
-                        "; the checkpoint was saved by a clipless that counted every tensor as a "
-                        "mechanism of per-layer noise (num_mechanisms None): finish that run with "
-                        "the version that started it"
-                    )
-                raise CheckpointMismatchError(
-                    "the checkpoint was taken with another privacy configuration: "
-                    + ", ".join(
-                        f"{k} {getattr(theirs, k)!r} (checkpoint) vs {getattr(mine, k)!r} (now)"
-                        for k in diff
-                    )
-                    + hint
+        return ledger, lost
+
+    def _restore_config(self, theirs: PrivacyConfig, opt: DPOptimizer) -> None:
+        """Refuse a checkpoint of another configuration; keep the longer of the two plans."""
+        mine = opt.config
+        diff = [
+            f.name
+            for f in dataclasses.fields(PrivacyConfig)
+            if f.name != "steps" and getattr(theirs, f.name) != getattr(mine, f.name)
+        ]
+        if diff:
+            hint = ""
+            if "num_mechanisms" in diff and theirs.num_mechanisms is None:
+                hint = (
+                    "; the checkpoint was saved by a clipless that counted every tensor as a "
+                    "mechanism of per-layer noise (num_mechanisms None): finish that run with "
+                    "the version that started it"
                 )
-            if theirs.steps is not None and (mine.steps is None or theirs.steps > mine.steps):
-                opt.config = mine.with_steps(theirs.steps)
-                self._config = opt.config
-        self.ledger = ledger
-        opt.ledger = ledger
-        saved_bounds = state.get("bounds") or {}
-        for name, layer in opt.module.named_modules():
-            if isinstance(layer, ParametricLipschitzModule) and name in saved_bounds:
-                layer.load_bound_state(saved_bounds[name])
+            raise CheckpointMismatchError(
+                "the checkpoint was taken with another privacy configuration: "
+                + ", ".join(
+                    f"{k} {getattr(theirs, k)!r} (checkpoint) vs {getattr(mine, k)!r} (now)"
+                    for k in diff
+                )
+                + hint
+            )
+        if theirs.steps is not None and (mine.steps is None or theirs.steps > mine.steps):
+            opt.config = mine.with_steps(theirs.steps)
+            self._config = opt.config
+
+    def _restore_randomness(self, state: Mapping[str, Any], opt: DPOptimizer, lost: bool) -> None:
+        """The saved generators when seeded (a bit-identical resume), else fresh ones."""
         opt.generator.set_state(state["generator"])
         sampler_gen = _sampler_generator(self.data_loader)
         if sampler_gen is not None and "sampler_generator" in state:
@@ -752,9 +746,8 @@ class PrivacyEngine:
             warnings.warn(
                 "this engine is seeded: the restored generators draw the noise and batches of "
                 "the steps lost after the checkpoint again (experiments only)",
-                stacklevel=2,
+                stacklevel=3,
             )
-        opt._ledger_file_checked = None  # the next write reads the file again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -837,6 +830,36 @@ def moved_keywords(
             )
         out.append(kind(**moved) if value is None else value)
     return out[0], out[1]
+
+
+def _check_ledger_file(
+    on_disk: accounting.PrivacyLedger,
+    ledger: accounting.PrivacyLedger,
+    path: str | os.PathLike[str],
+    opt: DPOptimizer,
+) -> None:
+    """A ledger file recording more than the checkpoint must continue it (else it is another
+    run's) and, outside ``clipless.distributed``, is kept with a warning."""
+    same = (on_disk.accountant, on_disk.neighbouring) == (ledger.accountant, ledger.neighbouring)
+    if not same or not on_disk.extends(ledger):
+        raise CheckpointMismatchError(
+            f"ledger_path {os.fspath(path)!r} records more than the checkpoint but does "
+            "not continue its ledger, so it is another run's; pass this run's own "
+            "ledger_path"
+        )
+    if opt.data_parallel is not None:
+        raise ValueError(
+            f"ledger_path {os.fspath(path)!r} records {on_disk.steps} steps but "
+            f"the checkpoint only {ledger.steps}: under clipless.distributed resume with "
+            "clipless.training.fit(resume=...), which gives every rank rank 0's largest "
+            "ledger and fresh randomness"
+        )
+    warnings.warn(
+        f"{os.fspath(path)} records {on_disk.steps} steps but the checkpoint "
+        f"only {ledger.steps}: the steps after the checkpoint were spent and stay in the "
+        "ledger",
+        stacklevel=4,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
