@@ -61,7 +61,8 @@ MARKERS = ("^", "s", "D", "v")  # per radius; the clean accuracy is "o"
 class Setting(NamedTuple):
     """How a dataset is named on its plot."""
 
-    title: str  # before ": clipless and its Opacus twin"
+    title: str  # the dataset's name in the title
+    opacus: str  # the Opacus model's name: a "twin" only where the architecture is the same
     delta: str  # the x label's delta
     unit: str  # what the test set holds, for the title's PGD line
     majority: float | None  # the majority class's share of the test set, drawn when known
@@ -70,10 +71,11 @@ class Setting(NamedTuple):
 # Adult's test set: 12,435 of its 16,281 records earn <= 50K (RESULTS.md section 40)
 ADULT_MAJORITY = 12435 / 16281
 SETTINGS = {
-    "adult": Setting("Adult", "1/n", "records", ADULT_MAJORITY),
-    "fashion-mnist": Setting("fashion-mnist", "1e-5", "images", None),
-    "mnist-10k": Setting("mnist-10k", "1e-5", "images", None),
+    "adult": Setting("Adult", "Opacus", "1/n", "records", ADULT_MAJORITY),
+    "fashion-mnist": Setting("fashion-mnist", "Opacus twin", "1e-5", "images", None),
+    "mnist-10k": Setting("mnist-10k", "Opacus twin", "1e-5", "images", None),
 }
+PAIR_NAMES = {"linear": "linear", "mlp": "MLP"}  # in the title, after the dataset's name
 
 
 def load(path: Path, dataset: str, pair: str) -> list[dict[str, Any]]:
@@ -134,6 +136,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    setting = SETTINGS.get(dataset, Setting(dataset, "Opacus twin", "1e-5", "samples", None))
     fig, ax = plt.subplots(figsize=(6.4, 5.4))
     for side, key, label, colour, style in CURVES:
         pairs = [(None, "o")] if key == "clean" else list(zip(radii, MARKERS, strict=False))
@@ -144,6 +147,7 @@ def plot(
             eps = sorted(points)
             med = [100 * statistics.median(points[e]) for e in eps]
             seeds = min(len(points[e]) for e in eps)
+            label = label.replace("Opacus twin", setting.opacus)
             name = label if radius is None else f"{label}, r = {radius:g}"
             name += f" (median of {seeds} seeds)" if seeds > 1 else " (1 seed)"
             ax.plot(eps, med, marker=marker, color=colour, linestyle=style, label=name)
@@ -151,7 +155,6 @@ def plot(
                 xs = [e for e in eps for _ in points[e]]
                 ys = [100 * v for e in eps for v in points[e]]
                 ax.scatter(xs, ys, s=8, color=colour, alpha=0.4, marker=marker)
-    setting = SETTINGS.get(dataset, Setting(dataset, "1e-5", "samples", None))
     if setting.majority is not None:
         ax.axhline(
             100 * setting.majority,
@@ -166,9 +169,10 @@ def plot(
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.set_xlabel(f"epsilon (delta = {setting.delta})")
     ax.set_ylabel("test accuracy (%)")
-    title = setting.title if pair == "gnp" else f"{setting.title} {pair}"
+    title = setting.title if pair == "gnp" else f"{setting.title} {PAIR_NAMES.get(pair, pair)}"
+    against = "its Opacus twin" if setting.opacus == "Opacus twin" else setting.opacus
     ax.set_title(
-        f"{title}: clipless and its Opacus twin, L2 robust accuracy\n"
+        f"{title}: clipless and {against}, L2 robust accuracy\n"
         f"(certified: the whole test set; PGD: {_attacked(rows, setting.unit)})",
         fontsize=10,
     )
