@@ -30,10 +30,16 @@ Pairs (``--pair``), each side in the setting its own harness chose (no new tunin
   8,000 train, 2,000 test images), each side at the CLI's defaults for that dataset (``InputNorm``
   radius 7, expected batch 500 = n / 16), default 15 epochs. Its test set is ordered by digit
   (the first 1,000 images are digits 0-4 only), so attack all of it: ``--pgd-samples 2000``.
+* ``fashion-mnist tb``: ``clipless train --model gnp --hidden 4,16 --lr 0.005`` (RESULTS.md 46d's
+  best raw-pixel model, ``--epochs``, default 5) against Opacus DP-SGD with the Tramèr-Boneh
+  end-to-end CNN at the paper's Fashion-MNIST setting (:mod:`benchmarks.tramer_boneh`: tanh CNN
+  of 26,010 parameters on pixels in [0, 1], SGD lr 4, momentum 0.9, clip 0.1, batch 2048,
+  ``--tb-epochs``, default 40), its noise from Opacus's PRV accountant at the same epsilon.
 
-Both image pairs read train and test sets through :func:`clipless.data.load_dataset`; the Opacus
-side uses the CLI's default delta 1e-5, its batch :func:`clipless.spec.default_batch_size` and its
-``InputNorm`` radius :func:`clipless.spec.default_input_norm`, as ``clipless train`` does.
+The image pairs read train and test sets through :func:`clipless.data.load_dataset`, and their
+Opacus side uses the CLI's default delta 1e-5; the ``gnp`` twins also take its batch
+:func:`clipless.spec.default_batch_size` and its ``InputNorm`` radius
+:func:`clipless.spec.default_input_norm`, as ``clipless train`` does.
 
 Radii are in the space the models read: Adult's public per-record transform (a changed category
 moves the input by sqrt(2)), the images' pixels in [0, 1]. Opacus is optional: without it the
@@ -44,7 +50,7 @@ script says so and exits.
 PGD accuracies) is appended to ``FILE`` as one JSON line, the seeds already there skipped on a
 rerun: ``benchmarks/plot_robust_epsilon.py`` draws them against epsilon.
 
-Usage (``benchmarks/RESULTS.md`` sections 40, 48, 50 and 51)::
+Usage (``benchmarks/RESULTS.md`` sections 40, 48, 50, 51, 52 and 53)::
 
     PYTHONPATH=src python benchmarks/robust_twins.py --dataset adult --pair linear --seeds 0,1,2
     CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
@@ -54,9 +60,19 @@ Usage (``benchmarks/RESULTS.md`` sections 40, 48, 50 and 51)::
     CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
         --dataset fashion-mnist --pair gnp --seeds 1,2,3 --epochs 5 --pgd-samples 1000 \\
         --epsilon 1,2,3,8 --out benchmarks/out/robust_twins.jsonl
-    CLIPLESS_DATA=/tmp/mn PYTHONPATH=src python benchmarks/robust_twins.py \
-        --dataset mnist-10k --pair gnp --seeds 1,2,3 --epochs 15 --pgd-samples 2000 \
+    CLIPLESS_DATA=/tmp/mn PYTHONPATH=src python benchmarks/robust_twins.py \\
+        --dataset mnist-10k --pair gnp --seeds 1,2,3 --epochs 15 --pgd-samples 2000 \\
         --epsilon 1,2,3,8 --out benchmarks/out/robust_twins_mnist.jsonl
+    CLIPLESS_DATA=/tmp/i39data/root PYTHONPATH=src python benchmarks/robust_twins.py \\
+        --dataset fashion-mnist --pair tb --seeds 1,2,3 --epochs 5 --pgd-samples 1000 \\
+        --out benchmarks/out/robust_twins_tb.jsonl
+    PYTHONPATH=src python benchmarks/robust_twins.py --dataset adult --pair linear \\
+        --seeds 0,1,2 --pgd-samples 16281 --epsilon 0.414,1,2,3,8 \\
+        --out benchmarks/out/robust_twins_adult_linear.jsonl
+
+and the last with ``--pair mlp`` into ``robust_twins_adult_mlp.jsonl``. Adult's 0.414 given
+explicitly is the harness's default target (delta 1/n at every epsilon), so it trains the same
+models as no ``--epsilon``; only with a number is the row drawn on the plot.
 """
 
 from __future__ import annotations
@@ -80,6 +96,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import adult
 import fashion_mnist
 import robustness
+import tramer_boneh
 
 from clipless import models
 from clipless.cli import load_trained_model
@@ -105,7 +122,8 @@ DELTA = 1e-5  # the CLI's default delta
 IMAGE_EPOCHS = {"fashion-mnist": 5, "mnist-10k": 15}  # --epochs' default per image dataset
 
 
-PAIRS = {"adult": ("linear", "mlp"), "fashion-mnist": ("gnp",), "mnist-10k": ("gnp",)}
+PAIRS = {"adult": ("linear", "mlp"), "fashion-mnist": ("gnp", "tb"), "mnist-10k": ("gnp",)}
+TB_CLIPLESS_LR = 0.005  # the best raw-pixel GNP ConvNet of RESULTS.md 46d
 
 
 def _require_opacus() -> None:
@@ -167,21 +185,30 @@ def _adult(pair: str, seed: int, args: argparse.Namespace) -> list[dict[str, Any
     return rows
 
 
+def _clipless_gnp(
+    dataset: str, seed: int, args: argparse.Namespace, epochs: int, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """``clipless train --model gnp --hidden 4,16`` (plus the CLI options ``extra``) on
+    ``dataset``, measured with its certificate."""
+    _, test, _ = load_dataset(dataset, download=False)
+    start = time.perf_counter()
+    robustness.HIDDEN["gnp"] = ",".join(str(w) for w in GNP_WIDTHS)
+    with tempfile.TemporaryDirectory() as tmp:
+        robustness._train(Path(tmp), dataset, "gnp", args.epsilon, seed, epochs, extra)
+        spent = json.loads((Path(tmp) / "metrics.json").read_text())["epsilon"]
+        model = load_trained_model(Path(tmp) / "model.pt")
+    row = _measure(model, test, args.radii, args.pgd_samples, certify=True)
+    return {"side": "clipless", "seed": seed, "epsilon": spent, **row} | {
+        "time_s": time.perf_counter() - start
+    }
+
+
 def _image_gnp(dataset: str, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """``clipless train --model gnp --hidden 4,16`` against its plain Opacus twin on ``dataset``
     (the registry's train / test split), both at the CLI's defaults for that dataset."""
     epochs = args.epochs or IMAGE_EPOCHS[dataset]
-    rows = []
+    rows = [_clipless_gnp(dataset, seed, args, epochs)]
     train, test, info = load_dataset(dataset, download=False)
-    start = time.perf_counter()
-    robustness.HIDDEN["gnp"] = ",".join(str(w) for w in GNP_WIDTHS)
-    with tempfile.TemporaryDirectory() as tmp:
-        robustness._train(Path(tmp), dataset, "gnp", args.epsilon, seed, epochs)
-        spent = json.loads((Path(tmp) / "metrics.json").read_text())["epsilon"]
-        model = load_trained_model(Path(tmp) / "model.pt")
-    row = _measure(model, test, args.radii, args.pgd_samples, certify=True)
-    rows.append({"side": "clipless", "seed": seed, "epsilon": spent, **row})
-    rows[-1]["time_s"] = time.perf_counter() - start
     start = time.perf_counter()
     torch.manual_seed(seed)
     radius = default_input_norm(dataset, info.input_shape)
@@ -195,6 +222,23 @@ def _image_gnp(dataset: str, seed: int, args: argparse.Namespace) -> list[dict[s
     twin = _plain(twin)
     row = _measure(twin, test, args.radii, args.pgd_samples, certify=False)
     rows.append({"side": "opacus", "seed": seed, "epsilon": info_opacus["epsilon_spent"], **row})
+    rows[-1]["time_s"] = time.perf_counter() - start
+    return rows
+
+
+def _image_tb(dataset: str, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``clipless train --model gnp --hidden 4,16 --lr 0.005`` (RESULTS.md 46d) against Opacus
+    DP-SGD with the Tramèr-Boneh CNN at the paper's setting (:mod:`benchmarks.tramer_boneh`)."""
+    epochs = args.epochs or IMAGE_EPOCHS[dataset]
+    rows = [_clipless_gnp(dataset, seed, args, epochs, ("--lr", str(TB_CLIPLESS_LR)))]
+    rows[-1]["lr"] = TB_CLIPLESS_LR
+    train, test, _ = load_dataset(dataset, download=False)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, info = tramer_boneh.train_tb(train, args.epsilon, DELTA, seed, epochs=args.tb_epochs)
+    row = _measure(model, test, args.radii, args.pgd_samples, certify=False)
+    rows.append({"side": "opacus", "seed": seed, "model": "tramer-boneh-cnn", **info, **row})
     rows[-1]["time_s"] = time.perf_counter() - start
     return rows
 
@@ -264,6 +308,8 @@ def _run(args: argparse.Namespace, epsilon: float | None) -> list[dict[str, Any]
         "pgd_samples": args.pgd_samples,
         "radii": args.radii,
     }
+    if args.pair == "tb":
+        key["tb_epochs"] = args.tb_epochs
     done = _done(args.out, key)
     args.epsilon = epsilon
     rows = []
@@ -273,6 +319,8 @@ def _run(args: argparse.Namespace, epsilon: float | None) -> list[dict[str, Any]
             continue
         if args.dataset == "adult":
             new = _adult(args.pair, seed, args)
+        elif args.pair == "tb":
+            new = _image_tb(args.dataset, seed, args)
         else:
             new = _image_gnp(args.dataset, seed, args)
         for row in new:
@@ -289,7 +337,9 @@ def _run(args: argparse.Namespace, epsilon: float | None) -> list[dict[str, Any]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", choices=tuple(PAIRS), default="adult")
-    parser.add_argument("--pair", default=None, help="adult: linear | mlp; else gnp")
+    parser.add_argument(
+        "--pair", default=None, help="adult: linear | mlp; fashion-mnist: gnp | tb; mnist-10k: gnp"
+    )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--epochs", type=int, default=None, help="default: each harness's")
     parser.add_argument(
@@ -297,6 +347,12 @@ def main() -> None:
         default=None,
         help="target epsilon, or a comma-separated list (both sides train at each); "
         "default: adult 0.414 (delta 1/n), else 3",
+    )
+    parser.add_argument(
+        "--tb-epochs",
+        type=int,
+        default=tramer_boneh.TB_SETTING["epochs"],
+        help="--pair tb: the Tramèr-Boneh CNN's epochs (default: the paper's 40)",
     )
     parser.add_argument("--pgd-samples", type=int, default=1000)
     parser.add_argument("--radii", default=None, help="comma-separated L2 radii")

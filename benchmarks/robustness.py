@@ -25,6 +25,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,20 @@ from clipless.robustness import pgd_l2
 HIDDEN = {"linear": "", "mlp": "64,64", "cnn": "8,16", "gnp": "4,16"}
 
 
-def _train(out: Path, dataset: str, kind: str, epsilon: float, seed: int, epochs: int) -> None:
+def _train(
+    out: Path,
+    dataset: str,
+    kind: str,
+    epsilon: float,
+    seed: int,
+    epochs: int,
+    extra: Sequence[str] = (),
+) -> None:
+    """``clipless train`` of ``kind`` into ``out``; ``extra``: more CLI options (e.g. ``--lr``)."""
     argv = ["train", "--dataset", dataset, "--model", kind, "--epsilon", str(epsilon)]
     if HIDDEN[kind]:
         argv += ["--hidden", HIDDEN[kind]]
+    argv += list(extra)
     argv += ["--epochs", str(epochs), "--unsafe-seed", str(seed), "--seed", str(seed)]
     argv += ["--features", "none", "--threads", "1", "--quiet", "--no-progress", "--out", str(out)]
     if main(argv) != 0:

@@ -424,8 +424,10 @@ def test_a_hand_written_resume_keeps_the_larger_ledger_file(tmp_path, seed) -> N
     engine2, m2, o2, dl2 = _private(ledger_path=path, seed=seed)
     m2.load_state_dict(ckpt["model"])
     o2.load_state_dict(ckpt["optimizer"])
-    with pytest.warns(UserWarning, match="records 10 steps but the checkpoint only 4"):
+    with pytest.warns(UserWarning, match="records 10 steps but the checkpoint only 4") as caught:
         engine2.load_state_dict(ckpt["engine"])  # (seeded: a second warning, the replay)
+    assert len(caught) == (2 if seed is not None else 1)
+    assert {w.filename for w in caught} == {__file__}  # the caller's line, not clipless's
     assert engine2.ledger.steps == 10
     restored = torch.equal(o2.generator.get_state(), ckpt["engine"]["generator"])
     assert restored == (seed is not None)  # a seeded (reproducible) run keeps its states
@@ -596,6 +598,17 @@ def test_max_norm_without_a_constraint_warns_and_still_trains() -> None:
     with pytest.warns(UserWarning, match="projects nothing: it is unused"):
         _, _, o, _ = _private(constraint=None, max_norm=0.5)
     assert o.config.max_norm == 0.5
+
+
+def test_make_privates_warnings_name_the_callers_line() -> None:
+    """Each warning of ``make_private`` points at the line that called it, however deep the
+    preparation step that raises it: the user's call (here ``_private``, in this file)."""
+    with pytest.warns(UserWarning) as caught:
+        _private(constraint=None, max_norm=0.5)
+        _private(noise_multiplier=None, target_epsilon=3.0, target_delta=0.01, epochs=1)
+    messages = {str(w.message).split(" ")[0]: w.filename for w in caught}
+    assert messages.keys() >= {"max_norm=0.5", "target_delta=0.01"}, messages
+    assert set(messages.values()) == {__file__}, messages
 
 
 def test_binary_label_conventions_mixed_across_chunks_are_refused(

@@ -434,6 +434,37 @@ def test_evaluate_accuracy() -> None:
     assert scores == {"accuracy": 0.75}
 
 
+def test_evaluate_reads_the_device_once_with_the_per_batch_sums_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loss and correct count stay on the device until the end, one read in all, and the
+    mean loss has the bits of summing each batch's ``float`` in order, as a Python loop does."""
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.Linear(5, 3)
+    x, y = torch.randn(70, 5, generator=gen), torch.randint(0, 3, (70,), generator=gen)
+    loader = list(DataLoader(TensorDataset(x, y), batch_size=16))  # its seed read happens here
+    loss = torch.nn.CrossEntropyLoss(reduction="sum")
+    with torch.no_grad():
+        sums = [float(loss(model(bx), by)) for bx, by in loader]
+        hits = sum(int((model(bx).argmax(-1) == by).sum()) for bx, by in loader)
+    reads: list[str] = []
+    for name in ("tolist", "item", "__float__", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *a: Any, _n: str = name, _o: Any = original, **k: Any) -> Any:
+            reads.append(_n)
+            return _o(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    scores = evaluate(model, loader, loss)
+    monkeypatch.undo()
+    reference = 0.0
+    for value in sums:
+        reference += value
+    assert scores == {"accuracy": hits / 70, "loss": reference / 70}
+    assert reads == ["tolist"]
+
+
 # -------------------------------------------------------------------------- augmultiplicity
 def test_augmult_keeps_each_samples_contribution_within_the_sensitivity() -> None:
     """Per sample: the mean of K scaled copy-gradients is bounded by the layer's sensitivity."""

@@ -305,6 +305,28 @@ def _check_structure(
         paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         return repr(paths.get(key, "?") or "<root>")
 
+    _refuse_overridden_containers(modules, where)
+    _refuse_uncounted_uses(modules, walker, calls, where)
+    _refuse_folded_rows(modules, walker, rows, output_rows, where)
+    custom = [
+        (key, m)
+        for key, m in modules.items()
+        if key in walker.visits
+        and key in inputs
+        and not isinstance(m, (cnn.Sequential, cnn.Residual))
+        and not _trusted_forward(m)
+    ]
+    if not custom:
+        return
+    generator = torch.Generator().manual_seed(0)  # public, fixed: the same check every step
+    for key, m in custom:
+        _check_custom_leaf(m, inputs[key], generator, where(key))
+
+
+def _refuse_overridden_containers(
+    modules: Mapping[int, torch.nn.Module], where: Callable[[int], str]
+) -> None:
+    """A ``Sequential`` / ``Residual`` subclass must keep the container's forward."""
     for key, m in modules.items():
         if isinstance(m, cnn.Sequential) and type(m).forward is not cnn.Sequential.forward:
             kind = "Sequential"
@@ -317,6 +339,15 @@ def _check_structure(
             f"{kind}, whose children the bounds follow in order; write the composition as nested "
             "Sequential / Residual"
         )
+
+
+def _refuse_uncounted_uses(
+    modules: Mapping[int, torch.nn.Module],
+    walker: _Walker,
+    calls: Mapping[int, int],
+    where: Callable[[int], str],
+) -> None:
+    """Every module runs as often as the walk visits it; every trainable layer is visited."""
     for module_id, visits in walker.visits.items():
         if calls.get(module_id, 0) != visits:
             raise ValueError(
@@ -335,6 +366,16 @@ def _check_structure(
                 "custom module that the bounds treat as one leaf, so its uses are not counted; "
                 "put it in clipless Sequential / Residual containers"
             )
+
+
+def _refuse_folded_rows(
+    modules: Mapping[int, torch.nn.Module],
+    walker: _Walker,
+    rows: Mapping[int, int],
+    output_rows: int,
+    where: Callable[[int], str],
+) -> None:
+    """Every visited module, and the output, keep one row per sample."""
     for module_id, n in rows.items():  # the modules that received other than _ROWS rows
         if module_id in walker.visits:
             raise ValueError(
@@ -347,42 +388,37 @@ def _check_structure(
             f"the model returned {output_rows} row(s) for a batch of {_ROWS} samples: the "
             "output must keep one row per sample"
         )
-    custom = [
-        (key, m)
-        for key, m in modules.items()
-        if key in walker.visits
-        and key in inputs
-        and not isinstance(m, (cnn.Sequential, cnn.Residual))
-        and not _trusted_forward(m)
-    ]
-    if not custom:
-        return
-    generator = torch.Generator().manual_seed(0)  # public, fixed: the same check every step
-    for key, m in custom:
-        state = _leaf_tensors(m)
-        own = set()
-        if isinstance(m, cnn.ParametricLipschitzModule):
-            own = {id(p) for p in m.parameters(recurse=False)}
-        used: set[int] = set()
-        # the recorded zero input, then a public random one (a branch on the input's values,
-        # or a running statistic that zeros leave unchanged, shows there)
-        for args in (inputs[key], _random_like(inputs[key], generator)):
-            with torch.enable_grad():
-                used |= _graph_parameters(m(*args))
-        changed = [name for name, t in _leaf_tensors(m).items() if _changed(state.get(name), t)]
-        if changed:
-            raise ValueError(
-                f"custom module {where(key)} ({type(m).__name__}) changes its tensor(s) "
-                f"{changed} in a training forward: state updated from the batch (running "
-                "statistics) is private data released without noise"
-            )
-        foreign = used - own
-        if foreign:
-            raise ValueError(
-                f"custom module {where(key)} ({type(m).__name__}) uses {len(foreign)} "
-                "parameter(s) in its forward that are not its own (no gradient bound counts "
-                "those uses); share weights through clipless layers in the containers instead"
-            )
+
+
+def _check_custom_leaf(
+    m: torch.nn.Module, recorded: tuple[object, ...], generator: torch.Generator, name: str
+) -> None:
+    """A custom leaf keeps its tensors and uses no parameter but its own (see
+    :func:`_check_structure`)."""
+    state = _leaf_tensors(m)
+    own = set()
+    if isinstance(m, cnn.ParametricLipschitzModule):
+        own = {id(p) for p in m.parameters(recurse=False)}
+    used: set[int] = set()
+    # the recorded zero input, then a public random one (a branch on the input's values, or a
+    # running statistic that zeros leave unchanged, shows there)
+    for args in (recorded, _random_like(recorded, generator)):
+        with torch.enable_grad():
+            used |= _graph_parameters(m(*args))
+    changed = [key for key, t in _leaf_tensors(m).items() if _changed(state.get(key), t)]
+    if changed:
+        raise ValueError(
+            f"custom module {name} ({type(m).__name__}) changes its tensor(s) "
+            f"{changed} in a training forward: state updated from the batch (running "
+            "statistics) is private data released without noise"
+        )
+    foreign = used - own
+    if foreign:
+        raise ValueError(
+            f"custom module {name} ({type(m).__name__}) uses {len(foreign)} "
+            "parameter(s) in its forward that are not its own (no gradient bound counts "
+            "those uses); share weights through clipless layers in the containers instead"
+        )
 
 
 def report(

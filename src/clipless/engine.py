@@ -224,56 +224,70 @@ class PrivacyEngine:
         spec, opts = moved_keywords(mechanism, options, opacus_options, stacklevel=3)
         _refuse_opacus_options(opacus_options, max_grad_norm, poisson_sampling)
         _check_setup(module, optimizer, loss, spec, noise_multiplier, target_epsilon)
-        if noise_multiplier is not None and target_delta is not None:
-            raise ValueError(
-                "target_delta is used with target_epsilon only (to calibrate the noise); with "
-                "noise_multiplier, choose delta when reading the guarantee "
-                "(engine.get_epsilon(delta), engine.guarantee(delta))"
-            )
-        if epochs is not None and steps is not None:
-            raise ValueError("give epochs or steps, not both (steps would override epochs)")
-        if spec.constraint is None and spec.max_norm != 1.0:
-            # a warning, not an error: runs saved with it (the CLI's --max-norm with --constraint
-            # none) must still resume
-            warnings.warn(
-                f"max_norm={spec.max_norm!r} is the projection's operator-norm bound, but "
-                "constraint=None projects nothing: it is unused",
-                stacklevel=2,
-            )
+        budget = _Budget(noise_multiplier, target_epsilon, target_delta, epochs, steps)
+        _check_budget(budget, spec)
         loader = self._poisson_loader(data_loader, spec.sample_rate)
-        q, n = loader.sample_rate, loader.num_samples
         input_shape = _shape_tuple(
             _infer_input_shape(loader) if opts.input_shape is None else opts.input_shape
         )
         noised = _noised(module, optimizer)
-        if getattr(loss, "reduction", "sum") != "sum":
-            setattr(loss, "reduction", "sum")  # noqa: B010 - typed as Tensor | Module
-        planned = (
-            None
-            if target_epsilon is None and epochs is None and steps is None
-            else (_total_steps(epochs, steps, q))
-        )
+        _prepare_loss(loss)
+        planned = budget.planned_steps(loader.sample_rate)
         # Everything the step relies on is checked before any state changes.
         report = bounds.report(module, loss, input_shape)
-        config = self._config_for(module, noised, report, spec, q, n, planned, noise_multiplier)
-        if target_epsilon is not None:
-            if target_delta is None:
-                raise ValueError("target_delta is required with target_epsilon")
-            _warn_large_delta(target_delta, n, "target_delta")
-            assert planned is not None
-            config = config.calibrate(target_epsilon, target_delta, planned)
-
-        refuse_repeated_records(loader.dataset)  # structural, cheap: always
-        if opts.validate_data:
-            _validate_dataset(loader.dataset, report, loss, _float_dtype(module))
+        config = self._prepare_config(module, noised, report, spec, loader, budget, planned)
+        _prepare_data(loader, report, loss, module, opts)
         self._start_ledger(module, spec.neighbouring)
-        # The initial weights are public; projecting them is free.
-        if spec.constraint is not None:
-            constraints.project(module, mode=spec.constraint, max_norm=spec.max_norm)  # type: ignore[arg-type]
-        _prepare_precision(module)
+        _prepare_module(module, spec)
+        self.optimizer = self._prepare_optimizer(
+            optimizer, module, loss, input_shape, config, opts, loader, noised
+        )
+        _warn_default_threads(module)
+        self._target_delta = target_delta
+        self._config = config
+        self.data_loader = loader
+        return module, self.optimizer, loader
+
+    def _prepare_config(
+        self,
+        module: torch.nn.Module,
+        noised: list[torch.nn.Parameter],
+        report: bounds.BoundReport,
+        spec: MechanismSpec,
+        loader: sampling.PoissonDataLoader,
+        budget: _Budget,
+        planned: int | None,
+    ) -> PrivacyConfig:
+        """The run's :class:`PrivacyConfig` for ``planned`` steps, its multiplier calibrated
+        when a target is given."""
+        q, n = loader.sample_rate, loader.num_samples
+        config = self._config_for(
+            module, noised, report, spec, q, n, planned, budget.noise_multiplier
+        )
+        if budget.target_epsilon is None:
+            return config
+        if budget.target_delta is None:
+            raise ValueError("target_delta is required with target_epsilon")
+        _warn_large_delta(budget.target_delta, n, "target_delta", stacklevel=4)
+        assert planned is not None
+        return config.calibrate(budget.target_epsilon, budget.target_delta, planned)
+
+    def _prepare_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        module: torch.nn.Module,
+        loss: torch.nn.Module,
+        input_shape: tuple[int, ...],
+        config: PrivacyConfig,
+        opts: RunOptions,
+        loader: sampling.PoissonDataLoader,
+        noised: list[torch.nn.Parameter],
+    ) -> DPOptimizer:
+        """The :class:`DPOptimizer` around ``optimizer``, its noise drawn from a generator on
+        the parameters' device (seeded only when this engine was)."""
         generator = torch.Generator(device=noised[0].device)
         generator.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
-        self.optimizer = DPOptimizer(
+        private = DPOptimizer(
             optimizer,
             module=module,
             loss=loss,
@@ -285,12 +299,8 @@ class PrivacyEngine:
             certify_every=opts.certify_every,
             data_loader=loader,
         )
-        self.optimizer.allow_mean_reduced_loss = opts.allow_mean_reduced_loss
-        _warn_default_threads(module)
-        self._target_delta = target_delta
-        self._config = config
-        self.data_loader = loader
-        return module, self.optimizer, loader
+        private.allow_mean_reduced_loss = opts.allow_mean_reduced_loss
+        return private
 
     def _poisson_loader(
         self, data_loader: DataLoader[Any], sample_rate: float | None
@@ -656,6 +666,24 @@ class PrivacyEngine:
             RuntimeError: before :meth:`make_private`.
         """
         opt = self._opt()
+        ledger, lost = self._checkpoint_ledger(state, opt)
+        saved = state.get("config")
+        if isinstance(saved, Mapping) and "num_tensors" in saved:
+            self._restore_config(PrivacyConfig.from_dict(saved), opt)
+        self.ledger = ledger
+        opt.ledger = ledger
+        saved_bounds = state.get("bounds") or {}
+        for name, layer in opt.module.named_modules():
+            if isinstance(layer, ParametricLipschitzModule) and name in saved_bounds:
+                layer.load_bound_state(saved_bounds[name])
+        self._restore_randomness(state, opt, lost)
+        opt._ledger_file_checked = None  # the next write reads the file again
+
+    def _checkpoint_ledger(
+        self, state: Mapping[str, Any], opt: DPOptimizer
+    ) -> tuple[accounting.PrivacyLedger, bool]:
+        """The ledger to resume with, and whether steps after the checkpoint were lost: the
+        checkpoint's, or the ``ledger_path`` file's when it continues it with more steps."""
         ledger = accounting.PrivacyLedger.from_dict(state["ledger"])
         if (ledger.accountant, ledger.neighbouring) != (
             self.ledger.accountant,
@@ -669,69 +697,45 @@ class PrivacyEngine:
         path = opt.ledger_path
         on_disk = accounting.PrivacyLedger.from_json_if_exists(path) if path and writes else None
         if path is not None and on_disk is not None and on_disk.records_more_than(ledger):
-            same = (on_disk.accountant, on_disk.neighbouring) == (
-                ledger.accountant,
-                ledger.neighbouring,
-            )
-            if not same or not on_disk.extends(ledger):
-                raise CheckpointMismatchError(
-                    f"ledger_path {os.fspath(path)!r} records more than the checkpoint but does "
-                    "not continue its ledger, so it is another run's; pass this run's own "
-                    "ledger_path"
-                )
-            if opt.data_parallel is not None:
-                raise ValueError(
-                    f"ledger_path {os.fspath(path)!r} records {on_disk.steps} steps but "
-                    f"the checkpoint only {ledger.steps}: under clipless.distributed resume with "
-                    "clipless.training.fit(resume=...), which gives every rank rank 0's largest "
-                    "ledger and fresh randomness"
-                )
-            warnings.warn(
-                f"{os.fspath(path)} records {on_disk.steps} steps but the checkpoint "
-                f"only {ledger.steps}: the steps after the checkpoint were spent and stay in the "
-                "ledger",
-                stacklevel=2,
-            )
+            _check_ledger_file(on_disk, ledger, path, opt)
             ledger, lost = on_disk, True
         if ledger.steps < self.ledger.steps:
             raise CheckpointMismatchError(
                 f"the checkpoint's ledger records {ledger.steps} steps but this engine has "
                 f"already recorded {self.ledger.steps}: loading it would roll the accounting back"
             )
-        saved = state.get("config")
-        if isinstance(saved, Mapping) and "num_tensors" in saved:
-            theirs = PrivacyConfig.from_dict(saved)
-            mine = opt.config
-            diff = [
-                f.name
-                for f in dataclasses.fields(PrivacyConfig)
-                if f.name != "steps" and getattr(theirs, f.name) != getattr(mine, f.name)
-            ]
-            if diff:
-                hint = ""
-                if "num_mechanisms" in diff and theirs.num_mechanisms is None:
-                    hint = (
-                        "; the checkpoint was saved by a clipless that counted every tensor as a "
-                        "mechanism of per-layer noise (num_mechanisms None): finish that run with "
-                        "the version that started it"
-                    )
-                raise CheckpointMismatchError(
-                    "the checkpoint was taken with another privacy configuration: "
-                    + ", ".join(
-                        f"{k} {getattr(theirs, k)!r} (checkpoint) vs {getattr(mine, k)!r} (now)"
-                        for k in diff
-                    )
-                    + hint
+        return ledger, lost
+
+    def _restore_config(self, theirs: PrivacyConfig, opt: DPOptimizer) -> None:
+        """Refuse a checkpoint of another configuration; keep the longer of the two plans."""
+        mine = opt.config
+        diff = [
+            f.name
+            for f in dataclasses.fields(PrivacyConfig)
+            if f.name != "steps" and getattr(theirs, f.name) != getattr(mine, f.name)
+        ]
+        if diff:
+            hint = ""
+            if "num_mechanisms" in diff and theirs.num_mechanisms is None:
+                hint = (
+                    "; the checkpoint was saved by a clipless that counted every tensor as a "
+                    "mechanism of per-layer noise (num_mechanisms None): finish that run with "
+                    "the version that started it"
                 )
-            if theirs.steps is not None and (mine.steps is None or theirs.steps > mine.steps):
-                opt.config = mine.with_steps(theirs.steps)
-                self._config = opt.config
-        self.ledger = ledger
-        opt.ledger = ledger
-        saved_bounds = state.get("bounds") or {}
-        for name, layer in opt.module.named_modules():
-            if isinstance(layer, ParametricLipschitzModule) and name in saved_bounds:
-                layer.load_bound_state(saved_bounds[name])
+            raise CheckpointMismatchError(
+                "the checkpoint was taken with another privacy configuration: "
+                + ", ".join(
+                    f"{k} {getattr(theirs, k)!r} (checkpoint) vs {getattr(mine, k)!r} (now)"
+                    for k in diff
+                )
+                + hint
+            )
+        if theirs.steps is not None and (mine.steps is None or theirs.steps > mine.steps):
+            opt.config = mine.with_steps(theirs.steps)
+            self._config = opt.config
+
+    def _restore_randomness(self, state: Mapping[str, Any], opt: DPOptimizer, lost: bool) -> None:
+        """The saved generators when seeded (a bit-identical resume), else fresh ones."""
         opt.generator.set_state(state["generator"])
         sampler_gen = _sampler_generator(self.data_loader)
         if sampler_gen is not None and "sampler_generator" in state:
@@ -742,9 +746,8 @@ class PrivacyEngine:
             warnings.warn(
                 "this engine is seeded: the restored generators draw the noise and batches of "
                 "the steps lost after the checkpoint again (experiments only)",
-                stacklevel=2,
+                stacklevel=3,
             )
-        opt._ledger_file_checked = None  # the next write reads the file again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -827,6 +830,101 @@ def moved_keywords(
             )
         out.append(kind(**moved) if value is None else value)
     return out[0], out[1]
+
+
+def _check_ledger_file(
+    on_disk: accounting.PrivacyLedger,
+    ledger: accounting.PrivacyLedger,
+    path: str | os.PathLike[str],
+    opt: DPOptimizer,
+) -> None:
+    """A ledger file recording more than the checkpoint must continue it (else it is another
+    run's) and, outside ``clipless.distributed``, is kept with a warning."""
+    same = (on_disk.accountant, on_disk.neighbouring) == (ledger.accountant, ledger.neighbouring)
+    if not same or not on_disk.extends(ledger):
+        raise CheckpointMismatchError(
+            f"ledger_path {os.fspath(path)!r} records more than the checkpoint but does "
+            "not continue its ledger, so it is another run's; pass this run's own "
+            "ledger_path"
+        )
+    if opt.data_parallel is not None:
+        raise ValueError(
+            f"ledger_path {os.fspath(path)!r} records {on_disk.steps} steps but "
+            f"the checkpoint only {ledger.steps}: under clipless.distributed resume with "
+            "clipless.training.fit(resume=...), which gives every rank rank 0's largest "
+            "ledger and fresh randomness"
+        )
+    warnings.warn(
+        f"{os.fspath(path)} records {on_disk.steps} steps but the checkpoint "
+        f"only {ledger.steps}: the steps after the checkpoint were spent and stay in the "
+        "ledger",
+        stacklevel=4,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Budget:
+    """``make_private``'s arguments that fix the noise: a multiplier, or a target with the
+    run's length."""
+
+    noise_multiplier: float | None
+    target_epsilon: float | None
+    target_delta: float | None
+    epochs: int | None
+    steps: int | None
+
+    def planned_steps(self, q: float) -> int | None:
+        """The steps the run is planned for (``None``: a multiplier and no length given)."""
+        if self.target_epsilon is None and self.epochs is None and self.steps is None:
+            return None
+        return _total_steps(self.epochs, self.steps, q)
+
+
+def _check_budget(budget: _Budget, spec: MechanismSpec) -> None:
+    """Contradictory budget arguments, refused before anything is read."""
+    if budget.noise_multiplier is not None and budget.target_delta is not None:
+        raise ValueError(
+            "target_delta is used with target_epsilon only (to calibrate the noise); with "
+            "noise_multiplier, choose delta when reading the guarantee "
+            "(engine.get_epsilon(delta), engine.guarantee(delta))"
+        )
+    if budget.epochs is not None and budget.steps is not None:
+        raise ValueError("give epochs or steps, not both (steps would override epochs)")
+    if spec.constraint is None and spec.max_norm != 1.0:
+        # a warning, not an error: runs saved with it (the CLI's --max-norm with --constraint
+        # none) must still resume
+        warnings.warn(
+            f"max_norm={spec.max_norm!r} is the projection's operator-norm bound, but "
+            "constraint=None projects nothing: it is unused",
+            stacklevel=3,
+        )
+
+
+def _prepare_loss(loss: torch.nn.Module) -> None:
+    """Sum-reduce the loss: the optimizer divides by the expected batch size."""
+    if getattr(loss, "reduction", "sum") != "sum":
+        setattr(loss, "reduction", "sum")  # noqa: B010 - typed as Tensor | Module
+
+
+def _prepare_data(
+    loader: sampling.PoissonDataLoader,
+    report: bounds.BoundReport,
+    loss: torch.nn.Module,
+    module: torch.nn.Module,
+    opts: RunOptions,
+) -> None:
+    """Refuse a dataset that reaches a record twice (always: structural, cheap) and, with
+    ``opts.validate_data``, one holding a record that would make a step fail."""
+    refuse_repeated_records(loader.dataset)
+    if opts.validate_data:
+        _validate_dataset(loader.dataset, report, loss, _float_dtype(module))
+
+
+def _prepare_module(module: torch.nn.Module, spec: MechanismSpec) -> None:
+    """Project the initial weights (public, so free) and set the step's float32 precision."""
+    if spec.constraint is not None:
+        constraints.project(module, mode=spec.constraint, max_norm=spec.max_norm)  # type: ignore[arg-type]
+    _prepare_precision(module)
 
 
 def _check_setup(
@@ -1144,7 +1242,7 @@ def _prepare_precision(module: torch.nn.Module) -> None:
         )
 
 
-def _warn_large_delta(delta: object, n: int, name: str) -> None:
+def _warn_large_delta(delta: object, n: int, name: str, stacklevel: int = 3) -> None:
     """Warn when ``delta > 1 / n``: such a claim allows releasing a record outright.
 
     ``delta = 1 / n`` itself (the thesis's tabular protocol) does not warn.
@@ -1156,7 +1254,7 @@ def _warn_large_delta(delta: object, n: int, name: str) -> None:
             "claim with delta > 1/n is met by a mechanism that publishes a random record "
             "outright, so it protects little; use a delta of at most 1/n, and preferably much "
             "smaller (e.g. 1e-5)",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 

@@ -481,10 +481,6 @@ def _split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     raise TypeError(f"data loaders must yield (inputs, targets) pairs; got {type(batch).__name__}")
 
 
-def _correct(logits: torch.Tensor, y: torch.Tensor) -> int:
-    return int(_correct_tensor(logits, y))
-
-
 def _correct_tensor(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The number of correct predictions, as a 0-dim tensor on the logits' device."""
     if logits.dim() >= 2 and logits.shape[-1] > 1:
@@ -500,9 +496,9 @@ reading waits for the device on an accelerator)."""
 
 
 class _Totals:
-    """The running ``(loss sum, correct)`` of an epoch, in float64 on the device of the first
-    batch: ``float(batch_loss) / divisor`` and ``correct / augmult`` summed in that order, as
-    Python floats would be, without a host read per step."""
+    """The running ``(loss sum, correct)`` of an epoch or an evaluation, in float64 on the
+    device of the first batch: ``float(batch_loss) / divisor`` and ``correct / augmult`` summed
+    in that order, as Python floats would be, without a host read per step."""
 
     def __init__(self) -> None:
         self._sums: torch.Tensor | None = None
@@ -542,6 +538,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Mean loss (if ``loss``) and accuracy of ``model`` over ``loader`` (eval mode, no grad).
 
+    The sums stay on the model's device (:class:`_Totals`) and are read once, at the end.
+
     Args:
         model: the classifier (one logit per class, or one logit for a binary target).
         loader: batches of ``(inputs, targets)``; empty batches are skipped.
@@ -553,20 +551,20 @@ def evaluate(
     device = _device_of(model)
     was_training = model.training
     model.eval()
-    total, correct, loss_sum = 0, 0, 0.0
+    totals, total = _Totals(), 0
     try:
         for batch in loader:
             x, y = _split_batch(batch)
             if x.shape[0] == 0:
                 continue
-            x, y = x.to(device), y.to(device)
+            x, y = _to_device(x, device), _to_device(y, device)
             logits = model(x)
-            correct += _correct(logits, y)
+            summed = logits.new_zeros(()) if loss is None else _loss_sum(loss, logits, y)
+            totals.add(summed, 1, _correct_tensor(logits, y), 1)
             total += int(x.shape[0])
-            if loss is not None:
-                loss_sum += float(_loss_sum(loss, logits, y))
     finally:
         model.train(was_training)
+    loss_sum, correct = totals.read()  # the one host read of the evaluation
     out = {"accuracy": correct / total if total else float("nan")}
     if loss is not None:
         out["loss"] = loss_sum / total if total else float("nan")

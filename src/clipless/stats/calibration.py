@@ -220,6 +220,51 @@ def _group_sums(
     return size, np.rint(s1).astype(np.int64), np.rint(pos).astype(np.int64)
 
 
+def _hl_options(
+    binning: object, split: object, min_expected: object, grid: Grid | None
+) -> tuple[Grid, float]:
+    """``hosmer_lemeshow``'s options checked; the grid defaulted."""
+    if binning not in ("quantile", "uniform"):
+        raise ValueError(f"binning must be 'quantile' or 'uniform', got {binning!r}")
+    if split not in ("thesis", "tight"):
+        raise ValueError(f"split must be 'thesis' or 'tight', got {split!r}")
+    floor = _validate.real("min_expected", min_expected)
+    if not np.isfinite(floor) or floor <= 0:
+        raise ValueError(f"min_expected must be finite and > 0, got {floor}")
+    if grid is None:
+        return Grid(0.0, 1.0, size=_DEFAULT_GRID_SIZE), floor
+    if not isinstance(grid, Grid):
+        raise TypeError(f"grid must be a Grid, got {type(grid).__name__}")
+    return grid, floor
+
+
+def _noisy_tables(
+    size: NDArray[np.int64],
+    s1: NDArray[np.int64],
+    pos: NDArray[np.int64],
+    eps_unit: Fraction,
+    gen: random.Random,
+) -> tuple[NDArray[np.float64], NDArray[np.float64], Fraction]:
+    """The noised ``(observed, expected)`` tables (read-only, ``Q x 2``) and the counts' noise
+    scale: each group's size, fixed-point probability sum and positives, with discrete
+    Laplace noise at ``epsilon' = eps_unit`` per unit of sensitivity (Algorithm 10)."""
+    q = size.shape[0]
+    k = 1 << _RESOLUTION_BITS
+    sum_scale = conservative_scale(Fraction(k) / eps_unit)
+    count_scale = conservative_scale(Fraction(1) / eps_unit)
+    noise_sums = discrete_laplace(sum_scale, (q, 2), gen)
+    noise_counts = discrete_laplace(count_scale, (q, 2), gen)
+    expected = np.empty((q, 2))
+    expected[:, 1] = (s1 + noise_sums[:, 1]) / k
+    expected[:, 0] = (k * size - s1 + noise_sums[:, 0]) / k
+    observed = np.empty((q, 2))
+    observed[:, 1] = pos + noise_counts[:, 1]
+    observed[:, 0] = size - pos + noise_counts[:, 0]
+    for arr in (expected, observed):
+        arr.setflags(write=False)
+    return observed, expected, count_scale
+
+
 def hosmer_lemeshow(
     probabilities: ArrayLike,
     labels: ArrayLike,
@@ -256,17 +301,7 @@ def hosmer_lemeshow(
     p, y = _probabilities_labels(probabilities, labels, allow_empty=neighbouring == "add_remove")
     Q = _check_groups(groups)
     eps = to_fraction(epsilon, "epsilon")
-    if binning not in ("quantile", "uniform"):
-        raise ValueError(f"binning must be 'quantile' or 'uniform', got {binning!r}")
-    if split not in ("thesis", "tight"):
-        raise ValueError(f"split must be 'thesis' or 'tight', got {split!r}")
-    min_expected = _validate.real("min_expected", min_expected)
-    if not np.isfinite(min_expected) or min_expected <= 0:
-        raise ValueError(f"min_expected must be finite and > 0, got {min_expected}")
-    if grid is None:
-        grid = Grid(0.0, 1.0, size=_DEFAULT_GRID_SIZE)
-    elif not isinstance(grid, Grid):
-        raise TypeError(f"grid must be a Grid, got {type(grid).__name__}")
+    grid, min_expected = _hl_options(binning, split, min_expected, grid)
     gen = resolve_rng(rng)
 
     groups_affected = 2 if neighbouring == "replace_one" else 1
@@ -292,21 +327,7 @@ def hosmer_lemeshow(
     else:
         inner = np.arange(1, Q, dtype=np.float64) / Q
 
-    size, s1, pos = _group_sums(p, y, inner, Q)
-    k = 1 << _RESOLUTION_BITS
-    sum_scale = conservative_scale(Fraction(k) / eps_unit)
-    count_scale = conservative_scale(Fraction(1) / eps_unit)
-    noise_sums = discrete_laplace(sum_scale, (Q, 2), gen)
-    noise_counts = discrete_laplace(count_scale, (Q, 2), gen)
-    expected = np.empty((Q, 2))
-    expected[:, 1] = (s1 + noise_sums[:, 1]) / k
-    expected[:, 0] = (k * size - s1 + noise_sums[:, 0]) / k
-    observed = np.empty((Q, 2))
-    observed[:, 1] = pos + noise_counts[:, 1]
-    observed[:, 0] = size - pos + noise_counts[:, 0]
-    for arr in (expected, observed):
-        arr.setflags(write=False)
-
+    observed, expected, count_scale = _noisy_tables(*_group_sums(p, y, inner, Q), eps_unit, gen)
     statistic = _statistic(observed, expected, float(min_expected))
     boundaries = np.concatenate([[0.0], inner, [1.0]])
     boundaries.setflags(write=False)
